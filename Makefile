@@ -1,0 +1,39 @@
+# Set-up and run targets. `make train` and `make test` work on a fresh machine:
+# they create .venv, install the package (CPU torch first when there is no GPU,
+# so nothing pulls the CUDA wheels), then run.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+CPU_TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install install-dev train test clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(VENV)/bin/python
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "GPU found: torch comes with the package's dependencies"; \
+	else \
+		echo "no GPU: installing the CPU build $(CPU_TORCH)"; \
+		$(PIP) install -q "$(CPU_TORCH)"; \
+	fi
+	@touch $@
+
+install: $(VENV)/.torch
+	$(PIP) install -q -e .
+
+install-dev: $(VENV)/.torch
+	$(PIP) install -q -e ".[dev]"
+
+train: install
+	$(PY) examples/model_demo.py
+
+test: install-dev
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,25 @@
+"""lightning_mhc: train mHC transformers with TP/PP/DP from one line of Lightning.
+
+Public names are loaded on first use, so importing one layer (``model``,
+``recompute``, ``parallel``) never imports the layers above it.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "ConfigError": "lightning_mhc.errors",
+    "GPTModel": "lightning_mhc.model",
+    "HyperConnectionModule": "lightning_mhc.model",
+    "MHCTransformerConfig": "lightning_mhc.model",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'lightning_mhc' has no attribute {name!r}")

@@ -1,0 +1,15 @@
+"""The mHC transformer on megatron-core tensor-parallel layers (no Lightning import)."""
+from lightning_mhc.model.config import MHCTransformerConfig
+from lightning_mhc.model.gpt import GPTModel
+from lightning_mhc.model.hyper_connection import HyperConnectionModule, sinkhorn_knopp
+from lightning_mhc.model.transformer_block import TransformerBlock
+from lightning_mhc.model.transformer_layer import TransformerLayer
+
+__all__ = [
+    "GPTModel",
+    "HyperConnectionModule",
+    "MHCTransformerConfig",
+    "TransformerBlock",
+    "TransformerLayer",
+    "sinkhorn_knopp",
+]

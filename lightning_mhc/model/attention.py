@@ -1,0 +1,76 @@
+"""Causal self-attention on megatron-core tensor-parallel linears and SDPA.
+
+``linear_qkv`` (column-parallel) uses megatron's grouped layout: per query
+group ``[q_1..q_k, k, v]``, so each TP rank holds whole groups.
+``linear_proj`` (row-parallel) returns its bias separately for the
+bias-dropout-add that follows.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from torch import Tensor
+
+from lightning_mhc.model.config import MHCTransformerConfig
+from lightning_mhc.model.init import ParamInit, scaled_std
+from lightning_mhc.model.rope import apply_rotary
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, config: MHCTransformerConfig, init: ParamInit) -> None:
+        super().__init__()
+        self.config = config
+        tp = get_tensor_model_parallel_world_size()
+        config.validate_tensor_parallel(tp)
+        self.head_dim = config.kv_channels
+        self.heads_per_rank = config.num_attention_heads // tp
+        self.groups_per_rank = config.num_query_groups // tp
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        qkv_size = self.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            qkv_size,
+            config=config,
+            init_method=init.normal("linear_qkv.weight", config.init_method_std),
+            bias=config.add_bias_linear,
+            gather_output=False,
+        )
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            config=config,
+            init_method=init.normal(
+                "linear_proj.weight", scaled_std(config.init_method_std, config.num_layers)
+            ),
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+        )
+
+    def forward(
+        self, hidden_states: Tensor, rotary_freqs: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        s, b, _ = hidden_states.shape
+        qkv, _ = self.linear_qkv(hidden_states)
+        qkv = qkv.view(s, b, self.groups_per_rank, (self.heads_per_group + 2) * self.head_dim)
+        q, k, v = qkv.split(
+            [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1
+        )
+        q = q.reshape(s, b, self.heads_per_rank, self.head_dim)
+        if rotary_freqs is not None:
+            q, k = apply_rotary(q, rotary_freqs), apply_rotary(k, rotary_freqs)
+        context = self.core_attention(q, k, v)
+        return self.linear_proj(context)
+
+    def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """``q [s,b,heads,d]``, ``k, v [s,b,groups,d]`` -> context ``[s, b, heads*d]``."""
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.heads_per_group > 1:
+            k = k.repeat_interleave(self.heads_per_group, dim=1)
+            v = v.repeat_interleave(self.heads_per_group, dim=1)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)

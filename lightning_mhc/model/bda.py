@@ -1,0 +1,14 @@
+"""Bias-dropout-add: ``residual + dropout(out + bias)``."""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def bias_dropout_add(
+    x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float, training: bool
+) -> Tensor:
+    out, bias = x_with_bias
+    if bias is not None:
+        out = out + bias
+    return residual + F.dropout(out, p=prob, training=training)

@@ -1,0 +1,161 @@
+"""The mHC GPT model, built as one pipeline stage like megatron's ``model_provider``.
+
+First stage (``pre_process``): vocab-parallel embedding (+ learned positions),
+dropout, stream expansion. Last stage (``post_process``): stream contraction,
+final norm, column-parallel output layer and vocab-parallel cross-entropy.
+A middle stage receives its input through :meth:`set_input_tensor`.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from torch import Tensor
+
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.model.config import MHCTransformerConfig
+from lightning_mhc.model.init import ParamInit
+from lightning_mhc.model.rope import rotary_freqs
+from lightning_mhc.model.transformer_block import TransformerBlock
+
+WORD_EMBEDDINGS_KEY = "embedding.word_embeddings.weight"
+
+
+class Embedding(torch.nn.Module):
+    """Token (and optionally learned position) embedding, output ``[s, b, C]``."""
+
+    def __init__(self, config: MHCTransformerConfig, init: ParamInit) -> None:
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size,
+            config.hidden_size,
+            init_method=init.normal("word_embeddings.weight", config.init_method_std),
+            config=config,
+        )
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = torch.nn.Embedding(config.max_sequence_length, config.hidden_size)
+            init.normal("position_embeddings.weight", config.init_method_std)(
+                self.position_embeddings.weight
+            )
+        self.dropout = torch.nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        emb = self.word_embeddings(input_ids)  # [b, s, C]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            emb = emb + self.position_embeddings(position_ids)
+        return self.dropout(emb.transpose(0, 1).contiguous())
+
+
+class GPTModel(torch.nn.Module):
+    """One pipeline stage of the GPT model.
+
+    Args:
+        config: the model configuration.
+        pre_process: this stage embeds tokens (first stage).
+        post_process: this stage computes logits and the loss (last stage).
+        layer_range: ``(start, end)`` global 0-based layers built here;
+            default: all ``config.num_layers`` layers.
+
+    ``forward`` returns the per-token loss ``[b, s]`` when ``labels`` are given
+    and this is the last stage, the vocab-parallel logits ``[b, s, V/tp]`` when
+    not, and the hidden state ``[s, b, n*C]`` on any other stage.
+    """
+
+    def __init__(
+        self,
+        config: MHCTransformerConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_range: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        config.validate_tensor_parallel(get_tensor_model_parallel_world_size())
+        start, end = layer_range if layer_range is not None else (0, config.num_layers)
+        if not 0 <= start <= end <= config.num_layers:
+            raise ConfigError(
+                f"layer_range={layer_range} is outside the model's num_layers={config.num_layers} "
+                "layers. Give 0 <= start <= end <= num_layers."
+            )
+        self.config = config
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.layer_range = (start, end)
+        self.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
+        self.input_tensor: Tensor | None = None
+        init = ParamInit(config.init_seed)
+
+        self.embedding = Embedding(config, init.child("embedding")) if pre_process else None
+        self.decoder = TransformerBlock(
+            config,
+            range(start + 1, end + 1),
+            init.child("decoder"),
+            pre_process=pre_process,
+            post_process=post_process,
+        )
+        self.output_layer = None
+        if post_process:
+            tied_here = self.share_embeddings_and_output_weights and pre_process
+            # A tied copy on a last stage without the embedding draws from the embedding's
+            # generator, so both copies start equal.
+            key = WORD_EMBEDDINGS_KEY if self.share_embeddings_and_output_weights else "output_layer.weight"
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                config.padded_vocab_size,
+                config=config,
+                init_method=ParamInit(config.init_seed).normal(key, config.init_method_std),
+                bias=False,
+                gather_output=False,
+                skip_weight_param_allocation=tied_here,
+            )
+            if self.share_embeddings_and_output_weights and not tied_here:
+                # Marks the copy whose gradient is all-reduced with the first stage's embedding.
+                self.output_layer.weight.shared_embedding = True
+        if pre_process and self.share_embeddings_and_output_weights:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: Tensor | None) -> None:
+        """The hidden state received from the previous stage (megatron's contract)."""
+        self.input_tensor = input_tensor
+
+    def output_weight(self) -> Tensor:
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def forward(
+        self,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        if self.pre_process:
+            hidden_states = self.embedding(input_ids, position_ids)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError(
+                    "this stage has no embedding: call set_input_tensor() with the previous "
+                    "stage's output before forward"
+                )
+            hidden_states = self.input_tensor
+        freqs = None
+        if self.config.position_embedding_type == "rope":
+            freqs = rotary_freqs(
+                hidden_states.shape[0], self.config.kv_channels, self.config.rotary_base,
+                hidden_states.device,
+            )
+        hidden_states = self.decoder(hidden_states, freqs)
+        if not self.post_process:
+            return hidden_states
+
+        logits, _ = self.output_layer(hidden_states, weight=self.output_weight())  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+        return loss.transpose(0, 1).contiguous()
