@@ -1,0 +1,1 @@
+"""The parallel runtime: process groups, launch, tensor-parallel helpers (no Lightning import)."""

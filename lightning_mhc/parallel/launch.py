@@ -1,0 +1,131 @@
+"""Run a function on N local ranks in one process group (gloo on CPU, NCCL on GPU).
+
+Used by the tests and the benchmarks. Every wait has a deadline; the first
+rank to fail ends the whole group with that rank's traceback; no process is
+left behind (survivors are terminated, then killed).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message holds its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    threads: int,
+    results: "mp.Queue",
+    args: tuple,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    try:
+        torch.distributed.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # report everything, including KeyboardInterrupt in a child
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    backend: str = "gloo",
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+
+    ``fn`` must be importable (a module-level function). Returns the ranks'
+    return values in rank order. Raises :class:`RankError` with the first
+    failing rank's traceback, or :class:`TimeoutError` after ``timeout_s``.
+    Collectives inside the group time out after ``timeout_s`` as well.
+    """
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, backend, timeout_s, threads_per_rank, results, args),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    finished = False
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                for rank, proc in enumerate(procs):
+                    if rank not in outputs and proc.exitcode not in (None, 0):
+                        raise RankError(f"rank {rank} died with exit code {proc.exitcode}")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outputs))
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f}s")
+                continue
+            if not ok:
+                raise RankError(f"rank {rank} of {world_size} failed:\n{payload}")
+            outputs[rank] = pickle.loads(payload)
+        finished = True
+    finally:
+        _reap(procs, grace_s=10.0 if finished else 0.0)
+        results.close()
+    return [outputs[rank] for rank in range(world_size)]
+
+
+def _reap(procs: list, grace_s: float) -> None:
+    """Join the ranks; terminate (then kill) any still alive after ``grace_s``."""
+    end = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, end - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

@@ -1,0 +1,87 @@
+"""Small model configurations and independent reference math for the tests."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lightning_mhc.model import MHCTransformerConfig
+
+
+def tiny_config(**overrides) -> MHCTransformerConfig:
+    kwargs = dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        vocab_size=256,
+        max_sequence_length=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    kwargs.update(overrides)
+    return MHCTransformerConfig(**kwargs)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    out = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return out if weight is None else out * weight
+
+
+def plain_attention(layer, h: torch.Tensor, freqs) -> torch.Tensor:
+    """Causal MHA written from the weights (no grouped-query layout: heads == groups)."""
+    attn = layer.self_attention
+    s, b, _ = h.shape
+    d, heads = attn.head_dim, attn.heads_per_rank
+    qkv = F.linear(h, attn.linear_qkv.weight, attn.linear_qkv.bias).view(s, b, heads, 3 * d)
+    q, k, v = qkv.split(d, dim=-1)
+    if freqs is not None:
+        def rot(t):
+            t1, t2 = t.chunk(2, dim=-1)
+            return t * freqs.cos() + torch.cat([-t2, t1], dim=-1) * freqs.sin()
+        q, k = rot(q), rot(k)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(d)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    ctx = torch.einsum("bhst,tbhd->sbhd", probs, v).reshape(s, b, heads * d)
+    return F.linear(ctx, attn.linear_proj.weight, attn.linear_proj.bias)
+
+
+def plain_mlp(layer, h: torch.Tensor) -> torch.Tensor:
+    mlp = layer.mlp
+    inter = F.gelu(F.linear(h, mlp.linear_fc1.weight, mlp.linear_fc1.bias))
+    return F.linear(inter, mlp.linear_fc2.weight, mlp.linear_fc2.bias)
+
+
+def plain_prenorm_layer(layer, x: torch.Tensor, freqs=None) -> torch.Tensor:
+    """x + attn(norm(x)), then + mlp(norm(.)), from the layer's weights."""
+    eps = layer.config.layernorm_epsilon
+    x = x + plain_attention(layer, rms_norm(x, layer.input_layernorm.weight, eps), freqs)
+    return x + plain_mlp(layer, rms_norm(x, layer.pre_mlp_layernorm.weight, eps))
+
+
+def sinkhorn_reference(logits: torch.Tensor, iterations: int) -> torch.Tensor:
+    p = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iterations):
+        p = p / p.sum(-2, keepdim=True)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def mhc_sublayer_reference(hc, x: torch.Tensor, branch) -> torch.Tensor:
+    """eq. 7-9 stream by stream: x_i' = sum_j H_res[i,j] x_j + H_post[i] * F(sum_k H_pre[k] x_k)."""
+    n, C = hc.n, hc.hidden_size
+    xn = rms_norm(x, None, hc.eps)
+    pre = torch.sigmoid(hc.a_pre * (xn @ hc.phi_pre) + hc.b_pre)
+    post = 2 * torch.sigmoid(hc.a_post * (xn @ hc.phi_post) + hc.b_post)
+    res = sinkhorn_reference(
+        hc.a_res * (xn @ hc.phi_res).view(*x.shape[:-1], n, n) + hc.b_res, hc.sinkhorn_iterations
+    )
+    streams = [x[..., i * C:(i + 1) * C] for i in range(n)]
+    f = branch(sum(pre[..., k:k + 1] * streams[k] for k in range(n)))
+    out = []
+    for i in range(n):
+        mixed = sum(res[..., i, j:j + 1] * streams[j] for j in range(n))
+        out.append(mixed + post[..., i:i + 1] * f)
+    return torch.cat(out, dim=-1)
