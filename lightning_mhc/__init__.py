@@ -6,6 +6,12 @@ Public names are loaded on first use, so importing one layer (``model``,
 from __future__ import annotations
 
 import importlib
+import warnings
+
+# megatron-core warns at import that Transformer Engine / Apex are absent (this package uses
+# neither), and on every TransformerConfig about its own default cuda_graph_scope.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 __version__ = "0.1.0"
 
