@@ -1,7 +1,9 @@
 """lightning_mhc: train mHC transformers with TP/PP/DP from one line of Lightning.
 
-Public names are loaded on first use, so importing one layer (``model``,
-``recompute``, ``parallel``) never imports the layers above it.
+Layers, each importable without the ones after it: ``recompute`` (torch
+only) <- ``model`` (megatron-core) <- ``parallel`` <- ``lightning``. Public
+names are loaded on first use, so importing one layer never imports the
+layers above it.
 """
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ warnings.filterwarnings("ignore", message="full scope is deprecated")
 __version__ = "0.1.0"
 
 _PUBLIC = {
+    "ActivationMemoryMeter": "lightning_mhc.recompute",
+    "CheckpointWithoutOutput": "lightning_mhc.recompute",
+    "MHCBlockRecomputeManager": "lightning_mhc.recompute",
+    "attach_recompute": "lightning_mhc.recompute",
+    "configure_recompute": "lightning_mhc.recompute",
     "ConfigError": "lightning_mhc.errors",
     "GPTModel": "lightning_mhc.model",
     "HyperConnectionModule": "lightning_mhc.model",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor
@@ -28,6 +29,7 @@ class SelfAttention(torch.nn.Module):
         self.heads_per_rank = config.num_attention_heads // tp
         self.groups_per_rank = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.recompute_core_attention = False  # "core_attn" in recompute_modules
         qkv_size = self.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
@@ -61,7 +63,10 @@ class SelfAttention(torch.nn.Module):
         q = q.reshape(s, b, self.heads_per_rank, self.head_dim)
         if rotary_freqs is not None:
             q, k = apply_rotary(q, rotary_freqs), apply_rotary(k, rotary_freqs)
-        context = self.core_attention(q, k, v)
+        if self.recompute_core_attention and torch.is_grad_enabled():
+            context = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+        else:
+            context = self.core_attention(q, k, v)
         return self.linear_proj(context)
 
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

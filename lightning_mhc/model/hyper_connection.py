@@ -21,6 +21,8 @@ from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
+from lightning_mhc.model.norm import rms_normalize
+from lightning_mhc.recompute.checkpoint import CheckpointWithoutOutput
 
 
 def sinkhorn_knopp(logits: Tensor, iterations: int) -> Tensor:
@@ -57,6 +59,7 @@ class HyperConnectionModule(MegatronModule):
 
     def __init__(self, config: MHCTransformerConfig, init: ParamInit) -> None:
         super().__init__(config=config)
+        self.label = init.prefix  # names its checkpoints in a recompute plan
         n, width = config.num_residual_streams, config.residual_width
         self.n = n
         self.hidden_size = config.hidden_size
@@ -87,8 +90,7 @@ class HyperConnectionModule(MegatronModule):
         """``x [s, b, n*C]`` -> ``(H_pre [s,b,n], H_post [s,b,n], H_res [s,b,n,n])``, all fp32."""
         n = self.n
         with _no_autocast(x.device.type):
-            xf = x.float()
-            xn = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+            xn = rms_normalize(x, self.eps)
             phi = torch.cat([self.phi_pre, self.phi_post, self.phi_res], dim=1).float()
             proj = xn @ phi
             p_pre, p_post, p_res = proj.split([n, n, n * n], dim=-1)
@@ -141,13 +143,31 @@ class HyperConnectionModule(MegatronModule):
     def forward(
         self, hidden_states: Tensor, residual: Tensor, mhc_recompute_manager=None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Returns ``(aggregated [s,b,C], mixed residual [s,b,n*C], H_post)``."""
-        h_pre, h_post, h_res = self.compute_mappings(hidden_states)
-        aggregated = self.aggregate(hidden_states, h_pre)
-        mixed = self.apply_h_res(h_res, residual)
+        """Returns ``(aggregated [s,b,C], mixed residual [s,b,n*C], H_post)``.
+
+        With a recompute manager each op is a checkpoint registered with it
+        (seed 000): its output is freed after the block and recomputed in backward.
+        """
+        if mhc_recompute_manager is None:
+            h_pre, h_post, h_res = self.compute_mappings(hidden_states)
+            aggregated = self.aggregate(hidden_states, h_pre)
+            mixed = self.apply_h_res(h_res, residual)
+            return aggregated, mixed, h_post
+        ckpt = self._checkpointer(mhc_recompute_manager)
+        h_pre, h_post, h_res = ckpt("compute_mappings", self.compute_mappings, hidden_states)
+        aggregated = ckpt("aggregate", self.aggregate, hidden_states, h_pre)
+        mixed = ckpt("apply_h_res", self.apply_h_res, h_res, residual)
         return aggregated, mixed, h_post
 
     def apply_h_post_with_checkpoint(
         self, x_with_bias: tuple[Tensor, Tensor | None], h_post: Tensor, manager=None
     ) -> tuple[Tensor, None]:
-        return self.apply_h_post(x_with_bias, h_post)
+        if manager is None:
+            return self.apply_h_post(x_with_bias, h_post)
+        return self._checkpointer(manager)("apply_h_post", self.apply_h_post, x_with_bias, h_post)
+
+    def _checkpointer(self, manager):
+        def ckpt(op: str, fn, *args):
+            return CheckpointWithoutOutput(ckpt_manager=manager, name=f"{self.label}.{op}").checkpoint(fn, *args)
+
+        return ckpt

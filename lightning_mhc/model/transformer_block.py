@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
@@ -38,12 +39,51 @@ class TransformerBlock(torch.nn.Module):
             RMSNorm(config.hidden_size, config.layernorm_epsilon) if post_process else None
         )
 
+        # Set by lightning_mhc.recompute.attach_recompute when it hooks managers onto the layers.
+        self.mhc_recompute_attached = False
+
+    def recompute_block_ranges(self) -> list[tuple[int, int]]:
+        """Local ``[start, end)`` layer ranges of the mHC recompute blocks: ``L_r`` layers
+        each (``config.recompute_layer_num`` of this stage's layers), never crossing the stage."""
+        count = len(self.layers)
+        if count == 0:
+            return []
+        size = self.config.recompute_layer_num(count)
+        return [(start, min(start + size, count)) for start in range(0, count, size)]
+
+    def _full_recompute_layers(self) -> set[int]:
+        """Layers run under torch.utils.checkpoint with recompute_granularity='full'."""
+        cfg = self.config
+        if cfg.recompute_granularity != "full":
+            return set()
+        if cfg.recompute_method == "block":
+            return set(range(min(cfg.recompute_num_layers, len(self.layers))))
+        return set(range(len(self.layers)))
+
     def forward(self, hidden_states: Tensor, rotary_freqs: Tensor | None = None) -> Tensor:
         hc = self.config.enable_hyper_connections
+        training = self.training and torch.is_grad_enabled()
+        if training and self.config.recompute_hyper_connections and not self.mhc_recompute_attached:
+            raise RuntimeError(
+                "recompute_hyper_connections=True but no recompute manager is attached to the "
+                "decoder layers. Call lightning_mhc.recompute.attach_recompute(model) after "
+                "building the model (MHCRecomputeCallback does this for Lightning)."
+            )
         if hc and self.pre_process:
             hidden_states = HyperConnectionModule.input_expand(hidden_states, self.num_residual_streams)
-        for layer in self.layers:
-            hidden_states, _ = layer(hidden_states, rotary_freqs)
+        full = self._full_recompute_layers() if training else set()
+        chunk = self.config.recompute_num_layers or 1
+        i = 0
+        while i < len(self.layers):
+            if i in full:
+                group = self.layers[i:i + (chunk if self.config.recompute_method == "uniform" else 1)]
+                hidden_states = torch.utils.checkpoint.checkpoint(
+                    _run_layers, group, hidden_states, rotary_freqs, use_reentrant=False
+                )
+                i += len(group)
+            else:
+                hidden_states, _ = self.layers[i](hidden_states, rotary_freqs)
+                i += 1
         if self.post_process:
             if hc:
                 hidden_states = HyperConnectionModule.output_contract(
@@ -51,3 +91,9 @@ class TransformerBlock(torch.nn.Module):
                 )
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
+
+
+def _run_layers(layers, hidden_states: Tensor, rotary_freqs: Tensor | None) -> Tensor:
+    for layer in layers:
+        hidden_states, _ = layer(hidden_states, rotary_freqs)
+    return hidden_states

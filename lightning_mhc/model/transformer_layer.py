@@ -7,10 +7,23 @@ Without hyper-connections the layer is megatron's pre-norm layer::
 
 With them, the hidden state is the ``[s, b, n*C]`` residual stream and each
 sub-layer computes ``H_res @ x + H_post^T * F(H_pre @ x)``.
+
+Recompute (megatron's selective granularity, and seed 000's block recompute):
+
+- ``"core_attn"`` / ``"mlp"`` in ``recompute_modules``: SDPA / the MLP run under
+  ``torch.utils.checkpoint`` (they are re-run in backward).
+- ``"layernorm"``: the norms' outputs are discarded by ``CheckpointWithoutOutput``
+  and recomputed from a hook on the sub-layer output, or, with a manager,
+  together with the block.
+- an ``mhc_recompute_manager`` (handed to the layer by a recompute policy):
+  every hyper-connection op and both bias-dropout-adds are checkpointed into
+  the manager, except the MLP bias-dropout-add of the block's last layer,
+  whose output is the hook tensor. Attention and MLP are not re-run.
 """
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from lightning_mhc.model.bda import bias_dropout_add
@@ -20,6 +33,7 @@ from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.mlp import MLP
 from lightning_mhc.model.norm import RMSNorm
+from lightning_mhc.recompute.checkpoint import CheckpointWithoutOutput
 
 
 class TransformerLayer(torch.nn.Module):
@@ -41,6 +55,20 @@ class TransformerLayer(torch.nn.Module):
         )
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
         self.mlp = MLP(config, init.child("mlp"))
+        self.label = init.prefix
+
+        selective = config.recompute_granularity == "selective"
+        modules = (config.recompute_modules or []) if selective else []
+        self.recompute_core_attn = "core_attn" in modules
+        self.recompute_input_layernorm = "layernorm" in modules
+        self.recompute_pre_mlp_layernorm = "layernorm" in modules
+        self.recompute_mlp = "mlp" in modules
+        if self.recompute_core_attn:
+            self.self_attention.recompute_core_attention = True
+        # Handed in by a recompute policy's forward hooks (lightning_mhc.recompute.policy);
+        # the layer only reads them.
+        self.mhc_recompute_manager = None
+        self.is_last_layer_in_block = False
 
     # ------------------------------------------------------------ forward
     def forward(
@@ -48,12 +76,35 @@ class TransformerLayer(torch.nn.Module):
         hidden_states: Tensor,
         rotary_freqs: Tensor | None = None,
         mhc_recompute_manager=None,
-        is_last_layer_in_block: bool = False,
+        is_last_layer_in_block: bool | None = None,
     ) -> tuple[Tensor, None]:
-        """``hidden_states [s, b, n*C]`` -> ``(hidden_states, context=None)``, like megatron."""
-        hidden_states = self._forward_attention(hidden_states, rotary_freqs, mhc_recompute_manager)
-        hidden_states = self._forward_mlp(hidden_states, mhc_recompute_manager, is_last_layer_in_block)
+        """``hidden_states [s, b, n*C]`` -> ``(hidden_states, context=None)``, like megatron.
+
+        The manager and ``is_last_layer_in_block`` default to what a recompute
+        policy attached to this layer.
+        """
+        manager = mhc_recompute_manager if mhc_recompute_manager is not None else self.mhc_recompute_manager
+        is_last = self.is_last_layer_in_block if is_last_layer_in_block is None else is_last_layer_in_block
+        hidden_states = self._forward_attention(hidden_states, rotary_freqs, manager)
+        hidden_states = self._forward_mlp(hidden_states, manager, is_last)
         return hidden_states, None
+
+    # ------------------------------------------------------------ helpers
+    def _bda(self, x_with_bias, residual: Tensor) -> Tensor:
+        return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training)
+
+    def _checkpointed(self, manager, op: str, fn, *args):
+        """``fn(*args)`` as a CheckpointWithoutOutput registered with ``manager``."""
+        ckpt = CheckpointWithoutOutput(ckpt_manager=manager, name=f"{self.label}.{op}")
+        return ckpt, ckpt.checkpoint(fn, *args)
+
+    def _norm(self, norm: RMSNorm, recompute: bool, manager, op: str, x: Tensor):
+        """Returns ``(output, checkpoint or None)``; the caller discards a manager-less
+        checkpoint once the sub-layer that saved the output has run."""
+        if not recompute or not torch.is_grad_enabled():
+            return norm(x), None
+        ckpt, out = self._checkpointed(manager, op, norm, x)
+        return out, (ckpt if manager is None else None)
 
     def _forward_attention(
         self, hidden_states: Tensor, rotary_freqs: Tensor | None, mhc_recompute_manager=None
@@ -62,16 +113,24 @@ class TransformerLayer(torch.nn.Module):
         hc = self.self_attention_hyper_connection
         if hc is not None:
             hidden_states, residual, h_post = hc(hidden_states, residual, mhc_recompute_manager)
-        attention_output_with_bias = self.self_attention(
-            self.input_layernorm(hidden_states), rotary_freqs
+        normed, norm_ckpt = self._norm(
+            self.input_layernorm, self.recompute_input_layernorm, mhc_recompute_manager,
+            "input_layernorm", hidden_states,
         )
+        attention_output_with_bias = self.self_attention(normed, rotary_freqs)
+        if norm_ckpt is not None:
+            norm_ckpt.discard_output_and_register_recompute(attention_output_with_bias[0])
         if hc is not None:
             attention_output_with_bias = hc.apply_h_post_with_checkpoint(
                 attention_output_with_bias, h_post, mhc_recompute_manager
             )
-        return bias_dropout_add(
-            attention_output_with_bias, residual, self.hidden_dropout, self.training
-        )
+        if mhc_recompute_manager is not None:
+            _, out = self._checkpointed(
+                mhc_recompute_manager, "self_attn_bda", self._bda,
+                attention_output_with_bias, residual,
+            )
+            return out
+        return self._bda(attention_output_with_bias, residual)
 
     def _forward_mlp(
         self, hidden_states: Tensor, mhc_recompute_manager=None, is_last_layer_in_block: bool = False
@@ -80,7 +139,16 @@ class TransformerLayer(torch.nn.Module):
         hc = self.mlp_hyper_connection
         if hc is not None:
             hidden_states, residual, h_post = hc(hidden_states, residual, mhc_recompute_manager)
-        mlp_output_with_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        normed, norm_ckpt = self._norm(
+            self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, mhc_recompute_manager,
+            "pre_mlp_layernorm", hidden_states,
+        )
+        if self.recompute_mlp and torch.is_grad_enabled():
+            mlp_output_with_bias = torch.utils.checkpoint.checkpoint(self.mlp, normed, use_reentrant=False)
+        else:
+            mlp_output_with_bias = self.mlp(normed)
+        if norm_ckpt is not None:
+            norm_ckpt.discard_output_and_register_recompute(mlp_output_with_bias[0])
         if hc is not None:
             mlp_output_with_bias = hc.apply_h_post_with_checkpoint(
                 mlp_output_with_bias, h_post, mhc_recompute_manager
@@ -96,4 +164,10 @@ class TransformerLayer(torch.nn.Module):
         mhc_recompute_manager=None,
         is_last_layer_in_block: bool = False,
     ) -> Tensor:
-        return bias_dropout_add(mlp_output_with_bias, residual, self.hidden_dropout, self.training)
+        if mhc_recompute_manager is not None and not is_last_layer_in_block:
+            _, out = self._checkpointed(
+                mhc_recompute_manager, "mlp_bda", self._bda, mlp_output_with_bias, residual
+            )
+            return out
+        # No manager, or the block's last layer: this output is the manager's hook tensor.
+        return self._bda(mlp_output_with_bias, residual)

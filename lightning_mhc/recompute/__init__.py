@@ -1,0 +1,31 @@
+"""Recompute: CheckpointWithoutOutput, MHCBlockRecomputeManager, policies, activation memory.
+
+Imports only torch (and the package's errors); the model imports from here.
+"""
+from lightning_mhc.recompute.checkpoint import CheckpointWithoutOutput
+from lightning_mhc.recompute.manager import MHCBlockRecomputeManager, PlanEntry
+from lightning_mhc.recompute.memory import ActivationMemory, ActivationMemoryMeter
+from lightning_mhc.recompute.policy import (
+    POLICIES,
+    attach_recompute,
+    configure_recompute,
+    detach_recompute,
+    policy_of,
+    recompute_fields,
+)
+from lightning_mhc.recompute.rng import register_rng_state_source
+
+__all__ = [
+    "ActivationMemory",
+    "ActivationMemoryMeter",
+    "CheckpointWithoutOutput",
+    "MHCBlockRecomputeManager",
+    "POLICIES",
+    "PlanEntry",
+    "attach_recompute",
+    "configure_recompute",
+    "detach_recompute",
+    "policy_of",
+    "recompute_fields",
+    "register_rng_state_source",
+]

@@ -1,0 +1,72 @@
+"""Activation memory of a training forward.
+
+``ActivationMemoryMeter`` records every tensor the autograd graph saves
+during a forward (``saved_tensors_hooks``) and, at exit, counts the unique
+storages still alive and non-empty, excluding parameters: the bytes the
+graph holds for backward. Deterministic and device-agnostic (storages freed
+by recompute have size 0). On CUDA it also reports the peak allocated memory.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    retained_bytes: int
+    """Unique live storages of saved tensors, parameters excluded."""
+    saved_tensors: int
+    """Tensors packed by the graph during the forward."""
+    peak_cuda_bytes: int | None
+    """torch.cuda.max_memory_allocated() over the forward, on CUDA; else None."""
+
+
+class ActivationMemoryMeter:
+    """``with ActivationMemoryMeter(model) as meter: loss = model(...)``; then ``meter.result``."""
+
+    def __init__(self, *exclude_modules: torch.nn.Module) -> None:
+        self._exclude = exclude_modules
+        self._saved: list[weakref.ref] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.result: ActivationMemory | None = None
+
+    def _pack(self, tensor: torch.Tensor):
+        self._saved.append(weakref.ref(tensor))
+        return tensor
+
+    @staticmethod
+    def _unpack(tensor):
+        return tensor
+
+    def __enter__(self) -> "ActivationMemoryMeter":
+        self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self._cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        params = {
+            p.untyped_storage().data_ptr()
+            for module in self._exclude
+            for p in module.parameters()
+        }
+        storages: dict[int, int] = {}
+        for ref in self._saved:
+            tensor = ref()
+            if tensor is None:
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in params:
+                continue
+            storages[storage.data_ptr()] = storage.nbytes()
+        peak = None
+        if self._cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        self.result = ActivationMemory(sum(storages.values()), len(self._saved), peak)
