@@ -85,3 +85,19 @@ def mhc_sublayer_reference(hc, x: torch.Tensor, branch) -> torch.Tensor:
         mixed = sum(res[..., i, j:j + 1] * streams[j] for j in range(n))
         out.append(mixed + post[..., i:i + 1] * f)
     return torch.cat(out, dim=-1)
+
+
+def train_steps(model, steps: int = 3, batch: int = 2, seq: int = 16, lr: float = 1e-2, seed: int = 0):
+    """AdamW steps on fixed random tokens; returns per-step (loss, {name: grad}) and the model."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    history = []
+    for _ in range(steps):
+        tokens = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+        loss = model(tokens, labels=tokens.roll(-1, 1)).mean()
+        loss.backward()
+        history.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return history

@@ -63,7 +63,7 @@ class SelfAttention(torch.nn.Module):
         q = q.reshape(s, b, self.heads_per_rank, self.head_dim)
         if rotary_freqs is not None:
             q, k = apply_rotary(q, rotary_freqs), apply_rotary(k, rotary_freqs)
-        if self.recompute_core_attention and torch.is_grad_enabled():
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             context = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, use_reentrant=False)
         else:
             context = self.core_attention(q, k, v)

@@ -90,6 +90,10 @@ class TransformerLayer(torch.nn.Module):
         return hidden_states, None
 
     # ------------------------------------------------------------ helpers
+    def _recomputing(self) -> bool:
+        """Recompute only applies to training forwards that build a graph."""
+        return self.training and torch.is_grad_enabled()
+
     def _bda(self, x_with_bias, residual: Tensor) -> Tensor:
         return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training)
 
@@ -101,7 +105,7 @@ class TransformerLayer(torch.nn.Module):
     def _norm(self, norm: RMSNorm, recompute: bool, manager, op: str, x: Tensor):
         """Returns ``(output, checkpoint or None)``; the caller discards a manager-less
         checkpoint once the sub-layer that saved the output has run."""
-        if not recompute or not torch.is_grad_enabled():
+        if not (recompute and self._recomputing()):
             return norm(x), None
         ckpt, out = self._checkpointed(manager, op, norm, x)
         return out, (ckpt if manager is None else None)
@@ -143,7 +147,7 @@ class TransformerLayer(torch.nn.Module):
             self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, mhc_recompute_manager,
             "pre_mlp_layernorm", hidden_states,
         )
-        if self.recompute_mlp and torch.is_grad_enabled():
+        if self.recompute_mlp and self._recomputing():
             mlp_output_with_bias = torch.utils.checkpoint.checkpoint(self.mlp, normed, use_reentrant=False)
         else:
             mlp_output_with_bias = self.mlp(normed)

@@ -35,6 +35,7 @@ class MHCBlockRecomputeManager:
         self.checkpoints: list[CheckpointWithoutOutput] = []
         self.hook_registered = False
         self.recompute_count = 0
+        self.last_plan: list[PlanEntry] | None = None  # the plan as it was when outputs were freed
 
     def add_checkpoint(self, ckpt: CheckpointWithoutOutput) -> None:
         if self.hook_registered:
@@ -69,11 +70,11 @@ class MHCBlockRecomputeManager:
         return entries
 
     def describe(self) -> str:
-        entries = self.plan()
+        entries = self.last_plan if self.last_plan is not None else self.plan()
         width = max([len(e.name) for e in entries] + [10])
         lines = [f"recompute plan of {self.name!r}: {len(entries)} checkpoints"]
         lines += [
-            f"  {e.index:3d}  {e.name:<{width}}  {' '.join(str(list(s)) for s in e.shapes):<40} {e.bytes_freed:>12,d} B"
+            f"  {e.index:3d}  {e.name:<{width}}  {' '.join(str(list(s)) for s in e.shapes):<28} {e.bytes_freed:>12,d} B"
             for e in entries
         ]
         lines.append(f"  total freed: {sum(e.bytes_freed for e in entries):,d} B")
@@ -110,6 +111,7 @@ class MHCBlockRecomputeManager:
         if self.hook_registered:
             raise RuntimeError(f"recompute manager {self.name!r}: outputs already discarded")
         self.validate(hook_tensor)
+        self.last_plan = self.plan()
         for ckpt in self.checkpoints:
             ckpt.discard_output()
         hook_tensor.register_hook(self._unified_recompute_hook)
