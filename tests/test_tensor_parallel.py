@@ -2,7 +2,8 @@
 
 Each rank first computes the TP = 1 reference, then rebuilds the model-parallel
 state with TP = 2 and TP = 4 and repeats the same steps on the same data, so
-one process group covers every layout.
+one process group covers every layout. Under TP = 2 it also runs every
+recompute policy with dropout against ``none``.
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lightning_mhc import GPTModel
+from lightning_mhc.recompute import attach_recompute, configure_recompute
 from lightning_mhc.parallel.launch import spawn_ranks
 from lightning_mhc.parallel.tensor_parallel import gather_tensor_parallel
-from model_utils import tiny_config
+from model_utils import tiny_config, train_steps
 
 STEPS = 3
 CASES = {
@@ -62,6 +64,17 @@ def _train(case: dict) -> dict:
     return dict(losses=losses, grads=grads, weights=weights, replicas_identical=replicas_identical)
 
 
+def _policy_histories() -> dict:
+    """3 AdamW steps with dropout under each recompute policy (same layout, same seeds)."""
+    histories = {}
+    for policy in ("none", "selective", "mhc_block", "full"):
+        cfg = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, mhc_recompute_layer_num=2)
+        model = GPTModel(configure_recompute(cfg, policy))
+        attach_recompute(model)
+        histories[policy] = train_steps(model)
+    return histories
+
+
 def _tp_layouts(rank: int, world_size: int) -> dict:
     results = {}
     for tp in (1, 2, 4):
@@ -69,8 +82,13 @@ def _tp_layouts(rank: int, world_size: int) -> dict:
         for name, case in CASES.items():
             torch.manual_seed(0)
             results[(name, tp)] = _train(case)
+        if tp == 2:
+            policies = _policy_histories()
         parallel_state.destroy_model_parallel()
-    return results if rank == 0 else {k: v["replicas_identical"] for k, v in results.items()}
+    if rank != 0:
+        return {k: v["replicas_identical"] for k, v in results.items()}
+    results["policies_tp2"] = policies
+    return results
 
 
 def test_tensor_parallel_matches_single_rank():
@@ -95,8 +113,19 @@ def test_tensor_parallel_matches_single_rank():
                     got["weights"][param], weight, rtol=0, atol=1e-5,
                     msg=lambda m: f"{name} TP={tp} weight {param} after {STEPS} steps: {m}",
                 )
+    # every recompute policy equals `none` under TP = 2 (with dropout), within 1e-5
+    policies = results.pop("policies_tp2")
+    for policy, history in policies.items():
+        for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(history, policies["none"])):
+            torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+            for param, grad in ref_grads.items():
+                torch.testing.assert_close(
+                    grads[param], grad, rtol=0, atol=1e-5,
+                    msg=lambda m: f"TP=2 policy {policy} step {step} grad of {param}: {m}",
+                )
     # replicated parameters (hyper-connections, norms, row-parallel biases) stay
     # bit-identical across the ranks of every TP group, on every rank
     for rank, rank_results in enumerate(per_rank):
-        flags = {k: (v if isinstance(v, bool) else v["replicas_identical"]) for k, v in rank_results.items()}
+        flags = {k: (v if isinstance(v, bool) else v["replicas_identical"]) for k, v in rank_results.items()
+                 if k != "policies_tp2"}
         assert all(flags.values()), f"rank {rank}: replicated tensors diverged across TP: {flags}"

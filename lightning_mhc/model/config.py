@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from megatron.core.transformer import TransformerConfig
 
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.recompute.policy import SUPPORTED_MODULES
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
 
@@ -95,6 +96,13 @@ class MHCTransformerConfig(TransformerConfig):
                 f"mhc_recompute_layer_num={self.mhc_recompute_layer_num}: a recompute block "
                 "holds at least one layer. Use a positive number or None for the paper's default."
             )
+        if self.recompute_granularity == "selective":
+            unsupported = sorted(set(self.recompute_modules or []) - set(SUPPORTED_MODULES))
+            if unsupported:
+                raise ConfigError(
+                    f"recompute_modules={self.recompute_modules}: {unsupported} not supported by "
+                    f"this model; choose from {', '.join(SUPPORTED_MODULES)}."
+                )
         if self.recompute_hyper_connections:
             if not self.enable_hyper_connections:
                 raise ConfigError(
