@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
-from lightning_mhc.model.init import ParamInit, scaled_std
+from lightning_mhc.model.init import ParamInit
+from lightning_mhc.model.parallel_linear import output_projection
 from lightning_mhc.model.rope import apply_rotary
 
 
@@ -39,17 +40,7 @@ class SelfAttention(torch.nn.Module):
             bias=config.add_bias_linear,
             gather_output=False,
         )
-        self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            config=config,
-            init_method=init.normal(
-                "linear_proj.weight", scaled_std(config.init_method_std, config.num_layers)
-            ),
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=True,
-        )
+        self.linear_proj = output_projection(config, config.num_attention_heads * self.head_dim, init, "linear_proj")
 
     def forward(
         self, hidden_states: Tensor, rotary_freqs: Tensor | None = None

@@ -7,11 +7,12 @@ matching slices of both halves.
 from __future__ import annotations
 
 import torch
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
-from lightning_mhc.model.init import ParamInit, scaled_std
+from lightning_mhc.model.init import ParamInit
+from lightning_mhc.model.parallel_linear import output_projection
 
 
 class MLP(torch.nn.Module):
@@ -28,17 +29,7 @@ class MLP(torch.nn.Module):
             gather_output=False,
             stride=2 if gated else 1,
         )
-        self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size,
-            config.hidden_size,
-            config=config,
-            init_method=init.normal(
-                "linear_fc2.weight", scaled_std(config.init_method_std, config.num_layers)
-            ),
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=True,
-        )
+        self.linear_fc2 = output_projection(config, config.ffn_hidden_size, init, "linear_fc2")
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor | None]:
         intermediate, _ = self.linear_fc1(hidden_states)

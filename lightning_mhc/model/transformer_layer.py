@@ -102,36 +102,39 @@ class TransformerLayer(torch.nn.Module):
         ckpt = CheckpointWithoutOutput(ckpt_manager=manager, name=f"{self.label}.{op}")
         return ckpt, ckpt.checkpoint(fn, *args)
 
-    def _norm(self, norm: RMSNorm, recompute: bool, manager, op: str, x: Tensor):
-        """Returns ``(output, checkpoint or None)``; the caller discards a manager-less
-        checkpoint once the sub-layer that saved the output has run."""
-        if not (recompute and self._recomputing()):
-            return norm(x), None
-        ckpt, out = self._checkpointed(manager, op, norm, x)
-        return out, (ckpt if manager is None else None)
+    def _sublayer(self, hc, norm: RMSNorm, recompute_norm: bool, norm_name: str, run, hidden_states, manager):
+        """Hyper-connection, norm, sub-layer, ``H_post``: returns ``(output_with_bias, residual)``.
+
+        With ``recompute_norm`` the norm output is discarded by a checkpoint: into the
+        manager when there is one, else recomputed from a hook on the sub-layer output.
+        """
+        residual = hidden_states
+        if hc is not None:
+            hidden_states, residual, h_post = hc(hidden_states, residual, manager)
+        norm_ckpt = None
+        if recompute_norm and self._recomputing():
+            norm_ckpt, normed = self._checkpointed(manager, norm_name, norm, hidden_states)
+        else:
+            normed = norm(hidden_states)
+        output_with_bias = run(normed)
+        if norm_ckpt is not None:
+            norm_ckpt.discard_output_and_register_recompute(output_with_bias[0])  # no-op with a manager
+        if hc is not None:
+            output_with_bias = hc.apply_h_post_with_checkpoint(output_with_bias, h_post, manager)
+        return output_with_bias, residual
 
     def _forward_attention(
         self, hidden_states: Tensor, rotary_freqs: Tensor | None, mhc_recompute_manager=None
     ) -> Tensor:
-        residual = hidden_states
-        hc = self.self_attention_hyper_connection
-        if hc is not None:
-            hidden_states, residual, h_post = hc(hidden_states, residual, mhc_recompute_manager)
-        normed, norm_ckpt = self._norm(
-            self.input_layernorm, self.recompute_input_layernorm, mhc_recompute_manager,
-            "input_layernorm", hidden_states,
+        attention_output_with_bias, residual = self._sublayer(
+            self.self_attention_hyper_connection, self.input_layernorm,
+            self.recompute_input_layernorm, "input_layernorm",
+            lambda normed: self.self_attention(normed, rotary_freqs),
+            hidden_states, mhc_recompute_manager,
         )
-        attention_output_with_bias = self.self_attention(normed, rotary_freqs)
-        if norm_ckpt is not None:
-            norm_ckpt.discard_output_and_register_recompute(attention_output_with_bias[0])
-        if hc is not None:
-            attention_output_with_bias = hc.apply_h_post_with_checkpoint(
-                attention_output_with_bias, h_post, mhc_recompute_manager
-            )
         if mhc_recompute_manager is not None:
             _, out = self._checkpointed(
-                mhc_recompute_manager, "self_attn_bda", self._bda,
-                attention_output_with_bias, residual,
+                mhc_recompute_manager, "self_attn_bda", self._bda, attention_output_with_bias, residual
             )
             return out
         return self._bda(attention_output_with_bias, residual)
@@ -139,27 +142,19 @@ class TransformerLayer(torch.nn.Module):
     def _forward_mlp(
         self, hidden_states: Tensor, mhc_recompute_manager=None, is_last_layer_in_block: bool = False
     ) -> Tensor:
-        residual = hidden_states
-        hc = self.mlp_hyper_connection
-        if hc is not None:
-            hidden_states, residual, h_post = hc(hidden_states, residual, mhc_recompute_manager)
-        normed, norm_ckpt = self._norm(
-            self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, mhc_recompute_manager,
-            "pre_mlp_layernorm", hidden_states,
+        mlp_output_with_bias, residual = self._sublayer(
+            self.mlp_hyper_connection, self.pre_mlp_layernorm,
+            self.recompute_pre_mlp_layernorm, "pre_mlp_layernorm", self._run_mlp,
+            hidden_states, mhc_recompute_manager,
         )
-        if self.recompute_mlp and self._recomputing():
-            mlp_output_with_bias = torch.utils.checkpoint.checkpoint(self.mlp, normed, use_reentrant=False)
-        else:
-            mlp_output_with_bias = self.mlp(normed)
-        if norm_ckpt is not None:
-            norm_ckpt.discard_output_and_register_recompute(mlp_output_with_bias[0])
-        if hc is not None:
-            mlp_output_with_bias = hc.apply_h_post_with_checkpoint(
-                mlp_output_with_bias, h_post, mhc_recompute_manager
-            )
         return self._forward_post_mlp(
             mlp_output_with_bias, residual, mhc_recompute_manager, is_last_layer_in_block
         )
+
+    def _run_mlp(self, normed: Tensor):
+        if self.recompute_mlp and self._recomputing():
+            return torch.utils.checkpoint.checkpoint(self.mlp, normed, use_reentrant=False)
+        return self.mlp(normed)
 
     def _forward_post_mlp(
         self,
