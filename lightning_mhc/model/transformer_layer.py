@@ -59,12 +59,10 @@ class TransformerLayer(torch.nn.Module):
 
         selective = config.recompute_granularity == "selective"
         modules = (config.recompute_modules or []) if selective else []
-        self.recompute_core_attn = "core_attn" in modules
+        self.self_attention.recompute_core_attention = "core_attn" in modules
         self.recompute_input_layernorm = "layernorm" in modules
         self.recompute_pre_mlp_layernorm = "layernorm" in modules
         self.recompute_mlp = "mlp" in modules
-        if self.recompute_core_attn:
-            self.self_attention.recompute_core_attention = True
         # Handed in by a recompute policy's forward hooks (lightning_mhc.recompute.policy);
         # the layer only reads them.
         self.mhc_recompute_manager = None
