@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
@@ -18,6 +17,8 @@ from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.parallel_linear import output_projection
 from lightning_mhc.model.rope import apply_rotary
+from lightning_mhc.recompute.checkpoint import checkpoint
+from lightning_mhc.recompute.rng import rng_fork
 
 
 class SelfAttention(torch.nn.Module):
@@ -55,7 +56,7 @@ class SelfAttention(torch.nn.Module):
         if rotary_freqs is not None:
             q, k = apply_rotary(q, rotary_freqs), apply_rotary(k, rotary_freqs)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
-            context = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+            context = checkpoint(self.core_attention, q, k, v)
         else:
             context = self.core_attention(q, k, v)
         return self.linear_proj(context)
@@ -68,5 +69,6 @@ class SelfAttention(torch.nn.Module):
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
         dropout = self.config.attention_dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        with rng_fork():  # heads are split across TP: masks differ on every rank
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)

@@ -21,6 +21,7 @@ from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.rope import rotary_freqs
 from lightning_mhc.model.transformer_block import TransformerBlock
+from lightning_mhc.recompute.rng import rng_fork
 
 WORD_EMBEDDINGS_KEY = "embedding.word_embeddings.weight"
 
@@ -50,7 +51,8 @@ class Embedding(torch.nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
             emb = emb + self.position_embeddings(position_ids)
-        return self.dropout(emb.transpose(0, 1).contiguous())
+        with rng_fork("tensor"):  # replicated across TP: same mask there
+            return self.dropout(emb.transpose(0, 1).contiguous())
 
 
 class GPTModel(torch.nn.Module):
@@ -120,6 +122,19 @@ class GPTModel(torch.nn.Module):
         if pre_process and self.share_embeddings_and_output_weights:
             self.embedding.word_embeddings.weight.shared_embedding = True
 
+    def global_parameter_name(self, local_name: str) -> str:
+        """The parameter's name in the whole (unpartitioned) model: local layer indices
+        shifted by this stage's first layer."""
+        prefix = "decoder.layers."
+        if local_name.startswith(prefix):
+            index, rest = local_name[len(prefix):].split(".", 1)
+            return f"{prefix}{int(index) + self.layer_range[0]}.{rest}"
+        return local_name
+
+    def pipeline_tensor_shape(self, micro_batch_size: int, seq_length: int) -> tuple[int, int, int]:
+        """What crosses stages: the residual stream ``[s, b, n*C]``."""
+        return (seq_length, micro_batch_size, self.config.residual_width)
+
     def set_input_tensor(self, input_tensor: Tensor | None) -> None:
         """The hidden state received from the previous stage (megatron's contract)."""
         self.input_tensor = input_tensor
@@ -159,3 +174,21 @@ class GPTModel(torch.nn.Module):
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
         return loss.transpose(0, 1).contiguous()
+
+
+def gpt_forward_step(model: GPTModel, microbatch: dict) -> Tensor:
+    """The pipeline schedule's per-microbatch forward: tokens on the first stage, labels on
+    the last; returns the hidden state or the per-token loss ``[b, s]``."""
+    return model(
+        microbatch["tokens"] if model.pre_process else None,
+        labels=microbatch["labels"] if model.post_process else None,
+    )
+
+
+def gpt_loss_func(per_token_loss: Tensor, microbatch: dict) -> Tensor:
+    """Mean loss over the microbatch's tokens, honouring an optional ``loss_mask``."""
+    mask = microbatch.get("loss_mask")
+    if mask is None:
+        return per_token_loss.mean()
+    mask = mask.to(per_token_loss.dtype)
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1)

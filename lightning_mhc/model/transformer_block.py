@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.utils.checkpoint
 from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
@@ -13,6 +12,7 @@ from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.norm import RMSNorm
 from lightning_mhc.model.transformer_layer import TransformerLayer
+from lightning_mhc.recompute.checkpoint import checkpoint
 
 
 class TransformerBlock(torch.nn.Module):
@@ -77,9 +77,7 @@ class TransformerBlock(torch.nn.Module):
         while i < len(self.layers):
             if i in full:
                 group = self.layers[i:i + (chunk if self.config.recompute_method == "uniform" else 1)]
-                hidden_states = torch.utils.checkpoint.checkpoint(
-                    _run_layers, group, hidden_states, rotary_freqs, use_reentrant=False
-                )
+                hidden_states = checkpoint(_run_layers, group, hidden_states, rotary_freqs)
                 i += len(group)
             else:
                 hidden_states, _ = self.layers[i](hidden_states, rotary_freqs)

@@ -23,7 +23,6 @@ Recompute (megatron's selective granularity, and seed 000's block recompute):
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
 from torch import Tensor
 
 from lightning_mhc.model.bda import bias_dropout_add
@@ -33,7 +32,7 @@ from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.mlp import MLP
 from lightning_mhc.model.norm import RMSNorm
-from lightning_mhc.recompute.checkpoint import CheckpointWithoutOutput
+from lightning_mhc.recompute.checkpoint import CheckpointWithoutOutput, checkpoint
 
 
 class TransformerLayer(torch.nn.Module):
@@ -151,7 +150,7 @@ class TransformerLayer(torch.nn.Module):
 
     def _run_mlp(self, normed: Tensor):
         if self.recompute_mlp and self._recomputing():
-            return torch.utils.checkpoint.checkpoint(self.mlp, normed, use_reentrant=False)
+            return checkpoint(self.mlp, normed)
         return self.mlp(normed)
 
     def _forward_post_mlp(

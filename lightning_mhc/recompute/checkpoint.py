@@ -13,13 +13,21 @@ Arguments may be nested tuples/lists (``x_with_bias``) and non-tensors
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_mhc.recompute.rng import fork_rng, get_all_rng_states, set_all_rng_states
+from lightning_mhc.recompute.rng import (
+    fork_rng,
+    get_all_rng_states,
+    get_tracked_rng_states,
+    restored_tracked_rng_states,
+    set_all_rng_states,
+)
 
 
 def _storage_bytes_needed(t: Tensor) -> int:
@@ -178,3 +186,14 @@ class CheckpointWithoutOutput:
         ctx.outputs, ctx.inputs = flat_out, inputs
         self.run_function = self.rng_states = self.outputs = self.ctx = None
         self.recomputed = True
+
+
+def checkpoint(function: Callable, *args: Any):
+    """``torch.utils.checkpoint`` (non-reentrant) that also restores the parallel randomizer
+    and registered RNG sources when it recomputes; torch restores the CPU/CUDA generators."""
+    states = get_tracked_rng_states()
+
+    def context_fn():
+        return contextlib.nullcontext(), restored_tracked_rng_states(states)
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn)

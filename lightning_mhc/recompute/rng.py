@@ -1,7 +1,20 @@
-"""Capture and restore every RNG state that exists, so a recomputed dropout
-mask is bit-identical to the forward one: the CPU generator, the CUDA
-generators when CUDA is initialised, and any registered tracker (the parallel
-RNG tracker registers itself here)."""
+"""RNG states: the multi-dimensional parallel randomizer (seed 002) and the
+capture/restore that recompute uses.
+
+``MultiDimParallelRandomizer`` hands out a randomizer per set of parallel
+dimensions that must draw the SAME numbers: ``fork("tensor")`` for dropout on
+activations replicated across TP (hidden and embedding dropout),
+``fork()`` for dropout inside TP-split regions (attention probabilities). Any
+dimension not named differs (every fork differs across DP and PP). A fork
+swaps the device's default generator (CPU, and CUDA when initialised), so
+``F.dropout`` and SDPA need no change. Without an installed randomizer
+(one process), ``fork`` is a no-op.
+
+``get_all_rng_states`` / ``set_all_rng_states`` cover the CPU generator, the
+CUDA generators when CUDA is initialised, the installed randomizer, and any
+source registered with ``register_rng_state_source``; recomputed dropout is
+therefore bit-identical.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +23,107 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 
+def _cuda_active() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+class _Randomizer:
+    """CPU (and CUDA) generator states seeded once and advanced only inside ``fork``."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if _cuda_active() else []):
+            torch.manual_seed(seed)
+            self.cpu_state = torch.get_rng_state()
+            self.cuda_state = torch.cuda.get_rng_state() if _cuda_active() else None
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        cpu, cuda = torch.get_rng_state(), (torch.cuda.get_rng_state() if _cuda_active() else None)
+        torch.set_rng_state(self.cpu_state)
+        if cuda is not None:
+            if self.cuda_state is None:  # CUDA initialised after this randomizer was made
+                torch.cuda.manual_seed(self.seed)
+            else:
+                torch.cuda.set_rng_state(self.cuda_state)
+        try:
+            yield
+        finally:
+            self.cpu_state = torch.get_rng_state()
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                self.cuda_state = torch.cuda.get_rng_state()
+                torch.cuda.set_rng_state(cuda)
+
+
+class MultiDimParallelRandomizer:
+    """Randomizers keyed by the parallel dimensions that share a seed (seed 002).
+
+    ``ranks`` and ``sizes`` map dimension names (e.g. ``tensor``, ``data``,
+    ``pipeline``) to this rank's index and the dimension's size. The seed of
+    ``get_randomizer(*same)`` is ``base_seed + same_code * prod(sizes) +
+    sum(rank_d * stride_d for d not in same)``: equal exactly across the
+    named dimensions.
+    """
+
+    def __init__(self, base_seed: int, ranks: dict[str, int], sizes: dict[str, int]) -> None:
+        self.base_seed = base_seed
+        self.names = list(sizes)
+        self.ranks = ranks
+        self.strides = [1]
+        for name in self.names:
+            self.strides.append(self.strides[-1] * sizes[name])
+        self._randomizers: dict[tuple[bool, ...], _Randomizer] = {}
+
+    def seed_of(self, *same_groups: str) -> int:
+        unknown = set(same_groups) - set(self.names)
+        if unknown:
+            raise ValueError(f"unknown parallel dimensions {sorted(unknown)}; known: {self.names}")
+        same = tuple(name in same_groups for name in self.names)
+        offset = sum(2**i for i, s in enumerate(same) if s) * self.strides[-1]
+        offset += sum(self.ranks[n] * self.strides[i] for i, n in enumerate(self.names) if not same[i])
+        return self.base_seed + offset
+
+    def get_randomizer(self, *same_groups: str) -> _Randomizer:
+        key = tuple(name in same_groups for name in self.names)
+        if key not in self._randomizers:
+            self._randomizers[key] = _Randomizer(self.seed_of(*same_groups))
+        return self._randomizers[key]
+
+    def get_states(self) -> dict:
+        return {k: (r.cpu_state.clone(), None if r.cuda_state is None else r.cuda_state.clone())
+                for k, r in self._randomizers.items()}
+
+    def set_states(self, states: dict) -> None:
+        for key, (cpu, cuda) in states.items():
+            randomizer = self._randomizers.get(key)
+            if randomizer is None:
+                randomizer = self._randomizers[key] = _Randomizer(self.base_seed)
+            randomizer.cpu_state, randomizer.cuda_state = cpu.clone(), (None if cuda is None else cuda.clone())
+        for key in set(self._randomizers) - set(states):  # created after the capture
+            del self._randomizers[key]
+
+
+_RANDOMIZER: MultiDimParallelRandomizer | None = None
+
+
+def set_parallel_randomizer(randomizer: MultiDimParallelRandomizer | None) -> None:
+    global _RANDOMIZER
+    _RANDOMIZER = randomizer
+
+
+def get_parallel_randomizer() -> MultiDimParallelRandomizer | None:
+    return _RANDOMIZER
+
+
+def rng_fork(*same_groups: str):
+    """The randomizer's fork for ``same_groups``; a no-op without an installed randomizer."""
+    if _RANDOMIZER is None:
+        return contextlib.nullcontext()
+    return _RANDOMIZER.get_randomizer(*same_groups).fork()
+
+
+# ------------------------------------------------------- capture and restore
 class _Source(NamedTuple):
     get_states: Callable[[], Any]
     set_states: Callable[[Any], None]
@@ -25,12 +139,27 @@ def register_rng_state_source(
     _SOURCES[name] = _Source(get_states, set_states)
 
 
-def get_all_rng_states() -> dict[str, Any]:
-    states: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+def get_tracked_rng_states() -> dict[str, Any]:
+    """States beyond torch's own generators: the parallel randomizer and registered sources."""
+    states: dict[str, Any] = {name: source.get_states() for name, source in _SOURCES.items()}
+    if _RANDOMIZER is not None:
+        states["parallel_randomizer"] = _RANDOMIZER.get_states()
+    return states
+
+
+def set_tracked_rng_states(states: dict[str, Any]) -> None:
     for name, source in _SOURCES.items():
-        states[name] = source.get_states()
+        if name in states:
+            source.set_states(states[name])
+    if _RANDOMIZER is not None and "parallel_randomizer" in states:
+        _RANDOMIZER.set_states(states["parallel_randomizer"])
+
+
+def get_all_rng_states() -> dict[str, Any]:
+    states = get_tracked_rng_states()
+    states["cpu"] = torch.get_rng_state()
+    if _cuda_active():
+        states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 
 
@@ -38,9 +167,7 @@ def set_all_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["cpu"])
     if "cuda" in states:
         torch.cuda.set_rng_state_all(states["cuda"])
-    for name, source in _SOURCES.items():
-        if name in states:
-            source.set_states(states[name])
+    set_tracked_rng_states(states)
 
 
 @contextlib.contextmanager
@@ -51,3 +178,14 @@ def fork_rng() -> Iterator[None]:
         yield
     finally:
         set_all_rng_states(saved)
+
+
+@contextlib.contextmanager
+def restored_tracked_rng_states(states: dict[str, Any]) -> Iterator[None]:
+    """Run a block with the tracked states set to ``states``, then put them back."""
+    current = get_tracked_rng_states()
+    set_tracked_rng_states(states)
+    try:
+        yield
+    finally:
+        set_tracked_rng_states(current)

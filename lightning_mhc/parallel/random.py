@@ -1,0 +1,40 @@
+"""Seeding per parallel dimension (seed 002), device-agnostic.
+
+megatron-core's ``model_parallel_cuda_manual_seed`` needs CUDA; this installs
+a ``MultiDimParallelRandomizer`` over the ``tensor``, ``data`` and
+``pipeline`` dimensions of megatron's groups, on CPU and GPU alike:
+
+- weights: drawn by name (``model.init``), identical across TP and DP,
+  different across stages (different layers);
+- dropout on TP-replicated activations: ``rng_fork("tensor")``, identical
+  across TP, different across DP and PP;
+- dropout inside TP-split regions: ``rng_fork()``, different everywhere.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+
+from lightning_mhc.recompute.rng import MultiDimParallelRandomizer, set_parallel_randomizer
+
+
+def model_parallel_manual_seed(seed: int) -> MultiDimParallelRandomizer:
+    """Seed torch's default generators with ``seed`` and install the parallel randomizer."""
+    torch.manual_seed(seed)
+    ranks = {
+        "tensor": parallel_state.get_tensor_model_parallel_rank(),
+        "data": parallel_state.get_data_parallel_rank(),
+        "pipeline": parallel_state.get_pipeline_model_parallel_rank(),
+    }
+    sizes = {
+        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
+        "data": parallel_state.get_data_parallel_world_size(),
+        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+    }
+    randomizer = MultiDimParallelRandomizer(seed, ranks, sizes)
+    set_parallel_randomizer(randomizer)
+    return randomizer
+
+
+def clear_parallel_seed() -> None:
+    set_parallel_randomizer(None)

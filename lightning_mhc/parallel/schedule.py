@@ -1,0 +1,179 @@
+"""The non-interleaved 1F1B pipeline schedule and a forward-only schedule, device-agnostic.
+
+Follows megatron-core's ``forward_backward_pipelining_without_interleaving``:
+warm-up (``p - rank - 1`` forwards, at most ``m``), steady 1F1B, cool-down.
+After a non-last stage sends a microbatch's output, megatron's
+``deallocate_output_tensor`` shrinks it to one element and its backward
+runs through ``custom_backward`` (seed 004). The loss is computed on the last
+stage; the mean over microbatches, averaged over DP, is returned on every rank.
+
+The model contract (megatron's): ``model.set_input_tensor(t)`` before each
+forward on a non-first stage; ``forward_step(model, microbatch)`` returns the
+stage output (the hidden state, or on the last stage what ``loss_func``
+takes); ``loss_func(output, microbatch)`` returns the microbatch's scalar loss.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
+from torch import Tensor
+
+from lightning_mhc.parallel.p2p import PipelineP2P
+
+ForwardStep = Callable[[torch.nn.Module, Any], Tensor]
+LossFunc = Callable[[Tensor, Any], Tensor]
+
+
+@dataclass
+class ScheduleResult:
+    loss: Tensor
+    """Mean loss over the microbatches and the DP replicas; the same scalar on every rank."""
+    num_microbatches: int
+
+
+class _InFlight:
+    """Input/output tensors kept between a microbatch's forward and its backward."""
+
+    def __init__(self) -> None:
+        self.inputs: list[Tensor | None] = []
+        self.outputs: list[Tensor] = []
+
+    def push(self, input_tensor: Tensor | None, output: Tensor) -> None:
+        self.inputs.append(input_tensor)
+        self.outputs.append(output)
+
+    def pop(self) -> tuple[Tensor | None, Tensor]:
+        return self.inputs.pop(0), self.outputs.pop(0)
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in self.inputs + self.outputs if t is not None]
+
+
+def _set_input(model: torch.nn.Module, input_tensor: Tensor | None) -> None:
+    if hasattr(model, "set_input_tensor"):
+        model.set_input_tensor(input_tensor)
+    elif input_tensor is not None:
+        raise TypeError(
+            f"{type(model).__name__} is a pipeline stage after the first but has no "
+            "set_input_tensor(tensor): implement it to receive the previous stage's output."
+        )
+
+
+def _backward_step(
+    input_tensor: Tensor | None, output: Tensor, output_grad: Tensor | None, deallocated: bool
+) -> Tensor | None:
+    if output_grad is None:  # last stage: output is the scaled loss
+        torch.autograd.backward(output)
+    elif deallocated:
+        custom_backward(output, output_grad)
+    else:
+        torch.autograd.backward(output, grad_tensors=output_grad)
+    return None if input_tensor is None else input_tensor.grad
+
+
+def _reduce_loss(total: Tensor | None, num_microbatches: int, device: torch.device) -> Tensor:
+    """Mean over microbatches and DP on the last stage, then broadcast along the pipeline."""
+    loss = torch.zeros((), dtype=torch.float32, device=device)
+    if parallel_state.is_pipeline_last_stage():
+        loss += total.float() / num_microbatches
+        dp_group = parallel_state.get_data_parallel_group()
+        if dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(loss, group=dp_group)
+            loss /= dist.get_world_size(dp_group)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            loss,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+    return loss
+
+
+def forward_backward_pipelining(
+    model: torch.nn.Module,
+    microbatches: Sequence[Any],
+    forward_step: ForwardStep,
+    loss_func: LossFunc,
+    *,
+    tensor_shape: tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+    deallocate_pipeline_outputs: bool = True,
+    forward_only: bool = False,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    probe: Callable[[list[Tensor]], None] | None = None,
+) -> ScheduleResult:
+    """Run forward (and backward) of every microbatch through this rank's stage.
+
+    Gradients accumulate into ``.grad`` (each microbatch's loss is scaled by
+    ``1/m``); reduce them across DP afterwards (``parallel.grads``).
+    ``probe(tensors)``, when given, is called after every forward with the
+    tensors the schedule holds for pending backwards.
+    """
+    m = len(microbatches)
+    if m < 1:
+        raise ValueError("the schedule needs at least one microbatch")
+    device = next(model.parameters()).device
+    p2p = PipelineP2P(tensor_shape, dtype, device, timeout)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    deallocate = deallocate_pipeline_outputs and not p2p.is_last
+    total_loss: Tensor | None = None
+    in_flight = _InFlight()
+
+    def forward(index: int, input_tensor: Tensor | None) -> Tensor:
+        nonlocal total_loss
+        _set_input(model, input_tensor)
+        output = forward_step(model, microbatches[index])
+        if p2p.is_last:
+            loss = loss_func(output, microbatches[index])
+            total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
+            output = loss / m
+        return output
+
+    if forward_only:
+        with torch.no_grad():
+            for i in range(m):
+                p2p.send_forward(forward(i, p2p.recv_forward()))
+        return ScheduleResult(_reduce_loss(total_loss, m, device), m)
+
+    num_warmup = min(pp - rank - 1, m)
+    num_steady = m - num_warmup
+
+    for i in range(num_warmup):
+        input_tensor = p2p.recv_forward()
+        output = forward(i, input_tensor)
+        p2p.send_forward(output)
+        in_flight.push(input_tensor, output)
+        deallocate_output_tensor(output, deallocate)
+        if probe is not None:
+            probe(in_flight.tensors())
+
+    input_tensor = p2p.recv_forward() if num_steady > 0 else None
+    for i in range(num_steady):
+        last_iteration = i == num_steady - 1
+        output = forward(num_warmup + i, input_tensor)
+        output_grad = p2p.send_forward_recv_backward(output)
+        in_flight.push(input_tensor, output)
+        deallocate_output_tensor(output, deallocate)
+        if probe is not None:
+            probe(in_flight.tensors())
+        oldest_input, oldest_output = in_flight.pop()
+        input_grad = _backward_step(oldest_input, oldest_output, output_grad, deallocate)
+        if last_iteration:
+            input_tensor = None
+            p2p.send_backward(input_grad)
+        else:
+            input_tensor = p2p.send_backward_recv_forward(input_grad)
+
+    for _ in range(num_warmup):
+        oldest_input, oldest_output = in_flight.pop()
+        output_grad = p2p.recv_backward()
+        p2p.send_backward(_backward_step(oldest_input, oldest_output, output_grad, deallocate))
+
+    return ScheduleResult(_reduce_loss(total_loss, m, device), m)

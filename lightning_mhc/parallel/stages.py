@@ -1,0 +1,71 @@
+"""Pipeline stage partitioning: which layers each stage holds, and building only the local stage."""
+from __future__ import annotations
+
+from megatron.core import parallel_state
+
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.model.config import MHCTransformerConfig
+from lightning_mhc.model.gpt import GPTModel
+
+
+def partition_layers(
+    num_layers: int,
+    pipeline_model_parallel_size: int,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[tuple[int, int]]:
+    """Global ``[start, end)`` layer ranges per stage.
+
+    Even by default; ``first_stage_layers`` / ``last_stage_layers`` fix the
+    outer stages (megatron's ``decoder_first/last_pipeline_num_layers``) and
+    the rest is split evenly over the middle stages.
+    """
+    pp = pipeline_model_parallel_size
+    sizes: list[int | None] = [None] * pp
+    if first_stage_layers is not None:
+        sizes[0] = first_stage_layers
+    if last_stage_layers is not None:
+        if pp == 1 and first_stage_layers is not None and first_stage_layers != last_stage_layers:
+            raise ConfigError(
+                f"first_stage_layers={first_stage_layers} and last_stage_layers={last_stage_layers} "
+                "name the same single stage; give one of them."
+            )
+        sizes[-1] = last_stage_layers
+    fixed = sum(s for s in sizes if s is not None)
+    free = [i for i, s in enumerate(sizes) if s is None]
+    remaining = num_layers - fixed
+    if any(s is not None and s < 0 for s in sizes) or remaining < 0 or (free and remaining % len(free)) \
+            or (not free and remaining != 0):
+        raise ConfigError(
+            f"num_layers={num_layers} cannot be split over pipeline_model_parallel_size={pp} "
+            f"(first_stage_layers={first_stage_layers}, last_stage_layers={last_stage_layers}): "
+            f"the {len(free)} remaining stage(s) must share {remaining} layers evenly. Change "
+            "num_layers, the pipeline size, or the first/last stage sizes."
+        )
+    for i in free:
+        sizes[i] = remaining // len(free)
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+def build_gpt_stage(
+    config: MHCTransformerConfig,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> GPTModel:
+    """This rank's stage of the GPT model and only it (like megatron's ``model_provider``).
+
+    No module of another stage is constructed, not even on the meta device.
+    """
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    ranges = partition_layers(config.num_layers, pp, first_stage_layers, last_stage_layers)
+    return GPTModel(
+        config,
+        pre_process=rank == 0,
+        post_process=rank == pp - 1,
+        layer_range=ranges[rank],
+    )

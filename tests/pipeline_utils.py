@@ -1,0 +1,74 @@
+"""Training a GPT stage under a (TP, PP, DP) layout inside a spawned rank, for the tests."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
+from lightning_mhc.parallel.grads import finalize_model_grads
+from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
+from lightning_mhc.parallel.schedule import forward_backward_pipelining
+from lightning_mhc.parallel.stages import build_gpt_stage
+from lightning_mhc.parallel.state import current_layout, destroy_parallel, initialize_parallel
+from lightning_mhc.parallel.tensor_parallel import gather_tensor_parallel
+from lightning_mhc.recompute import attach_recompute, configure_recompute
+from model_utils import tiny_config
+
+SEQ, MICRO_BATCH = 16, 2
+
+
+def global_batch(step: int, rows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 256, (rows, SEQ + 1), generator=g)
+
+
+def train_layout(
+    tp: int, pp: int, microbatches: int, policy: str = "none", *, steps: int = 3,
+    dropout: float = 0.0, deallocate: bool = True, global_rows: int | None = None,
+    reference: bool = False, probe=None, config_overrides: dict | None = None,
+) -> dict:
+    """3 SGD steps of the tiny model; returns per-step losses and full weights by global name
+    (gathered over TP and PP, on every rank). ``reference``: one microbatch with the whole
+    global batch and no DP sharding (every rank computes the single-process result)."""
+    layout = initialize_parallel(tp, pp)
+    model_parallel_manual_seed(1234)
+    cfg = tiny_config(hidden_dropout=dropout, attention_dropout=dropout, **(config_overrides or {}))
+    cfg = configure_recompute(cfg, policy, **({"mhc_recompute_layer_num": 2} if policy == "mhc_block" else {}))
+    model = build_gpt_stage(cfg)
+    managers = attach_recompute(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    dp, dp_rank = (1, 0) if reference else (layout.data_parallel_size, layout.data_parallel_rank)
+    rows = global_rows or dp * microbatches * MICRO_BATCH
+    per_rank = rows // dp
+    mb_rows = per_rank if reference else MICRO_BATCH
+    losses = []
+    for step in range(steps):
+        data = global_batch(step, rows)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        mbs = [
+            dict(tokens=chunk[:, :-1], labels=chunk[:, 1:])
+            for chunk in data.split(mb_rows)
+        ]
+        result = forward_backward_pipelining(
+            model, mbs, gpt_forward_step, gpt_loss_func,
+            tensor_shape=model.pipeline_tensor_shape(mb_rows, SEQ),
+            deallocate_pipeline_outputs=deallocate, probe=probe,
+        )
+        if not reference:
+            finalize_model_grads(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(result.loss.item())
+    weights = {
+        model.global_parameter_name(name): gather_tensor_parallel(p.detach(), p).clone()
+        for name, p in model.named_parameters()
+        if not (model.output_layer is not None and p is model.output_layer.weight and not model.pre_process)
+    }
+    if layout.tensor_model_parallel_rank != 0 or (layout.data_parallel_rank != 0 and not reference):
+        weights = {}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, weights)
+    merged = {k: v for part in gathered for k, v in part.items()}
+    recomputes = [m.recompute_count for m in managers]
+    destroy_parallel()
+    clear_parallel_seed()
+    return dict(losses=losses, weights=merged, recomputes=recomputes, layout=layout)
