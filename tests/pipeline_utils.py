@@ -28,11 +28,14 @@ def train_layout(
     reference: bool = False, probe=None, config_overrides: dict | None = None,
 ) -> dict:
     """3 SGD steps of the tiny model; returns per-step losses and full weights by global name
-    (gathered over TP and PP, on every rank). ``reference``: one microbatch with the whole
-    global batch and no DP sharding (every rank computes the single-process result)."""
+    (gathered over TP and PP, on every rank). ``reference``: a single-process run (world of
+    one rank) with the whole global batch as one microbatch."""
     layout = initialize_parallel(tp, pp)
     model_parallel_manual_seed(1234)
-    cfg = tiny_config(hidden_dropout=dropout, attention_dropout=dropout, **(config_overrides or {}))
+    # 4 Sinkhorn iterations instead of 20: the runtime under test does not depend on it, and
+    # 8 ranks on 2 cores pay for every small op.
+    overrides = dict(mhc_sinkhorn_iterations=4, **(config_overrides or {}))
+    cfg = tiny_config(hidden_dropout=dropout, attention_dropout=dropout, **overrides)
     cfg = configure_recompute(cfg, policy, **({"mhc_recompute_layer_num": 2} if policy == "mhc_block" else {}))
     model = build_gpt_stage(cfg)
     managers = attach_recompute(model)
@@ -63,11 +66,14 @@ def train_layout(
         for name, p in model.named_parameters()
         if not (model.output_layer is not None and p is model.output_layer.weight and not model.pre_process)
     }
-    if layout.tensor_model_parallel_rank != 0 or (layout.data_parallel_rank != 0 and not reference):
-        weights = {}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, weights)
-    merged = {k: v for part in gathered for k, v in part.items()}
+    if reference:
+        merged = weights
+    else:
+        if layout.tensor_model_parallel_rank != 0 or layout.data_parallel_rank != 0:
+            weights = {}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, weights)
+        merged = {k: v for part in gathered for k, v in part.items()}
     recomputes = [m.recompute_count for m in managers]
     destroy_parallel()
     clear_parallel_seed()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -49,24 +50,29 @@ class ActivationMemoryMeter:
         self._hooks.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+    def live_bytes(self, extra: Iterable[torch.Tensor] = ()) -> int:
+        """Bytes of the unique live storages of the tensors saved so far, plus ``extra``
+        tensors held outside the graph (e.g. a pipeline schedule's in-flight outputs)."""
         params = {
             p.untyped_storage().data_ptr()
             for module in self._exclude
             for p in module.parameters()
         }
         storages: dict[int, int] = {}
-        for ref in self._saved:
-            tensor = ref()
+        tensors = [ref() for ref in self._saved] + list(extra)
+        for tensor in tensors:
             if tensor is None:
                 continue
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in params:
                 continue
             storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
         peak = None
         if self._cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
-        self.result = ActivationMemory(sum(storages.values()), len(self._saved), peak)
+        self.result = ActivationMemory(self.live_bytes(), len(self._saved), peak)

@@ -1,0 +1,185 @@
+"""The parallel runtime on CPU/gloo: every (TP, PP, DP) layout up to 8 ranks and
+m in {1, p, 2p+1} microbatches match a single-process run; recompute under the
+pipeline is bit-exact with dropout; deallocation frees stage outputs.
+
+One spawned group per world size (2, 4, 8 ranks) runs all of its cases.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_mhc.parallel.launch import spawn_ranks
+from lightning_mhc.recompute import ActivationMemoryMeter
+from lightning_mhc.recompute.rng import rng_fork
+from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
+from lightning_mhc.parallel.state import destroy_parallel, initialize_parallel
+from pipeline_utils import MICRO_BATCH, train_layout
+
+LAYOUTS = {  # world size -> (TP, PP, DP) layouts
+    2: [(1, 1, 2), (2, 1, 1), (1, 2, 1)],
+    4: [(1, 4, 1), (2, 2, 1)],
+    8: [(2, 2, 2)],
+}
+POLICIES = ("none", "mhc_block")
+
+
+def _microbatch_counts(pp: int) -> list[int]:
+    return sorted({1, pp, 2 * pp + 1})
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _equivalence(rank: int, world: int) -> dict:
+    """Every layout of this world size, every microbatch count, both policies."""
+    out = {}
+    for tp, pp, dp in LAYOUTS[world]:
+        for m in _microbatch_counts(pp):
+            for policy in POLICIES:
+                got = train_layout(tp, pp, m, policy)
+                out[(tp, pp, dp, m, policy)] = dict(
+                    losses=got["losses"], weights=got["weights"] if rank == 0 else None,
+                    recomputes=got["recomputes"],
+                )
+    return out
+
+
+DROPOUT_LAYOUTS = {2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 2, 2)}
+
+
+def _dropout_recompute(rank: int, world: int) -> dict:
+    """Dropout > 0: mhc_block == none bit-exactly under the same layout (m = p)."""
+    out = {}
+    for tp, pp, dp in [DROPOUT_LAYOUTS[world]]:
+        m = pp
+        plain = train_layout(tp, pp, m, "none", dropout=0.1)
+        recomputed = train_layout(tp, pp, m, "mhc_block", dropout=0.1)
+        out[(tp, pp, dp)] = dict(
+            losses_equal=plain["losses"] == recomputed["losses"],
+            weights_equal=all(torch.equal(plain["weights"][k], recomputed["weights"][k]) for k in plain["weights"]),
+            losses=plain["losses"],
+        )
+    return out
+
+
+def _run_group(rank: int, world: int) -> dict:
+    results = dict(equivalence=_equivalence(rank, world), dropout=_dropout_recompute(rank, world))
+    if world == 4:
+        results["deallocation"] = _deallocation(rank, world)
+    if world == 8:
+        results["randomizer"] = _randomizer_masks(rank, world)
+    return results
+
+
+def _deallocation(rank: int, world: int) -> dict:
+    """PP = 4, 8 microbatches: in-flight outputs of non-last stages hold one element, and the
+    peak retained bytes (saved tensors + tensors the schedule holds) drop accordingly."""
+    result = {}
+    for deallocate in (False, True):
+        peak, output_numels, in_flight = 0, set(), 0
+        meter = ActivationMemoryMeter()
+
+        def probe(held):
+            nonlocal peak, in_flight
+            peak = max(peak, meter.live_bytes(extra=held))
+            in_flight = max(in_flight, len(held) - sum(1 for t in held if t.requires_grad and t.is_leaf))
+            output_numels.update(t.numel() for t in held if not t.is_leaf)
+
+        with meter:
+            train_layout(1, 4, 8, "mhc_block", steps=1, deallocate=deallocate, probe=probe)
+        result[deallocate] = dict(peak=peak, output_numels=sorted(output_numels), in_flight=in_flight)
+    return result
+
+
+def _randomizer_masks(rank: int, world: int) -> dict:
+    """Dropout masks drawn in each fork on each rank of TP = PP = DP = 2."""
+    layout = initialize_parallel(2, 2)
+    model_parallel_manual_seed(77)
+    masks = {}
+    for name, groups in (("tensor", ("tensor",)), ("split", ())):
+        with rng_fork(*groups):
+            masks[name] = torch.nn.functional.dropout(torch.ones(256), 0.5)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (layout, masks))
+    destroy_parallel()
+    clear_parallel_seed()
+    return gathered
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda w: f"world{w}")
+def group_results(request):
+    world = request.param
+    per_rank = spawn_ranks(_run_group, world, timeout_s=420)
+    results = per_rank[0]
+    results["recomputes"] = {k: [r["equivalence"][k]["recomputes"] for r in per_rank] for k in results["equivalence"]}
+    return world, results
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(rows: int) -> dict:
+    """The single-process run (this pytest process, one rank): the whole global batch as
+    one microbatch, no parallelism, recompute policy none."""
+    if rows not in _REFERENCES:
+        _REFERENCES[rows] = train_layout(1, 1, 1, "none", reference=True, global_rows=rows)
+    return _REFERENCES[rows]
+
+
+def test_layouts_match_single_process(single_rank_group, group_results):
+    world, results = group_results
+    cases = results["equivalence"]
+    assert len(cases) == sum(len(_microbatch_counts(pp)) * len(POLICIES) for _, pp, _ in LAYOUTS[world])
+    for (tp, pp, dp, m, policy), case in cases.items():
+        label = f"TP={tp} PP={pp} DP={dp} m={m} {policy}"
+        ref = _reference(dp * m * MICRO_BATCH)
+        torch.testing.assert_close(
+            torch.tensor(case["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=1e-5, msg=label
+        )
+        diff = _max_diff(case["weights"], ref["weights"])
+        assert diff <= 1e-5, f"{label}: final weights differ by {diff}"
+        if policy == "mhc_block":  # every block's hook fired once on every rank, also behind custom_backward
+            recomputes = [c for rank in results["recomputes"][(tp, pp, dp, m, policy)] for c in rank]
+            assert recomputes and set(recomputes) == {1}, label
+
+
+def test_recompute_bit_exact_with_dropout_under_pipeline(group_results):
+    world, results = group_results
+    assert len(results["dropout"]) == 1
+    for layout, case in results["dropout"].items():
+        assert case["losses_equal"] and case["weights_equal"], layout
+        assert len(set(case["losses"])) == len(case["losses"])
+
+
+def test_deallocation_frees_in_flight_outputs(group_results):
+    world, results = group_results
+    if "deallocation" not in results:
+        pytest.skip("measured in the 4-rank group")
+    kept, freed = results["deallocation"][False], results["deallocation"][True]
+    stage_output_bytes = 16 * MICRO_BATCH * 4 * 64 * 4  # [s, b, n*C] fp32
+    assert freed["output_numels"] == [1]
+    assert 1 not in kept["output_numels"]
+    in_flight = kept["in_flight"]  # PP = 4, stage 0: 4 microbatches in flight
+    assert in_flight == 4
+    assert kept["peak"] - freed["peak"] >= (in_flight - 1) * stage_output_bytes
+
+
+def test_parallel_randomizer_masks(group_results):
+    world, results = group_results
+    if "randomizer" not in results:
+        pytest.skip("checked in the 8-rank group")
+    by_rank = results["randomizer"]
+    for a_layout, a in by_rank:
+        for b_layout, b in by_rank:
+            if a_layout is b_layout:
+                continue
+            same_tp = (a_layout.pipeline_model_parallel_rank, a_layout.data_parallel_rank) == \
+                      (b_layout.pipeline_model_parallel_rank, b_layout.data_parallel_rank)
+            # replicated activations: same mask across TP, different across DP and PP
+            assert torch.equal(a["tensor"], b["tensor"]) == same_tp
+            # TP-split regions: different on every rank
+            assert not torch.equal(a["split"], b["split"])
