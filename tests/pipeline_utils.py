@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
-from lightning_mhc.parallel.grads import finalize_model_grads
+from lightning_mhc.parallel.grads import DEFAULT_BUCKET_BYTES, finalize_model_grads, global_grad_norm
 from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
 from lightning_mhc.parallel.schedule import forward_backward_pipelining
 from lightning_mhc.parallel.stages import build_gpt_stage
@@ -26,6 +26,7 @@ def train_layout(
     tp: int, pp: int, microbatches: int, policy: str = "none", *, steps: int = 3,
     dropout: float = 0.0, deallocate: bool = True, global_rows: int | None = None,
     reference: bool = False, probe=None, config_overrides: dict | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> dict:
     """3 SGD steps of the tiny model; returns per-step losses and full weights by global name
     (gathered over TP and PP, on every rank). ``reference``: a single-process run (world of
@@ -44,7 +45,7 @@ def train_layout(
     rows = global_rows or dp * microbatches * MICRO_BATCH
     per_rank = rows // dp
     mb_rows = per_rank if reference else MICRO_BATCH
-    losses = []
+    losses, grad_norms = [], []
     for step in range(steps):
         data = global_batch(step, rows)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         mbs = [
@@ -57,7 +58,8 @@ def train_layout(
             deallocate_pipeline_outputs=deallocate, probe=probe,
         )
         if not reference:
-            finalize_model_grads(model)
+            finalize_model_grads(model, bucket_bytes)
+        grad_norms.append(global_grad_norm(model.parameters()))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(result.loss.item())
@@ -77,4 +79,4 @@ def train_layout(
     recomputes = [m.recompute_count for m in managers]
     destroy_parallel()
     clear_parallel_seed()
-    return dict(losses=losses, weights=merged, recomputes=recomputes, layout=layout)
+    return dict(losses=losses, grad_norms=grad_norms, weights=merged, recomputes=recomputes, layout=layout)

@@ -42,9 +42,15 @@ def _equivalence(rank: int, world: int) -> dict:
             for policy in POLICIES:
                 got = train_layout(tp, pp, m, policy)
                 out[(tp, pp, dp, m, policy)] = dict(
-                    losses=got["losses"], weights=got["weights"] if rank == 0 else None,
-                    recomputes=got["recomputes"],
+                    losses=got["losses"], grad_norms=got["grad_norms"],
+                    weights=got["weights"] if rank == 0 else None, recomputes=got["recomputes"],
                 )
+    if world == 2:  # DP all-reduce in many small buckets (4 KiB) instead of one
+        got = train_layout(1, 1, 2, "none", bucket_bytes=4096)
+        out[(1, 1, 2, 2, "none", "4KiB buckets")] = dict(
+            losses=got["losses"], grad_norms=got["grad_norms"],
+            weights=got["weights"] if rank == 0 else None, recomputes=got["recomputes"],
+        )
     return out
 
 
@@ -116,6 +122,7 @@ def group_results(request):
     per_rank = spawn_ranks(_run_group, world, timeout_s=420)
     results = per_rank[0]
     results["recomputes"] = {k: [r["equivalence"][k]["recomputes"] for r in per_rank] for k in results["equivalence"]}
+    results["grad_norms_per_rank"] = {k: [r["equivalence"][k]["grad_norms"] for r in per_rank] for k in results["equivalence"]}
     return world, results
 
 
@@ -133,17 +140,24 @@ def _reference(rows: int) -> dict:
 def test_layouts_match_single_process(single_rank_group, group_results):
     world, results = group_results
     cases = results["equivalence"]
-    assert len(cases) == sum(len(_microbatch_counts(pp)) * len(POLICIES) for _, pp, _ in LAYOUTS[world])
-    for (tp, pp, dp, m, policy), case in cases.items():
-        label = f"TP={tp} PP={pp} DP={dp} m={m} {policy}"
+    expected = sum(len(_microbatch_counts(pp)) * len(POLICIES) for _, pp, _ in LAYOUTS[world])
+    assert len(cases) == expected + (world == 2)
+    for key, case in cases.items():
+        tp, pp, dp, m, policy = key[:5]
+        label = f"TP={tp} PP={pp} DP={dp} m={m} {policy} {' '.join(key[5:])}"
         ref = _reference(dp * m * MICRO_BATCH)
         torch.testing.assert_close(
             torch.tensor(case["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=1e-5, msg=label
         )
         diff = _max_diff(case["weights"], ref["weights"])
         assert diff <= 1e-5, f"{label}: final weights differ by {diff}"
+        # the global gradient norm (replicated parameters counted once) is the model's norm
+        torch.testing.assert_close(
+            torch.tensor(case["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=0, msg=label
+        )
+        assert all(norms == case["grad_norms"] for norms in results["grad_norms_per_rank"][key]), label
         if policy == "mhc_block":  # every block's hook fired once on every rank, also behind custom_backward
-            recomputes = [c for rank in results["recomputes"][(tp, pp, dp, m, policy)] for c in rank]
+            recomputes = [c for rank in results["recomputes"][key] for c in rank]
             assert recomputes and set(recomputes) == {1}, label
 
 

@@ -1,0 +1,124 @@
+"""Parallel runtime pieces that need no more than one rank, and failure behaviour."""
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_mhc import ConfigError
+from lightning_mhc.parallel.grads import clip_grad_norm_, global_grad_norm
+from lightning_mhc.parallel.launch import RankError, spawn_ranks
+from lightning_mhc.parallel.stages import build_gpt_stage, partition_layers
+from lightning_mhc.parallel.state import check_layout
+from lightning_mhc.recompute.rng import MultiDimParallelRandomizer
+from model_utils import tiny_config
+
+
+def test_check_layout():
+    assert check_layout(8, 2, 2) == 2
+    with pytest.raises(ConfigError, match=r"2 \* 3 = 6 does not divide the world size 8"):
+        check_layout(8, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "layers, pp, first, last, expected",
+    [
+        (8, 2, None, None, [(0, 4), (4, 8)]),
+        (8, 4, None, None, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+        (10, 4, 1, 3, [(0, 1), (1, 4), (4, 7), (7, 10)]),
+        (7, 3, 1, None, [(0, 1), (1, 4), (4, 7)]),
+        (4, 1, None, None, [(0, 4)]),
+    ],
+)
+def test_partition_layers(layers, pp, first, last, expected):
+    ranges = partition_layers(layers, pp, first, last)
+    assert ranges[-1][1] == layers and ranges[0][0] == 0
+    assert ranges == expected
+
+
+@pytest.mark.parametrize("args", [(9, 2, None, None), (8, 3, None, None), (8, 2, 9, None), (8, 2, 4, 3)])
+def test_partition_layers_errors(args):
+    with pytest.raises(ConfigError, match="cannot be split"):
+        partition_layers(*args)
+
+
+def test_build_stage_materialises_only_its_layers(model_parallel, monkeypatch):
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 4)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 2)
+    built = []
+    from lightning_mhc.model import transformer_layer
+
+    original = transformer_layer.TransformerLayer.__init__
+    monkeypatch.setattr(
+        transformer_layer.TransformerLayer, "__init__",
+        lambda self, config, number, init: built.append(number) or original(self, config, number, init),
+    )
+    stage = build_gpt_stage(tiny_config(num_layers=8))
+    assert built == [5, 6]  # global 1-based numbers of stage 2 of 4
+    assert stage.embedding is None and stage.output_layer is None
+    names = [stage.global_parameter_name(n) for n, _ in stage.named_parameters()]
+    assert all(n.startswith(("decoder.layers.4.", "decoder.layers.5.")) for n in names), names
+
+
+def test_randomizer_seeds_follow_the_table_of_seed_002():
+    """8 ranks, TP = DP = PP = 2 (TP fastest, then DP, then PP): seed 002's table."""
+    table = {(): [0, 1, 2, 3, 4, 5, 6, 7], ("tensor",): [8, 8, 10, 10, 12, 12, 14, 14],
+             ("tensor", "data"): [24, 24, 24, 24, 28, 28, 28, 28],
+             ("tensor", "data", "pipeline"): [56] * 8}
+    for rank in range(8):
+        ranks = {"tensor": rank % 2, "data": (rank // 2) % 2, "pipeline": rank // 4}
+        r = MultiDimParallelRandomizer(0, ranks, {"tensor": 2, "data": 2, "pipeline": 2})
+        for groups, seeds in table.items():
+            assert r.seed_of(*groups) == seeds[rank], (rank, groups)
+
+
+def test_clip_grad_norm(model_parallel):
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))]
+    params[0].grad, params[1].grad = torch.full((3,), 2.0), torch.full((4,), 2.0)
+    assert global_grad_norm(params) == pytest.approx(2.0 * 7 ** 0.5)
+    norm = clip_grad_norm_(params, 1.0)
+    assert norm == pytest.approx(2.0 * 7 ** 0.5)
+    assert global_grad_norm(params) == pytest.approx(1.0, rel=1e-5)
+
+
+def _one_rank_fails(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one broke on purpose")
+    buf = torch.empty(4)
+    dist.recv(buf, src=1)  # would wait for ever without the launcher ending the group
+
+
+def test_failure_in_one_rank_ends_the_group_with_its_error():
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank one broke on purpose"):
+        spawn_ranks(_one_rank_fails, 2, timeout_s=120)
+    assert time.monotonic() - start < 60
+    assert multiprocessing.active_children() == []
+
+
+def _p2p_times_out(rank: int, world: int) -> str:
+    import datetime
+
+    from lightning_mhc.parallel.p2p import PipelineP2P
+    from lightning_mhc.parallel.state import initialize_parallel
+
+    initialize_parallel(1, 2)
+    if rank == 1:
+        p2p = PipelineP2P((2, 2), torch.float32, torch.device("cpu"), timeout=datetime.timedelta(seconds=2))
+        try:
+            p2p.recv_forward()  # stage 0 never sends
+        except RuntimeError as err:
+            return str(err)
+        return "no timeout"
+    time.sleep(4)
+    return "sender idle"
+
+
+def test_p2p_wait_has_a_deadline():
+    results = spawn_ranks(_p2p_times_out, 2, timeout_s=120)
+    assert "no timeout" not in results[1] and "sender idle" == results[0]
