@@ -6,6 +6,8 @@ One spawned group per world size (2, 4, 8 ranks) runs all of its cases.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -116,14 +118,17 @@ def _randomizer_masks(rank: int, world: int) -> dict:
     return gathered
 
 
-@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda w: f"world{w}")
-def group_results(request):
-    world = request.param
+@functools.cache
+def _group(world: int) -> dict:
+    """All cases of one world size, run once in one spawned group (shared by the tests)."""
     per_rank = spawn_ranks(_run_group, world, timeout_s=420)
     results = per_rank[0]
     results["recomputes"] = {k: [r["equivalence"][k]["recomputes"] for r in per_rank] for k in results["equivalence"]}
     results["grad_norms_per_rank"] = {k: [r["equivalence"][k]["grad_norms"] for r in per_rank] for k in results["equivalence"]}
-    return world, results
+    return results
+
+
+WORLDS = pytest.mark.parametrize("world", sorted(LAYOUTS), ids=lambda w: f"world{w}")
 
 
 _REFERENCES: dict = {}
@@ -137,8 +142,9 @@ def _reference(rows: int) -> dict:
     return _REFERENCES[rows]
 
 
-def test_layouts_match_single_process(single_rank_group, group_results):
-    world, results = group_results
+@WORLDS
+def test_layouts_match_single_process(single_rank_group, world):
+    results = _group(world)
     cases = results["equivalence"]
     expected = sum(len(_microbatch_counts(pp)) * len(POLICIES) for _, pp, _ in LAYOUTS[world])
     assert len(cases) == expected + (world == 2)
@@ -161,19 +167,17 @@ def test_layouts_match_single_process(single_rank_group, group_results):
             assert recomputes and set(recomputes) == {1}, label
 
 
-def test_recompute_bit_exact_with_dropout_under_pipeline(group_results):
-    world, results = group_results
+@WORLDS
+def test_recompute_bit_exact_with_dropout_under_pipeline(world):
+    results = _group(world)
     assert len(results["dropout"]) == 1
     for layout, case in results["dropout"].items():
         assert case["losses_equal"] and case["weights_equal"], layout
         assert len(set(case["losses"])) == len(case["losses"])
 
 
-def test_deallocation_frees_in_flight_outputs(group_results):
-    world, results = group_results
-    if "deallocation" not in results:
-        pytest.skip("measured in the 4-rank group")
-    kept, freed = results["deallocation"][False], results["deallocation"][True]
+def test_deallocation_frees_in_flight_outputs():
+    kept, freed = _group(4)["deallocation"][False], _group(4)["deallocation"][True]
     stage_output_bytes = 16 * MICRO_BATCH * 4 * 64 * 4  # [s, b, n*C] fp32
     assert freed["output_numels"] == [1]
     assert 1 not in kept["output_numels"]
@@ -182,11 +186,8 @@ def test_deallocation_frees_in_flight_outputs(group_results):
     assert kept["peak"] - freed["peak"] >= (in_flight - 1) * stage_output_bytes
 
 
-def test_parallel_randomizer_masks(group_results):
-    world, results = group_results
-    if "randomizer" not in results:
-        pytest.skip("checked in the 8-rank group")
-    by_rank = results["randomizer"]
+def test_parallel_randomizer_masks():
+    by_rank = _group(8)["randomizer"]
     for a_layout, a in by_rank:
         for b_layout, b in by_rank:
             if a_layout is b_layout:
