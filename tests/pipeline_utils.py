@@ -63,6 +63,15 @@ def train_layout(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(result.loss.item())
+    # evaluation through the forward-only schedule on a held-out batch
+    model.eval()
+    data = global_batch(99, rows)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    eval_mbs = [dict(tokens=c[:, :-1], labels=c[:, 1:]) for c in data.split(mb_rows)]
+    eval_loss = forward_backward_pipelining(
+        model, eval_mbs, gpt_forward_step, gpt_loss_func,
+        tensor_shape=model.pipeline_tensor_shape(mb_rows, SEQ), forward_only=True,
+    ).loss.item()
+    model.train()
     weights = {
         model.global_parameter_name(name): gather_tensor_parallel(p.detach(), p).clone()
         for name, p in model.named_parameters()
@@ -79,4 +88,4 @@ def train_layout(
     recomputes = [m.recompute_count for m in managers]
     destroy_parallel()
     clear_parallel_seed()
-    return dict(losses=losses, grad_norms=grad_norms, weights=merged, recomputes=recomputes, layout=layout)
+    return dict(losses=losses, grad_norms=grad_norms, eval_loss=eval_loss, weights=merged, recomputes=recomputes, layout=layout)

@@ -44,13 +44,13 @@ def _equivalence(rank: int, world: int) -> dict:
             for policy in POLICIES:
                 got = train_layout(tp, pp, m, policy)
                 out[(tp, pp, dp, m, policy)] = dict(
-                    losses=got["losses"], grad_norms=got["grad_norms"],
+                    losses=got["losses"], grad_norms=got["grad_norms"], eval_loss=got["eval_loss"],
                     weights=got["weights"] if rank == 0 else None, recomputes=got["recomputes"],
                 )
     if world == 2:  # DP all-reduce in many small buckets (4 KiB) instead of one
         got = train_layout(1, 1, 2, "none", bucket_bytes=4096)
         out[(1, 1, 2, 2, "none", "4KiB buckets")] = dict(
-            losses=got["losses"], grad_norms=got["grad_norms"],
+            losses=got["losses"], grad_norms=got["grad_norms"], eval_loss=got["eval_loss"],
             weights=got["weights"] if rank == 0 else None, recomputes=got["recomputes"],
         )
     return out
@@ -155,6 +155,7 @@ def test_layouts_match_single_process(single_rank_group, world):
         torch.testing.assert_close(
             torch.tensor(case["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=1e-5, msg=label
         )
+        assert abs(case["eval_loss"] - ref["eval_loss"]) <= 1e-5, f"{label}: forward-only loss"
         diff = _max_diff(case["weights"], ref["weights"])
         assert diff <= 1e-5, f"{label}: final weights differ by {diff}"
         # the global gradient norm (replicated parameters counted once) is the model's norm
