@@ -18,6 +18,10 @@ warnings.filterwarnings("ignore", message="full scope is deprecated")
 __version__ = "0.1.0"
 
 _PUBLIC = {
+    "MHCParallelStrategy": "lightning_mhc.lightning",
+    "MHCRecomputeCallback": "lightning_mhc.lightning",
+    "MHCGPTModule": "lightning_mhc.lightning",
+    "MHCTransformerConfig": "lightning_mhc.model",
     "ActivationMemoryMeter": "lightning_mhc.recompute",
     "CheckpointWithoutOutput": "lightning_mhc.recompute",
     "MHCBlockRecomputeManager": "lightning_mhc.recompute",
@@ -26,7 +30,6 @@ _PUBLIC = {
     "ConfigError": "lightning_mhc.errors",
     "GPTModel": "lightning_mhc.model",
     "HyperConnectionModule": "lightning_mhc.model",
-    "MHCTransformerConfig": "lightning_mhc.model",
 }
 
 __all__ = sorted(_PUBLIC)

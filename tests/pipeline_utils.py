@@ -39,7 +39,7 @@ def train_layout(
     cfg = tiny_config(hidden_dropout=dropout, attention_dropout=dropout, **overrides)
     cfg = configure_recompute(cfg, policy, **({"mhc_recompute_layer_num": 2} if policy == "mhc_block" else {}))
     model = build_gpt_stage(cfg)
-    managers = attach_recompute(model)
+    managers = attach_recompute(model, keep_managers=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     dp, dp_rank = (1, 0) if reference else (layout.data_parallel_size, layout.data_parallel_rank)
     rows = global_rows or dp * microbatches * MICRO_BATCH

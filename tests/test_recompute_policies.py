@@ -21,7 +21,7 @@ def build(policy: str, **overrides):
         **({"mhc_recompute_layer_num": 2} if policy == "mhc_block" else {}),
     )
     model = GPTModel(cfg)
-    managers = attach_recompute(model)
+    managers = attach_recompute(model, keep_managers=True)
     return model, managers
 
 

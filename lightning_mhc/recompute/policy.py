@@ -97,16 +97,16 @@ def _decoder_blocks(model: torch.nn.Module):
     return [m for m in model.modules() if hasattr(m, "recompute_block_ranges")]
 
 
-def attach_recompute(model: torch.nn.Module) -> list[MHCBlockRecomputeManager]:
+def attach_recompute(model: torch.nn.Module, keep_managers: bool = False) -> list[MHCBlockRecomputeManager]:
     """Hook managers onto every decoder block of ``model`` whose config asks for
     ``recompute_hyper_connections``. Idempotent.
 
     For each recompute block, a forward pre-hook on its first layer creates a
     fresh manager (only when training with grad enabled) and hands it to the
     block's layers; a forward hook on its last layer discards the outputs and
-    registers the unified recompute hook on that layer's output. Returns the
-    list that collects every manager created (useful for inspection: it grows
-    by one per block per training forward).
+    registers the unified recompute hook on that layer's output. With
+    ``keep_managers`` the returned list collects every manager created (one per
+    block per training forward: for inspection and tests, not for long runs).
     """
     detach_recompute(model)
     created: list[MHCBlockRecomputeManager] = []
@@ -118,7 +118,8 @@ def attach_recompute(model: torch.nn.Module) -> list[MHCBlockRecomputeManager]:
             layers = [block.layers[i] for i in range(start, end)]
             for layer in layers:
                 layer.is_last_layer_in_block = layer is layers[-1]
-            handles.append(layers[0].register_forward_pre_hook(_make_pre_hook(layers, created)))
+            handles.append(layers[0].register_forward_pre_hook(
+                _make_pre_hook(layers, created if keep_managers else None)))
             handles.append(layers[-1].register_forward_hook(_make_post_hook(layers)))
         block._mhc_recompute_handles = handles
         block.mhc_recompute_attached = True
@@ -142,7 +143,8 @@ def _make_pre_hook(layers, created):
             return
         first, last = layers[0].layer_number, layers[-1].layer_number
         manager = MHCBlockRecomputeManager(name=f"layers {first}-{last}")
-        created.append(manager)
+        if created is not None:
+            created.append(manager)
         for layer in layers:
             layer.mhc_recompute_manager = manager
 

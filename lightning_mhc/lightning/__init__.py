@@ -1,0 +1,16 @@
+"""Lightning integration: MHCParallelStrategy, MHCRecomputeCallback, MHCGPTModule.
+
+Importing this package registers the strategy as ``"mhc_parallel"`` in
+Lightning's strategy registry.
+"""
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_mhc.lightning.callback import MHCRecomputeCallback
+from lightning_mhc.lightning.contract import PipelineModule, is_pipeline_module
+from lightning_mhc.lightning.module import MHCGPTModule
+from lightning_mhc.lightning.strategy import MHCParallelStrategy
+
+if MHCParallelStrategy.strategy_name not in StrategyRegistry:
+    MHCParallelStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["MHCGPTModule", "MHCParallelStrategy", "MHCRecomputeCallback", "PipelineModule", "is_pipeline_module"]

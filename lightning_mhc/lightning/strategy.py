@@ -1,0 +1,343 @@
+"""``MHCParallelStrategy``: 3D parallelism (TP/PP/DP) for Lightning, on CPU (gloo) and GPU (NCCL).
+
+    Trainer(strategy=MHCParallelStrategy(tensor_model_parallel_size=2,
+                                         pipeline_model_parallel_size=2),
+            callbacks=[MHCRecomputeCallback("mhc_block")], devices=4)
+
+- launches with Lightning's subprocess launcher (``devices=N``), or joins
+  processes started by torchrun / SLURM;
+- ``setup_environment`` creates the default process group, then megatron-core's
+  TP/PP/DP groups, and seeds the parallel randomizer;
+- a module implementing the pipeline contract (``contract.py``) runs the whole
+  1F1B schedule inside its ``training_step`` through :meth:`forward_backward`;
+  Lightning's backward and zero_grad are then skipped (gradients are zeroed
+  after each optimizer step); any other module trains as data parallel;
+- after the backward, gradients are averaged over DP (and the tied embedding
+  reduced across stages); ``gradient_clip_val`` clips by the global norm;
+- checkpoints are sharded directories (``sharded_checkpoint.py``).
+"""
+from __future__ import annotations
+
+import datetime
+import math
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from torch import Tensor
+
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.lightning import sharded_checkpoint
+from lightning_mhc.lightning.contract import is_pipeline_module, split_microbatches
+from lightning_mhc.parallel.grads import clip_grad_norm_, finalize_model_grads, global_grad_norm
+from lightning_mhc.parallel.random import model_parallel_manual_seed
+from lightning_mhc.parallel.schedule import forward_backward_pipelining
+from lightning_mhc.parallel.state import ParallelLayout, check_layout, destroy_parallel, initialize_parallel
+
+
+class MHCParallelStrategy(ParallelStrategy):
+    """Tensor, pipeline and data parallelism with megatron-core process groups.
+
+    Args:
+        tensor_model_parallel_size: TP size.
+        pipeline_model_parallel_size: PP size; DP is ``world_size / (TP * PP)``.
+        num_microbatches: microbatches per training step of a pipelined module
+            (default: the PP size); the per-rank batch must divide by it.
+        deallocate_pipeline_outputs: shrink sent stage outputs to one element (seed 004).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
+        timeout: deadline of every collective and point-to-point wait.
+        seed: base seed of the parallel randomizer (dropout streams per dimension).
+        gradient_bucket_bytes: size of a DP all-reduce bucket.
+        raise_on_nonfinite_loss: stop at a NaN/inf loss (also when ``Trainer(detect_anomaly=True)``);
+            otherwise the step is reported with a warning.
+    """
+
+    strategy_name = "mhc_parallel"
+
+    def __init__(
+        self,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        num_microbatches: int | None = None,
+        deallocate_pipeline_outputs: bool = True,
+        process_group_backend: str | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        seed: int = 1234,
+        gradient_bucket_bytes: int = 25 * 2**20,
+        raise_on_nonfinite_loss: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        for name, value in (("tensor_model_parallel_size", tensor_model_parallel_size),
+                            ("pipeline_model_parallel_size", pipeline_model_parallel_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: must be a positive integer.")
+        if num_microbatches is not None and num_microbatches < 1:
+            raise ConfigError(f"num_microbatches={num_microbatches}: must be at least 1 (or None for the PP size).")
+        self.tensor_model_parallel_size = tensor_model_parallel_size
+        self.pipeline_model_parallel_size = pipeline_model_parallel_size
+        self._num_microbatches = num_microbatches
+        self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.seed = seed
+        self.gradient_bucket_bytes = gradient_bucket_bytes
+        self.raise_on_nonfinite_loss = raise_on_nonfinite_loss
+        self.num_nodes = 1
+        self.layout: ParallelLayout | None = None
+        self.last_grad_norm: float | None = None
+
+    # ------------------------------------------------------------ registry
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Tensor/pipeline/data parallelism for mHC transformers"
+        )
+
+    # ----------------------------------------------------------- topology
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._num_microbatches or self.pipeline_model_parallel_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Distinct data per DP rank; TP and PP peers of one DP rank see the same batches."""
+        assert self.layout is not None
+        return dict(num_replicas=self.layout.data_parallel_size, rank=self.layout.data_parallel_rank)
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the stage is built in configure_model before its shard is loaded
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        check_layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
+        module = self.lightning_module
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size > 1
+        if module is not None and model_parallel and not is_pipeline_module(module):
+            raise ConfigError(
+                f"{type(module).__name__} does not implement the pipeline contract (forward_step, "
+                "loss_func, set_input_tensor, pipeline_tensor_shape; see MHCGPTModule), so it can only "
+                f"run data parallel, but tensor_model_parallel_size={self.tensor_model_parallel_size} "
+                f"and pipeline_model_parallel_size={self.pipeline_model_parallel_size}. Use "
+                "MHCParallelStrategy() with TP = PP = 1, or subclass MHCGPTModule."
+            )
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        if not dist.is_initialized():
+            kwargs: dict[str, Any] = {"timeout": self._timeout}
+            if self.root_device.type != "cpu":
+                kwargs["device_id"] = self.root_device
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self.layout = initialize_parallel(
+            self.tensor_model_parallel_size, self.pipeline_model_parallel_size, timeout=self._timeout
+        )
+        model_parallel_manual_seed(self.seed)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        pipelined = is_pipeline_module(self.lightning_module)
+        if not pipelined:
+            self._sync_replicas()
+        if trainer.state.fn == TrainerFn.FITTING:
+            if pipelined:
+                self._skip_lightning_backward(trainer)
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @staticmethod
+    def _skip_lightning_backward(trainer: pl.Trainer) -> None:
+        """The schedule runs every backward inside training_step; Lightning must neither
+        zero the gradients between training_step and backward nor run a backward itself.
+        Gradients are zeroed after each optimizer step instead (``optimizer_step``)."""
+        automatic = trainer.fit_loop.epoch_loop.automatic_optimization
+        if not hasattr(automatic, "_skip_backward"):
+            raise RuntimeError(
+                "this Lightning version's automatic optimization has no _skip_backward switch; "
+                "MHCParallelStrategy needs lightning 2.x (tested with 2.6)."
+            )
+        if not trainer.lightning_module.automatic_optimization:
+            raise ConfigError(
+                "a pipelined module must use automatic optimization (automatic_optimization=True): "
+                "the strategy runs the backward inside training_step and steps the optimizer."
+            )
+        automatic._skip_backward = True
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _sync_replicas(self) -> None:
+        """A plain module is initialised by each process: start every replica from rank 0's."""
+        with torch.no_grad():
+            for tensor in list(self.model.parameters()) + list(self.model.buffers()):
+                dist.broadcast(tensor.data, src=0)
+
+    # ------------------------------------------------------- collectives
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Mean (or sum) over the data-parallel group: the ranks that hold different data."""
+        if not isinstance(tensor, Tensor) or not dist.is_initialized():
+            return tensor
+        from megatron.core import parallel_state
+
+        group = group or parallel_state.get_data_parallel_group()
+        tensor = tensor.detach().clone().float()
+        dist.all_reduce(tensor, group=group)
+        if reduce_op in ("mean", "avg", None) or str(reduce_op).lower().endswith("avg"):
+            tensor /= dist.get_world_size(group)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor.contiguous(), group=group)
+        return torch.stack(gathered)
+
+    # ------------------------------------------------------------ training
+    def forward_backward(self, module: pl.LightningModule, batch: Any, forward_only: bool = False) -> Tensor:
+        """Run the schedule over the microbatches of ``batch`` on this rank's stage.
+
+        Returns the mean loss over the microbatches and the DP replicas (the same
+        scalar on every rank, detached). With ``forward_only=False`` the gradients
+        are accumulated and Lightning's own backward is skipped for this step.
+        """
+        m = self.num_microbatches
+        microbatches = split_microbatches(batch, m)
+        accumulate = module.trainer.accumulate_grad_batches if not forward_only else 1
+        loss_func: Callable = module.loss_func
+        if accumulate > 1:
+            loss_func = lambda output, mb: module.loss_func(output, mb) / accumulate  # noqa: E731
+        result = forward_backward_pipelining(
+            module,
+            microbatches,
+            lambda mod, mb: mod.forward_step(mb),
+            loss_func,
+            tensor_shape=module.pipeline_tensor_shape(microbatches[0]),
+            deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+            forward_only=forward_only or not torch.is_grad_enabled(),
+            timeout=self._timeout,
+        )
+        loss = result.loss * accumulate
+        if not forward_only:
+            self._check_finite(loss, module)
+        return loss
+
+    def _check_finite(self, loss: Tensor, module: pl.LightningModule) -> None:
+        if math.isfinite(loss.item()):
+            return
+        message = f"non-finite training loss {loss.item()} at global step {module.trainer.global_step}"
+        if self.raise_on_nonfinite_loss or getattr(module.trainer, "_detect_anomaly", False):
+            raise FloatingPointError(message + " (raise_on_nonfinite_loss / detect_anomaly is on)")
+        rank_zero_warn(message)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_reduce():
+            result = closure()
+            self._finalize_gradients()
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        if is_pipeline_module(self.lightning_module):
+            optimizer.zero_grad(set_to_none=True)  # Lightning's zero_grad is skipped for pipelined modules
+        return output
+
+    def _finalize_gradients(self) -> None:
+        """DP average + tied-embedding reduction; global-norm clipping (Lightning's own clipping
+        that follows sees a local norm no larger than the clipped global one and does nothing)."""
+        module = self.lightning_module
+        finalize_model_grads(module, self.gradient_bucket_bytes)
+        params = [p for p in module.parameters() if p.grad is not None]
+        trainer = module.trainer
+        clip = trainer.gradient_clip_val
+        if clip is not None and clip > 0:
+            if trainer.gradient_clip_algorithm not in (None, "norm"):
+                raise ConfigError(
+                    f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported by "
+                    "MHCParallelStrategy: it clips by the global norm. Use gradient_clip_algorithm='norm'."
+                )
+            self.last_grad_norm = clip_grad_norm_(params, clip)
+        else:
+            self.last_grad_norm = global_grad_norm(params)
+
+    # ---------------------------------------------------------- checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module.state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("MHCParallelStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero and path.exists():
+            sharded_checkpoint.remove(path)
+        self.barrier()
+        sharded_checkpoint.write_shards(checkpoint, path, self.layout, self.global_rank)
+        self.barrier()
+        if self.is_global_zero:
+            sharded_checkpoint.write_metadata(path, self.layout, dict(global_step=checkpoint.get("global_step")))
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        return sharded_checkpoint.read_checkpoint(path, self.layout, self.global_rank)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            sharded_checkpoint.remove(Path(filepath))
+
+    # ------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        super().teardown()
+        destroy_parallel()

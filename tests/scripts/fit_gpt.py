@@ -1,0 +1,93 @@
+"""Lightning runs of MHCGPTModule for the strategy tests (launched as a script: Lightning's
+subprocess launcher re-runs it once per extra device).
+
+    python fit_gpt.py --devices 4 --tp 2 --pp 2 --scenario equivalence --out losses.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_mhc import MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
+from lightning_mhc.lightning.data import SyntheticTokens
+
+SEQ, GLOBAL_BATCH, STEPS_PER_EPOCH = 16, 8, 3
+
+
+class LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+class FailingModule(MHCGPTModule):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 1 and self.trainer.global_rank == 1:
+            raise RuntimeError("boom on rank 1 at step 2")
+        return super().training_step(batch, batch_idx)
+
+
+def model_config(dropout: float) -> dict:
+    return dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
+                max_sequence_length=SEQ, hidden_dropout=dropout, attention_dropout=dropout,
+                mhc_sinkhorn_iterations=4)
+
+
+def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_path: str | None = None,
+        module_cls=MHCGPTModule) -> list[float]:
+    dp = args.devices // (args.tp * args.pp)
+    loader = DataLoader(SyntheticTokens(STEPS_PER_EPOCH * GLOBAL_BATCH, SEQ), batch_size=GLOBAL_BATCH // dp)
+    recorder = LossRecorder()
+    callbacks = [recorder, MHCRecomputeCallback(args.policy)]
+    if ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, max_steps=max_steps, logger=False,
+        enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=1.0,
+        strategy=MHCParallelStrategy(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                     timeout=datetime.timedelta(seconds=args.timeout)),
+        callbacks=callbacks,
+    )
+    module = module_cls(model_config(dropout), lr=1e-3, warmup_steps=2)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    return recorder.losses, trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--policy", default="mhc_block")
+    parser.add_argument("--scenario", choices=["equivalence", "resume", "fail"], required=True)
+    parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--timeout", type=float, default=120)
+    args = parser.parse_args()
+    result = {}
+    if args.scenario == "equivalence":
+        result["losses"], trainer = fit(args, 6, dropout=0.0)
+    elif args.scenario == "resume":
+        ckpt_dir = str(args.out.parent / "ckpt")
+        result["uninterrupted"], trainer = fit(args, 6, dropout=0.1)
+        result["first_half"], trainer = fit(args, 3, dropout=0.1, ckpt_dir=ckpt_dir)
+        saved = sorted(pathlib.Path(ckpt_dir).glob("*.ckpt"))
+        result["checkpoint_files"] = sorted(p.name for p in saved[-1].iterdir()) if saved else []
+        result["resumed"], trainer = fit(args, 6, dropout=0.1, ckpt_path=str(saved[-1]))
+    else:
+        result["losses"], trainer = fit(args, 6, dropout=0.0, module_cls=FailingModule)
+    if trainer.global_rank == 0 and args.out:
+        args.out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
