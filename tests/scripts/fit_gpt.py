@@ -43,15 +43,15 @@ def model_config(dropout: float) -> dict:
 
 
 def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_path: str | None = None,
-        module_cls=MHCGPTModule) -> list[float]:
+        module_cls=MHCGPTModule, max_epochs: int = -1) -> list[float]:
     dp = args.devices // (args.tp * args.pp)
     loader = DataLoader(SyntheticTokens(STEPS_PER_EPOCH * GLOBAL_BATCH, SEQ), batch_size=GLOBAL_BATCH // dp)
     recorder = LossRecorder()
     callbacks = [recorder, MHCRecomputeCallback(args.policy)]
     if ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_train_steps=STEPS_PER_EPOCH))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, max_steps=max_steps, logger=False,
+        accelerator="cpu", devices=args.devices, max_steps=max_steps, max_epochs=max_epochs, logger=False,
         enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=1.0,
         strategy=MHCParallelStrategy(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
@@ -79,7 +79,8 @@ def main() -> None:
     elif args.scenario == "resume":
         ckpt_dir = str(args.out.parent / "ckpt")
         result["uninterrupted"], trainer = fit(args, 6, dropout=0.1)
-        result["first_half"], trainer = fit(args, 3, dropout=0.1, ckpt_dir=ckpt_dir)
+        # interrupted after the first epoch (3 steps) of a 6-step run: same LR schedule
+        result["first_half"], trainer = fit(args, 6, dropout=0.1, ckpt_dir=ckpt_dir, max_epochs=1)
         saved = sorted(pathlib.Path(ckpt_dir).glob("*.ckpt"))
         result["checkpoint_files"] = sorted(p.name for p in saved[-1].iterdir()) if saved else []
         result["resumed"], trainer = fit(args, 6, dropout=0.1, ckpt_path=str(saved[-1]))
