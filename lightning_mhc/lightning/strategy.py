@@ -41,7 +41,7 @@ from lightning_mhc.errors import ConfigError
 from lightning_mhc.lightning import sharded_checkpoint
 from lightning_mhc.lightning.contract import is_pipeline_module, split_microbatches
 from lightning_mhc.parallel.grads import clip_grad_norm_, finalize_model_grads, global_grad_norm
-from lightning_mhc.parallel.random import model_parallel_manual_seed
+from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
 from lightning_mhc.parallel.schedule import forward_backward_pipelining
 from lightning_mhc.parallel.state import ParallelLayout, check_layout, destroy_parallel, initialize_parallel
 
@@ -142,7 +142,6 @@ class MHCParallelStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        check_layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
         module = self.lightning_module
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size > 1
         if module is not None and model_parallel and not is_pipeline_module(module):
@@ -153,6 +152,7 @@ class MHCParallelStrategy(ParallelStrategy):
                 f"and pipeline_model_parallel_size={self.pipeline_model_parallel_size}. Use "
                 "MHCParallelStrategy() with TP = PP = 1, or subclass MHCGPTModule."
             )
+        check_layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         if not dist.is_initialized():
@@ -341,3 +341,4 @@ class MHCParallelStrategy(ParallelStrategy):
     def teardown(self) -> None:
         super().teardown()
         destroy_parallel()
+        clear_parallel_seed()

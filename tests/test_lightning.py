@@ -1,0 +1,155 @@
+"""MHCParallelStrategy, MHCRecomputeCallback and MHCGPTModule under Lightning (CPU, gloo).
+
+Multi-device runs are scripts (tests/scripts/): Lightning's subprocess launcher
+re-runs the script once per extra device, as it does for users.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
+from lightning_mhc.lightning import sharded_checkpoint
+from lightning_mhc.lightning.contract import split_microbatches
+from lightning_mhc.parallel.state import ParallelLayout
+
+SCRIPTS = pathlib.Path(__file__).parent / "scripts"
+
+
+def run_script(name: str, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def fit_gpt(tmp_path: pathlib.Path, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    proc = run_script("fit_gpt.py", *args, "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_tp2_pp2_matches_one_device(tmp_path):
+    """devices=4, TP=2, PP=2, mhc_block recompute == devices=1 on the same global batches."""
+    (tmp_path / "one").mkdir(), (tmp_path / "four").mkdir()
+    single = fit_gpt(tmp_path / "one", "--devices", "1", "--scenario", "equivalence")
+    parallel = fit_gpt(tmp_path / "four", "--devices", "4", "--tp", "2", "--pp", "2", "--scenario", "equivalence")
+    assert len(single["losses"]) == len(parallel["losses"]) == 6
+    torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), rtol=0, atol=1e-5)
+    assert single["losses"][3] < single["losses"][0]  # it trains
+
+
+def test_resume_is_exact_under_tp2_pp2(tmp_path):
+    """Uninterrupted 6 steps vs 3 steps, sharded save, resume to 6 (dropout 0.1, mhc_block)."""
+    result = fit_gpt(tmp_path, "--devices", "4", "--tp", "2", "--pp", "2", "--scenario", "resume")
+    assert result["first_half"] == result["uninterrupted"][:3]
+    torch.testing.assert_close(
+        torch.tensor(result["resumed"]), torch.tensor(result["uninterrupted"][3:]), rtol=0, atol=1e-6
+    )
+    expected = {"metadata.json", "trainer_state.pt"} | {f"rng_rank{r}.pt" for r in range(4)} | {
+        f"model_tp{t}_pp{p}.pt" for t in range(2) for p in range(2)}
+    assert set(result["checkpoint_files"]) == expected
+
+
+def test_boring_model_trains_data_parallel(tmp_path):
+    out = tmp_path / "boring.json"
+    proc = run_script("fit_boring.py", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["global_step"] == 4 and len(result["val"]) == 1
+    assert result["replicas_identical"]  # replicas started from rank 0 and were averaged
+    assert result["sampler_ranks"] == {"num_replicas": 2, "rank": 0}
+
+
+def test_exception_on_one_rank_ends_the_run(tmp_path):
+    start = time.monotonic()
+    proc = run_script("fit_gpt.py", "--devices", "4", "--tp", "2", "--pp", "2", "--scenario", "fail",
+                      "--timeout", "30", timeout=300)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "boom on rank 1 at step 2" in proc.stderr
+    assert elapsed < 30 + 90, elapsed  # strategy timeout + process start-up
+    time.sleep(2)
+    leftover = subprocess.run(["pgrep", "-f", "scripts/fit_gpt.py"], capture_output=True, text=True).stdout
+    assert leftover.strip() == "", f"processes left behind: {leftover}"
+
+
+# ------------------------------------------------------------------ in-process checks
+def _tiny_module(**config) -> MHCGPTModule:
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=64,
+                max_sequence_length=8, hidden_dropout=0.0, attention_dropout=0.0)
+    return MHCGPTModule({**base, **config})
+
+
+def _trainer(strategy, callbacks=()):
+    return pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, callbacks=list(callbacks))
+
+
+def test_bad_layout_fails_before_training():
+    trainer = _trainer(MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size \* pipeline_model_parallel_size = 2 \* 2"):
+        trainer.fit(_tiny_module())
+    assert trainer.global_step == 0
+
+
+def test_plain_module_cannot_ask_for_model_parallelism():
+    trainer = _trainer(MHCParallelStrategy(tensor_model_parallel_size=2))
+    with pytest.raises(ConfigError, match="BoringModel does not implement the pipeline contract"):
+        trainer.fit(BoringModel())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(policy="mhc_block", recompute_modules=["layernorm", "mlp"]), "Remove 'mlp'"),
+        (dict(policy="nonsense"), "unknown recompute policy 'nonsense'"),
+        (dict(policy="full", recompute_modules=["layernorm"]), "only used by the 'selective' and 'mhc_block'"),
+    ],
+)
+def test_bad_policy_fails_at_construction(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        MHCRecomputeCallback(**kwargs)
+
+
+def test_mhc_block_without_hyper_connections_fails_before_training():
+    trainer = _trainer(MHCParallelStrategy(), [MHCRecomputeCallback("mhc_block")])
+    with pytest.raises(ConfigError, match="needs enable_hyper_connections=True"):
+        trainer.fit(_tiny_module(enable_hyper_connections=False, num_residual_streams=1))
+    assert trainer.global_step == 0
+
+
+def test_strategy_registered_by_name():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "mhc_parallel" in StrategyRegistry
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="mhc_parallel", logger=False)
+    assert isinstance(trainer.strategy, MHCParallelStrategy)
+
+
+def test_split_microbatches():
+    batch = dict(tokens=torch.arange(12).view(6, 2), labels=torch.arange(12).view(6, 2), note="x")
+    parts = split_microbatches(batch, 3)
+    assert [p["tokens"].shape for p in parts] == [(2, 2)] * 3 and parts[1]["note"] == "x"
+    with pytest.raises(ValueError, match="num_microbatches=4"):
+        split_microbatches(batch, 4)
+
+
+def test_incomplete_or_mismatched_checkpoint(tmp_path):
+    layout = ParallelLayout(4, 2, 2, 1, 0, 0, 0)
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "model_tp0_pp0.pt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="metadata.json is missing"):
+        sharded_checkpoint.read_checkpoint(tmp_path / "partial", layout, 0)
+    done = tmp_path / "done"
+    done.mkdir()
+    sharded_checkpoint.write_metadata(done, ParallelLayout(2, 1, 2, 1, 0, 0, 0), {})
+    with pytest.raises(ConfigError, match="saved with tensor_model_parallel_size=1, pipeline_model_parallel_size=2"):
+        sharded_checkpoint.read_checkpoint(done, layout, 0)
