@@ -68,6 +68,19 @@ def test_boring_model_trains_data_parallel(tmp_path):
     assert result["sampler_ranks"] == {"num_replicas": 2, "rank": 0}
 
 
+def test_boring_model_under_torchrun(tmp_path):
+    """Processes started by torchrun (TorchElasticEnvironment): the strategy joins them."""
+    out = tmp_path / "boring.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(SCRIPTS / "fit_boring.py"), str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["global_step"] == 4 and result["replicas_identical"]
+
+
 def test_exception_on_one_rank_ends_the_run(tmp_path):
     start = time.monotonic()
     proc = run_script("fit_gpt.py", "--devices", "4", "--tp", "2", "--pp", "2", "--scenario", "fail",
@@ -82,10 +95,10 @@ def test_exception_on_one_rank_ends_the_run(tmp_path):
 
 
 # ------------------------------------------------------------------ in-process checks
-def _tiny_module(**config) -> MHCGPTModule:
+def _tiny_module(cls=MHCGPTModule, **config) -> MHCGPTModule:
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=64,
                 max_sequence_length=8, hidden_dropout=0.0, attention_dropout=0.0)
-    return MHCGPTModule({**base, **config})
+    return cls({**base, **config})
 
 
 def _trainer(strategy, callbacks=()):
@@ -153,3 +166,37 @@ def test_incomplete_or_mismatched_checkpoint(tmp_path):
     sharded_checkpoint.write_metadata(done, ParallelLayout(2, 1, 2, 1, 0, 0, 0), {})
     with pytest.raises(ConfigError, match="saved with tensor_model_parallel_size=1, pipeline_model_parallel_size=2"):
         sharded_checkpoint.read_checkpoint(done, layout, 0)
+
+
+def _fit_in_process(module, precision="32-true", **strategy_kwargs) -> pl.Trainer:
+    from torch.utils.data import DataLoader
+
+    from lightning_mhc.lightning.data import SyntheticTokens
+
+    data = DataLoader(SyntheticTokens(8, 8, vocab_size=64), batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(**strategy_kwargs),
+                         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         precision=precision, limit_val_batches=1, num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=data, val_dataloaders=data)
+    return trainer
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_precisions_and_logged_metrics(precision):
+    trainer = _fit_in_process(_tiny_module(), precision=precision)
+    metrics = trainer.callback_metrics
+    for key in ("train_loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "max_rss_mb"):
+        assert key in metrics, (key, sorted(metrics))
+    assert torch.isfinite(metrics["train_loss"]) and torch.isfinite(metrics["val_loss"])
+
+
+class _NaNLoss(MHCGPTModule):
+    def loss_func(self, per_token_loss, microbatch):
+        return per_token_loss.mean() * float("nan")
+
+
+def test_nonfinite_loss_is_reported_with_the_step():
+    with pytest.raises(FloatingPointError, match="non-finite training loss nan at global step 0"):
+        _fit_in_process(_tiny_module(_NaNLoss), raise_on_nonfinite_loss=True)
+    with pytest.warns(UserWarning, match="non-finite training loss nan at global step 0"):
+        _fit_in_process(_tiny_module(_NaNLoss))
