@@ -66,6 +66,10 @@ class MHCGPTModule(pl.LightningModule):
         self.recompute_kwargs: dict[str, Any] = {}
         self.model: GPTModel | None = None
         self._step_started: float | None = None
+        self._val_losses: list[float] = []
+        self.val_history: list[tuple[int, float]] = []
+        """(global step, mean validation loss); step 0 comes from the sanity check."""
+        self.throughput: list[float] = []
 
     # ---------------------------------------------------------- the stage
     def configure_model(self) -> None:
@@ -98,7 +102,13 @@ class MHCGPTModule(pl.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
         loss = self.trainer.strategy.forward_backward(self, batch, forward_only=True)
         self.log("val_loss", loss, prog_bar=True)
+        self._val_losses.append(loss.item())
         return loss
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_losses:
+            self.val_history.append((self.global_step, sum(self._val_losses) / len(self._val_losses)))
+        self._val_losses = []
 
     def test_step(self, batch: dict, batch_idx: int) -> Tensor:
         loss = self.trainer.strategy.forward_backward(self, batch, forward_only=True)
@@ -120,7 +130,9 @@ class MHCGPTModule(pl.LightningModule):
         layout = getattr(self.trainer.strategy, "layout", None)
         dp = layout.data_parallel_size if layout is not None else 1
         tokens = batch["tokens"].numel() * dp
-        self.log("tokens_per_sec", tokens / max(time.perf_counter() - self._step_started, 1e-9))
+        rate = tokens / max(time.perf_counter() - self._step_started, 1e-9)
+        self.throughput.append(rate)
+        self.log("tokens_per_sec", rate)
         self.log("max_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.log("max_cuda_mb", torch.cuda.max_memory_allocated() / 2**20)

@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 from pathlib import Path
@@ -44,6 +45,7 @@ from lightning_mhc.parallel.grads import clip_grad_norm_, finalize_model_grads, 
 from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
 from lightning_mhc.parallel.schedule import forward_backward_pipelining
 from lightning_mhc.parallel.state import ParallelLayout, check_layout, destroy_parallel, initialize_parallel
+from lightning_mhc.recompute.memory import ActivationMemoryMeter
 
 
 class MHCParallelStrategy(ParallelStrategy):
@@ -61,6 +63,9 @@ class MHCParallelStrategy(ParallelStrategy):
         gradient_bucket_bytes: size of a DP all-reduce bucket.
         raise_on_nonfinite_loss: stop at a NaN/inf loss (also when ``Trainer(detect_anomaly=True)``);
             otherwise the step is reported with a warning.
+        measure_activation_memory: on the first training step, record the peak activation
+            bytes any stage retains (saved tensors plus the schedule's in-flight tensors) in
+            ``activation_bytes`` (max over ranks).
     """
 
     strategy_name = "mhc_parallel"
@@ -76,6 +81,7 @@ class MHCParallelStrategy(ParallelStrategy):
         seed: int = 1234,
         gradient_bucket_bytes: int = 25 * 2**20,
         raise_on_nonfinite_loss: bool = False,
+        measure_activation_memory: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -94,6 +100,8 @@ class MHCParallelStrategy(ParallelStrategy):
         self.seed = seed
         self.gradient_bucket_bytes = gradient_bucket_bytes
         self.raise_on_nonfinite_loss = raise_on_nonfinite_loss
+        self.measure_activation_memory = measure_activation_memory
+        self.activation_bytes: int | None = None
         self.num_nodes = 1
         self.layout: ParallelLayout | None = None
         self.last_grad_norm: float | None = None
@@ -257,20 +265,36 @@ class MHCParallelStrategy(ParallelStrategy):
         loss_func: Callable = module.loss_func
         if accumulate > 1:
             loss_func = lambda output, mb: module.loss_func(output, mb) / accumulate  # noqa: E731
-        result = forward_backward_pipelining(
-            module,
-            microbatches,
-            lambda mod, mb: mod.forward_step(mb),
-            loss_func,
-            tensor_shape=module.pipeline_tensor_shape(microbatches[0]),
-            deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
-            forward_only=forward_only or not torch.is_grad_enabled(),
-            timeout=self._timeout,
-        )
+        forward_only = forward_only or not torch.is_grad_enabled()
+        measure = self.measure_activation_memory and not forward_only and self.activation_bytes is None
+        meter, peak = ActivationMemoryMeter(module), [0]
+
+        def probe(held):
+            peak[0] = max(peak[0], meter.live_bytes(extra=held))
+
+        with meter if measure else contextlib.nullcontext():
+            result = forward_backward_pipelining(
+                module,
+                microbatches,
+                lambda mod, mb: mod.forward_step(mb),
+                loss_func,
+                tensor_shape=module.pipeline_tensor_shape(microbatches[0]),
+                deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+                forward_only=forward_only,
+                timeout=self._timeout,
+                probe=probe if measure else None,
+            )
+        if measure:
+            self.activation_bytes = int(self._max_over_ranks(peak[0]))
         loss = result.loss * accumulate
         if not forward_only:
             self._check_finite(loss, module)
         return loss
+
+    def _max_over_ranks(self, value: float) -> float:
+        tensor = torch.tensor(float(value), dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
 
     def _check_finite(self, loss: Tensor, module: pl.LightningModule) -> None:
         if math.isfinite(loss.item()):
