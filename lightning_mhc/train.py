@@ -60,6 +60,7 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
     from lightning_mhc.lightning.data import TokenDataModule
 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    launched_here = "LOCAL_RANK" not in os.environ
     t, p, d = cfg.trainer, cfg.parallel, cfg.data
     strategy = MHCParallelStrategy(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -105,8 +106,12 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
     )
     if trainer.global_rank == 0:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if dist.is_initialized():  # the next job of a multirun builds its own process group
+    # the next job of a multirun builds its own process group and launches its own processes
+    if dist.is_initialized():
         dist.destroy_process_group()
+    launcher = trainer.strategy.launcher
+    if launched_here and launcher is not None and hasattr(launcher, "finish"):
+        launcher.finish()
     return summary
 
 
@@ -117,8 +122,13 @@ def _reject(error: BaseException) -> None:
     print(f"lightning-mhc-train: invalid configuration: {error}", file=sys.stderr)
     if HydraConfig.initialized():
         output_dir = Path(HydraConfig.get().runtime.output_dir)
-        os.chdir(hydra.utils.get_original_cwd())
+        original = Path(hydra.utils.get_original_cwd())
+        os.chdir(original)
         shutil.rmtree(output_dir, ignore_errors=True)
+        for parent in output_dir.parents:  # the empty date folders Hydra made for it
+            if parent == original or not parent.is_relative_to(original) or any(parent.iterdir()):
+                break
+            parent.rmdir()
     sys.exit(2)
 
 

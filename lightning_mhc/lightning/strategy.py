@@ -33,7 +33,6 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
@@ -41,6 +40,7 @@ from torch import Tensor
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.lightning import sharded_checkpoint
 from lightning_mhc.lightning.contract import is_pipeline_module, split_microbatches
+from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
 from lightning_mhc.parallel.grads import clip_grad_norm_, finalize_model_grads, global_grad_norm
 from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
 from lightning_mhc.parallel.schedule import forward_backward_pipelining
@@ -144,7 +144,7 @@ class MHCParallelStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = MHCSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()
