@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 CPU_TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+TRAIN_ARGS ?=
 
 .PHONY: install install-dev train test clean
 
@@ -30,7 +31,7 @@ install-dev: $(VENV)/.torch
 	$(PIP) install -q -e ".[dev]"
 
 train: install
-	$(PY) examples/model_demo.py
+	$(PY) -m lightning_mhc.train $(TRAIN_ARGS)
 
 test: install-dev
 	$(PY) -m pytest $(PYTEST_ARGS)

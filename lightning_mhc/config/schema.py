@@ -98,7 +98,7 @@ class DataConfig:
 class TrainerConfig:
     accelerator: str = "cpu"
     devices: int = 1
-    max_steps: int = 150
+    max_steps: int = 100
     precision: str = "32-true"
     gradient_clip_val: float = 1.0
     val_check_interval: int = 50
@@ -214,6 +214,14 @@ class TrainConfig:
                 f"parallel.num_microbatches={explicit} disagrees with data.global_batch_size="
                 f"{d.global_batch_size} / (data.micro_batch_size={d.micro_batch_size} x DP={dp}) = "
                 f"{self.num_microbatches}. Leave parallel.num_microbatches=null or make them agree."
+            )
+        if d.source not in ("stdlib", "text", "synthetic"):
+            raise ConfigError(f"data.source={d.source!r}: choose stdlib, text or synthetic (data=stdlib|text|synthetic).")
+        if d.source == "text" and not d.path:
+            raise ConfigError("data.source=text needs data.path (a text file or a folder): add data.path=/path/to/text.")
+        if d.source != "synthetic" and self.model.vocab_size < 256:
+            raise ConfigError(
+                f"data.source={d.source} is byte-level and needs model.vocab_size >= 256 (got {self.model.vocab_size})."
             )
         if d.seq_length > self.model.max_sequence_length:
             raise ConfigError(

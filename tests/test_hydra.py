@@ -1,0 +1,139 @@
+"""Hydra configs (compose API), validation before launch, the entry point, sweeps, wandb, examples."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+from hydra.errors import ConfigCompositionException
+
+from lightning_mhc import ConfigError
+from lightning_mhc.config import TrainConfig
+from lightning_mhc.train import CONF_DIR
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# overrides some group options need to form a valid run
+COMPANIONS = {
+    ("parallel", "dp2"): ["trainer.devices=2"],
+    ("parallel", "tp2"): ["trainer.devices=2"],
+    ("parallel", "pp2"): ["trainer.devices=2"],
+    ("parallel", "tp2pp2"): ["trainer.devices=4"],
+    ("parallel", "pp4"): ["trainer.devices=4"],
+    ("data", "text"): [f"data.path={ROOT / 'README.md'}"],
+    ("model", "gpt_125m"): ["data.seq_length=64"],
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean_hydra():
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()
+
+
+def compose_config(*overrides: str) -> TrainConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+def _options():
+    for group_dir in sorted(p for p in pathlib.Path(CONF_DIR).iterdir() if p.is_dir()):
+        for option in sorted(group_dir.glob("*.yaml")):
+            yield group_dir.name, option.stem
+
+
+@pytest.mark.parametrize("group, option", list(_options()))
+def test_every_config_composes_and_validates(group, option):
+    overrides = [f"{group}={option}"]
+    cfg = compose_config(*overrides, *COMPANIONS.get((group, option), []))
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.transformer_config().num_layers == cfg.model.num_layers
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (["recompute=mhc_block", "model.enable_hyper_connections=false", "model.num_residual_streams=1"],
+         ConfigError, "recompute.policy=mhc_block needs model.enable_hyper_connections=true"),
+        (["recompute=mhc_block", "recompute.recompute_mlp=true"], ConfigError, "recompute.recompute_mlp=true"),
+        (["recompute=mhc_block", "recompute.recompute_modules=[layernorm,mlp]"], ConfigError,
+         r"recompute.recompute_modules=\['layernorm', 'mlp'\]"),
+        (["parallel=tp2pp2", "trainer.devices=2"], ConfigError,
+         "parallel.tensor_model_parallel_size=2 \\* parallel.pipeline_model_parallel_size=2 = 4 does not divide trainer.devices=2"),
+        (["parallel=pp4", "trainer.devices=4", "model.num_layers=6"], ConfigError,
+         "model.num_layers=6 cannot be split evenly over parallel.pipeline_model_parallel_size=4"),
+        (["parallel=tp2", "trainer.devices=2", "model.num_attention_heads=3", "model.hidden_size=63"], ConfigError,
+         "model.num_attention_heads=3 is not divisible by parallel.tensor_model_parallel_size=2"),
+        (["parallel=dp2", "trainer.devices=2", "data.global_batch_size=6", "data.micro_batch_size=4"], ConfigError,
+         "data.global_batch_size=6 must be a positive multiple of data.micro_batch_size=4 x data-parallel size 2"),
+        (["parallel.num_microbatches=3"], ConfigError, "parallel.num_microbatches=3 disagrees"),
+        (["data=text"], ConfigError, "data.source=text needs data.path"),
+        (["model.no_such_key=1"], ConfigCompositionException, "Could not override 'model.no_such_key'"),
+        (["model.num_layers=abc"], ConfigCompositionException, "model.num_layers=abc"),
+    ],
+)
+def test_invalid_combinations_fail_with_their_message(overrides, error, match):
+    with pytest.raises(error, match=match):
+        compose_config(*overrides)
+
+
+def _train(tmp_path: pathlib.Path, *args: str, timeout: float = 600, env: dict | None = None):
+    return subprocess.run([sys.executable, "-m", "lightning_mhc.train", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_invalid_config_exits_before_anything_starts(tmp_path):
+    proc = _train(tmp_path, "recompute=mhc_block", "recompute.recompute_mlp=true")
+    assert proc.returncode == 2
+    assert "recompute.recompute_mlp=true" in proc.stderr and "Initializing distributed" not in proc.stderr
+    assert list(tmp_path.iterdir()) == [], "a run directory was left behind"
+
+
+def test_train_writes_metrics_config_checkpoints_and_loss_falls(tmp_path):
+    proc = _train(tmp_path, "trainer.max_steps=40", "trainer.val_check_interval=20", "trainer.limit_val_batches=4",
+                  "trainer.checkpoint_every_n_steps=20", "data.max_bytes=300000", "trainer.enable_progress_bar=false")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["final_val_loss"] < summary["initial_val_loss"]
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "metrics.csv").is_file()
+    assert any((run_dir / "checkpoints").glob("*.ckpt/metadata.json"))
+
+
+def test_two_job_multirun_writes_its_summary(tmp_path):
+    """Each job launches and cleans up its own processes (DP = 2, then PP = 2)."""
+    proc = _train(tmp_path, "-m", "parallel=dp2,pp2", "trainer.devices=2", "recompute=mhc_block", "trainer=debug",
+                  "trainer.devices=2", "data=synthetic", "hydra.sweep.dir=sweep", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = list(csv.DictReader(open(tmp_path / "sweep" / "summary.csv")))
+    assert [(r["data_parallel_size"], r["pipeline_model_parallel_size"]) for r in rows] == [("2", "1"), ("1", "2")]
+    assert all(int(r["activation_bytes"]) > 0 and float(r["tokens_per_sec"]) > 0 for r in rows)
+    assert not list((tmp_path / "sweep").glob("*/multirun")), "a child re-ran the sweep"
+
+
+def test_wandb_logger_stays_offline(tmp_path):
+    proc = _train(tmp_path, "logger=wandb", "trainer=debug", "data=synthetic", env={"WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
+    offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert offline_runs, "no offline wandb run was written"
+
+
+@pytest.mark.parametrize("script, expect", [
+    ("minimal_trainer.py", "done: 5 steps"),
+    ("custom_loss.py", "done: 8 steps"),
+    ("sweep_recompute.py", "mhc_block"),
+])
+def test_examples_run_as_written(tmp_path, script, expect):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert expect in proc.stdout
