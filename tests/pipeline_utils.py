@@ -9,7 +9,7 @@ from lightning_mhc.parallel.grads import DEFAULT_BUCKET_BYTES, finalize_model_gr
 from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
 from lightning_mhc.parallel.schedule import forward_backward_pipelining
 from lightning_mhc.parallel.stages import build_gpt_stage
-from lightning_mhc.parallel.state import current_layout, destroy_parallel, initialize_parallel
+from lightning_mhc.parallel.state import destroy_parallel, initialize_parallel
 from lightning_mhc.parallel.tensor_parallel import gather_tensor_parallel
 from lightning_mhc.recompute import attach_recompute, configure_recompute
 from model_utils import tiny_config

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from hydra.errors import ConfigCompositionException
 from lightning_mhc import ConfigError
 from lightning_mhc.config import TrainConfig
 from lightning_mhc.train import CONF_DIR
+from subprocess_env import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # overrides some group options need to form a valid run
@@ -87,7 +87,7 @@ def test_invalid_combinations_fail_with_their_message(overrides, error, match):
 
 def _train(tmp_path: pathlib.Path, *args: str, timeout: float = 600, env: dict | None = None):
     return subprocess.run([sys.executable, "-m", "lightning_mhc.train", *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                          text=True, timeout=timeout, env=child_env(**(env or {})))
 
 
 def test_invalid_config_exits_before_anything_starts(tmp_path):
@@ -134,6 +134,6 @@ def test_wandb_logger_stays_offline(tmp_path):
 ])
 def test_examples_run_as_written(tmp_path, script, expect):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert expect in proc.stdout

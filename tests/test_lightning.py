@@ -20,13 +20,14 @@ from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCRec
 from lightning_mhc.lightning import sharded_checkpoint
 from lightning_mhc.lightning.contract import split_microbatches
 from lightning_mhc.parallel.state import ParallelLayout
+from subprocess_env import child_env
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 
 
 def run_script(name: str, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=child_env())
 
 
 def fit_gpt(tmp_path: pathlib.Path, *args: str) -> dict:
@@ -74,7 +75,7 @@ def test_boring_model_under_torchrun(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(SCRIPTS / "fit_boring.py"), str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     result = json.loads(out.read_text())

@@ -267,10 +267,12 @@ class MHCParallelStrategy(ParallelStrategy):
             loss_func = lambda output, mb: module.loss_func(output, mb) / accumulate  # noqa: E731
         forward_only = forward_only or not torch.is_grad_enabled()
         measure = self.measure_activation_memory and not forward_only and self.activation_bytes is None
-        meter, peak = ActivationMemoryMeter(module), [0]
+        meter = ActivationMemoryMeter(module) if measure else None
+        peak = 0
 
         def probe(held):
-            peak[0] = max(peak[0], meter.live_bytes(extra=held))
+            nonlocal peak
+            peak = max(peak, meter.live_bytes(extra=held))
 
         with meter if measure else contextlib.nullcontext():
             result = forward_backward_pipelining(
@@ -285,7 +287,7 @@ class MHCParallelStrategy(ParallelStrategy):
                 probe=probe if measure else None,
             )
         if measure:
-            self.activation_bytes = int(self._max_over_ranks(peak[0]))
+            self.activation_bytes = int(self._max_over_ranks(peak))
         loss = result.loss * accumulate
         if not forward_only:
             self._check_finite(loss, module)

@@ -11,7 +11,6 @@ import json
 import pathlib
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
