@@ -101,7 +101,7 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
         final_train_loss=float(trainer.callback_metrics.get("train_loss", float("nan"))),
         initial_val_loss=module.val_history[0][1] if module.val_history else None,
         final_val_loss=module.val_history[-1][1] if module.val_history else None,
-        tokens_per_sec=sum(module.throughput[1:]) / max(1, len(module.throughput) - 1) if module.throughput else None,
+        tokens_per_sec=sum(module.throughput) / len(module.throughput) if module.throughput else None,
         activation_bytes=strategy.activation_bytes,
     )
     if trainer.global_rank == 0:

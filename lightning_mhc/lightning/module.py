@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import resource
+from collections import deque
 import time
 from typing import Any
 
@@ -69,7 +70,8 @@ class MHCGPTModule(pl.LightningModule):
         self._val_losses: list[float] = []
         self.val_history: list[tuple[int, float]] = []
         """(global step, mean validation loss); step 0 comes from the sanity check."""
-        self.throughput: list[float] = []
+        self.throughput: deque[float] = deque(maxlen=100)
+        """tokens/s of the last 100 steps (the first, warm-up step excluded)."""
 
     # ---------------------------------------------------------- the stage
     def configure_model(self) -> None:
@@ -131,7 +133,8 @@ class MHCGPTModule(pl.LightningModule):
         dp = layout.data_parallel_size if layout is not None else 1
         tokens = batch["tokens"].numel() * dp
         rate = tokens / max(time.perf_counter() - self._step_started, 1e-9)
-        self.throughput.append(rate)
+        if self.global_step > 0:
+            self.throughput.append(rate)
         self.log("tokens_per_sec", rate)
         self.log("max_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
