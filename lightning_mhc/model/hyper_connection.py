@@ -22,7 +22,6 @@ from torch import Tensor
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.norm import rms_normalize
-from lightning_mhc.recompute.checkpoint import CheckpointWithoutOutput
 
 
 def sinkhorn_knopp(logits: Tensor, iterations: int) -> Tensor:
@@ -153,10 +152,10 @@ class HyperConnectionModule(MegatronModule):
             aggregated = self.aggregate(hidden_states, h_pre)
             mixed = self.apply_h_res(h_res, residual)
             return aggregated, mixed, h_post
-        ckpt = self._checkpointer(mhc_recompute_manager)
-        h_pre, h_post, h_res = ckpt("compute_mappings", self.compute_mappings, hidden_states)
-        aggregated = ckpt("aggregate", self.aggregate, hidden_states, h_pre)
-        mixed = ckpt("apply_h_res", self.apply_h_res, h_res, residual)
+        m, label = mhc_recompute_manager, self.label
+        h_pre, h_post, h_res = m.checkpoint(self.compute_mappings, hidden_states, name=f"{label}.compute_mappings")
+        aggregated = m.checkpoint(self.aggregate, hidden_states, h_pre, name=f"{label}.aggregate")
+        mixed = m.checkpoint(self.apply_h_res, h_res, residual, name=f"{label}.apply_h_res")
         return aggregated, mixed, h_post
 
     def apply_h_post_with_checkpoint(
@@ -164,10 +163,4 @@ class HyperConnectionModule(MegatronModule):
     ) -> tuple[Tensor, None]:
         if manager is None:
             return self.apply_h_post(x_with_bias, h_post)
-        return self._checkpointer(manager)("apply_h_post", self.apply_h_post, x_with_bias, h_post)
-
-    def _checkpointer(self, manager):
-        def ckpt(op: str, fn, *args):
-            return CheckpointWithoutOutput(ckpt_manager=manager, name=f"{self.label}.{op}").checkpoint(fn, *args)
-
-        return ckpt
+        return manager.checkpoint(self.apply_h_post, x_with_bias, h_post, name=f"{self.label}.apply_h_post")
