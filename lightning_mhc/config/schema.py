@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from lightning_mhc.activations import ACTIVATIONS
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.ops import MHC_IMPLEMENTATIONS
 
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "transformer-engine",
@@ -87,6 +88,7 @@ class ModelConfig:
     num_residual_streams: int = 4
     mhc_sinkhorn_iterations: int = 20
     mhc_init_gating_factor: float = 0.01
+    mhc_implementation: str = "auto"
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -102,6 +104,8 @@ class ModelConfig:
             _require(_is_number(value) and 0 <= value < 1, f"model.{name}", value, "in [0, 1)",
                      f"Set model.{name} to a dropout probability, e.g. 0.1 (0 turns dropout off).")
         _positive("model.init_method_std", self.init_method_std, "Set model.init_method_std to e.g. 0.02.")
+        _one_of("model.mhc_implementation", self.mhc_implementation, MHC_IMPLEMENTATIONS,
+                "Use 'auto' (the fused ops) or 'reference' (the op-by-op math).")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="

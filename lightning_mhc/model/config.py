@@ -15,6 +15,7 @@ from typing import Any
 from megatron.core.transformer import TransformerConfig
 
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.ops import MHC_IMPLEMENTATIONS
 from lightning_mhc.recompute.policy import SUPPORTED_MODULES
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
@@ -47,6 +48,10 @@ class MHCTransformerConfig(TransformerConfig):
     per block of ``mhc_recompute_layer_num`` layers in backward (seed 000)."""
     mhc_recompute_layer_num: int | None = None
     """Layers per recompute block; None: max(1, int(sqrt(n*L/(n+2)))) with L the stage's layers."""
+    mhc_implementation: str = "auto"
+    """How the hyper-connection ops run: 'fused' (one autograd op for the mappings and stream
+    mixing, analytic backward, O(n^2) bytes saved per token), 'reference' (the readable
+    op-by-op math, autograd through every op), or 'auto' (fused)."""
 
     # --- GPT fields megatron keeps outside TransformerConfig ---
     vocab_size: int = 256
@@ -97,6 +102,12 @@ class MHCTransformerConfig(TransformerConfig):
                 f"enable_hyper_connections=False with num_residual_streams="
                 f"{self.num_residual_streams}: without hyper-connections there is one residual "
                 "stream. Set num_residual_streams=1 or enable_hyper_connections=True."
+            )
+        if self.mhc_implementation not in MHC_IMPLEMENTATIONS:
+            raise ConfigError(
+                f"mhc_implementation={self.mhc_implementation!r}: choose one of "
+                f"{', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused ops; 'reference' forces "
+                "the op-by-op path)."
             )
         layer_num = self.mhc_recompute_layer_num
         if layer_num is not None and (isinstance(layer_num, bool) or not isinstance(layer_num, int) or layer_num < 1):
