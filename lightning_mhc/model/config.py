@@ -19,6 +19,12 @@ from lightning_mhc.ops import MHC_IMPLEMENTATIONS
 from lightning_mhc.recompute.policy import SUPPORTED_MODULES
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
+MEGATRON_NAMES = {
+    "enable_mhc_connections": "enable_hyper_connections",
+    "mhc_num_residual_streams": "num_residual_streams",
+}
+"""Megatron-LM main's name -> ours, for the mHC fields whose names differ. Its block recompute
+switch, 'mhc' in ``recompute_modules``, is ours ``recompute_hyper_connections=True``."""
 
 
 @dataclass
@@ -47,11 +53,27 @@ class MHCTransformerConfig(TransformerConfig):
     """Discard hyper-connection and bias-dropout-add outputs after forward and recompute them
     per block of ``mhc_recompute_layer_num`` layers in backward (seed 000)."""
     mhc_recompute_layer_num: int | None = None
-    """Layers per recompute block; None: max(1, int(sqrt(n*L/(n+2)))) with L the stage's layers."""
+    """Layers per recompute block; None: max(1, int(sqrt(n*L/(n+2)))) with L the stage's layers
+    (paper eq. 20). Megatron-LM has a field of the same name whose None means something else: the
+    whole transformer block (one pipeline stage) is one recompute block. For Megatron's None set
+    mhc_recompute_layer_num=num_layers here (a block never crosses a stage)."""
     mhc_implementation: str = "auto"
     """How the hyper-connection ops run: 'fused' (one autograd op for the mappings and stream
     mixing, analytic backward, O(n^2) bytes saved per token), 'reference' (the readable
     op-by-op math, autograd through every op), or 'auto' (fused)."""
+
+    # --- Megatron-LM main's names for the mHC fields (d98e8a64), so its config dicts run unchanged.
+    # None: not given. __post_init__ moves a given value onto our field and resets the alias to None
+    # (so dataclasses.replace and model_config_to_dict see only our names). Giving both names with
+    # different values is a ConfigError; our field at its default counts as not given. Megatron's
+    # recompute switch, 'mhc' in recompute_modules, is taken too: it sets recompute_hyper_connections
+    # and is removed from the list.
+    enable_mhc_connections: bool | None = None
+    """Megatron-LM's name for enable_hyper_connections. False also makes num_residual_streams 1
+    (Megatron ignores mhc_num_residual_streams when mHC is off) unless num_residual_streams, our
+    name, is set to something other than its default."""
+    mhc_num_residual_streams: int | None = None
+    """Megatron-LM's name for num_residual_streams."""
 
     # --- GPT fields megatron keeps outside TransformerConfig ---
     vocab_size: int = 256
@@ -70,6 +92,7 @@ class MHCTransformerConfig(TransformerConfig):
     every TP/PP layout."""
 
     def __post_init__(self) -> None:
+        megatron_names = self._take_megatron_names()  # before megatron's checks, which refuse 'mhc'
         # Everything runs through megatron's CPU-master initialisation: it draws the full
         # weight and keeps this rank's shard, which makes weights independent of TP.
         self.use_cpu_initialization = True
@@ -82,14 +105,60 @@ class MHCTransformerConfig(TransformerConfig):
         check_supported_options({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
                                 who="MHCTransformerConfig")
         super().__post_init__()
-        self._validate_mhc()
+        self._validate_mhc(megatron_names)
         self._validate_gpt()
 
+    # ------------------------------------------------------------- Megatron-LM names
+    def _take_megatron_names(self) -> dict[str, str]:
+        """Move Megatron-LM's spellings onto our fields (``MEGATRON_NAMES``, 'mhc' in
+        recompute_modules); return our field name -> how the user spelled it, for messages."""
+        defaults = {f.name: _default(f) for f in dataclasses.fields(self)}
+        spelled: dict[str, str] = {}
+        for alias, ours in MEGATRON_NAMES.items():
+            value = getattr(self, alias)
+            if value is None:
+                continue
+            mine = getattr(self, ours)
+            if not _same(mine, defaults[ours]) and not _same(mine, value):
+                raise ConfigError(
+                    f"{alias}={value!r} and {ours}={mine!r}: {alias} is Megatron-LM's name for {ours} "
+                    f"and the two disagree. Give one of them (or the same value to both)."
+                )
+            setattr(self, ours, value)
+            setattr(self, alias, None)
+            spelled[ours] = alias
+        if (spelled.get("enable_hyper_connections") and self.enable_hyper_connections is False
+                and ("num_residual_streams" in spelled
+                     or _same(self.num_residual_streams, defaults["num_residual_streams"]))):
+            self.num_residual_streams = 1  # Megatron-LM ignores its stream count with mHC off
+            spelled.pop("num_residual_streams", None)
+        modules = self.recompute_modules
+        if isinstance(modules, (list, tuple)) and "mhc" in modules:
+            self.recompute_modules = [m for m in modules if m != "mhc"]
+            self.recompute_hyper_connections = True
+            spelled["recompute_hyper_connections"] = "'mhc' in recompute_modules"
+            spelled["recompute_modules"] = repr(list(modules))
+        return spelled
+
     # ------------------------------------------------------------------ checks
-    def _validate_mhc(self) -> None:
+    def _validate_mhc(self, megatron_names: Mapping[str, str] | None = None) -> None:
+        """Our rules and Megatron-LM's for the mHC fields. ``megatron_names``: our field -> the
+        Megatron-LM spelling the user gave (``_take_megatron_names``), named in the messages."""
+        spelled = dict(megatron_names or {})
+
+        def given(field: str, value: Any) -> str:  # 'field=value' as the user wrote it
+            if field in spelled:
+                return f"{spelled[field]}={value!r} (Megatron-LM's name for {field})"
+            return f"{field}={value!r}"
+
+        enable = spelled.get("enable_hyper_connections", "enable_hyper_connections")
+        streams = spelled.get("num_residual_streams", "num_residual_streams")
+        recompute = ("'mhc' in recompute_modules (Megatron-LM's switch for recompute_hyper_connections"
+                     "=True)" if "recompute_hyper_connections" in spelled else "recompute_hyper_connections=True")
+        modules = spelled.get("recompute_modules", repr(self.recompute_modules))  # as given, 'mhc' included
         if self.num_residual_streams < 1:
             raise ConfigError(
-                f"num_residual_streams={self.num_residual_streams}: need at least 1 stream "
+                f"{given('num_residual_streams', self.num_residual_streams)}: need at least 1 stream "
                 "(the paper uses 4)."
             )
         if self.mhc_sinkhorn_iterations < 1:
@@ -99,9 +168,9 @@ class MHCTransformerConfig(TransformerConfig):
             )
         if not self.enable_hyper_connections and self.num_residual_streams != 1:
             raise ConfigError(
-                f"enable_hyper_connections=False with num_residual_streams="
-                f"{self.num_residual_streams}: without hyper-connections there is one residual "
-                "stream. Set num_residual_streams=1 or enable_hyper_connections=True."
+                f"{given('enable_hyper_connections', False)} with "
+                f"{given('num_residual_streams', self.num_residual_streams)}: without hyper-connections "
+                f"there is one residual stream. Set {streams}=1 or {enable}=True."
             )
         if self.mhc_implementation not in MHC_IMPLEMENTATIONS:
             raise ConfigError(
@@ -127,27 +196,49 @@ class MHCTransformerConfig(TransformerConfig):
             unsupported = sorted(set(self.recompute_modules or []) - set(SUPPORTED_MODULES))
             if unsupported:
                 raise ConfigError(
-                    f"recompute_modules={self.recompute_modules}: {unsupported} not supported by "
-                    f"this model; choose from {', '.join(SUPPORTED_MODULES)}."
+                    f"recompute_modules={modules}: {unsupported} not supported by "
+                    f"this model; choose from {', '.join(SUPPORTED_MODULES)} (or 'mhc', Megatron-LM's "
+                    "name for recompute_hyper_connections=True)."
                 )
         if self.recompute_hyper_connections:
             if not self.enable_hyper_connections:
                 raise ConfigError(
-                    "recompute_hyper_connections=True needs enable_hyper_connections=True: there "
+                    f"{recompute} needs {enable}=True (got {self.enable_hyper_connections}): there "
                     "are no hyper-connection activations to recompute. Enable hyper-connections "
-                    "or turn recompute_hyper_connections off."
+                    "or turn the hyper-connection recompute off."
                 )
             if self.recompute_granularity != "selective":
                 raise ConfigError(
-                    f"recompute_hyper_connections=True needs recompute_granularity='selective' "
+                    f"{recompute} needs recompute_granularity='selective' "
                     f"(got {self.recompute_granularity!r}). Set recompute_granularity='selective'."
                 )
             if "mlp" in (self.recompute_modules or []):
                 raise ConfigError(
-                    f"recompute_hyper_connections=True cannot be combined with 'mlp' in "
-                    f"recompute_modules={self.recompute_modules} (recompute_mlp): the two "
-                    "checkpoint mechanisms conflict (seed 000). Remove 'mlp' from "
-                    "recompute_modules."
+                    f"{recompute} cannot be combined with 'mlp' in "
+                    f"recompute_modules={modules} (recompute_mlp): the two "
+                    "checkpoint mechanisms conflict (seed 000, Megatron-LM refuses it too). Remove "
+                    "'mlp' from recompute_modules."
+                )
+            if getattr(self, "fine_grained_activation_offloading", False):
+                raise ConfigError(
+                    f"{recompute} with fine_grained_activation_offloading=True: Megatron-LM does not "
+                    "support the two together (its mHC recompute hook fires before the offloading "
+                    "chunk exists) and this model does not offload. Set "
+                    "fine_grained_activation_offloading=False."
+                )
+        if self.enable_hyper_connections:
+            if getattr(self, "mtp_num_layers", None) is not None:
+                raise ConfigError(
+                    f"{given('enable_hyper_connections', True)} with mtp_num_layers="
+                    f"{self.mtp_num_layers}: Multi-Token Prediction does not combine with "
+                    "hyper-connections (Megatron-LM refuses it too) and this model has no MTP head. "
+                    "Leave mtp_num_layers=None."
+                )
+            if getattr(self, "inference_fuse_tp_communication", False):
+                raise ConfigError(
+                    f"{given('enable_hyper_connections', True)} with inference_fuse_tp_communication="
+                    "True: the fused inference tensor-parallel path assumes one residual stream "
+                    "(Megatron-LM refuses it too). Set inference_fuse_tp_communication=False."
                 )
 
     def _validate_gpt(self) -> None:

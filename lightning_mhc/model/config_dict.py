@@ -20,7 +20,13 @@ import torch
 
 from lightning_mhc.activations import ACTIVATIONS, activation_name
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.model.config import PARALLEL_LAYOUT_FIELDS, MHCTransformerConfig, _default, _same
+from lightning_mhc.model.config import (
+    MEGATRON_NAMES,
+    PARALLEL_LAYOUT_FIELDS,
+    MHCTransformerConfig,
+    _default,
+    _same,
+)
 
 SET_WHEN_BUILT_FIELDS = (
     # the recompute policy (MHCRecomputeCallback / ``recompute_policy``) sets these
@@ -33,6 +39,8 @@ SET_WHEN_BUILT_FIELDS = (
     # training-loop hooks, not part of the model
     "timers", "finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func",
     "param_sync_func", "_cpu_offloading_context",
+    # Megatron-LM's names for our mHC fields: input only, __post_init__ moves them onto ours
+    *MEGATRON_NAMES,
 )
 """Fields ``model_config_to_dict`` leaves out besides the layout: set by training, not by the model."""
 
