@@ -108,7 +108,7 @@ def test_full_sublayer_matches_equations():
     x = torch.randn(5, 2, hc.n * hc.hidden_size)
     w = torch.randn(hc.hidden_size, hc.hidden_size) / 8
     branch = lambda h: torch.tanh(h @ w)
-    aggregated, mixed, h_post = hc(x, x)
+    aggregated, mixed, h_post = hc(x)
     out, _ = hc.apply_h_post((branch(aggregated), None), h_post)
     torch.testing.assert_close(mixed + out, mhc_sublayer_reference(hc, x, branch))
     # H_res is applied: dropping it changes the result
@@ -140,7 +140,7 @@ def test_expand_contract_roundtrip():
 def test_gradients_flow_to_every_parameter():
     hc = randomize(make_hc())
     x = torch.randn(4, 2, hc.n * hc.hidden_size, requires_grad=True)
-    aggregated, mixed, h_post = hc(x, x)
+    aggregated, mixed, h_post = hc(x)
     out, _ = hc.apply_h_post((aggregated.sin(), None), h_post)
     (mixed + out).square().sum().backward()
     for name, p in hc.named_parameters():

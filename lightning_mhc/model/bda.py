@@ -1,6 +1,9 @@
-"""Bias-dropout-add: ``residual + dropout(out + bias)``."""
+"""Bias-dropout-add: ``residual + dropout(out + bias)``, and its hyper-connection form
+``mixed + dropout(H_post^T * (out + bias))`` (``H_post`` spreads the sub-layer output over
+the ``n`` streams; ``mixed = H_res @ x``)."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -16,3 +19,26 @@ def bias_dropout_add(
     with rng_fork("tensor"):  # the residual stream is replicated across TP: same mask there
         dropped = F.dropout(out, p=prob, training=training)
     return residual + dropped
+
+
+def h_post_bias_dropout_add(
+    x_with_bias: tuple[Tensor, Tensor | None], h_post: Tensor, mixed: Tensor, prob: float, training: bool,
+    fused: bool = True,
+) -> Tensor:
+    """``mixed + dropout(H_post^T * (out + bias))``: ``[s,b,C]``, ``[s,b,n]``, ``[s,b,n*C]`` -> ``[s,b,n*C]``.
+
+    ``fused`` without active dropout is one ``addcmul`` (no ``[s,b,n*C]`` temporaries, saves
+    ``H_post`` and ``out + bias`` for backward); otherwise the spread output is formed and goes
+    through :func:`bias_dropout_add`, drawing the same dropout mask as the reference.
+    """
+    out, bias = x_with_bias
+    n = h_post.shape[-1]
+    with torch.autocast(device_type=out.device.type, enabled=False):
+        if bias is not None:
+            out = out + bias
+        h = h_post.to(out.dtype).unsqueeze(-1)
+        if fused and (prob == 0 or not training):
+            streams = mixed.unflatten(-1, (n, out.shape[-1]))
+            return torch.addcmul(streams, h, out.unsqueeze(-2)).flatten(-2)
+        spread = (h * out.unsqueeze(-2)).flatten(-2)
+        return bias_dropout_add((spread, None), mixed, prob, training)

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, arXiv 2512.24880, eq. 7-9).
+"""Manifold-constrained hyper-connections (mHC, arXiv 2512.24880, eq. 7-9): the module.
 
 The residual stream ``x`` is ``n`` streams of width ``C``, stored as
 ``[s, b, n*C]``. Around a sub-layer ``F``::
@@ -9,7 +9,10 @@ The residual stream ``x`` is ``n`` streams of width ``C``, stored as
     H_res  = SinkhornKnopp(a_res * mat(x' @ phi_res) + b_res) # [s, b, n, n]
     x_next = H_res @ x + H_post^T * F(H_pre @ x)
 
-The mappings are computed in fp32 whatever the training dtype.
+The math lives in ``lightning_mhc.ops.hyper_connection`` (a readable reference
+and a fused, memory-lean version, chosen by ``mhc_implementation``); this
+module holds the parameters and picks the implementation. The mappings are
+computed in fp32 whatever the training dtype.
 """
 from __future__ import annotations
 
@@ -21,25 +24,16 @@ from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
-from lightning_mhc.model.norm import rms_normalize
+from lightning_mhc.ops.hyper_connection import (
+    fused_pre,
+    reference_aggregate,
+    reference_apply_h_res,
+    reference_mappings,
+    reference_pre,
+)
+from lightning_mhc.ops.sinkhorn import sinkhorn_knopp
 
-
-def sinkhorn_knopp(logits: Tensor, iterations: int) -> Tensor:
-    """Project ``[..., n, n]`` logits onto (close to) the doubly stochastic matrices.
-
-    Starts from ``exp`` of the max-subtracted logits and alternates column and
-    row normalisation, in fp32.
-    """
-    logits = logits.float()
-    p = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
-    for _ in range(iterations):
-        p = p / p.sum(dim=-2, keepdim=True)  # columns sum to 1
-        p = p / p.sum(dim=-1, keepdim=True)  # rows sum to 1
-    return p
-
-
-def _no_autocast(device_type: str):
-    return torch.autocast(device_type=device_type, enabled=False)
+__all__ = ["HyperConnectionModule", "sinkhorn_knopp"]
 
 
 class HyperConnectionModule(MegatronModule):
@@ -85,32 +79,26 @@ class HyperConnectionModule(MegatronModule):
             self.b_res.zero_()
 
     # ----------------------------------------------------------- the math
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        return (self.phi_pre, self.phi_post, self.phi_res, self.a_pre, self.a_post, self.a_res,
+                self.b_pre, self.b_post, self.b_res)
+
+    @property
+    def fused(self) -> bool:
+        return self.config.mhc_implementation in ("auto", "fused")
+
     def compute_mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``x [s, b, n*C]`` -> ``(H_pre [s,b,n], H_post [s,b,n], H_res [s,b,n,n])``, all fp32."""
-        n = self.n
-        with _no_autocast(x.device.type):
-            xn = rms_normalize(x, self.eps)
-            phi = torch.cat([self.phi_pre, self.phi_post, self.phi_res], dim=1).float()
-            proj = xn @ phi
-            p_pre, p_post, p_res = proj.split([n, n, n * n], dim=-1)
-            h_pre = torch.sigmoid(self.a_pre * p_pre + self.b_pre)
-            h_post = 2.0 * torch.sigmoid(self.a_post * p_post + self.b_post)
-            res_logits = self.a_res * p_res.unflatten(-1, (n, n)) + self.b_res
-            h_res = sinkhorn_knopp(res_logits, self.sinkhorn_iterations)
-        return h_pre, h_post, h_res
+        """``x [s, b, n*C]`` -> ``(H_pre [s,b,n], H_post [s,b,n], H_res [s,b,n,n])``, all fp32 (reference)."""
+        return reference_mappings(x, *self.params, n=self.n, eps=self.eps, iterations=self.sinkhorn_iterations)
 
     def aggregate(self, x: Tensor, h_pre: Tensor) -> Tensor:
-        """``H_pre @ x``: ``[s,b,n*C]`` -> the sub-layer input ``[s,b,C]``."""
-        with _no_autocast(x.device.type):
-            streams = x.unflatten(-1, (self.n, self.hidden_size))
-            return (h_pre.to(x.dtype).unsqueeze(-1) * streams).sum(dim=-2)
+        """``H_pre @ x``: ``[s,b,n*C]`` -> the sub-layer input ``[s,b,C]`` (reference)."""
+        return reference_aggregate(x, h_pre, self.n)
 
     def apply_h_res(self, h_res: Tensor, residual: Tensor) -> Tensor:
-        """``H_res @ x``: stream ``i`` becomes ``sum_j H_res[i, j] * x_j``."""
-        with _no_autocast(residual.device.type):
-            streams = residual.unflatten(-1, (self.n, self.hidden_size))
-            mixed = torch.matmul(h_res.to(residual.dtype), streams)
-            return mixed.flatten(-2)
+        """``H_res @ x``: stream ``i`` becomes ``sum_j H_res[i, j] * x_j`` (reference)."""
+        return reference_apply_h_res(h_res, residual, self.n)
 
     def apply_h_post(
         self, x_with_bias: tuple[Tensor, Tensor | None], h_post: Tensor
@@ -121,7 +109,7 @@ class HyperConnectionModule(MegatronModule):
         returned pair has no bias.
         """
         out, bias = x_with_bias
-        with _no_autocast(out.device.type):
+        with torch.autocast(device_type=out.device.type, enabled=False):
             if bias is not None:
                 out = out + bias
             spread = h_post.to(out.dtype).unsqueeze(-1) * out.unsqueeze(-2)
@@ -139,28 +127,12 @@ class HyperConnectionModule(MegatronModule):
         return x.unflatten(-1, (num_streams, x.shape[-1] // num_streams)).mean(dim=-2)
 
     # ------------------------------------------------------------ forward
-    def forward(
-        self, hidden_states: Tensor, residual: Tensor, mhc_recompute_manager=None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Returns ``(aggregated [s,b,C], mixed residual [s,b,n*C], H_post)``.
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``[s,b,n*C]`` -> ``(aggregated [s,b,C], H_res @ x [s,b,n*C], H_post [s,b,n])``.
 
-        With a recompute manager each op is a checkpoint registered with it
-        (seed 000): its output is freed after the block and recomputed in backward.
+        Mappings, aggregate and ``H_res @ x`` together: one fused autograd node
+        (``mhc_implementation`` 'auto'/'fused') or the reference ops. The layer
+        checkpoints this call as one unit under block recompute.
         """
-        if mhc_recompute_manager is None:
-            h_pre, h_post, h_res = self.compute_mappings(hidden_states)
-            aggregated = self.aggregate(hidden_states, h_pre)
-            mixed = self.apply_h_res(h_res, residual)
-            return aggregated, mixed, h_post
-        m, label = mhc_recompute_manager, self.label
-        h_pre, h_post, h_res = m.checkpoint(self.compute_mappings, hidden_states, name=f"{label}.compute_mappings")
-        aggregated = m.checkpoint(self.aggregate, hidden_states, h_pre, name=f"{label}.aggregate")
-        mixed = m.checkpoint(self.apply_h_res, h_res, residual, name=f"{label}.apply_h_res")
-        return aggregated, mixed, h_post
-
-    def apply_h_post_with_checkpoint(
-        self, x_with_bias: tuple[Tensor, Tensor | None], h_post: Tensor, manager=None
-    ) -> tuple[Tensor, None]:
-        if manager is None:
-            return self.apply_h_post(x_with_bias, h_post)
-        return manager.checkpoint(self.apply_h_post, x_with_bias, h_post, name=f"{self.label}.apply_h_post")
+        run = fused_pre if self.fused else reference_pre
+        return run(hidden_states, self.params, self.n, self.eps, self.sinkhorn_iterations)

@@ -1,37 +1,12 @@
-"""RMS normalisation in fp32, as megatron's norms are under mixed precision.
-
-``rms_normalize`` is one autograd node (hand-written backward) so that its
-input has a single consumer: with the input also feeding other ops, gradient
-accumulation then happens in the same order whether or not the op sits inside
-a recompute checkpoint, which keeps recomputed runs bit-identical.
-"""
+"""``RMSNorm``: the model's norm, in fp32 (``lightning_mhc.ops.rms_norm``)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from lightning_mhc.ops.rms_norm import rms_normalize
 
-class _RMSNormalize(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, eps: float) -> Tensor:
-        xf = x.float()
-        r = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, r)
-        return xf * r
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, r = ctx.saved_tensors
-        y = x.float() * r
-        grad = grad.float()
-        grad_x = r * (grad - y * (grad * y).mean(dim=-1, keepdim=True))
-        return grad_x.to(x.dtype), None
-
-
-def rms_normalize(x: Tensor, eps: float) -> Tensor:
-    """``x / sqrt(mean(x^2) + eps)`` over the last dimension, in fp32."""
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        return _RMSNormalize.apply(x, eps)
+__all__ = ["RMSNorm", "rms_normalize"]
 
 
 class RMSNorm(torch.nn.Module):

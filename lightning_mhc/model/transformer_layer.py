@@ -16,16 +16,17 @@ Recompute (megatron's selective granularity, and seed 000's block recompute):
   and recomputed from a hook on the sub-layer output, or, with a manager,
   together with the block.
 - an ``mhc_recompute_manager`` (handed to the layer by a recompute policy):
-  every hyper-connection op and both bias-dropout-adds are checkpointed into
-  the manager, except the MLP bias-dropout-add of the block's last layer,
-  whose output is the hook tensor. Attention and MLP are not re-run.
+  two checkpoints per sub-layer go into the manager: the hyper-connection
+  (mappings, aggregate, ``H_res @ x``) and the bias-dropout-add with
+  ``H_post``, except the MLP bias-dropout-add of the block's last layer, whose
+  output is the hook tensor. Attention and MLP are not re-run.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from lightning_mhc.model.bda import bias_dropout_add
+from lightning_mhc.model.bda import bias_dropout_add, h_post_bias_dropout_add
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.attention import SelfAttention
 from lightning_mhc.model.hyper_connection import HyperConnectionModule
@@ -91,8 +92,13 @@ class TransformerLayer(torch.nn.Module):
         """Recompute only applies to training forwards that build a graph."""
         return self.training and torch.is_grad_enabled()
 
-    def _bda(self, x_with_bias, residual: Tensor) -> Tensor:
-        return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training)
+    def _bda(self, x_with_bias, residual: Tensor, h_post: Tensor | None = None) -> Tensor:
+        """Bias-dropout-add; with hyper-connections ``residual`` is ``H_res @ x`` and ``H_post``
+        spreads the sub-layer output over the streams."""
+        if h_post is None:
+            return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training)
+        return h_post_bias_dropout_add(x_with_bias, h_post, residual, self.hidden_dropout, self.training,
+                                       fused=self.config.mhc_implementation != "reference")
 
     def _checkpointed(self, manager, op: str, fn, *args):
         """``fn(*args)`` as a CheckpointWithoutOutput registered with ``manager``."""
@@ -100,14 +106,19 @@ class TransformerLayer(torch.nn.Module):
         return ckpt, ckpt.checkpoint(fn, *args)
 
     def _sublayer(self, hc, norm: RMSNorm, recompute_norm: bool, norm_name: str, run, hidden_states, manager):
-        """Hyper-connection, norm, sub-layer, ``H_post``: returns ``(output_with_bias, residual)``.
+        """Hyper-connection, norm, sub-layer: returns ``(output_with_bias, residual, H_post)``.
 
-        With ``recompute_norm`` the norm output is discarded by a checkpoint: into the
-        manager when there is one, else recomputed from a hook on the sub-layer output.
+        With hyper-connections ``residual`` is ``H_res @ x``; with a manager the hyper-connection
+        (mappings, aggregate, ``H_res @ x``) is one checkpoint in it. With ``recompute_norm`` the
+        norm output is discarded by a checkpoint: into the manager when there is one, else
+        recomputed from a hook on the sub-layer output.
         """
-        residual = hidden_states
+        residual, h_post = hidden_states, None
         if hc is not None:
-            hidden_states, residual, h_post = hc(hidden_states, residual, manager)
+            if manager is not None:
+                hidden_states, residual, h_post = manager.checkpoint(hc, hidden_states, name=f"{hc.label}.pre")
+            else:
+                hidden_states, residual, h_post = hc(hidden_states)
         norm_ckpt = None
         if recompute_norm and self._recomputing():
             norm_ckpt, normed = self._checkpointed(manager, norm_name, norm, hidden_states)
@@ -116,14 +127,12 @@ class TransformerLayer(torch.nn.Module):
         output_with_bias = run(normed)
         if norm_ckpt is not None:
             norm_ckpt.discard_output_and_register_recompute(output_with_bias[0])  # no-op with a manager
-        if hc is not None:
-            output_with_bias = hc.apply_h_post_with_checkpoint(output_with_bias, h_post, manager)
-        return output_with_bias, residual
+        return output_with_bias, residual, h_post
 
     def _forward_attention(
         self, hidden_states: Tensor, rotary_freqs: Tensor | None, mhc_recompute_manager=None
     ) -> Tensor:
-        attention_output_with_bias, residual = self._sublayer(
+        attention_output_with_bias, residual, h_post = self._sublayer(
             self.self_attention_hyper_connection, self.input_layernorm,
             self.recompute_input_layernorm, "input_layernorm",
             lambda normed: self.self_attention(normed, rotary_freqs),
@@ -131,21 +140,21 @@ class TransformerLayer(torch.nn.Module):
         )
         if mhc_recompute_manager is not None:
             _, out = self._checkpointed(
-                mhc_recompute_manager, "self_attn_bda", self._bda, attention_output_with_bias, residual
+                mhc_recompute_manager, "self_attn_bda", self._bda, attention_output_with_bias, residual, h_post
             )
             return out
-        return self._bda(attention_output_with_bias, residual)
+        return self._bda(attention_output_with_bias, residual, h_post)
 
     def _forward_mlp(
         self, hidden_states: Tensor, mhc_recompute_manager=None, is_last_layer_in_block: bool = False
     ) -> Tensor:
-        mlp_output_with_bias, residual = self._sublayer(
+        mlp_output_with_bias, residual, h_post = self._sublayer(
             self.mlp_hyper_connection, self.pre_mlp_layernorm,
             self.recompute_pre_mlp_layernorm, "pre_mlp_layernorm", self._run_mlp,
             hidden_states, mhc_recompute_manager,
         )
         return self._forward_post_mlp(
-            mlp_output_with_bias, residual, mhc_recompute_manager, is_last_layer_in_block
+            mlp_output_with_bias, residual, h_post, mhc_recompute_manager, is_last_layer_in_block
         )
 
     def _run_mlp(self, normed: Tensor):
@@ -157,13 +166,14 @@ class TransformerLayer(torch.nn.Module):
         self,
         mlp_output_with_bias: tuple[Tensor, Tensor | None],
         residual: Tensor,
+        h_post: Tensor | None = None,
         mhc_recompute_manager=None,
         is_last_layer_in_block: bool = False,
     ) -> Tensor:
         if mhc_recompute_manager is not None and not is_last_layer_in_block:
             _, out = self._checkpointed(
-                mhc_recompute_manager, "mlp_bda", self._bda, mlp_output_with_bias, residual
+                mhc_recompute_manager, "mlp_bda", self._bda, mlp_output_with_bias, residual, h_post
             )
             return out
         # No manager, or the block's last layer: this output is the manager's hook tensor.
-        return self._bda(mlp_output_with_bias, residual)
+        return self._bda(mlp_output_with_bias, residual, h_post)

@@ -1,0 +1,167 @@
+"""The hyper-connection around one sub-layer, as functions of tensors (arXiv 2512.24880, eq. 7-9).
+
+With the stream ``x`` of ``n`` streams of width ``C`` stored as ``[..., n*C]``,
+``r = 1 / sqrt(mean(x^2) + eps)`` per token and ``phi = [phi_pre | phi_post | phi_res]``::
+
+    proj   = r * (x @ phi)                                     # = RMSNorm(x) @ phi
+    H_pre  = sigmoid(a_pre * proj_pre + b_pre)                 # [..., n]
+    H_post = 2 * sigmoid(a_post * proj_post + b_post)          # [..., n]
+    H_res  = SinkhornKnopp(a_res * mat(proj_res) + b_res)      # [..., n, n]
+    aggregated = H_pre @ x        (the sub-layer input, [..., C])
+    mixed      = H_res @ x        (stream i = sum_j H_res[i, j] x_j, [..., n*C])
+
+Mappings are fp32 whatever the training dtype; the stream mixing runs in the
+stream's dtype. Two implementations of the same math:
+
+- ``reference_*``: op by op (RMSNorm, matmul, sigmoids, the reference Sinkhorn,
+  broadcast products), differentiated by autograd. Easy to read; saves the
+  normalised ``[..., n*C]`` copy of the stream and about 80 Sinkhorn
+  intermediates per token.
+- ``fused_pre``: ``HyperConnectionPre``, one autograd node for mappings,
+  aggregate and ``H_res @ x``, with a hand-written backward. It scales the
+  projection after the matmul (``r * (x @ phi)``), so the normalised stream is
+  never formed, and saves ``x`` (the stream the layer holds anyway) plus
+  O(n^2) floats per token. Its input has one consumer, so the gradient of ``x``
+  is one sum computed in a fixed order, inside or outside a recompute
+  checkpoint.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_mhc.ops.rms_norm import rms_normalize
+from lightning_mhc.ops.sinkhorn import SINKHORN_EPS, sinkhorn_backward, sinkhorn_forward, sinkhorn_knopp
+
+
+def _no_autocast(device_type: str):
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+# ------------------------------------------------------------------ reference path
+def reference_mappings(
+    x: Tensor, phi_pre, phi_post, phi_res, a_pre, a_post, a_res, b_pre, b_post, b_res,
+    n: int, eps: float, iterations: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``x [..., n*C]`` -> ``(H_pre [..., n], H_post [..., n], H_res [..., n, n])``, fp32."""
+    with _no_autocast(x.device.type):
+        xn = rms_normalize(x, eps)
+        phi = torch.cat([phi_pre, phi_post, phi_res], dim=1).float()
+        proj = xn @ phi
+        p_pre, p_post, p_res = proj.split([n, n, n * n], dim=-1)
+        h_pre = torch.sigmoid(a_pre * p_pre + b_pre)
+        h_post = 2.0 * torch.sigmoid(a_post * p_post + b_post)
+        h_res = sinkhorn_knopp(a_res * p_res.unflatten(-1, (n, n)) + b_res, iterations)
+    return h_pre, h_post, h_res
+
+
+def reference_aggregate(x: Tensor, h_pre: Tensor, n: int) -> Tensor:
+    """``H_pre @ x``: ``[..., n*C]`` -> ``[..., C]``."""
+    with _no_autocast(x.device.type):
+        streams = x.unflatten(-1, (n, x.shape[-1] // n))
+        return (h_pre.to(x.dtype).unsqueeze(-1) * streams).sum(dim=-2)
+
+
+def reference_apply_h_res(h_res: Tensor, x: Tensor, n: int) -> Tensor:
+    """``H_res @ x``: stream ``i`` becomes ``sum_j H_res[i, j] * x_j``."""
+    with _no_autocast(x.device.type):
+        streams = x.unflatten(-1, (n, x.shape[-1] // n))
+        return torch.matmul(h_res.to(x.dtype), streams).flatten(-2)
+
+
+def reference_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int):
+    """Mappings, aggregate and ``H_res @ x`` op by op: ``(aggregated, mixed, H_post)``."""
+    h_pre, h_post, h_res = reference_mappings(x, *params, n=n, eps=eps, iterations=iterations)
+    return reference_aggregate(x, h_pre, n), reference_apply_h_res(h_res, x, n), h_post
+
+
+# ---------------------------------------------------------------------- fused path
+def _mappings_from_projection(raw: Tensor, r: Tensor, a, b, n: int, iterations: int):
+    """fp32 ``[T, n^2+2n]`` projection (before the 1/rms scale) -> the three mappings."""
+    proj = raw * r
+    a_pre, a_post, a_res = a
+    b_pre, b_post, b_res = b
+    h_pre = torch.sigmoid(a_pre * proj[:, :n] + b_pre)
+    h_post = torch.sigmoid(a_post * proj[:, n:2 * n] + b_post).mul_(2.0)
+    logits = a_res * proj[:, 2 * n:].view(-1, n, n) + b_res
+    return proj, h_pre, h_post, logits
+
+
+class HyperConnectionPre(torch.autograd.Function):
+    """``x [T, n*C]`` -> ``(aggregated [T, C], mixed [T, n*C], H_post [T, n])`` in one node.
+
+    Saves ``x``, ``phi``, the raw projection ``x @ phi`` and ``r`` (``n^2+2n+1`` floats per
+    token), ``H_pre`` and ``H_res``. The Sinkhorn backward re-runs its iterations from the
+    logits, which are recomputed from the projection.
+    """
+
+    @staticmethod
+    def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, n, eps, iterations):
+        tokens, width = x.shape
+        xf = x.float()
+        # 1/rms from the norm: no [T, n*C] temporary
+        r = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).pow_(2).div_(width).add_(eps).rsqrt_()
+        raw = xf @ phi
+        a, b = (a_pre, a_post, a_res), (b_pre, b_post, b_res)
+        _, h_pre, h_post, logits = _mappings_from_projection(raw, r, a, b, n, iterations)
+        h_res = sinkhorn_forward(logits, iterations, SINKHORN_EPS)
+        streams = x.view(tokens, n, width // n)
+        aggregated = torch.bmm(h_pre.to(x.dtype).unsqueeze(1), streams).view(tokens, width // n)
+        mixed = torch.bmm(h_res.to(x.dtype), streams).view(tokens, width)
+        ctx.save_for_backward(x, phi, raw, r, h_pre, h_post, h_res, a_pre, a_post, a_res, b_pre, b_post, b_res)
+        ctx.n, ctx.iterations = n, iterations
+        return aggregated, mixed, h_post
+
+    @staticmethod
+    def backward(ctx, g_agg, g_mixed, g_post):
+        x, phi, raw, r, h_pre, h_post, h_res, a_pre, a_post, a_res, b_pre, b_post, b_res = ctx.saved_tensors
+        n, iterations = ctx.n, ctx.iterations
+        tokens, width = x.shape
+        streams = x.view(tokens, n, width // n)
+        # stream mixing: aggregated = H_pre @ x, mixed = H_res @ x
+        g_mixed = _grad_or_zeros(g_mixed, (tokens, width), x)
+        g_agg = _grad_or_zeros(g_agg, (tokens, width // n), x)
+        g_streams = g_mixed.reshape(tokens, n, width // n)
+        g_h_res = torch.bmm(g_streams, streams.transpose(1, 2)).float()
+        g_h_pre = torch.bmm(streams, g_agg.unsqueeze(-1)).squeeze(-1).float()
+        dx = torch.bmm(h_res.to(x.dtype).transpose(1, 2), g_streams)
+        dx.addcmul_(h_pre.to(x.dtype).unsqueeze(-1), g_agg.unsqueeze(1))
+        dx = dx.view(tokens, width)
+        # mappings
+        proj = raw * r
+        p_pre, p_post, p_res = proj[:, :n], proj[:, n:2 * n], proj[:, 2 * n:]
+        dz_pre = g_h_pre * h_pre * (1.0 - h_pre)
+        dz_post = (g_post.float() * h_post * (1.0 - 0.5 * h_post)) if g_post is not None else torch.zeros_like(h_post)
+        logits = a_res * p_res.view(tokens, n, n) + b_res
+        dz_res = sinkhorn_backward(logits, g_h_res, iterations, SINKHORN_EPS).view(tokens, n * n)
+        grads_a = [(dz * p).sum() for dz, p in ((dz_pre, p_pre), (dz_post, p_post), (dz_res, p_res))]
+        grads_b = (dz_pre.sum(0), dz_post.sum(0), dz_res.sum(0).view(n, n))
+        d_proj = torch.cat([a_pre * dz_pre, a_post * dz_post, a_res * dz_res], dim=1)
+        d_raw = d_proj * r
+        d_r = (d_proj * raw).sum(dim=-1, keepdim=True)
+        xf = x.float()
+        d_phi = xf.t() @ d_raw
+        # r = (mean(x^2) + eps)^(-1/2):  dr/dx = -r^3 x / width
+        coef = d_r * r.pow(3) * (-1.0 / width)
+        if x.dtype == torch.float32:
+            dx.addmm_(d_raw, phi.t()).addcmul_(coef, xf)
+        else:
+            dx = (dx.float().addmm_(d_raw, phi.t()).addcmul_(coef, xf)).to(x.dtype)
+        return (dx, d_phi, *[g.view_as(a) for g, a in zip(grads_a, (a_pre, a_post, a_res))],
+                *grads_b, None, None, None)
+
+
+def _grad_or_zeros(grad: Tensor | None, shape, like: Tensor) -> Tensor:
+    return grad if grad is not None else like.new_zeros(shape)
+
+
+def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int):
+    """``HyperConnectionPre`` on a ``[..., n*C]`` stream: ``(aggregated, mixed, H_post)``."""
+    phi_pre, phi_post, phi_res, *scalars_and_biases = params
+    lead = x.shape[:-1]
+    with _no_autocast(x.device.type):
+        phi = torch.cat([phi_pre, phi_post, phi_res], dim=1).float()
+        aggregated, mixed, h_post = HyperConnectionPre.apply(
+            x.reshape(-1, x.shape[-1]), phi, *(p.float() for p in scalars_and_biases), n, eps, iterations
+        )
+    return aggregated.view(*lead, -1), mixed.view(*lead, -1), h_post.view(*lead, n)
