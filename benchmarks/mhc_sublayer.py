@@ -12,7 +12,7 @@ dim=C, branch=Linear, sinkhorn_iters=20)`` (it normalises each stream on its
 own, where the paper and this project normalise the flattened n*C stream; the
 work per token is otherwise the same). Times are medians over interleaved
 rounds; saved bytes are the storages the autograd graph holds after the
-forward, the input stream included, per token. Writes JSON and a PNG
+forward (parameters excluded, the input stream included), per token. Writes JSON and a PNG
 (default ``benchmarks/results/mhc_sublayer.json``).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _ours(hidden: int, tokens: int, implementation: str):
         return h_post_bias_dropout_add((branch(aggregated), None), h_post, mixed, 0.0, True,
                                        fused=implementation != "reference")
 
-    return forward, x
+    return forward, x, (hc, branch)
 
 
 def _peer(hidden: int, tokens: int):
@@ -56,7 +56,7 @@ def _peer(hidden: int, tokens: int):
 
     hc = ManifoldConstrainedHyperConnections(N, dim=hidden, branch=torch.nn.Linear(hidden, hidden), sinkhorn_iters=20)
     x = torch.randn(N, tokens, hidden, requires_grad=True)  # '(batch streams) tokens dim'
-    return (lambda: hc(x)), x
+    return (lambda: hc(x)), x, (hc,)
 
 
 def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
@@ -68,8 +68,9 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     for hidden in args.hidden:
         steps, saved = {}, {}
         for impl in IMPLEMENTATIONS:
-            forward, x = _peer(hidden, args.tokens) if impl == "hyper-connections" else _ours(hidden, args.tokens, impl)
-            with ActivationMemoryMeter() as meter:
+            forward, x, modules = (_peer(hidden, args.tokens) if impl == "hyper-connections"
+                                   else _ours(hidden, args.tokens, impl))
+            with ActivationMemoryMeter(*modules) as meter:  # parameters are not activations
                 out = forward()
             grad = torch.randn_like(out)
             out.backward(grad)

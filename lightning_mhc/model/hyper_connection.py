@@ -25,7 +25,7 @@ from torch import Tensor
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.ops.hyper_connection import (
-    fused_pre,
+    fused_pre_packed,
     reference_aggregate,
     reference_apply_h_res,
     reference_mappings,
@@ -59,28 +59,39 @@ class HyperConnectionModule(MegatronModule):
         self.eps = config.layernorm_epsilon
         self.sinkhorn_iterations = config.mhc_sinkhorn_iterations
 
-        def param(*shape: int) -> torch.nn.Parameter:
-            return torch.nn.Parameter(torch.empty(shape, dtype=torch.float32))
-
-        self.phi_pre, self.phi_post, self.phi_res = param(width, n), param(width, n), param(width, n * n)
-        self.a_pre, self.a_post, self.a_res = param(), param(), param()
-        self.b_pre, self.b_post, self.b_res = param(n), param(n), param(n, n)
+        m = n * n + 2 * n
+        # Packed, as three parameters (one projection, one gate vector, one bias): the fused op
+        # takes them as they are, and the optimizer steps 3 tensors per hyper-connection, not 9.
+        # The named pieces (phi_pre, a_res, b_res, ...) are views, below.
+        self.phi = torch.nn.Parameter(torch.empty(width, m))  # [phi_pre | phi_post | phi_res]
+        self.alpha = torch.nn.Parameter(torch.empty(3))  # [a_pre, a_post, a_res]
+        self.bias = torch.nn.Parameter(torch.empty(m))  # [b_pre | b_post | b_res (row-major)]
         self._initialize(init)
 
     def _initialize(self, init: ParamInit) -> None:
         std = self.config.init_method_std
         with torch.no_grad():
-            for name in ("phi_pre", "phi_post", "phi_res"):
+            for name in ("phi_pre", "phi_post", "phi_res"):  # each block from its own generator
                 init.normal(name, std)(getattr(self, name))
-            for name in ("a_pre", "a_post", "a_res"):
-                getattr(self, name).fill_(self.config.mhc_init_gating_factor)
+            self.alpha.fill_(self.config.mhc_init_gating_factor)
+            self.bias.zero_()
             self.b_pre.fill_(-math.log(self.n - 1) if self.n > 1 else 0.0)
-            self.b_post.zero_()
-            self.b_res.zero_()
+
+    # the named pieces of the packed parameters (views: writing them writes the parameters)
+    phi_pre = property(lambda self: self.phi[:, :self.n])
+    phi_post = property(lambda self: self.phi[:, self.n:2 * self.n])
+    phi_res = property(lambda self: self.phi[:, 2 * self.n:])
+    a_pre = property(lambda self: self.alpha[0])
+    a_post = property(lambda self: self.alpha[1])
+    a_res = property(lambda self: self.alpha[2])
+    b_pre = property(lambda self: self.bias[:self.n])
+    b_post = property(lambda self: self.bias[self.n:2 * self.n])
+    b_res = property(lambda self: self.bias[2 * self.n:].view(self.n, self.n))
 
     # ----------------------------------------------------------- the math
     @property
     def params(self) -> tuple[Tensor, ...]:
+        """The nine named pieces, in the order the reference ops take them."""
         return (self.phi_pre, self.phi_post, self.phi_res, self.a_pre, self.a_post, self.a_res,
                 self.b_pre, self.b_post, self.b_res)
 
@@ -134,5 +145,7 @@ class HyperConnectionModule(MegatronModule):
         (``mhc_implementation`` 'auto'/'fused') or the reference ops. The layer
         checkpoints this call as one unit under block recompute.
         """
-        run = fused_pre if self.fused else reference_pre
-        return run(hidden_states, self.params, self.n, self.eps, self.sinkhorn_iterations)
+        if self.fused:
+            return fused_pre_packed(hidden_states, self.phi, self.alpha, self.bias, self.n, self.eps,
+                                    self.sinkhorn_iterations)
+        return reference_pre(hidden_states, self.params, self.n, self.eps, self.sinkhorn_iterations)

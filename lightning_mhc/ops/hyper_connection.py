@@ -76,45 +76,42 @@ def reference_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, ite
 
 
 # ---------------------------------------------------------------------- fused path
-def _mappings_from_projection(raw: Tensor, r: Tensor, a, b, n: int, iterations: int):
-    """fp32 ``[T, n^2+2n]`` projection (before the 1/rms scale) -> the three mappings."""
-    proj = raw * r
-    a_pre, a_post, a_res = a
-    b_pre, b_post, b_res = b
-    h_pre = torch.sigmoid(a_pre * proj[:, :n] + b_pre)
-    h_post = torch.sigmoid(a_post * proj[:, n:2 * n] + b_post).mul_(2.0)
-    logits = a_res * proj[:, 2 * n:].view(-1, n, n) + b_res
-    return proj, h_pre, h_post, logits
+def _expand_alpha(alpha: Tensor, n: int) -> Tensor:
+    """``[a_pre, a_post, a_res]`` -> one scale per projection column, ``[n^2 + 2n]``."""
+    return torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)])
 
 
 class HyperConnectionPre(torch.autograd.Function):
     """``x [T, n*C]`` -> ``(aggregated [T, C], mixed [T, n*C], H_post [T, n])`` in one node.
 
-    Saves ``x``, ``phi``, the raw projection ``x @ phi`` and ``r`` (``n^2+2n+1`` floats per
-    token), ``H_pre`` and ``H_res``. The Sinkhorn backward re-runs its iterations from the
-    logits, which are recomputed from the projection.
+    Takes the packed parameters: ``phi = [phi_pre | phi_post | phi_res]`` ``[n*C, n^2+2n]``,
+    ``alpha = [a_pre, a_post, a_res]`` and ``bias = [b_pre | b_post | b_res]`` ``[n^2+2n]``.
+    Saves ``x``, the parameters, the raw projection ``x @ phi`` and ``r`` (``n^2+2n+1``
+    floats per token), ``H_pre``, ``H_post`` and ``H_res``. The Sinkhorn backward re-runs
+    its iterations from the logits, which are recomputed from the projection.
     """
 
     @staticmethod
-    def forward(ctx, x, phi, a_pre, a_post, a_res, b_pre, b_post, b_res, n, eps, iterations):
+    def forward(ctx, x, phi, alpha, bias, n, eps, iterations):
         tokens, width = x.shape
         xf = x.float()
         # 1/rms from the norm: no [T, n*C] temporary
         r = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).pow_(2).div_(width).add_(eps).rsqrt_()
         raw = xf @ phi
-        a, b = (a_pre, a_post, a_res), (b_pre, b_post, b_res)
-        _, h_pre, h_post, logits = _mappings_from_projection(raw, r, a, b, n, iterations)
-        h_res = sinkhorn_forward(logits, iterations, SINKHORN_EPS)
+        z = torch.addcmul(bias, raw * r, _expand_alpha(alpha, n))
+        h_pre = torch.sigmoid(z[:, :n])
+        h_post = torch.sigmoid(z[:, n:2 * n]).mul_(2.0)
+        h_res = sinkhorn_forward(z[:, 2 * n:].reshape(tokens, n, n), iterations, SINKHORN_EPS)
         streams = x.view(tokens, n, width // n)
         aggregated = torch.bmm(h_pre.to(x.dtype).unsqueeze(1), streams).view(tokens, width // n)
         mixed = torch.bmm(h_res.to(x.dtype), streams).view(tokens, width)
-        ctx.save_for_backward(x, phi, raw, r, h_pre, h_post, h_res, a_pre, a_post, a_res, b_pre, b_post, b_res)
+        ctx.save_for_backward(x, phi, alpha, bias, raw, r, h_pre, h_post, h_res)
         ctx.n, ctx.iterations = n, iterations
         return aggregated, mixed, h_post
 
     @staticmethod
     def backward(ctx, g_agg, g_mixed, g_post):
-        x, phi, raw, r, h_pre, h_post, h_res, a_pre, a_post, a_res, b_pre, b_post, b_res = ctx.saved_tensors
+        x, phi, alpha, bias, raw, r, h_pre, h_post, h_res = ctx.saved_tensors
         n, iterations = ctx.n, ctx.iterations
         tokens, width = x.shape
         streams = x.view(tokens, n, width // n)
@@ -127,18 +124,20 @@ class HyperConnectionPre(torch.autograd.Function):
         dx = torch.bmm(h_res.to(x.dtype).transpose(1, 2), g_streams)
         dx.addcmul_(h_pre.to(x.dtype).unsqueeze(-1), g_agg.unsqueeze(1))
         dx = dx.view(tokens, width)
-        # mappings
+        # mappings: z = alpha * (r * raw) + bias, then sigmoid / 2 sigmoid / Sinkhorn
+        a = _expand_alpha(alpha, n)
         proj = raw * r
-        p_pre, p_post, p_res = proj[:, :n], proj[:, n:2 * n], proj[:, 2 * n:]
-        dz_pre = g_h_pre * h_pre * (1.0 - h_pre)
-        dz_post = (g_post.float() * h_post * (1.0 - 0.5 * h_post)) if g_post is not None else torch.zeros_like(h_post)
-        logits = a_res * p_res.view(tokens, n, n) + b_res
-        dz_res = sinkhorn_backward(logits, g_h_res, iterations, SINKHORN_EPS).view(tokens, n * n)
-        grads_a = [(dz * p).sum() for dz, p in ((dz_pre, p_pre), (dz_post, p_post), (dz_res, p_res))]
-        grads_b = (dz_pre.sum(0), dz_post.sum(0), dz_res.sum(0).view(n, n))
-        d_proj = torch.cat([a_pre * dz_pre, a_post * dz_post, a_res * dz_res], dim=1)
-        d_raw = d_proj * r
-        d_r = (d_proj * raw).sum(dim=-1, keepdim=True)
+        logits = torch.addcmul(bias[2 * n:], proj[:, 2 * n:], a[2 * n:]).view(tokens, n, n)
+        dz = torch.cat([
+            g_h_pre * h_pre * (1.0 - h_pre),
+            g_post.float() * h_post * (1.0 - 0.5 * h_post) if g_post is not None else torch.zeros_like(h_post),
+            sinkhorn_backward(logits, g_h_res, iterations, SINKHORN_EPS).view(tokens, n * n),
+        ], dim=1)
+        d_bias = dz.sum(0)
+        per_column = (dz * proj).sum(0)
+        d_alpha = torch.stack([per_column[:n].sum(), per_column[n:2 * n].sum(), per_column[2 * n:].sum()])
+        d_raw = dz.mul_(a).mul_(r)
+        d_r = (d_raw * raw).sum(dim=-1, keepdim=True).div_(r)  # = sum(d_proj * raw)
         xf = x.float()
         d_phi = xf.t() @ d_raw
         # r = (mean(x^2) + eps)^(-1/2):  dr/dx = -r^3 x / width
@@ -147,21 +146,27 @@ class HyperConnectionPre(torch.autograd.Function):
             dx.addmm_(d_raw, phi.t()).addcmul_(coef, xf)
         else:
             dx = (dx.float().addmm_(d_raw, phi.t()).addcmul_(coef, xf)).to(x.dtype)
-        return (dx, d_phi, *[g.view_as(a) for g, a in zip(grads_a, (a_pre, a_post, a_res))],
-                *grads_b, None, None, None)
+        return dx, d_phi, d_alpha, d_bias, None, None, None
 
 
 def _grad_or_zeros(grad: Tensor | None, shape, like: Tensor) -> Tensor:
     return grad if grad is not None else like.new_zeros(shape)
 
 
-def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int):
+def fused_pre_packed(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, n: int, eps: float, iterations: int):
     """``HyperConnectionPre`` on a ``[..., n*C]`` stream: ``(aggregated, mixed, H_post)``."""
-    phi_pre, phi_post, phi_res, *scalars_and_biases = params
     lead = x.shape[:-1]
     with _no_autocast(x.device.type):
-        phi = torch.cat([phi_pre, phi_post, phi_res], dim=1).float()
         aggregated, mixed, h_post = HyperConnectionPre.apply(
-            x.reshape(-1, x.shape[-1]), phi, *(p.float() for p in scalars_and_biases), n, eps, iterations
+            x.reshape(-1, x.shape[-1]), phi.float(), alpha.float(), bias.float(), n, eps, iterations
         )
     return aggregated.view(*lead, -1), mixed.view(*lead, -1), h_post.view(*lead, n)
+
+
+def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int):
+    """``fused_pre_packed`` from the nine separate parameters (``reference_pre``'s signature)."""
+    phi_pre, phi_post, phi_res, a_pre, a_post, a_res, b_pre, b_post, b_res = params
+    return fused_pre_packed(
+        x, torch.cat([phi_pre, phi_post, phi_res], dim=1), torch.stack([a_pre, a_post, a_res]),
+        torch.cat([b_pre, b_post, b_res.flatten()]), n, eps, iterations,
+    )
