@@ -61,11 +61,12 @@ def plain_prenorm_layer(layer, x: torch.Tensor, freqs=None) -> torch.Tensor:
     return x + plain_mlp(layer, rms_norm(x, layer.pre_mlp_layernorm.weight, eps))
 
 
-def sinkhorn_reference(logits: torch.Tensor, iterations: int) -> torch.Tensor:
+def sinkhorn_reference(logits: torch.Tensor, iterations: int, eps: float = 1e-6) -> torch.Tensor:
+    """Columns, then rows; every sum clamped to >= eps (the library's rule, written again)."""
     p = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
     for _ in range(iterations):
-        p = p / p.sum(-2, keepdim=True)
-        p = p / p.sum(-1, keepdim=True)
+        p = p / p.sum(-2, keepdim=True).clamp_min(eps)
+        p = p / p.sum(-1, keepdim=True).clamp_min(eps)
     return p
 
 

@@ -93,27 +93,30 @@ class SinkhornKnopp(torch.autograd.Function):
 def sinkhorn_backward(logits: Tensor, grad: Tensor, iterations: int, eps: float) -> Tensor:
     """d loss / d logits from d loss / d P, re-running the iterations.
 
-    A step ``Q = P / s`` with ``s = max(sum_dim P, eps)`` has the backward
-    ``dP = (dQ - [s unclamped] * sum_dim(dQ * Q)) / s``.
+    Walks the steps in reverse on the gradient with respect to ``log P``
+    (``g = dP * P``): a step ``Q = P / s`` with ``s = max(sum_dim P, eps)`` gives
+    ``g_P = g_Q - [s unclamped] * Q * sum_dim(g_Q)``, and ``log P0 = L - max L``
+    makes the last ``g`` the logits' gradient. There is no division: entries that
+    underflow to 0 behind a clamped sum keep a finite (zero) gradient, where the
+    reference's autograd multiplies by 1/eps at every step and ends in inf * 0 = NaN.
     """
     kernel = _kernel(logits, grad.float())
     if kernel is not None:
         return kernel.sinkhorn_backward(logits.contiguous(), grad.float().contiguous(), iterations, eps)
-    p0 = _start(logits)
-    p = p0.clone()
-    steps = []  # (dim, Q after the step, clamped sums, raw sums)
+    p = _start(logits)
+    steps = []  # (dim, Q after the step, raw sums)
     for _ in range(iterations):
         for dim in (-2, -1):
-            raw, clamped = _normalise_(p, dim, eps)
-            steps.append((dim, p.clone(), clamped, raw))
-    any_clamped = bool(min(raw.amin() for _, _, _, raw in steps) < eps) if steps else False
-    g = grad.float().clone()
-    for dim, q, s, raw in reversed(steps):
-        dot = (g * q).sum(dim=dim, keepdim=True)
+            raw, _ = _normalise_(p, dim, eps)
+            steps.append((dim, p.clone(), raw))
+    any_clamped = bool(torch.cat([raw.flatten() for *_, raw in steps]).amin() < eps) if steps else False
+    g = grad.float() * p
+    for dim, q, raw in reversed(steps):
+        total = g.sum(dim=dim, keepdim=True)
         if any_clamped:
-            dot.mul_(raw >= eps)
-        g.sub_(dot).div_(s)
-    grad_logits = g.mul_(p0)
+            total.mul_(raw >= eps)
+        g.sub_(q * total)
+    grad_logits = g
     if any_clamped:  # the clamp breaks the shift invariance: max(L) gets a gradient too
         at_max = (logits == logits.amax(dim=(-2, -1), keepdim=True)).float()
         shift = grad_logits.sum(dim=(-2, -1), keepdim=True) / at_max.sum(dim=(-2, -1), keepdim=True)

@@ -1,9 +1,10 @@
 // Sinkhorn-Knopp for [T, n, n] fp32 logits on CPU: one pass per token, all iterations in
 // registers/L1, tokens split across threads (at::parallel_for). Same math as
 // lightning_mhc/ops/sinkhorn.py: P = exp(L - max L); t times: columns, then rows, each sum
-// clamped to >= eps; a division by a sum is a multiply by its reciprocal. The backward re-runs the iterations per token and differentiates them
-// step by step in reverse (dP = (dQ - [s unclamped] * sum(dQ * Q)) / s), then through exp and
-// the max (the max gets the gradient autograd gives it: all of it to the arg-max entries).
+// clamped to >= eps; a division by a sum is a multiply by its reciprocal. The backward re-runs
+// the iterations per token and walks them in reverse on the gradient w.r.t. log P
+// (g_P = g_Q - [s unclamped] * Q * sum(g_Q)), then through the max (which gets the gradient
+// autograd gives it: all of it to the arg-max entries).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -90,23 +91,20 @@ void backward_tokens(const float* L, const float* G, float* D, int64_t T, int64_
         std::copy(q.data() + k * nn, q.data() + (k + 1) * nn, next);
         normalise<N>(next, n, k % 2 == 0, e, raw.data() + k * n, clamped.data() + k * n);
       }
-      std::copy(G + t * nn, G + (t + 1) * nn, g.data());
+      // reverse pass on the gradient w.r.t. log P (no division: stays finite behind clamped sums)
+      const float* last = q.data() + steps * nn;
+      for (int64_t k = 0; k < nn; ++k) g[k] = G[t * nn + k] * last[k];
       for (int64_t k = steps - 1; k >= 0; --k) {
         const bool columns = k % 2 == 0;
         const float* qk = q.data() + (k + 1) * nn;
         const float* rk = raw.data() + k * n;
-        const float* ck = clamped.data() + k * n;
         for (int64_t a = 0; a < n; ++a) {
-          float dot = 0.f;
+          if (!(rk[a] >= e)) continue;  // a clamped sum is a constant
+          float total = 0.f;
+          for (int64_t b = 0; b < n; ++b) total += g[columns ? b * n + a : a * n + b];
           for (int64_t b = 0; b < n; ++b) {
             const int64_t idx = columns ? b * n + a : a * n + b;
-            dot += g[idx] * qk[idx];
-          }
-          if (!(rk[a] >= e)) dot = 0.f;
-          const float inv = 1.f / ck[a];
-          for (int64_t b = 0; b < n; ++b) {
-            const int64_t idx = columns ? b * n + a : a * n + b;
-            g[idx] = (g[idx] - dot) * inv;
+            g[idx] -= qk[idx] * total;
           }
         }
       }
@@ -114,7 +112,7 @@ void backward_tokens(const float* L, const float* G, float* D, int64_t T, int64_
       float total = 0.f;
       int64_t at_max = 0;
       for (int64_t k = 0; k < nn; ++k) {
-        d[k] = g[k] * p0[k];
+        d[k] = g[k];
         total += d[k];
         at_max += l[k] == m;
       }
