@@ -15,10 +15,10 @@ from lightning_mhc.recompute import (
 from model_utils import tiny_config, train_steps
 
 
-def build(policy: str, **overrides):
+def build(policy: str, recompute_modules: list[str] | None = None, **overrides):
     cfg = configure_recompute(
         tiny_config(hidden_dropout=0.1, attention_dropout=0.1, **overrides), policy,
-        **({"mhc_recompute_layer_num": 2} if policy == "mhc_block" else {}),
+        **({"mhc_recompute_layer_num": 2, "recompute_modules": recompute_modules} if policy == "mhc_block" else {}),
     )
     model = GPTModel(cfg)
     managers = attach_recompute(model, keep_managers=True)
@@ -26,12 +26,14 @@ def build(policy: str, **overrides):
 
 
 @pytest.mark.parametrize("num_layers", [4, 5])  # 2 blocks of 2; blocks of 2, 2, 1
-@pytest.mark.parametrize("policy, implementation", [
-    ("selective", "auto"), ("mhc_block", "fused"), ("mhc_block", "reference"), ("full", "auto"),
+@pytest.mark.parametrize("policy, implementation, modules", [
+    ("selective", "auto", None), ("mhc_block", "fused", None), ("mhc_block", "reference", None),
+    ("mhc_block", "fused", ["core_attn"]),  # norms kept: the hyper-connection is checkpointed alone
+    ("full", "auto", None),
 ])
-def test_policy_is_bit_exact(model_parallel, policy, implementation, num_layers):
+def test_policy_is_bit_exact(model_parallel, policy, implementation, modules, num_layers):
     reference = train_steps(build("none", num_layers=num_layers, mhc_implementation=implementation)[0])
-    model, managers = build(policy, num_layers=num_layers, mhc_implementation=implementation)
+    model, managers = build(policy, modules, num_layers=num_layers, mhc_implementation=implementation)
     history = train_steps(model)
     for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(history, reference)):
         assert torch.equal(loss, ref_loss), f"step {step}: loss {loss} != {ref_loss}"
@@ -54,17 +56,16 @@ def test_unified_hook_once_per_block_and_no_attention_or_mlp_rerun(model_paralle
     loss.backward()
     assert calls == {"attention": 4, "mlp": 4}, "attention/MLP were re-run in backward"
     assert [m.recompute_count for m in managers] == [1, 1]
-    # each block checkpoints, per sub-layer, the hyper-connection (mappings + aggregate + H_res),
-    # the norm and the bias-dropout-add with H_post: 2 layers x 2 sub-layers x 3, minus the last
-    # layer's MLP bias-dropout-add (the hook tensor)
-    assert [len(m.checkpoints) for m in managers] == [11, 11]
+    # each block checkpoints, per sub-layer, the hyper-connection (mappings + aggregate + H_res)
+    # with the norm, and the bias-dropout-add with H_post: 2 layers x 2 sub-layers x 2, minus
+    # the last layer's MLP bias-dropout-add (the hook tensor)
+    assert [len(m.checkpoints) for m in managers] == [7, 7]
     plan = managers[0].last_plan
-    assert [e.name for e in plan[:3]] == [
-        "decoder.layers.0.self_attention_hyper_connection.pre",
-        "decoder.layers.0.input_layernorm",
+    assert [e.name for e in plan[:2]] == [
+        "decoder.layers.0.self_attention_hyper_connection.pre+input_layernorm",
         "decoder.layers.0.self_attn_bda",
     ]
-    assert plan[-1].name == "decoder.layers.1.pre_mlp_layernorm"
+    assert plan[-1].name == "decoder.layers.1.mlp_hyper_connection.pre+pre_mlp_layernorm"
     assert all(e.bytes_freed > 0 for e in plan)
     assert "total freed" in managers[0].describe()
 

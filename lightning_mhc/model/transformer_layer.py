@@ -17,7 +17,8 @@ Recompute (megatron's selective granularity, and seed 000's block recompute):
   together with the block.
 - an ``mhc_recompute_manager`` (handed to the layer by a recompute policy):
   two checkpoints per sub-layer go into the manager: the hyper-connection
-  (mappings, aggregate, ``H_res @ x``) and the bias-dropout-add with
+  (mappings, aggregate, ``H_res @ x``) with the norm (with ``"layernorm"``;
+  without it the norm output is kept), and the bias-dropout-add with
   ``H_post``, except the MLP bias-dropout-add of the block's last layer, whose
   output is the hook tensor. Attention and MLP are not re-run.
 """
@@ -109,11 +110,22 @@ class TransformerLayer(torch.nn.Module):
         """Hyper-connection, norm, sub-layer: returns ``(output_with_bias, residual, H_post)``.
 
         With hyper-connections ``residual`` is ``H_res @ x``; with a manager the hyper-connection
-        (mappings, aggregate, ``H_res @ x``) is one checkpoint in it. With ``recompute_norm`` the
-        norm output is discarded by a checkpoint: into the manager when there is one, else
-        recomputed from a hook on the sub-layer output.
+        (mappings, aggregate, ``H_res @ x``) is one checkpoint in it, together with the norm under
+        ``recompute_norm``. Without a manager, ``recompute_norm`` discards the norm output by a
+        checkpoint recomputed from a hook on the sub-layer output.
         """
         residual, h_post = hidden_states, None
+        if hc is not None and manager is not None and recompute_norm:
+            # one checkpoint for the hyper-connection and the norm (fewer, larger checkpoints:
+            # each costs a nested backward and a copy back into the freed storage)
+            def hyper_connection_and_norm(x):
+                aggregated, mixed, h_post = hc(x)
+                return norm(aggregated), mixed, h_post
+
+            normed, residual, h_post = manager.checkpoint(
+                hyper_connection_and_norm, hidden_states, name=f"{hc.label}.pre+{norm_name}"
+            )
+            return run(normed), residual, h_post
         if hc is not None:
             if manager is not None:
                 hidden_states, residual, h_post = manager.checkpoint(hc, hidden_states, name=f"{hc.label}.pre")
