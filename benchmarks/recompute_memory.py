@@ -14,15 +14,12 @@ matplotlib is installed, a PNG beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import statistics
-import time
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
+from _harness import RESULTS, interleaved_times, median, pyplot, write_json
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = [  # (label, recompute policy, hyper-connections)
     ("none", "none", True),
     ("selective", "selective", True),
@@ -57,26 +54,19 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]
             loss = model(tokens, labels=labels).mean()
         loss.backward()
         optimizer.zero_grad(set_to_none=True)
-        runs.append(dict(label=label, model=model, optimizer=optimizer, memory=meter.result, times=[]))
+        runs.append(dict(label=label, model=model, optimizer=optimizer, memory=meter.result))
 
-    def step(run) -> float:
-        start = time.perf_counter()
+    def step(run) -> None:
         loss = run["model"](tokens, labels=labels).mean()
         loss.backward()
         run["optimizer"].step()
         run["optimizer"].zero_grad(set_to_none=True)
-        return time.perf_counter() - start
 
-    for _ in range(2):  # warm-up
-        for run in runs:
-            step(run)
-    for _ in range(args.rounds):
-        for run in runs:
-            run["times"].append(step(run))
+    times = interleaved_times({r["label"]: (lambda r=r: step(r)) for r in runs}, args.rounds)
     parallel_state.destroy_model_parallel()
     return [
         dict(label=r["label"], retained_bytes=r["memory"].retained_bytes,
-             median_step_s=statistics.median(r["times"]), step_times_s=r["times"])
+             median_step_s=median(times[r["label"]]), step_times_s=times[r["label"]])
         for r in runs
     ]
 
@@ -105,20 +95,13 @@ def main() -> None:
         print(f"{r['label']:<12} {r['retained_bytes']:>12,d} {r['bytes_ratio_vs_none']:>8.3f} "
               f"{r['bytes_ratio_vs_no_hc']:>9.3f} {1e3 * r['median_step_s']:>9.1f} "
               f"{r['step_time_ratio_vs_none']:>13.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(dropout=args.dropout, rounds=args.rounds, rows=rows), indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, dict(dropout=args.dropout, rounds=args.rounds, rows=rows))
     _plot(rows, args.out.with_suffix(".png"))
 
 
 def _plot(rows: list[dict], path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     labels = [r["label"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
