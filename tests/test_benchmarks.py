@@ -1,0 +1,43 @@
+"""The benchmarks run as written (tiny sizes, one round): their JSON has every variant and ratio.
+The figures themselves are taken by hand (README, "Fast mHC")."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from subprocess_env import child_env
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _run(script: str, *args: str) -> None:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--rounds", "1", *args],
+                          cwd=BENCHMARKS, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_mhc_overhead(tmp_path):
+    out = tmp_path / "overhead.json"
+    _run("mhc_overhead.py", "--hidden", "64", "--out", str(out))
+    result = json.loads(out.read_text())
+    row = result["table"]["64"]
+    assert set(row) == {"no_hc", "reference/none", "reference/mhc_block", "fused/none", "fused/mhc_block", "ratios"}
+    for impl in ("reference", "fused"):
+        ratios = row["ratios"][impl]
+        assert ratios["block_vs_no_hc_bytes"] <= 1.0  # block recompute keeps no more than the model without mHC
+    assert row["ratios"]["fused"]["hc_vs_no_hc_bytes"] < row["ratios"]["reference"]["hc_vs_no_hc_bytes"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hyper_connections") is None,
+                    reason="the peer package is in the bench extra: pip install -e '.[bench]'")
+def test_mhc_sublayer(tmp_path):
+    out = tmp_path / "sublayer.json"
+    _run("mhc_sublayer.py", "--hidden", "64", "--tokens", "128", "--out", str(out))
+    row = json.loads(out.read_text())["table"]["64"]
+    assert set(row) == {"reference", "fused", "hyper-connections"}
+    assert row["fused"]["saved_bytes_per_token"] < row["reference"]["saved_bytes_per_token"]
