@@ -23,6 +23,31 @@ def interleaved_times(steps: dict[str, Callable[[], None]], rounds: int, warmup:
     return times
 
 
+def gpt_training_step(cfg, policy: str, tokens, labels) -> tuple[Callable[[], None], int]:
+    """A ``GPTModel`` of ``cfg`` under recompute ``policy`` with AdamW: ``(step, retained bytes)``,
+    where ``step()`` is forward + backward + optimizer step and the bytes are what one training
+    forward leaves for backward."""
+    import torch
+
+    from lightning_mhc.model import GPTModel
+    from lightning_mhc.recompute import ActivationMemoryMeter, attach_recompute, configure_recompute
+
+    model = GPTModel(configure_recompute(cfg, policy))
+    attach_recompute(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with ActivationMemoryMeter(model) as meter:
+        loss = model(tokens, labels=labels).mean()
+    loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        model(tokens, labels=labels).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, meter.result.retained_bytes
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

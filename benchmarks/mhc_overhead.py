@@ -19,7 +19,7 @@ import os
 import pathlib
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
-from _harness import RESULTS, interleaved_times, median, pyplot, write_json
+from _harness import RESULTS, gpt_training_step, interleaved_times, median, pyplot, write_json
 
 LAYERS, SEQ, MICRO_BATCH, N = 4, 128, 2, 4
 VARIANTS = [  # (label, hyper-connections, implementation, recompute policy)
@@ -35,8 +35,7 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from lightning_mhc.model import GPTModel, MHCTransformerConfig
-    from lightning_mhc.recompute import ActivationMemoryMeter, attach_recompute, configure_recompute
+    from lightning_mhc.model import MHCTransformerConfig
 
     parallel_state.initialize_model_parallel(1, 1)
     tokens = torch.randint(0, 256, (MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
@@ -51,20 +50,7 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
                 hidden_dropout=0.0, attention_dropout=0.0, enable_hyper_connections=hc,
                 num_residual_streams=N if hc else 1, mhc_implementation=impl,
             )
-            model = GPTModel(configure_recompute(cfg, policy))
-            attach_recompute(model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            with ActivationMemoryMeter(model) as meter:
-                loss = model(tokens, labels=labels).mean()
-            loss.backward()
-            optimizer.zero_grad(set_to_none=True)
-
-            def step(model=model, optimizer=optimizer) -> None:
-                model(tokens, labels=labels).mean().backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            runs[label] = (step, meter.result.retained_bytes)
+            runs[label] = gpt_training_step(cfg, policy, tokens, labels)
         times = interleaved_times({k: v[0] for k, v in runs.items()}, args.rounds)
         table[hidden] = {label: dict(retained_bytes=runs[label][1], median_step_s=median(times[label]),
                                      step_times_s=times[label]) for label in runs}

@@ -18,7 +18,7 @@ import os
 import pathlib
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
-from _harness import RESULTS, interleaved_times, median, pyplot, write_json
+from _harness import RESULTS, gpt_training_step, interleaved_times, median, pyplot, write_json
 
 VARIANTS = [  # (label, recompute policy, hyper-connections)
     ("none", "none", True),
@@ -33,8 +33,7 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]
     import torch
     from megatron.core import parallel_state
 
-    from lightning_mhc.model import GPTModel, MHCTransformerConfig
-    from lightning_mhc.recompute import ActivationMemoryMeter, attach_recompute, configure_recompute
+    from lightning_mhc.model import MHCTransformerConfig
 
     parallel_state.initialize_model_parallel(1, 1)
     tokens = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -47,27 +46,13 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]
             hidden_dropout=args.dropout, attention_dropout=args.dropout,
             enable_hyper_connections=hc, num_residual_streams=4 if hc else 1,
         )
-        model = GPTModel(configure_recompute(cfg, policy))
-        attach_recompute(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        with ActivationMemoryMeter(model) as meter:
-            loss = model(tokens, labels=labels).mean()
-        loss.backward()
-        optimizer.zero_grad(set_to_none=True)
-        runs.append(dict(label=label, model=model, optimizer=optimizer, memory=meter.result))
+        runs.append((label, *gpt_training_step(cfg, policy, tokens, labels)))
 
-    def step(run) -> None:
-        loss = run["model"](tokens, labels=labels).mean()
-        loss.backward()
-        run["optimizer"].step()
-        run["optimizer"].zero_grad(set_to_none=True)
-
-    times = interleaved_times({r["label"]: (lambda r=r: step(r)) for r in runs}, args.rounds)
+    times = interleaved_times({label: step for label, step, _ in runs}, args.rounds)
     parallel_state.destroy_model_parallel()
     return [
-        dict(label=r["label"], retained_bytes=r["memory"].retained_bytes,
-             median_step_s=median(times[r["label"]]), step_times_s=times[r["label"]])
-        for r in runs
+        dict(label=label, retained_bytes=retained, median_step_s=median(times[label]), step_times_s=times[label])
+        for label, _, retained in runs
     ]
 
 

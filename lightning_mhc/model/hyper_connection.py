@@ -63,9 +63,9 @@ class HyperConnectionModule(MegatronModule):
         # Packed, as three parameters (one projection, one gate vector, one bias): the fused op
         # takes them as they are, and the optimizer steps 3 tensors per hyper-connection, not 9.
         # The named pieces (phi_pre, a_res, b_res, ...) are views, below.
-        self.phi = torch.nn.Parameter(torch.empty(width, m))  # [phi_pre | phi_post | phi_res]
-        self.alpha = torch.nn.Parameter(torch.empty(3))  # [a_pre, a_post, a_res]
-        self.bias = torch.nn.Parameter(torch.empty(m))  # [b_pre | b_post | b_res (row-major)]
+        self.phi = torch.nn.Parameter(torch.empty(width, m, dtype=torch.float32))  # [phi_pre | phi_post | phi_res]
+        self.alpha = torch.nn.Parameter(torch.empty(3, dtype=torch.float32))  # [a_pre, a_post, a_res]
+        self.bias = torch.nn.Parameter(torch.empty(m, dtype=torch.float32))  # [b_pre | b_post | b_res (row-major)]
         self._initialize(init)
 
     def _initialize(self, init: ParamInit) -> None:
