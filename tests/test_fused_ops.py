@@ -559,3 +559,28 @@ def test_kernel_disabled_by_environment_falls_back(tmp_path):
     assert rel_err(child["grad"], g_ref) <= 1e-6
     p_slow, g_slow = _sinkhorn_with_grad(_reference, logits, upstream)
     assert rel_err(child["p"], p_slow) <= 1e-6 and rel_err(child["grad"], g_slow) <= 1e-6
+
+
+def test_fused_ops_backward_inside_autocast_and_fresh_output():
+    """A pipeline schedule under bf16-mixed runs backward inside the autocast region: the fused
+    backwards still run in fp32 (their forwards did), the stream (fp32) may meet a bf16 sub-layer
+    output, and the layer's output is a fresh tensor (a pipeline stage frees it as its output;
+    a view would trip megatron's ``deallocate_output_tensor``)."""
+    from lightning_mhc.model.bda import h_post_bias_dropout_add
+    from lightning_mhc.ops.hyper_connection import fused_pre
+
+    n, C = 4, 16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 2, n * C, generator=g, requires_grad=True)
+    params = [p.requires_grad_() for p in (
+        torch.randn(n * C, n, generator=g) * 0.1, torch.randn(n * C, n, generator=g) * 0.1,
+        torch.randn(n * C, n * n, generator=g) * 0.1, torch.tensor(1.0), torch.tensor(1.0), torch.tensor(1.0),
+        torch.zeros(n), torch.zeros(n), torch.zeros(n, n))]
+    weight = torch.randn(C, C, generator=g, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        aggregated, mixed, h_post = fused_pre(x, params, n, 1e-5, 20)
+        out = h_post_bias_dropout_add((aggregated @ weight, None), h_post, mixed, 0.0, True)
+        assert out._base is None and out.dtype == torch.float32
+        out.sum().backward()
+    assert x.grad.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in params)
+    assert all(torch.isfinite(t.grad).all() for t in [x, weight, *params])

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_mhc.ops.hyper_connection import HPostResidual
 from lightning_mhc.recompute.rng import rng_fork
 
 
@@ -27,18 +28,17 @@ def h_post_bias_dropout_add(
 ) -> Tensor:
     """``mixed + dropout(H_post^T * (out + bias))``: ``[s,b,C]``, ``[s,b,n]``, ``[s,b,n*C]`` -> ``[s,b,n*C]``.
 
-    ``fused`` without active dropout is one ``addcmul`` (no ``[s,b,n*C]`` temporaries, saves
-    ``H_post`` and ``out + bias`` for backward); otherwise the spread output is formed and goes
-    through :func:`bias_dropout_add`, drawing the same dropout mask as the reference.
+    ``fused`` without active dropout is ``HPostResidual``: one ``addcmul`` into a fresh tensor
+    (no ``[s,b,n*C]`` temporaries, saves ``H_post`` and ``out + bias`` for backward);
+    otherwise the spread output is formed and goes through :func:`bias_dropout_add`,
+    drawing the same dropout mask as the reference.
     """
     out, bias = x_with_bias
-    n = h_post.shape[-1]
     with torch.autocast(device_type=out.device.type, enabled=False):
         if bias is not None:
             out = out + bias
         h = h_post.to(out.dtype).unsqueeze(-1)
         if fused and (prob == 0 or not training):
-            streams = mixed.unflatten(-1, (n, out.shape[-1]))
-            return torch.addcmul(streams, h, out.unsqueeze(-2)).flatten(-2)
+            return HPostResidual.apply(mixed, h.squeeze(-1), out)
         spread = (h * out.unsqueeze(-2)).flatten(-2)
         return bias_dropout_add((spread, None), mixed, prob, training)

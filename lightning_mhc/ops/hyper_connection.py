@@ -111,6 +111,13 @@ class HyperConnectionPre(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_agg, g_mixed, g_post):
+        # backward may run inside the caller's autocast region (e.g. a pipeline schedule under
+        # bf16-mixed); the forward ran without it, and so does this
+        with _no_autocast(g_post.device.type if g_post is not None else ctx.saved_tensors[0].device.type):
+            return HyperConnectionPre._backward(ctx, g_agg, g_mixed, g_post)
+
+    @staticmethod
+    def _backward(ctx, g_agg, g_mixed, g_post):
         x, phi, alpha, bias, raw, r, h_pre, h_post, h_res = ctx.saved_tensors
         n, iterations = ctx.n, ctx.iterations
         tokens, width = x.shape
@@ -170,3 +177,33 @@ def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterati
         x, torch.cat([phi_pre, phi_post, phi_res], dim=1), torch.stack([a_pre, a_post, a_res]),
         torch.cat([b_pre, b_post, b_res.flatten()]), n, eps, iterations,
     )
+
+
+class HPostResidual(torch.autograd.Function):
+    """``mixed + H_post^T out``: ``[..., n*C]``, ``[..., n]``, ``[..., C]`` -> a new ``[..., n*C]``.
+
+    One ``addcmul`` written into a fresh tensor of the stream's shape (not a view, so a
+    pipeline stage may free it as its output); saves ``H_post`` and ``out``. Backward:
+    ``d mixed = g``, ``d H_post[i] = <g_i, out>``, ``d out = sum_i H_post[i] g_i``.
+    """
+
+    @staticmethod
+    def forward(ctx, mixed, h_post, out):
+        n, width = h_post.shape[-1], out.shape[-1]
+        result = torch.empty_like(mixed, memory_format=torch.contiguous_format)
+        torch.addcmul(mixed.unflatten(-1, (n, width)), h_post.unsqueeze(-1), out.unsqueeze(-2),
+                      out=result.view(*mixed.shape[:-1], n, width))
+        ctx.save_for_backward(h_post, out)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        h_post, out = ctx.saved_tensors
+        n, width = h_post.shape[-1], out.shape[-1]
+        with _no_autocast(grad.device.type):  # as the forward (see HyperConnectionPre.backward)
+            # the stream may be fp32 with a bf16 sub-layer output (mixed precision): the product's
+            # gradients are taken in the output's dtype, as autograd does for the reference's spread
+            g = grad.reshape(-1, n, width).to(out.dtype)
+            d_h_post = torch.bmm(g, out.reshape(-1, width, 1)).view(h_post.shape).to(h_post.dtype)
+            d_out = torch.bmm(h_post.reshape(-1, 1, n).to(out.dtype), g).view(out.shape)
+        return grad, d_h_post, d_out

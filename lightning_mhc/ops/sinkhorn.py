@@ -87,7 +87,8 @@ class SinkhornKnopp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (logits,) = ctx.saved_tensors
-        return sinkhorn_backward(logits, grad, ctx.iterations, ctx.eps), None, None
+        with torch.autocast(device_type=logits.device.type, enabled=False):  # fp32, as the forward
+            return sinkhorn_backward(logits, grad, ctx.iterations, ctx.eps), None, None
 
 
 def sinkhorn_backward(logits: Tensor, grad: Tensor, iterations: int, eps: float) -> Tensor:
