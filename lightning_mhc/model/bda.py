@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_mhc.ops.hyper_connection import HPostResidual
+from lightning_mhc.ops.hyper_connection import HPostResidual, reference_apply_h_post
 from lightning_mhc.recompute.rng import rng_fork
 
 
@@ -37,8 +37,6 @@ def h_post_bias_dropout_add(
     with torch.autocast(device_type=out.device.type, enabled=False):
         if bias is not None:
             out = out + bias
-        h = h_post.to(out.dtype).unsqueeze(-1)
         if fused and (prob == 0 or not training):
-            return HPostResidual.apply(mixed, h.squeeze(-1), out)
-        spread = (h * out.unsqueeze(-2)).flatten(-2)
-        return bias_dropout_add((spread, None), mixed, prob, training)
+            return HPostResidual.apply(mixed, h_post.to(out.dtype), out)
+        return bias_dropout_add((reference_apply_h_post(out, h_post), None), mixed, prob, training)

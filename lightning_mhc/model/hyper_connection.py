@@ -24,9 +24,11 @@ from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
+from lightning_mhc.ops import is_fused
 from lightning_mhc.ops.hyper_connection import (
     fused_pre_packed,
     reference_aggregate,
+    reference_apply_h_post,
     reference_apply_h_res,
     reference_mappings,
     reference_pre,
@@ -97,7 +99,7 @@ class HyperConnectionModule(MegatronModule):
 
     @property
     def fused(self) -> bool:
-        return self.config.mhc_implementation in ("auto", "fused")
+        return is_fused(self.config.mhc_implementation)
 
     def compute_mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x [s, b, n*C]`` -> ``(H_pre [s,b,n], H_post [s,b,n], H_res [s,b,n,n])``, all fp32 (reference)."""
@@ -123,8 +125,7 @@ class HyperConnectionModule(MegatronModule):
         with torch.autocast(device_type=out.device.type, enabled=False):
             if bias is not None:
                 out = out + bias
-            spread = h_post.to(out.dtype).unsqueeze(-1) * out.unsqueeze(-2)
-            return spread.flatten(-2), None
+            return reference_apply_h_post(out, h_post), None
 
     # ---------------------------------------------------------- expansion
     @staticmethod

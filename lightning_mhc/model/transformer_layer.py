@@ -33,6 +33,7 @@ from lightning_mhc.model.attention import SelfAttention
 from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.mlp import MLP
+from lightning_mhc.ops import is_fused
 from lightning_mhc.model.norm import RMSNorm
 from lightning_mhc.recompute.checkpoint import CheckpointWithoutOutput, checkpoint
 
@@ -99,7 +100,7 @@ class TransformerLayer(torch.nn.Module):
         if h_post is None:
             return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training)
         return h_post_bias_dropout_add(x_with_bias, h_post, residual, self.hidden_dropout, self.training,
-                                       fused=self.config.mhc_implementation != "reference")
+                                       fused=is_fused(self.config.mhc_implementation))
 
     def _checkpointed(self, manager, op: str, fn, *args):
         """``fn(*args)`` as a CheckpointWithoutOutput registered with ``manager``."""
@@ -132,13 +133,13 @@ class TransformerLayer(torch.nn.Module):
             else:
                 hidden_states, residual, h_post = hc(hidden_states)
         norm_ckpt = None
-        if recompute_norm and self._recomputing():
-            norm_ckpt, normed = self._checkpointed(manager, norm_name, norm, hidden_states)
+        if recompute_norm and self._recomputing():  # no manager here: the branch above took it
+            norm_ckpt, normed = self._checkpointed(None, norm_name, norm, hidden_states)
         else:
             normed = norm(hidden_states)
         output_with_bias = run(normed)
         if norm_ckpt is not None:
-            norm_ckpt.discard_output_and_register_recompute(output_with_bias[0])  # no-op with a manager
+            norm_ckpt.discard_output_and_register_recompute(output_with_bias[0])
         return output_with_bias, residual, h_post
 
     def _forward_attention(

@@ -69,6 +69,11 @@ def reference_apply_h_res(h_res: Tensor, x: Tensor, n: int) -> Tensor:
         return torch.matmul(h_res.to(x.dtype), streams).flatten(-2)
 
 
+def reference_apply_h_post(out: Tensor, h_post: Tensor) -> Tensor:
+    """``H_post^T out``: stream ``i`` receives ``H_post[i] * out`` (``[..., C]`` -> ``[..., n*C]``)."""
+    return (h_post.to(out.dtype).unsqueeze(-1) * out.unsqueeze(-2)).flatten(-2)
+
+
 def reference_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int):
     """Mappings, aggregate and ``H_res @ x`` op by op: ``(aggregated, mixed, H_post)``."""
     h_pre, h_post, h_res = reference_mappings(x, *params, n=n, eps=eps, iterations=iterations)

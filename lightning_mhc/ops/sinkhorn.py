@@ -31,18 +31,17 @@ from lightning_mhc.ops.cpu_kernels import sinkhorn_cpu
 SINKHORN_EPS = 1e-6
 
 
+def _start(logits: Tensor) -> Tensor:
+    return torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+
+
 def sinkhorn_knopp(logits: Tensor, iterations: int, eps: float = SINKHORN_EPS) -> Tensor:
     """The reference: ``iterations`` column-then-row normalisations of ``exp(logits)``, fp32."""
-    logits = logits.float()
-    p = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    p = _start(logits.float())  # exp(L - max L)
     for _ in range(iterations):
         p = p / p.sum(dim=-2, keepdim=True).clamp_min(eps)  # columns sum to 1
         p = p / p.sum(dim=-1, keepdim=True).clamp_min(eps)  # rows sum to 1
     return p
-
-
-def _start(logits: Tensor) -> Tensor:
-    return torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
 
 
 def _normalise_(p: Tensor, dim: int, eps: float) -> tuple[Tensor, Tensor]:
@@ -54,7 +53,8 @@ def _normalise_(p: Tensor, dim: int, eps: float) -> tuple[Tensor, Tensor]:
 
 
 def _kernel(*tensors: Tensor):
-    """The C++ kernel when every tensor is a contiguous fp32 CPU ``[T, n, n]`` and it built."""
+    """The C++ kernel when every tensor is an fp32 CPU ``[T, n, n]`` and it built (callers pass
+    contiguous tensors)."""
     if all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 3 for t in tensors):
         return sinkhorn_cpu()
     return None
