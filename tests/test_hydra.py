@@ -59,6 +59,11 @@ def test_every_config_composes_and_validates(group, option):
     assert cfg.transformer_config().num_layers == cfg.model.num_layers
 
 
+def test_mhc_implementation_reaches_the_model_config():
+    assert compose_config().transformer_config().mhc_implementation == "auto"
+    assert compose_config("model.mhc_implementation=reference").transformer_config().mhc_implementation == "reference"
+
+
 @pytest.mark.parametrize(
     "overrides, error, match",
     [
@@ -77,6 +82,8 @@ def test_every_config_composes_and_validates(group, option):
          "data.global_batch_size=6 must be a positive multiple of data.micro_batch_size=4 x data-parallel size 2"),
         (["parallel.num_microbatches=3"], ConfigError, "parallel.num_microbatches=3 disagrees"),
         (["data=text"], ConfigError, "data.source=text needs data.path"),
+        (["model.mhc_implementation=fast"], ConfigError,
+         "model.mhc_implementation='fast': must be one of auto, fused, reference"),
         (["model.no_such_key=1"], ConfigCompositionException, "Could not override 'model.no_such_key'"),
         (["model.num_layers=abc"], ConfigCompositionException, "model.num_layers=abc"),
     ],
