@@ -2,7 +2,8 @@
 
 Sinkhorn (``SinkhornKnopp`` with the C++ CPU kernel and with its eager fallback, against
 ``sinkhorn_knopp``), the fused pre-mapping node (``fused_pre`` against ``reference_pre``,
-fp32 and bf16 autocast), the fused H_post bias-dropout-add, what the fused node saves for
+fp32 and bf16 autocast), the C++ stream-mixing kernels against the batched products they
+replace, the fused H_post bias-dropout-add, what the fused node saves for
 backward, a tiny GPT trained with either implementation, and the kernel switched off by
 ``LIGHTNING_MHC_CPU_KERNELS=0`` in a child process.
 
@@ -23,7 +24,7 @@ import lightning_mhc.ops.hyper_connection as hc_ops
 import lightning_mhc.ops.sinkhorn as sk
 from lightning_mhc import GPTModel
 from lightning_mhc.model.bda import h_post_bias_dropout_add
-from lightning_mhc.ops.cpu_kernels import sinkhorn_cpu
+from lightning_mhc.ops.cpu_kernels import load_cpu_kernels
 from lightning_mhc.ops.hyper_connection import fused_pre, reference_mappings, reference_pre
 from lightning_mhc.recompute import ActivationMemoryMeter
 from model_utils import tiny_config, train_steps
@@ -70,22 +71,22 @@ class _KernelSpy:
 @pytest.fixture
 def kernel_spy(monkeypatch):
     """The C++ kernel behind a call-counting spy (skips where it does not build)."""
-    module = sinkhorn_cpu()
+    module = load_cpu_kernels()
     if module is None:
         pytest.skip("the CPU Sinkhorn kernel did not build here")
     spy = _KernelSpy(module)
-    monkeypatch.setattr(sk, "sinkhorn_cpu", lambda: spy)
+    monkeypatch.setattr(sk, "kernels_for", lambda *tensors: spy)
     return spy
 
 
 @pytest.fixture(params=["kernel", "eager"])
 def fused_impl(request, monkeypatch):
     """``SinkhornKnopp`` on the C++ kernel or on its eager fallback; checks the path really taken."""
-    module = sinkhorn_cpu()
+    module = load_cpu_kernels()
     if request.param == "kernel" and module is None:
         pytest.skip("the CPU Sinkhorn kernel did not build here")
     spy = _KernelSpy(module)
-    monkeypatch.setattr(sk, "sinkhorn_cpu", lambda: spy)
+    monkeypatch.setattr(sk, "kernels_for", lambda *tensors: spy)
     if request.param == "eager":
         monkeypatch.setattr(sk, "_kernel", lambda *tensors: None)
     yield request.param
@@ -190,7 +191,7 @@ def test_sinkhorn_forward_finite_for_extreme_logits(impl, kind, monkeypatch):
     """Logit gaps of 200 and 1e4 (one entry +gap/2, the rest -gap/2: everything but one entry
     underflows to 0) and random logits * 1e3: finite values in every implementation, thanks to
     the 1e-6 clamp on the sums (0/0 otherwise)."""
-    if impl == "kernel" and sinkhorn_cpu() is None:
+    if impl == "kernel" and load_cpu_kernels() is None:
         pytest.skip("the CPU Sinkhorn kernel did not build here")
     if impl == "eager":
         monkeypatch.setattr(sk, "_kernel", lambda *tensors: None)
@@ -215,7 +216,7 @@ def test_sinkhorn_gradients_finite_for_extreme_logits(impl, kind, monkeypatch):
     gives inf * 0 = NaN (measured: 128/128 (gap200), 128/128 (gap1e4), 1024/1024 (random1e3)
     entries; with random logits of scale 30 about 10% of the tokens). Before the log-space
     backward the kernel and the eager path failed the same way."""
-    if impl == "kernel" and sinkhorn_cpu() is None:
+    if impl == "kernel" and load_cpu_kernels() is None:
         pytest.skip("the CPU Sinkhorn kernel did not build here")
     if impl == "eager":
         monkeypatch.setattr(sk, "_kernel", lambda *tensors: None)
@@ -230,7 +231,7 @@ def test_sinkhorn_order_columns_then_rows(impl, monkeypatch):
     """One iteration is "columns first, then rows": the paper's T_r(T_c(.)) (arXiv 2512.24880,
     eq. 9). Megatron-LM's mHC normalises ROWS first; the two orders converge to the same matrix
     but differ after a finite number of iterations (here after one)."""
-    if impl == "kernel" and sinkhorn_cpu() is None:
+    if impl == "kernel" and load_cpu_kernels() is None:
         pytest.skip("the CPU Sinkhorn kernel did not build here")
     if impl == "eager":
         monkeypatch.setattr(sk, "_kernel", lambda *tensors: None)
@@ -509,6 +510,43 @@ def test_fused_pre_saves_no_stream_sized_tensor_but_x():
     (ref_small, ref_wide), (ref_big, _) = _retained(reference_pre, hc, 40), _retained(reference_pre, hc, 72)
     assert ref_wide, "the reference saves no [T, n*C] tensor besides x"
     assert (ref_big - ref_small) / 32 / 4 >= N * MEM_C + per_token
+
+
+# ------------------------------------------------------------------ stream-mixing kernels
+def _stream_ops(tokens: int, n: int, C: int):
+    """Forward and backward of the stream mixing (``H_pre @ x``, ``H_res @ x``) and of the H_post
+    residual's backward, as ``hyper_connection`` runs them (kernel when built and fp32 CPU)."""
+    g = torch.Generator().manual_seed(n * 100 + C)
+    x, g_mixed = torch.randn(tokens, n * C, generator=g), torch.randn(tokens, n * C, generator=g)
+    g_agg, out = torch.randn(tokens, C, generator=g), torch.randn(tokens, C, generator=g)
+    h_pre, h_post = torch.rand(tokens, n, generator=g), 2 * torch.rand(tokens, n, generator=g)
+    h_res = sk.sinkhorn_knopp(torch.randn(tokens, n, n, generator=g), ITERATIONS)
+    post = hc_ops.HPostResidual.backward(_Ctx(h_post, out), g_mixed)
+    return [*hc_ops._stream_mix(x, h_pre, h_res, n),
+            *hc_ops._stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n), *post[1:]]
+
+
+class _Ctx:
+    def __init__(self, *saved) -> None:
+        self.saved_tensors = saved
+
+
+@pytest.mark.parametrize("n, C", [(4, 64), (4, 13), (3, 20)])
+def test_stream_kernels_match_batched_products(n, C, monkeypatch):
+    """The C++ stream kernels (n = 4 specialised, any n; C not a multiple of their 8 lanes) against
+    the batched products they replace: aggregated, mixed, dx, dH_pre, dH_res, dH_post, d out within
+    1e-6 relative (measured <= 2.2e-7: the dot products add in another order)."""
+    module = load_cpu_kernels()
+    if module is None:
+        pytest.skip("the CPU kernels did not build here")
+    calls = []
+    monkeypatch.setattr(hc_ops, "kernels_for", lambda *t: calls.append(len(t)) or module)
+    kernel = _stream_ops(37, n, C)
+    assert len(calls) == 3, "a stream op did not reach the kernel"
+    monkeypatch.setattr(hc_ops, "kernels_for", lambda *t: None)
+    eager = _stream_ops(37, n, C)
+    errors = [rel_err(a, b) for a, b in zip(kernel, eager)]
+    assert max(errors) <= 1e-6, errors
 
 
 # -------------------------------------------------------------------------- end to end

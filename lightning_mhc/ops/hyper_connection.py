@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_mhc.ops.cpu_kernels import kernels_for
 from lightning_mhc.ops.rms_norm import rms_normalize
 from lightning_mhc.ops.sinkhorn import SINKHORN_EPS, sinkhorn_backward, sinkhorn_forward, sinkhorn_knopp
 
@@ -107,9 +108,7 @@ class HyperConnectionPre(torch.autograd.Function):
         h_pre = torch.sigmoid(z[:, :n])
         h_post = torch.sigmoid(z[:, n:2 * n]).mul_(2.0)
         h_res = sinkhorn_forward(z[:, 2 * n:].reshape(tokens, n, n), iterations, SINKHORN_EPS)
-        streams = x.view(tokens, n, width // n)
-        aggregated = torch.bmm(h_pre.to(x.dtype).unsqueeze(1), streams).view(tokens, width // n)
-        mixed = torch.bmm(h_res.to(x.dtype), streams).view(tokens, width)
+        aggregated, mixed = _stream_mix(x, h_pre, h_res, n)
         ctx.save_for_backward(x, phi, alpha, bias, raw, r, h_pre, h_post, h_res)
         ctx.n, ctx.iterations = n, iterations
         return aggregated, mixed, h_post
@@ -126,16 +125,9 @@ class HyperConnectionPre(torch.autograd.Function):
         x, phi, alpha, bias, raw, r, h_pre, h_post, h_res = ctx.saved_tensors
         n, iterations = ctx.n, ctx.iterations
         tokens, width = x.shape
-        streams = x.view(tokens, n, width // n)
-        # stream mixing: aggregated = H_pre @ x, mixed = H_res @ x
         g_mixed = _grad_or_zeros(g_mixed, (tokens, width), x)
         g_agg = _grad_or_zeros(g_agg, (tokens, width // n), x)
-        g_streams = g_mixed.reshape(tokens, n, width // n)
-        g_h_res = torch.bmm(g_streams, streams.transpose(1, 2)).float()
-        g_h_pre = torch.bmm(streams, g_agg.unsqueeze(-1)).squeeze(-1).float()
-        dx = torch.bmm(h_res.to(x.dtype).transpose(1, 2), g_streams)
-        dx.addcmul_(h_pre.to(x.dtype).unsqueeze(-1), g_agg.unsqueeze(1))
-        dx = dx.view(tokens, width)
+        dx, g_h_pre, g_h_res = _stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n)
         # mappings: z = alpha * (r * raw) + bias, then sigmoid / 2 sigmoid / Sinkhorn
         a = _expand_alpha(alpha, n)
         proj = raw * r
@@ -163,6 +155,34 @@ class HyperConnectionPre(torch.autograd.Function):
 
 def _grad_or_zeros(grad: Tensor | None, shape, like: Tensor) -> Tensor:
     return grad if grad is not None else like.new_zeros(shape)
+
+
+def _stream_mix(x: Tensor, h_pre: Tensor, h_res: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """``(H_pre @ x [T, C], H_res @ x [T, n*C])`` for ``x [T, n*C]``: the CPU kernel for fp32,
+    else batched products."""
+    kernel = kernels_for(x)
+    if kernel is not None:
+        return tuple(kernel.stream_mix_forward(x.contiguous(), h_pre.contiguous(), h_res.contiguous()))
+    tokens, width = x.shape
+    streams = x.view(tokens, n, width // n)
+    aggregated = torch.bmm(h_pre.to(x.dtype).unsqueeze(1), streams).view(tokens, width // n)
+    return aggregated, torch.bmm(h_res.to(x.dtype), streams).view(tokens, width)
+
+
+def _stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``_stream_mix``: ``(dx, dH_pre (fp32), dH_res (fp32))``."""
+    kernel = kernels_for(x, g_agg, g_mixed)
+    if kernel is not None:
+        return tuple(kernel.stream_mix_backward(x.contiguous(), h_pre.contiguous(), h_res.contiguous(),
+                                                g_agg.contiguous(), g_mixed.contiguous()))
+    tokens, width = x.shape
+    streams = x.view(tokens, n, width // n)
+    g_streams = g_mixed.reshape(tokens, n, width // n)
+    g_h_res = torch.bmm(g_streams, streams.transpose(1, 2)).float()
+    g_h_pre = torch.bmm(streams, g_agg.unsqueeze(-1)).squeeze(-1).float()
+    dx = torch.bmm(h_res.to(x.dtype).transpose(1, 2), g_streams)
+    dx.addcmul_(h_pre.to(x.dtype).unsqueeze(-1), g_agg.unsqueeze(1))
+    return dx.view(tokens, width), g_h_pre, g_h_res
 
 
 def fused_pre_packed(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, n: int, eps: float, iterations: int):
@@ -208,7 +228,14 @@ class HPostResidual(torch.autograd.Function):
         with _no_autocast(grad.device.type):  # as the forward (see HyperConnectionPre.backward)
             # the stream may be fp32 with a bf16 sub-layer output (mixed precision): the product's
             # gradients are taken in the output's dtype, as autograd does for the reference's spread
-            g = grad.reshape(-1, n, width).to(out.dtype)
-            d_h_post = torch.bmm(g, out.reshape(-1, width, 1)).view(h_post.shape).to(h_post.dtype)
-            d_out = torch.bmm(h_post.reshape(-1, 1, n).to(out.dtype), g).view(out.shape)
+            g = grad.reshape(-1, n * width).to(out.dtype)
+            kernel = kernels_for(g, h_post, out)
+            if kernel is not None:
+                d_h_post, d_out = kernel.h_post_backward(g.contiguous(), h_post.reshape(-1, n).contiguous(),
+                                                         out.reshape(-1, width).contiguous())
+            else:
+                g = g.view(-1, n, width)
+                d_h_post = torch.bmm(g, out.reshape(-1, width, 1))
+                d_out = torch.bmm(h_post.reshape(-1, 1, n).to(out.dtype), g)
+            d_h_post, d_out = d_h_post.view(h_post.shape).to(h_post.dtype), d_out.view(out.shape)
         return grad, d_h_post, d_out

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_mhc.ops.cpu_kernels import sinkhorn_cpu
+from lightning_mhc.ops.cpu_kernels import kernels_for
 
 SINKHORN_EPS = 1e-6
 
@@ -53,11 +53,9 @@ def _normalise_(p: Tensor, dim: int, eps: float) -> tuple[Tensor, Tensor]:
 
 
 def _kernel(*tensors: Tensor):
-    """The C++ kernel when every tensor is an fp32 CPU ``[T, n, n]`` and it built (callers pass
+    """The C++ kernels when every tensor is an fp32 CPU ``[T, n, n]`` and they built (callers pass
     contiguous tensors)."""
-    if all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 3 for t in tensors):
-        return sinkhorn_cpu()
-    return None
+    return kernels_for(*tensors) if all(t.dim() == 3 for t in tensors) else None
 
 
 def sinkhorn_forward(logits: Tensor, iterations: int, eps: float = SINKHORN_EPS) -> Tensor:

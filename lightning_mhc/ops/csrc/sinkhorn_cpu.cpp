@@ -5,7 +5,7 @@
 // the iterations per token and walks them in reverse on the gradient w.r.t. log P
 // (g_P = g_Q - [s unclamped] * Q * sum(g_Q)), then through the max (which gets the gradient
 // autograd gives it: all of it to the arg-max entries).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -14,8 +14,8 @@
 
 namespace {
 
-void check(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 3 &&
+void check(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 &&
                   t.size(1) == t.size(2),
               name, " must be a contiguous fp32 CPU tensor [T, n, n]");
 }
@@ -63,11 +63,11 @@ void forward_tokens(const float* L, float* P, int64_t T, int64_t n, int64_t iter
   });
 }
 
-torch::Tensor sinkhorn_forward(torch::Tensor logits, int64_t iterations, double eps) {
+at::Tensor sinkhorn_forward(at::Tensor logits, int64_t iterations, double eps) {
   check(logits, "logits");
   const int64_t T = logits.size(0), n = logits.size(1);
   TORCH_CHECK(n <= 64, "at most 64 residual streams");
-  auto out = torch::empty_like(logits);
+  auto out = at::empty_like(logits);
   const float e = static_cast<float>(eps);
   if (n == 4)
     forward_tokens<4>(logits.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
@@ -123,22 +123,17 @@ void backward_tokens(const float* L, const float* G, float* D, int64_t T, int64_
   });
 }
 
-torch::Tensor sinkhorn_backward(torch::Tensor logits, torch::Tensor grad, int64_t iterations, double eps) {
+at::Tensor sinkhorn_backward(at::Tensor logits, at::Tensor grad, int64_t iterations, double eps) {
   check(logits, "logits");
   check(grad, "grad");
   TORCH_CHECK(grad.sizes() == logits.sizes(), "grad and logits differ in shape");
   const int64_t T = logits.size(0), n = logits.size(1);
   TORCH_CHECK(n <= 64, "at most 64 residual streams");
-  auto out = torch::empty_like(logits);
+  auto out = at::empty_like(logits);
   const float e = static_cast<float>(eps);
   if (n == 4)
     backward_tokens<4>(logits.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
   else
     backward_tokens<0>(logits.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("sinkhorn_forward", &sinkhorn_forward, "Sinkhorn-Knopp forward, [T, n, n] fp32 CPU");
-  m.def("sinkhorn_backward", &sinkhorn_backward, "Sinkhorn-Knopp backward (re-runs the iterations)");
 }
