@@ -549,6 +549,27 @@ def test_stream_kernels_match_batched_products(n, C, monkeypatch):
     assert max(errors) <= 1e-6, errors
 
 
+def test_cpu_kernels_same_bits_on_any_thread_count():
+    """Tokens are split across threads, each token computed in a fixed order: one thread and two
+    give bit-identical stream ops and Sinkhorn (forward and backward), so a recompute or a rank
+    with another thread count reproduces the numbers exactly."""
+    module = load_cpu_kernels()
+    if module is None:
+        pytest.skip("the CPU kernels did not build here")
+    g = torch.Generator().manual_seed(5)
+    logits, upstream = torch.randn(300, 4, 4, generator=g) * 3, torch.randn(300, 4, 4, generator=g)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(_stream_ops(300, 4, 40) + [module.sinkhorn_forward(logits, ITERATIONS, EPS),
+                                                      module.sinkhorn_backward(logits, upstream, ITERATIONS, EPS)])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 # -------------------------------------------------------------------------- end to end
 def test_tiny_gpt_fused_trains_like_reference(model_parallel):
     """2 layers, 3 AdamW steps: losses within 1e-5 relative (measured: identical, 0), first-step

@@ -37,13 +37,20 @@ def load_cpu_kernels():
             _state["error"] = "disabled by LIGHTNING_MHC_CPU_KERNELS=0"
             return None
         start = time.perf_counter()
-        try:
-            from torch.utils.cpp_extension import load
+        errors = []
+        # at::parallel_for splits tokens across torch's OpenMP threads only when built with OpenMP
+        # (torch's own libgomp is the one loaded); a compiler without it gets a one-thread build
+        for name, flags in (("lightning_mhc_cpu_kernels", ["-fopenmp"]), ("lightning_mhc_cpu_kernels_serial", [])):
+            try:
+                from torch.utils.cpp_extension import load
 
-            _state["module"] = load(name="lightning_mhc_cpu_kernels", sources=[str(p) for p in _SOURCES],
-                                    extra_cflags=["-O3"], verbose=False)
-        except Exception as exc:  # no compiler, no headers: the eager path works everywhere
-            _state["error"] = f"{type(exc).__name__}: {exc}"
+                _state["module"] = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=["-O3", *flags],
+                                        extra_ldflags=flags, verbose=False)
+                break
+            except Exception as exc:  # no compiler, no headers: the eager path works everywhere
+                errors.append(f"{type(exc).__name__}: {exc}")
+        if _state["module"] is None:
+            _state["error"] = errors[-1]
             warnings.warn(f"lightning_mhc: the CPU kernels did not build ({_state['error'][:300]}); "
                           "using the eager fused path (slower on CPU, same values up to rounding).")
         _state["load_s"] = time.perf_counter() - start
