@@ -96,6 +96,7 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
     strategy = MHCParallelStrategy(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
         num_microbatches=cfg.num_microbatches,
         deallocate_pipeline_outputs=p.deallocate_pipeline_outputs,
         timeout=datetime.timedelta(seconds=p.timeout_s),
@@ -142,6 +143,7 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
         name=cfg.name, policy=cfg.recompute.policy, devices=t.devices,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
         data_parallel_size=cfg.data_parallel_size, steps=trainer.global_step,
         final_train_loss=float(trainer.callback_metrics.get("train_loss", float("nan"))),
         initial_val_loss=module.val_history[0][1] if module.val_history else None,

@@ -25,8 +25,10 @@ def single_rank_group():
 
 @pytest.fixture
 def model_parallel(single_rank_group):
-    """TP = PP = 1 model-parallel state, torn down after the test."""
+    """TP = PP = 1 model-parallel state, torn down after the test; yields its ParallelLayout."""
+    from lightning_mhc.parallel.state import current_layout
+
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
-    yield
+    yield current_layout()
     parallel_state.destroy_model_parallel()

@@ -4,11 +4,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_mhc.model.config import with_parallel_layout
 from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
 from lightning_mhc.parallel.grads import DEFAULT_BUCKET_BYTES, finalize_model_grads, global_grad_norm
 from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
 from lightning_mhc.parallel.schedule import forward_backward_pipelining
-from lightning_mhc.parallel.stages import build_gpt_stage
+from lightning_mhc.parallel.stages import build_gpt_chunks
 from lightning_mhc.parallel.state import destroy_parallel, initialize_parallel
 from lightning_mhc.parallel.tensor_parallel import gather_tensor_parallel
 from lightning_mhc.recompute import attach_recompute, configure_recompute
@@ -26,21 +27,25 @@ def train_layout(
     tp: int, pp: int, microbatches: int, policy: str = "none", *, steps: int = 3,
     dropout: float = 0.0, deallocate: bool = True, global_rows: int | None = None,
     reference: bool = False, probe=None, config_overrides: dict | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES, sequence_parallel: bool = False, virtual: int = 1,
 ) -> dict:
     """3 SGD steps of the tiny model; returns per-step losses and full weights by global name
     (gathered over TP and PP, on every rank). ``reference``: a single-process run (world of
     one rank) with the whole global batch as one microbatch."""
-    layout = initialize_parallel(tp, pp)
-    model_parallel_manual_seed(1234)
+    layout = initialize_parallel(tp, pp, sequence_parallel=sequence_parallel,
+                                 virtual_pipeline_model_parallel_size=virtual)
+    model_parallel_manual_seed(1234, layout)
     # 4 Sinkhorn iterations instead of 20: the runtime under test does not depend on it, and
     # 8 ranks on 2 cores pay for every small op.
     overrides = dict(mhc_sinkhorn_iterations=4, **(config_overrides or {}))
     cfg = tiny_config(hidden_dropout=dropout, attention_dropout=dropout, **overrides)
     cfg = configure_recompute(cfg, policy, **({"mhc_recompute_layer_num": 2} if policy == "mhc_block" else {}))
-    model = build_gpt_stage(cfg)
-    managers = attach_recompute(model, keep_managers=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    cfg = with_parallel_layout(cfg, tp, pp, sequence_parallel=sequence_parallel,
+                               virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None)
+    chunks = build_gpt_chunks(cfg, layout)
+    managers = [attach_recompute(chunk, keep_managers=True) for chunk in chunks]  # filled as blocks run
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.5)
     dp, dp_rank = (1, 0) if reference else (layout.data_parallel_size, layout.data_parallel_rank)
     rows = global_rows or dp * microbatches * MICRO_BATCH
     per_rank = rows // dp
@@ -53,29 +58,31 @@ def train_layout(
             for chunk in data.split(mb_rows)
         ]
         result = forward_backward_pipelining(
-            model, mbs, gpt_forward_step, gpt_loss_func,
-            tensor_shape=model.pipeline_tensor_shape(mb_rows, SEQ),
+            chunks, mbs, gpt_forward_step, gpt_loss_func, layout=layout,
+            tensor_shape=chunks[0].pipeline_tensor_shape(mb_rows, SEQ),
             deallocate_pipeline_outputs=deallocate, probe=probe,
         )
         if not reference:
-            finalize_model_grads(model, bucket_bytes)
-        grad_norms.append(global_grad_norm(model.parameters()))
+            finalize_model_grads(chunks, layout, bucket_bytes)
+        grad_norms.append(global_grad_norm(params, layout))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(result.loss.item())
     # evaluation through the forward-only schedule on a held-out batch
-    model.eval()
+    for chunk in chunks:
+        chunk.eval()
     data = global_batch(99, rows)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     eval_mbs = [dict(tokens=c[:, :-1], labels=c[:, 1:]) for c in data.split(mb_rows)]
     eval_loss = forward_backward_pipelining(
-        model, eval_mbs, gpt_forward_step, gpt_loss_func,
-        tensor_shape=model.pipeline_tensor_shape(mb_rows, SEQ), forward_only=True,
+        chunks, eval_mbs, gpt_forward_step, gpt_loss_func, layout=layout,
+        tensor_shape=chunks[0].pipeline_tensor_shape(mb_rows, SEQ), forward_only=True,
     ).loss.item()
-    model.train()
+    for chunk in chunks:
+        chunk.train()
     weights = {
-        model.global_parameter_name(name): gather_tensor_parallel(p.detach(), p).clone()
-        for name, p in model.named_parameters()
-        if not (model.output_layer is not None and p is model.output_layer.weight and not model.pre_process)
+        chunk.global_parameter_name(name): gather_tensor_parallel(p.detach(), p).clone()
+        for chunk in chunks for name, p in chunk.named_parameters()
+        if not (chunk.output_layer is not None and p is chunk.output_layer.weight and not chunk.pre_process)
     }
     if reference:
         merged = weights
@@ -85,7 +92,7 @@ def train_layout(
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, weights)
         merged = {k: v for part in gathered for k, v in part.items()}
-    recomputes = [m.recompute_count for m in managers]
+    recomputes = [m.recompute_count for chunk_managers in managers for m in chunk_managers]
     destroy_parallel()
     clear_parallel_seed()
     return dict(losses=losses, grad_norms=grad_norms, eval_loss=eval_loss, weights=merged, recomputes=recomputes, layout=layout)

@@ -13,6 +13,7 @@ measured when the bounds were set are written next to them.
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -618,6 +619,27 @@ def test_kernel_disabled_by_environment_falls_back(tmp_path):
     assert rel_err(child["grad"], g_ref) <= 1e-6
     p_slow, g_slow = _sinkhorn_with_grad(_reference, logits, upstream)
     assert rel_err(child["p"], p_slow) <= 1e-6 and rel_err(child["grad"], g_slow) <= 1e-6
+
+
+def test_stale_build_lock_of_a_killed_process_does_not_hang_the_next_one():
+    """A process killed while building leaves torch's ``lock`` file in the build directory, on
+    which every later process would wait for ever; the loader removes it under its own OS lock
+    (seen hanging past the timeout without that)."""
+    from lightning_mhc.ops import cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("the CPU kernels did not build here")
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = f"lightning_mhc_cpu_kernels_{cpu_kernels._sources_digest()}"
+    stale = pathlib.Path(_get_build_directory(name, verbose=False)) / "lock"
+    stale.touch()
+    script = "from lightning_mhc.ops.cpu_kernels import load_cpu_kernels, kernel_status; load_cpu_kernels(); " \
+             "import json; print(json.dumps(kernel_status()))"
+    proc = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["available"] is True
+    assert not stale.exists()
 
 
 def test_fused_ops_backward_inside_autocast_and_fresh_output():

@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCTransformerConfig
 from lightning_mhc.model.config import with_parallel_layout
 from lightning_mhc.model.config_dict import model_config_from_dict, model_config_to_dict
+from lightning_mhc.parallel.state import ParallelLayout
 from subprocess_env import child_env
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64, max_sequence_length=8,
@@ -140,12 +141,16 @@ def test_layout_comes_from_the_strategy():
     with pytest.raises(ConfigError, match="model_config sets tensor_model_parallel_size=1, but the strategy runs "
                                           "tensor_model_parallel_size=2"):
         with_parallel_layout(config, 2, 1, requested={"tensor_model_parallel_size": 1})
-    with pytest.raises(ConfigError, match="sets sequence_parallel=True, which the strategy does not run"):
+    with pytest.raises(ConfigError, match="model_config sets sequence_parallel=True, but the strategy runs "
+                                          ".*sequence_parallel=False"):
         with_parallel_layout(config, 2, 1, requested={"sequence_parallel": True})
+    assert with_parallel_layout(config, 2, 1, requested={"sequence_parallel": True}, sequence_parallel=True).sequence_parallel
 
 
 def _attach_layout(module: MHCGPTModule, tp: int, pp: int) -> MHCGPTModule:
-    layout = SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    layout = ParallelLayout(world_size=tp * pp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            data_parallel_size=1, tensor_model_parallel_rank=0, pipeline_model_parallel_rank=0,
+                            data_parallel_rank=0)
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(layout=layout))
     return module
 

@@ -46,10 +46,9 @@ def test_partition_layers_errors(args):
 
 
 def test_build_stage_materialises_only_its_layers(model_parallel, monkeypatch):
-    from megatron.core import parallel_state
+    import dataclasses
 
-    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 4)
-    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 2)
+    layout = dataclasses.replace(model_parallel, pipeline_model_parallel_size=4, pipeline_model_parallel_rank=2)
     built = []
     from lightning_mhc.model import transformer_layer
 
@@ -58,7 +57,7 @@ def test_build_stage_materialises_only_its_layers(model_parallel, monkeypatch):
         transformer_layer.TransformerLayer, "__init__",
         lambda self, config, number, init: built.append(number) or original(self, config, number, init),
     )
-    stage = build_gpt_stage(tiny_config(num_layers=8))
+    stage = build_gpt_stage(tiny_config(num_layers=8), layout)
     assert built == [5, 6]  # global 1-based numbers of stage 2 of 4
     assert stage.embedding is None and stage.output_layer is None
     names = [stage.global_parameter_name(n) for n, _ in stage.named_parameters()]
@@ -78,12 +77,13 @@ def test_randomizer_seeds_follow_the_table_of_seed_002():
 
 
 def test_clip_grad_norm(model_parallel):
+    layout = model_parallel
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))]
     params[0].grad, params[1].grad = torch.full((3,), 2.0), torch.full((4,), 2.0)
-    assert global_grad_norm(params) == pytest.approx(2.0 * 7 ** 0.5)
-    norm = clip_grad_norm_(params, 1.0)
+    assert global_grad_norm(params, layout) == pytest.approx(2.0 * 7 ** 0.5)
+    norm = clip_grad_norm_(params, 1.0, layout)
     assert norm == pytest.approx(2.0 * 7 ** 0.5)
-    assert global_grad_norm(params) == pytest.approx(1.0, rel=1e-5)
+    assert global_grad_norm(params, layout) == pytest.approx(1.0, rel=1e-5)
 
 
 def _one_rank_fails(rank: int, world: int) -> None:
@@ -107,9 +107,9 @@ def _p2p_times_out(rank: int, world: int) -> str:
     from lightning_mhc.parallel.p2p import PipelineP2P
     from lightning_mhc.parallel.state import initialize_parallel
 
-    initialize_parallel(1, 2)
+    layout = initialize_parallel(1, 2)
     if rank == 1:
-        p2p = PipelineP2P((2, 2), torch.float32, torch.device("cpu"), timeout=datetime.timedelta(seconds=2))
+        p2p = PipelineP2P((2, 2), torch.float32, torch.device("cpu"), layout, timeout=datetime.timedelta(seconds=2))
         try:
             p2p.recv_forward()  # stage 0 never sends
         except RuntimeError as err:

@@ -191,8 +191,8 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
     (["seed=-1"], "seed=-1: must be in [0, 2**32)"),
     (["recompute=mhc_block", "recompute.mhc_recompute_layer_num=0"], "recompute.mhc_recompute_layer_num=0: a recompute "
                                                                       "block holds a whole, positive number of layers"),
-    (["+trainer.max_step=5", "+parallel.sequence_parallel=true"],
-     "parallel.sequence_parallel=true: the parallel group has no key 'sequence_parallel'; "
+    (["+trainer.max_step=5", "+parallel.context_parallel_size=2"],
+     "parallel.context_parallel_size=2: the parallel group has no key 'context_parallel_size'; "
      "trainer.max_step=5: the trainer group has no key 'max_step' (did you mean trainer.max_steps?)"),
 ])
 def test_ranges_and_unknown_keys(overrides, message):
@@ -202,8 +202,6 @@ def test_ranges_and_unknown_keys(overrides, message):
 
 
 @pytest.mark.parametrize("name, value, instead", [
-    ("sequence_parallel", True, "Set sequence_parallel=False"),
-    ("virtual_pipeline_model_parallel_size", 2, "Leave it None: the 1F1B schedule"),
     ("fp32_residual_connection", True, "Leave it False"),
     ("context_parallel_size", 2, "Leave context_parallel_size at its default (1)"),
     ("expert_model_parallel_size", 2, "no mixture of experts"),
@@ -213,8 +211,7 @@ def test_unsupported_megatron_options_are_refused_by_one_rule(name, value, inste
     with pytest.raises(ConfigError) as built:
         MHCTransformerConfig(**TINY, **{name: value})
     assert f"MHCTransformerConfig sets {name}={value!r}, which" in str(built.value) and instead in str(built.value)
-    if name in ("sequence_parallel", "virtual_pipeline_model_parallel_size", "context_parallel_size",
-                "expert_model_parallel_size"):  # layout keys of a module's model_config dict: the same rule
+    if name in ("context_parallel_size", "expert_model_parallel_size"):  # layout keys of a module's model_config dict: the same rule
         tail = str(built.value).split(", which", 1)[1]
         with pytest.raises(ConfigError) as requested:
             requested_parallel_layout({**TINY, name: value})

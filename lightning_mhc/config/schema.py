@@ -122,6 +122,8 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    """With TP > 1: the residual stream, norms and hyper-connections on seq_length / TP tokens per rank."""
     num_microbatches: Optional[int] = None
     deallocate_pipeline_outputs: bool = True
     timeout_s: float = 600.0
@@ -295,6 +297,17 @@ class TrainConfig:
             raise ConfigError(
                 f"model.num_layers={m.num_layers} cannot be split evenly over "
                 f"parallel.pipeline_model_parallel_size={pp} stages. Use a number of layers divisible by {pp}."
+            )
+        if p.sequence_parallel and tp < 2:
+            raise ConfigError(
+                f"parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size >= 2 (it is {tp}): the "
+                "sequence is split across the tensor-parallel ranks. Set parallel.sequence_parallel=false or raise "
+                "the TP size."
+            )
+        if p.sequence_parallel and self.data.seq_length % tp:
+            raise ConfigError(
+                f"parallel.sequence_parallel=true splits data.seq_length={self.data.seq_length} over "
+                f"parallel.tensor_model_parallel_size={tp} ranks: use a sequence length divisible by {tp}."
             )
         for key, value in (("model.num_attention_heads", m.num_attention_heads),
                            ("model.hidden_size", m.hidden_size),

@@ -10,7 +10,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from megatron.core import parallel_state
 from torch import Tensor
 
 from lightning_mhc.lightning.throughput import ThroughputMeter
@@ -23,6 +22,7 @@ from lightning_mhc.model.config import (
 from lightning_mhc.model.config_dict import is_plain, model_config_from_dict, model_config_to_dict
 from lightning_mhc.model.gpt import GPTModel, gpt_forward_step, gpt_loss_func
 from lightning_mhc.parallel.stages import build_gpt_stage
+from lightning_mhc.parallel.state import ParallelLayout, current_layout
 from lightning_mhc.recompute.policy import configure_recompute
 
 
@@ -106,16 +106,18 @@ class MHCGPTModule(pl.LightningModule):
         if self.model is not None:
             return
         config = configure_recompute(self.model_config, self.recompute_policy, **self.recompute_kwargs)
-        config = with_parallel_layout(config, *self._parallel_sizes(), requested=self._requested_layout)
-        self.model = build_gpt_stage(config)
+        layout = self._layout()
+        config = with_parallel_layout(
+            config, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+            requested=self._requested_layout, sequence_parallel=layout.sequence_parallel,
+        )
+        self.model = build_gpt_stage(config, layout)
 
-    def _parallel_sizes(self) -> tuple[int, int]:
-        """TP and PP of the strategy's layout (megatron's parallel state without one)."""
+    def _layout(self) -> ParallelLayout:
+        """The strategy's layout (megatron's current groups without one)."""
         layout = getattr(getattr(self._trainer, "strategy", None), "layout", None)
-        if layout is not None:
-            return layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-        return (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
+        return layout if layout is not None else current_layout()
+
 
     # ------------------------------------------------- pipeline contract
     def set_input_tensor(self, tensor: Tensor | None) -> None:

@@ -62,6 +62,9 @@ class MHCParallelStrategy(ParallelStrategy):
     Args:
         tensor_model_parallel_size: TP size.
         pipeline_model_parallel_size: PP size; DP is ``world_size / (TP * PP)``.
+        sequence_parallel: with TP > 1, run the residual stream, norms, hyper-connections and
+            bias-dropout-add on ``s / TP`` tokens per TP rank (the stream-shaped activations
+            divide by TP); the sequence length must divide by TP.
         num_microbatches: microbatches per training step of a pipelined module
             (default: the PP size); the per-rank batch must divide by it.
         deallocate_pipeline_outputs: shrink sent stage outputs to one element (seed 004).
@@ -86,6 +89,7 @@ class MHCParallelStrategy(ParallelStrategy):
         self,
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
+        sequence_parallel: bool = False,
         num_microbatches: int | None = None,
         deallocate_pipeline_outputs: bool = True,
         process_group_backend: str | None = None,
@@ -107,6 +111,7 @@ class MHCParallelStrategy(ParallelStrategy):
             raise ConfigError(f"num_microbatches={num_microbatches}: must be at least 1 (or None for the PP size).")
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.pipeline_model_parallel_size = pipeline_model_parallel_size
+        self.sequence_parallel = bool(sequence_parallel)
         self._num_microbatches = num_microbatches
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
         self._process_group_backend = process_group_backend
@@ -185,7 +190,8 @@ class MHCParallelStrategy(ParallelStrategy):
                 f"and pipeline_model_parallel_size={self.pipeline_model_parallel_size}. Use "
                 "MHCParallelStrategy() with TP = PP = 1, or subclass MHCGPTModule."
             )
-        check_layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size)
+        check_layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                     sequence_parallel=self.sequence_parallel)
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         watch_launcher()
@@ -197,9 +203,10 @@ class MHCParallelStrategy(ParallelStrategy):
                 kwargs["device_id"] = self.root_device
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self.layout = initialize_parallel(
-            self.tensor_model_parallel_size, self.pipeline_model_parallel_size, timeout=self._timeout
+            self.tensor_model_parallel_size, self.pipeline_model_parallel_size, timeout=self._timeout,
+            sequence_parallel=self.sequence_parallel,
         )
-        model_parallel_manual_seed(self.seed)
+        model_parallel_manual_seed(self.seed, self.layout)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -306,9 +313,7 @@ class MHCParallelStrategy(ParallelStrategy):
         """Mean (or sum) over the data-parallel group: the ranks that hold different data."""
         if not isinstance(tensor, Tensor) or not dist.is_initialized():
             return tensor
-        from megatron.core import parallel_state
-
-        group = group or parallel_state.get_data_parallel_group()
+        group = group or self.layout.dp_group
         tensor = tensor.detach().clone().float()
         dist.all_reduce(tensor, group=group)
         if reduce_op in ("mean", "avg", None) or str(reduce_op).lower().endswith("avg"):
@@ -349,6 +354,7 @@ class MHCParallelStrategy(ParallelStrategy):
                 microbatches,
                 lambda mod, mb: mod.forward_step(mb),
                 loss_func,
+                layout=self.layout,
                 tensor_shape=module.pipeline_tensor_shape(microbatches[0]),
                 deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
                 forward_only=forward_only,
@@ -394,7 +400,7 @@ class MHCParallelStrategy(ParallelStrategy):
         """DP average + tied-embedding reduction; global-norm clipping (Lightning's own clipping
         that follows sees a local norm no larger than the clipped global one and does nothing)."""
         module = self.lightning_module
-        finalize_model_grads(module, self.gradient_bucket_bytes)
+        finalize_model_grads(module, self.layout, self.gradient_bucket_bytes)
         params = [p for p in module.parameters() if p.grad is not None]
         trainer = module.trainer
         clip = trainer.gradient_clip_val
@@ -404,9 +410,9 @@ class MHCParallelStrategy(ParallelStrategy):
                     f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported by "
                     "MHCParallelStrategy: it clips by the global norm. Use gradient_clip_algorithm='norm'."
                 )
-            self.last_grad_norm = clip_grad_norm_(params, clip)
+            self.last_grad_norm = clip_grad_norm_(params, clip, self.layout)
         else:
-            self.last_grad_norm = global_grad_norm(params)
+            self.last_grad_norm = global_grad_norm(params, self.layout)
         if not math.isfinite(self.last_grad_norm):  # the same global norm on every rank: all stop or skip
             message = (f"non-finite gradient norm {self.last_grad_norm} at global step {trainer.global_step} "
                        "(a NaN/inf loss or gradient)")

@@ -10,12 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
-from lightning_mhc.model.parallel_linear import output_projection
+from lightning_mhc.model.parallel_linear import SPColumnParallelLinear, output_projection
 from lightning_mhc.model.rope import apply_rotary
 from lightning_mhc.recompute.checkpoint import checkpoint
 from lightning_mhc.recompute.rng import rng_fork
@@ -33,7 +32,7 @@ class SelfAttention(torch.nn.Module):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.recompute_core_attention = False  # "core_attn" in recompute_modules
         qkv_size = self.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
-        self.linear_qkv = ColumnParallelLinear(
+        self.linear_qkv = SPColumnParallelLinear(
             config.hidden_size,
             qkv_size,
             config=config,
@@ -46,8 +45,8 @@ class SelfAttention(torch.nn.Module):
     def forward(
         self, hidden_states: Tensor, rotary_freqs: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
-        s, b, _ = hidden_states.shape
-        qkv, _ = self.linear_qkv(hidden_states)
+        qkv, _ = self.linear_qkv(hidden_states)  # the whole sequence, also under sequence parallelism
+        s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.groups_per_rank, (self.heads_per_group + 2) * self.head_dim)
         q, k, v = qkv.split(
             [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1

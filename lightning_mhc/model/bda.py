@@ -12,19 +12,22 @@ from lightning_mhc.recompute.rng import rng_fork
 
 
 def bias_dropout_add(
-    x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float, training: bool
+    x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float, training: bool,
+    sequence_parallel: bool = False,
 ) -> Tensor:
+    """``residual + dropout(out + bias)``. The residual stream is replicated across TP (same mask
+    on every TP rank) or, under ``sequence_parallel``, split along the sequence (a mask per rank)."""
     out, bias = x_with_bias
     if bias is not None:
         out = out + bias
-    with rng_fork("tensor"):  # the residual stream is replicated across TP: same mask there
+    with rng_fork(*(() if sequence_parallel else ("tensor",))):
         dropped = F.dropout(out, p=prob, training=training)
     return residual + dropped
 
 
 def h_post_bias_dropout_add(
     x_with_bias: tuple[Tensor, Tensor | None], h_post: Tensor, mixed: Tensor, prob: float, training: bool,
-    fused: bool = True,
+    fused: bool = True, sequence_parallel: bool = False,
 ) -> Tensor:
     """``mixed + dropout(H_post^T * (out + bias))``: ``[s,b,C]``, ``[s,b,n]``, ``[s,b,n*C]`` -> ``[s,b,n*C]``.
 
@@ -39,4 +42,5 @@ def h_post_bias_dropout_add(
             out = out + bias
         if fused and (prob == 0 or not training):
             return HPostResidual.apply(mixed, h_post.to(out.dtype), out)
-        return bias_dropout_add((reference_apply_h_post(out, h_post), None), mixed, prob, training)
+        return bias_dropout_add((reference_apply_h_post(out, h_post), None), mixed, prob, training,
+                                sequence_parallel)

@@ -304,16 +304,13 @@ PARALLEL_LAYOUT_FIELDS = (
 """The parallel layout: the strategy's, set on the config when the model is built
 (``with_parallel_layout``), never written by ``config_dict.model_config_to_dict``."""
 
-_NOT_RUN = "which the strategy does not run (it runs tensor, pipeline and data parallelism)"
+_NOT_RUN = ("which the strategy does not run (it runs tensor, sequence, pipeline, virtual-pipeline and data "
+            "parallelism)")
 _NOT_BUILT = "which the model does not implement"
 _CONTEXT_PARALLEL = (_NOT_RUN, "Leave {name} at its default ({default!r}); to spread the work, use data "
                                "parallelism (devices = TP x PP x DP) or shorter sequences")
 _EXPERTS = "The MLPs are dense (no mixture of experts): leave num_moe_experts=None and expert_model_parallel_size=1"
 UNSUPPORTED_OPTIONS: dict[str, tuple[str, str]] = {
-    "sequence_parallel": (_NOT_RUN, "Set sequence_parallel=False (tensor parallelism runs without it); to save "
-                                    "activation memory use a recompute policy (selective, mhc_block)"),
-    "virtual_pipeline_model_parallel_size": (_NOT_RUN, "Leave it None: the 1F1B schedule runs one model chunk per "
-                                                       "stage (for more stages raise pipeline_model_parallel_size)"),
     "pipeline_model_parallel_layout": (_NOT_RUN, "Leave it None: every stage holds num_layers / "
                                                  "pipeline_model_parallel_size layers"),
     "context_parallel_size": _CONTEXT_PARALLEL,
@@ -367,7 +364,8 @@ def _same(a: Any, b: Any) -> bool:
 def requested_parallel_layout(model_config: MHCTransformerConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The layout a user's model config asks for: a dict's layout keys, a config's non-default
     TP / PP and other parallelism (which ``with_parallel_layout`` checks against the strategy)."""
-    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", *_UNSUPPORTED_PARALLELISM)
+    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+             "sequence_parallel", *_UNSUPPORTED_PARALLELISM)
     if isinstance(model_config, Mapping):
         requested = {k: model_config[k] for k in names if k in model_config}
         check_supported_options(requested)  # refused when the module is made, not when it is built
@@ -381,20 +379,26 @@ def with_parallel_layout(
     tensor_model_parallel_size: int,
     pipeline_model_parallel_size: int,
     requested: Mapping[str, Any] | None = None,
+    *,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    sequence_parallel: bool = False,
 ) -> MHCTransformerConfig:
     """A copy of ``config`` that records the layout the model is built under (the strategy's).
 
     ``requested``: what the user's model config asked for (``requested_parallel_layout``); a
-    TP / PP that differs, or parallelism the strategy does not run, raises ConfigError.
+    TP / PP / virtual pipeline / sequence parallelism that differs, or parallelism the strategy
+    does not run, raises ConfigError.
     """
     layout = dict(tensor_model_parallel_size=tensor_model_parallel_size,
-                  pipeline_model_parallel_size=pipeline_model_parallel_size)
+                  pipeline_model_parallel_size=pipeline_model_parallel_size,
+                  virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                  sequence_parallel=sequence_parallel)
     requested = dict(requested or {})
     for name, value in requested.items():
         if name in layout and value != layout[name]:
+            strategy = ", ".join(f"{k}={v}" for k, v in layout.items())
             raise ConfigError(
-                f"model_config sets {name}={value}, but the strategy runs tensor_model_parallel_size="
-                f"{tensor_model_parallel_size}, pipeline_model_parallel_size={pipeline_model_parallel_size}. "
+                f"model_config sets {name}={value}, but the strategy runs {strategy}. "
                 f"The parallel layout comes from the strategy (MHCParallelStrategy's {name}): drop {name} "
                 f"from model_config, or make it {layout[name]}."
             )

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import torch
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
-from megatron.core.tensor_parallel import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
-)
+from megatron.core.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from torch import Tensor
 
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
+from lightning_mhc.model.parallel_linear import SPColumnParallelLinear
 from lightning_mhc.model.rope import rotary_freqs
+from lightning_mhc.model.sequence_parallel import mark_sequence_parallel_parameters, scatter_to_sequence_parallel_region
 from lightning_mhc.model.transformer_block import TransformerBlock
 from lightning_mhc.recompute.rng import rng_fork
 
@@ -44,6 +42,7 @@ class Embedding(torch.nn.Module):
                 self.position_embeddings.weight
             )
         self.dropout = torch.nn.Dropout(config.hidden_dropout)
+        self.sequence_parallel = config.sequence_parallel
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
         emb = self.word_embeddings(input_ids)  # [b, s, C]
@@ -51,8 +50,13 @@ class Embedding(torch.nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
             emb = emb + self.position_embeddings(position_ids)
+        emb = emb.transpose(0, 1).contiguous()  # [s, b, C]
+        if self.sequence_parallel:  # this rank's tokens: its own mask
+            emb = scatter_to_sequence_parallel_region(emb)
+            with rng_fork():
+                return self.dropout(emb)
         with rng_fork("tensor"):  # replicated across TP: same mask there
-            return self.dropout(emb.transpose(0, 1).contiguous())
+            return self.dropout(emb)
 
 
 class GPTModel(torch.nn.Module):
@@ -107,7 +111,7 @@ class GPTModel(torch.nn.Module):
             # A tied copy on a last stage without the embedding draws from the embedding's
             # generator, so both copies start equal.
             key = WORD_EMBEDDINGS_KEY if self.share_embeddings_and_output_weights else "output_layer.weight"
-            self.output_layer = ColumnParallelLinear(
+            self.output_layer = SPColumnParallelLinear(
                 config.hidden_size,
                 config.padded_vocab_size,
                 config=config,
@@ -121,6 +125,8 @@ class GPTModel(torch.nn.Module):
                 self.output_layer.weight.shared_embedding = True
         if pre_process and self.share_embeddings_and_output_weights:
             self.embedding.word_embeddings.weight.shared_embedding = True
+        if config.sequence_parallel:
+            mark_sequence_parallel_parameters(self.decoder)
 
     def global_parameter_name(self, local_name: str) -> str:
         """The parameter's name in the whole (unpartitioned) model: local layer indices
@@ -132,8 +138,12 @@ class GPTModel(torch.nn.Module):
         return local_name
 
     def pipeline_tensor_shape(self, micro_batch_size: int, seq_length: int) -> tuple[int, int, int]:
-        """What crosses stages: the residual stream ``[s, b, n*C]``."""
-        return (seq_length, micro_batch_size, self.config.residual_width)
+        """What crosses stages: the residual stream ``[s, b, n*C]`` (``[s/TP, b, n*C]`` under
+        sequence parallelism)."""
+        return (seq_length // self._sequence_shards(), micro_batch_size, self.config.residual_width)
+
+    def _sequence_shards(self) -> int:
+        return self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
 
     def set_input_tensor(self, input_tensor: Tensor | None) -> None:
         """The hidden state received from the previous stage (megatron's contract)."""
@@ -161,8 +171,8 @@ class GPTModel(torch.nn.Module):
             hidden_states = self.input_tensor
         freqs = None
         if self.config.position_embedding_type == "rope":
-            freqs = rotary_freqs(
-                hidden_states.shape[0], self.config.kv_channels, self.config.rotary_base,
+            freqs = rotary_freqs(  # positions of the whole sequence: attention sees all of it
+                hidden_states.shape[0] * self._sequence_shards(), self.config.kv_channels, self.config.rotary_base,
                 hidden_states.device,
             )
         hidden_states = self.decoder(hidden_states, freqs)

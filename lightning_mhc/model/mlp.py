@@ -7,12 +7,11 @@ matching slices of both halves.
 from __future__ import annotations
 
 import torch
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
-from lightning_mhc.model.parallel_linear import output_projection
+from lightning_mhc.model.parallel_linear import SPColumnParallelLinear, output_projection
 
 
 class MLP(torch.nn.Module):
@@ -20,7 +19,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.config = config
         gated = config.gated_linear_unit
-        self.linear_fc1 = ColumnParallelLinear(
+        self.linear_fc1 = SPColumnParallelLinear(
             config.hidden_size,
             config.ffn_hidden_size * (2 if gated else 1),
             config=config,

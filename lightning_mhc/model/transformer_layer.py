@@ -97,10 +97,11 @@ class TransformerLayer(torch.nn.Module):
     def _bda(self, x_with_bias, residual: Tensor, h_post: Tensor | None = None) -> Tensor:
         """Bias-dropout-add; with hyper-connections ``residual`` is ``H_res @ x`` and ``H_post``
         spreads the sub-layer output over the streams."""
+        sp = self.config.sequence_parallel
         if h_post is None:
-            return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training)
+            return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training, sp)
         return h_post_bias_dropout_add(x_with_bias, h_post, residual, self.hidden_dropout, self.training,
-                                       fused=is_fused(self.config.mhc_implementation))
+                                       fused=is_fused(self.config.mhc_implementation), sequence_parallel=sp)
 
     def _checkpointed(self, manager, op: str, fn, *args):
         """``fn(*args)`` as a CheckpointWithoutOutput registered with ``manager``."""

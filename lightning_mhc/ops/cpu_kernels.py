@@ -13,6 +13,9 @@ values up to rounding). On CUDA the eager ops run.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import logging
 import os
 import pathlib
@@ -40,12 +43,14 @@ def load_cpu_kernels():
         errors = []
         # at::parallel_for splits tokens across torch's OpenMP threads only when built with OpenMP
         # (torch's own libgomp is the one loaded); a compiler without it gets a one-thread build
-        for name, flags in (("lightning_mhc_cpu_kernels", ["-fopenmp"]), ("lightning_mhc_cpu_kernels_serial", [])):
+        for kind, flags in (("", ["-fopenmp"]), ("_serial", [])):
             try:
                 from torch.utils.cpp_extension import load
 
-                _state["module"] = load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=["-O3", *flags],
-                                        extra_ldflags=flags, verbose=False)
+                name = f"lightning_mhc_cpu_kernels{kind}_{_sources_digest()}"
+                with _exclusive_build(name) as (build_dir, sources):
+                    _state["module"] = load(name=name, sources=sources, build_directory=build_dir,
+                                            extra_cflags=["-O3", *flags], extra_ldflags=flags, verbose=False)
                 break
             except Exception as exc:  # no compiler, no headers: the eager path works everywhere
                 errors.append(f"{type(exc).__name__}: {exc}")
@@ -57,6 +62,45 @@ def load_cpu_kernels():
         if _state["module"] is not None:
             log.info("CPU kernels ready in %.1f s", _state["load_s"])
     return _state["module"]
+
+
+def _sources_digest() -> str:
+    digest = hashlib.sha256()
+    for path in _SOURCES:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _exclusive_build(name: str):
+    """Yields the build directory and the sources copied into it, holding an OS lock on it
+    (released when the process dies).
+
+    The directory is named by the sources' digest and builds from copies kept there, so two
+    checkouts (or versions) of this package neither share a module nor rebuild each other's.
+    ``torch.utils.cpp_extension`` marks a build in progress with a plain ``lock`` file; a
+    process killed while building (a preempted job, a fault test) leaves it behind and every
+    later process waits on it for ever. Under this lock no other process of ours is building,
+    so a ``lock`` file found here is stale and is removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = pathlib.Path(_get_build_directory(name, verbose=False))
+    with open(build_dir / "lightning_mhc.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a stale build lock left by a killed process: %s", stale)
+                stale.unlink()
+            sources = []
+            for path in _SOURCES:
+                copy = build_dir / path.name
+                if not copy.exists() or copy.read_bytes() != path.read_bytes():  # same bytes: keep the mtime
+                    copy.write_bytes(path.read_bytes())
+                sources.append(str(copy))
+            yield str(build_dir), sources
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def kernel_status() -> dict:

@@ -2,9 +2,13 @@
 
 megatron-core's DistributedDataParallel needs CUDA (contiguous grad buffers on
 the current device); this is the device-agnostic equivalent for gloo and NCCL:
-a bucketed all-reduce over the DP group, the all-reduce of the tied
-embedding/output-layer gradients between the first and last stage, and the
-gradient norm over TP, PP and DP with each replicated parameter counted once.
+a bucketed all-reduce over the DP group, under sequence parallelism the
+all-reduce over TP of the parameters replicated across TP (norms,
+hyper-connections, row-parallel biases: each TP rank saw only its part of the
+sequence; megatron's ``_allreduce_layernorm_grads``), the all-reduce of the
+tied embedding/output-layer gradients between the first and last stage, and
+the gradient norm over TP, PP and DP with each replicated parameter counted
+once. Every function takes the :class:`ParallelLayout`.
 """
 from __future__ import annotations
 
@@ -13,8 +17,9 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_mhc.parallel.state import ParallelLayout
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -49,66 +54,89 @@ def _allreduce_flat(grads: list[torch.Tensor], group, bucket_bytes: int, average
     return count
 
 
+def _parameters(models: torch.nn.Module | Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """The parameters of one module or of a rank's model chunks, in order."""
+    if isinstance(models, torch.nn.Module):
+        models = [models]
+    return [p for model in models for p in model.parameters()]
+
+
 def allreduce_data_parallel_grads(
-    params: Iterable[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    params: Iterable[torch.nn.Parameter], layout: ParallelLayout, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> int:
     """Average gradients over the DP group in buckets (in reverse parameter order, the order
     backward produces them). Returns the number of buckets (0 when DP = 1)."""
-    group = parallel_state.get_data_parallel_group()
-    if dist.get_world_size(group) == 1:
+    if layout.data_parallel_size == 1:
         return 0
     grads = [p.grad for p in reversed(list(params)) if p.grad is not None]
-    return _allreduce_flat(grads, group, bucket_bytes, average=True)
+    return _allreduce_flat(grads, layout.dp_group, bucket_bytes, average=True)
 
 
-def allreduce_embedding_grads(model: torch.nn.Module) -> None:
+def is_sequence_parallel_replicated(param: torch.nn.Parameter) -> bool:
+    """A TP-replicated parameter applied to this rank's part of the sequence (megatron marks
+    them ``sequence_parallel``): its gradient is a partial sum over the TP ranks."""
+    return bool(getattr(param, "sequence_parallel", False)) and not getattr(param, "tensor_model_parallel", False)
+
+
+def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], layout: ParallelLayout,
+                                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    """Sum the gradients of sequence-parallel replicated parameters over TP (nothing without SP)."""
+    if not layout.sequence_parallel or layout.tensor_model_parallel_size == 1:
+        return 0
+    grads = [p.grad for p in params if p.grad is not None and is_sequence_parallel_replicated(p)]
+    return _allreduce_flat(grads, layout.tp_group, bucket_bytes, average=False) if grads else 0
+
+
+def allreduce_embedding_grads(params: Iterable[torch.nn.Parameter], layout: ParallelLayout) -> None:
     """Sum the gradients of the tied word embedding (first stage) and its output-layer copy
     (last stage), so both copies take the same step. Nothing to do without PP."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+    if layout.pipeline_model_parallel_size == 1 or layout.embedding_group is None:
         return
-    if not parallel_state.is_rank_in_embedding_group():
-        return
-    shared = [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
+    shared = [p for p in params if getattr(p, "shared_embedding", False)]
     if not shared:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shared]
-    _allreduce_flat(grads, parallel_state.get_embedding_group(), DEFAULT_BUCKET_BYTES, average=False)
+    _allreduce_flat(grads, layout.embedding_group, DEFAULT_BUCKET_BYTES, average=False)
     for p, grad in zip(shared, grads):
         p.grad = grad
 
 
-def finalize_model_grads(model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-    """Everything between the last backward and the optimizer step (megatron's name)."""
-    allreduce_data_parallel_grads(model.parameters(), bucket_bytes)
-    allreduce_embedding_grads(model)
+def finalize_model_grads(models: torch.nn.Module | Iterable[torch.nn.Module], layout: ParallelLayout,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Everything between the last backward and the optimizer step (megatron's name), for one
+    module or a rank's model chunks."""
+    params = _parameters(models)
+    allreduce_sequence_parallel_grads(params, layout, bucket_bytes)
+    allreduce_data_parallel_grads(params, layout, bucket_bytes)
+    allreduce_embedding_grads(params, layout)
 
 
-def _counted_once(param: torch.nn.Parameter) -> bool:
+def _counted_once(param: torch.nn.Parameter, layout: ParallelLayout) -> bool:
     """Replicated across TP: count on TP rank 0 only; the last stage's tied copy: not at all."""
-    if not getattr(param, "tensor_model_parallel", False) and parallel_state.get_tensor_model_parallel_rank() > 0:
+    if not getattr(param, "tensor_model_parallel", False) and layout.tensor_model_parallel_rank > 0:
         return False
-    if getattr(param, "shared_embedding", False) and not parallel_state.is_pipeline_first_stage():
+    if getattr(param, "shared_embedding", False) and not layout.is_first_stage:
         return False
     return True
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
+def global_grad_norm(params: Iterable[torch.nn.Parameter], layout: ParallelLayout) -> float:
     """L2 norm of the whole model's gradient across TP and PP (DP replicas are identical
     after reduction), each parameter counted once."""
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        if _counted_once(p):
+        if _counted_once(p, layout):
             square += p.grad.detach().float().pow(2).sum()
-    dist.all_reduce(square, group=parallel_state.get_model_parallel_group())
+    dist.all_reduce(square, group=layout.model_parallel_group)
     return math.sqrt(square.item())
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, layout: ParallelLayout) -> float:
     """Scale gradients so the global norm is at most ``max_norm``; returns the norm before."""
     params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, layout)
     if not math.isfinite(norm):
         return norm
     scale = max_norm / (norm + 1e-6)

@@ -12,8 +12,9 @@ import datetime
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from torch import Tensor
+
+from lightning_mhc.parallel.state import ParallelLayout
 
 _FORWARD_TAG = 1
 _BACKWARD_TAG = 2
@@ -23,7 +24,10 @@ class PipelineP2P:
     """Sends and receives one stage's activations and gradients.
 
     ``tensor_shape`` and ``dtype`` describe what crosses stages (the
-    ``[s, b, n*C]`` residual stream for the mHC GPT).
+    ``[s, b, n*C]`` residual stream for the mHC GPT, ``[s/TP, b, n*C]`` under
+    sequence parallelism). The last stage's next rank is the first stage (the
+    virtual pipeline's chunk boundary); the named exchanges below are no-ops at
+    the pipeline's ends, :meth:`exchange` is not.
     """
 
     def __init__(
@@ -31,16 +35,17 @@ class PipelineP2P:
         tensor_shape: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device,
+        layout: ParallelLayout,
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     ) -> None:
         self.tensor_shape = tuple(tensor_shape)
         self.dtype = dtype
         self.device = device
         self.timeout = timeout
-        self.is_first = parallel_state.is_pipeline_first_stage()
-        self.is_last = parallel_state.is_pipeline_last_stage()
-        self.next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
-        self.prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
+        self.is_first = layout.is_first_stage
+        self.is_last = layout.is_last_stage
+        self.next_rank = layout.next_rank
+        self.prev_rank = layout.prev_rank
 
     def _check(self, tensor: Tensor, what: str) -> None:
         if tuple(tensor.shape) != self.tensor_shape or tensor.dtype != self.dtype:
@@ -50,13 +55,14 @@ class PipelineP2P:
                 "have the same shape, and the stage output the pipeline dtype."
             )
 
-    def _exchange(
+    def exchange(
         self,
         send_next: Tensor | None = None,
         send_prev: Tensor | None = None,
         recv_prev: bool = False,
         recv_next: bool = False,
     ) -> tuple[Tensor | None, Tensor | None]:
+        """Post every receive and send, then wait for all: ``(from_prev, from_next)``."""
         works, from_prev, from_next = [], None, None
         if recv_prev:
             from_prev = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device, requires_grad=True)
@@ -76,21 +82,21 @@ class PipelineP2P:
 
     # Megatron's p2p_communication vocabulary; each is a no-op at the pipeline's ends.
     def recv_forward(self) -> Tensor | None:
-        return None if self.is_first else self._exchange(recv_prev=True)[0]
+        return None if self.is_first else self.exchange(recv_prev=True)[0]
 
     def send_forward(self, output: Tensor) -> None:
         if not self.is_last:
-            self._exchange(send_next=output)
+            self.exchange(send_next=output)
 
     def recv_backward(self) -> Tensor | None:
-        return None if self.is_last else self._exchange(recv_next=True)[1]
+        return None if self.is_last else self.exchange(recv_next=True)[1]
 
     def send_backward(self, input_grad: Tensor | None) -> None:
         if not self.is_first:
-            self._exchange(send_prev=input_grad)
+            self.exchange(send_prev=input_grad)
 
     def send_forward_recv_backward(self, output: Tensor) -> Tensor | None:
-        return None if self.is_last else self._exchange(send_next=output, recv_next=True)[1]
+        return None if self.is_last else self.exchange(send_next=output, recv_next=True)[1]
 
     def send_backward_recv_forward(self, input_grad: Tensor | None) -> Tensor | None:
-        return None if self.is_first else self._exchange(send_prev=input_grad, recv_prev=True)[0]
+        return None if self.is_first else self.exchange(send_prev=input_grad, recv_prev=True)[0]

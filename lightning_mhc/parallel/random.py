@@ -13,23 +13,22 @@ a ``MultiDimParallelRandomizer`` over the ``tensor``, ``data`` and
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state
-
+from lightning_mhc.parallel.state import ParallelLayout
 from lightning_mhc.recompute.rng import MultiDimParallelRandomizer, set_parallel_randomizer
 
 
-def model_parallel_manual_seed(seed: int) -> MultiDimParallelRandomizer:
+def model_parallel_manual_seed(seed: int, layout: ParallelLayout) -> MultiDimParallelRandomizer:
     """Seed torch's default generators with ``seed`` and install the parallel randomizer."""
     torch.manual_seed(seed)
     ranks = {
-        "tensor": parallel_state.get_tensor_model_parallel_rank(),
-        "data": parallel_state.get_data_parallel_rank(),
-        "pipeline": parallel_state.get_pipeline_model_parallel_rank(),
+        "tensor": layout.tensor_model_parallel_rank,
+        "data": layout.data_parallel_rank,
+        "pipeline": layout.pipeline_model_parallel_rank,
     }
     sizes = {
-        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
-        "data": parallel_state.get_data_parallel_world_size(),
-        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+        "tensor": layout.tensor_model_parallel_size,
+        "data": layout.data_parallel_size,
+        "pipeline": layout.pipeline_model_parallel_size,
     }
     randomizer = MultiDimParallelRandomizer(seed, ranks, sizes)
     set_parallel_randomizer(randomizer)

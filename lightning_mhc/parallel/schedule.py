@@ -20,11 +20,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
 from torch import Tensor
 
 from lightning_mhc.parallel.p2p import PipelineP2P
+from lightning_mhc.parallel.state import ParallelLayout
 
 ForwardStep = Callable[[torch.nn.Module, Any], Tensor]
 LossFunc = Callable[[Tensor, Any], Tensor]
@@ -55,7 +55,7 @@ class _InFlight:
         return [t for t in self.inputs + self.outputs if t is not None]
 
 
-def _set_input(model: torch.nn.Module, input_tensor: Tensor | None) -> None:
+def set_input(model: torch.nn.Module, input_tensor: Tensor | None) -> None:
     if hasattr(model, "set_input_tensor"):
         model.set_input_tensor(input_tensor)
     elif input_tensor is not None:
@@ -65,7 +65,7 @@ def _set_input(model: torch.nn.Module, input_tensor: Tensor | None) -> None:
         )
 
 
-def _backward_step(
+def backward_step(
     input_tensor: Tensor | None, output: Tensor, output_grad: Tensor | None, deallocated: bool
 ) -> Tensor | None:
     if output_grad is None:  # last stage: output is the scaled loss
@@ -77,30 +77,26 @@ def _backward_step(
     return None if input_tensor is None else input_tensor.grad
 
 
-def _reduce_loss(total: Tensor | None, num_microbatches: int, device: torch.device) -> Tensor:
+def reduce_loss(total: Tensor | None, num_microbatches: int, device: torch.device, layout: ParallelLayout) -> Tensor:
     """Mean over microbatches and DP on the last stage, then broadcast along the pipeline."""
     loss = torch.zeros((), dtype=torch.float32, device=device)
-    if parallel_state.is_pipeline_last_stage():
+    if layout.is_last_stage:
         loss += total.float() / num_microbatches
-        dp_group = parallel_state.get_data_parallel_group()
-        if dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(loss, group=dp_group)
-            loss /= dist.get_world_size(dp_group)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(
-            loss,
-            src=parallel_state.get_pipeline_model_parallel_last_rank(),
-            group=parallel_state.get_pipeline_model_parallel_group(),
-        )
+        if layout.data_parallel_size > 1:
+            dist.all_reduce(loss, group=layout.dp_group)
+            loss /= layout.data_parallel_size
+    if layout.pipeline_model_parallel_size > 1:
+        dist.broadcast(loss, src=layout.last_stage_rank, group=layout.pp_group)
     return loss
 
 
 def forward_backward_pipelining(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     microbatches: Sequence[Any],
     forward_step: ForwardStep,
     loss_func: LossFunc,
     *,
+    layout: ParallelLayout,
     tensor_shape: tuple[int, ...],
     dtype: torch.dtype = torch.float32,
     deallocate_pipeline_outputs: bool = True,
@@ -108,7 +104,8 @@ def forward_backward_pipelining(
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     probe: Callable[[list[Tensor]], None] | None = None,
 ) -> ScheduleResult:
-    """Run forward (and backward) of every microbatch through this rank's stage.
+    """Run forward (and backward) of every microbatch through this rank's stage; given a list
+    of two or more model chunks, the interleaved schedule (``schedule_interleaved``) runs.
 
     Gradients accumulate into ``.grad`` (each microbatch's loss is scaled by
     ``1/m``); reduce them across DP afterwards (``parallel.grads``).
@@ -118,17 +115,26 @@ def forward_backward_pipelining(
     m = len(microbatches)
     if m < 1:
         raise ValueError("the schedule needs at least one microbatch")
+    if not isinstance(model, torch.nn.Module):  # a rank's model chunks
+        if len(model) > 1:
+            from lightning_mhc.parallel.schedule_interleaved import forward_backward_pipelining_with_interleaving
+
+            return forward_backward_pipelining_with_interleaving(
+                model, microbatches, forward_step, loss_func, layout=layout, tensor_shape=tensor_shape,
+                dtype=dtype, deallocate_pipeline_outputs=deallocate_pipeline_outputs, forward_only=forward_only,
+                timeout=timeout, probe=probe,
+            )
+        model = model[0]
     device = next(model.parameters()).device
-    p2p = PipelineP2P(tensor_shape, dtype, device, timeout)
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    rank = parallel_state.get_pipeline_model_parallel_rank()
+    p2p = PipelineP2P(tensor_shape, dtype, device, layout, timeout)
+    pp, rank = layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_rank
     deallocate = deallocate_pipeline_outputs and not p2p.is_last
     total_loss: Tensor | None = None
     in_flight = _InFlight()
 
     def forward(index: int, input_tensor: Tensor | None) -> Tensor:
         nonlocal total_loss
-        _set_input(model, input_tensor)
+        set_input(model, input_tensor)
         output = forward_step(model, microbatches[index])
         if p2p.is_last:
             loss = loss_func(output, microbatches[index])
@@ -140,7 +146,7 @@ def forward_backward_pipelining(
         with torch.no_grad():
             for i in range(m):
                 p2p.send_forward(forward(i, p2p.recv_forward()))
-        return ScheduleResult(_reduce_loss(total_loss, m, device), m)
+        return ScheduleResult(reduce_loss(total_loss, m, device, layout), m)
 
     num_warmup = min(pp - rank - 1, m)
     num_steady = m - num_warmup
@@ -164,7 +170,7 @@ def forward_backward_pipelining(
         if probe is not None:
             probe(in_flight.tensors())
         oldest_input, oldest_output = in_flight.pop()
-        input_grad = _backward_step(oldest_input, oldest_output, output_grad, deallocate)
+        input_grad = backward_step(oldest_input, oldest_output, output_grad, deallocate)
         if last_iteration:
             input_tensor = None
             p2p.send_backward(input_grad)
@@ -174,6 +180,6 @@ def forward_backward_pipelining(
     for _ in range(num_warmup):
         oldest_input, oldest_output = in_flight.pop()
         output_grad = p2p.recv_backward()
-        p2p.send_backward(_backward_step(oldest_input, oldest_output, output_grad, deallocate))
+        p2p.send_backward(backward_step(oldest_input, oldest_output, output_grad, deallocate))
 
-    return ScheduleResult(_reduce_loss(total_loss, m, device), m)
+    return ScheduleResult(reduce_loss(total_loss, m, device, layout), m)

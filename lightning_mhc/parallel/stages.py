@@ -1,11 +1,11 @@
-"""Pipeline stage partitioning: which layers each stage holds, and building only the local stage."""
+"""Pipeline stage partitioning: which layers each stage (and each virtual-pipeline chunk) holds,
+and building only the local ones."""
 from __future__ import annotations
-
-from megatron.core import parallel_state
 
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.gpt import GPTModel
+from lightning_mhc.parallel.state import ParallelLayout
 
 
 def partition_layers(
@@ -53,6 +53,7 @@ def partition_layers(
 
 def build_gpt_stage(
     config: MHCTransformerConfig,
+    layout: ParallelLayout,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
 ) -> GPTModel:
@@ -60,8 +61,7 @@ def build_gpt_stage(
 
     No module of another stage is constructed, not even on the meta device.
     """
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp, rank = layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_rank
     ranges = partition_layers(config.num_layers, pp, first_stage_layers, last_stage_layers)
     return GPTModel(
         config,
@@ -69,3 +69,25 @@ def build_gpt_stage(
         post_process=rank == pp - 1,
         layer_range=ranges[rank],
     )
+
+
+def build_gpt_chunks(
+    config: MHCTransformerConfig,
+    layout: ParallelLayout,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[GPTModel]:
+    """This rank's model chunks, one per virtual pipeline stage (megatron's layer assignment):
+    the layers are split over ``p * v`` virtual stages and chunk ``c`` of stage ``r`` is virtual
+    stage ``c * p + r``. The first virtual stage embeds (and expands the streams), the last one
+    contracts the streams and computes the loss. ``first/last_stage_layers`` size the first and
+    last virtual stage. With ``v = 1`` this is ``[build_gpt_stage(...)]``.
+    """
+    pp, rank, v = (layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_rank,
+                   layout.virtual_pipeline_model_parallel_size)
+    if v == 1:
+        return [build_gpt_stage(config, layout, first_stage_layers, last_stage_layers)]
+    ranges = partition_layers(config.num_layers, pp * v, first_stage_layers, last_stage_layers)
+    stages = [chunk * pp + rank for chunk in range(v)]
+    return [GPTModel(config, pre_process=stage == 0, post_process=stage == pp * v - 1, layer_range=ranges[stage])
+            for stage in stages]

@@ -1,13 +1,17 @@
-"""TP/PP/DP process groups through megatron-core ``parallel_state``.
+"""The parallel layout: degrees, ranks and process groups in one object.
 
-``initialize_parallel(tp, pp)`` builds the groups over the initialised
-default process group (gloo on CPU, NCCL on GPU); DP is inferred as
-``world_size / (tp * pp)``. Megatron's rank order: TP fastest, then DP, then PP.
+megatron-core's ``parallel_state`` builds the groups over the initialised default
+process group (gloo on CPU, NCCL on GPU); :func:`initialize_parallel` then reads
+them once into a :class:`ParallelLayout`, which the runtime (point-to-point, the
+schedules, gradient reduction, RNG seeding, checkpoints) receives explicitly, in
+the spirit of torchtitan's ``ParallelDims``. Megatron's rank order: TP fastest,
+then DP, then PP. DP is ``world_size / (TP * PP)``.
 """
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -16,8 +20,27 @@ from lightning_mhc.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups of one rank (megatron's) and its pipeline's global ranks."""
+
+    tensor: Any
+    pipeline: Any
+    data: Any
+    model_parallel: Any
+    embedding: Any | None
+    """First and last stage of this pipeline (tied embedding); None off those stages or without PP."""
+    pipeline_ranks: tuple[int, ...]
+    """Global ranks of this rank's pipeline, stage 0 first."""
+
+
+@dataclass(frozen=True)
 class ParallelLayout:
-    """This rank's place in the 3D layout."""
+    """This rank's place in the TP x PP x DP layout, with its groups.
+
+    ``virtual_pipeline_model_parallel_size`` is ``v``: each rank holds ``v`` model
+    chunks (interleaved 1F1B). ``sequence_parallel``: the residual stream, norms,
+    hyper-connections and dropout run on ``s / TP`` tokens per TP rank.
+    """
 
     world_size: int
     tensor_model_parallel_size: int
@@ -26,6 +49,13 @@ class ParallelLayout:
     tensor_model_parallel_rank: int
     pipeline_model_parallel_rank: int
     data_parallel_rank: int
+    virtual_pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    groups: ParallelGroups | None = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        """Degrees and ranks travel (e.g. ``all_gather_object``); process groups do not."""
+        return {**self.__dict__, "groups": None}
 
     @property
     def is_first_stage(self) -> bool:
@@ -35,10 +65,57 @@ class ParallelLayout:
     def is_last_stage(self) -> bool:
         return self.pipeline_model_parallel_rank == self.pipeline_model_parallel_size - 1
 
+    def _groups(self) -> ParallelGroups:
+        if self.groups is None:
+            raise RuntimeError("this ParallelLayout describes degrees only; initialize_parallel() gives one with groups")
+        return self.groups
 
-def check_layout(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> int:
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next stage (the last stage's next is the first: the virtual
+        pipeline's chunk boundary)."""
+        ranks = self._groups().pipeline_ranks
+        return ranks[(self.pipeline_model_parallel_rank + 1) % len(ranks)]
+
+    @property
+    def prev_rank(self) -> int:
+        ranks = self._groups().pipeline_ranks
+        return ranks[(self.pipeline_model_parallel_rank - 1) % len(ranks)]
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self._groups().pipeline_ranks[-1]
+
+    @property
+    def tp_group(self):
+        return self._groups().tensor
+
+    @property
+    def pp_group(self):
+        return self._groups().pipeline
+
+    @property
+    def dp_group(self):
+        return self._groups().data
+
+    @property
+    def model_parallel_group(self):
+        return self._groups().model_parallel
+
+    @property
+    def embedding_group(self):
+        return self._groups().embedding
+
+
+def check_layout(
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    sequence_parallel: bool = False,
+) -> int:
     """Returns the data-parallel size; raises ConfigError naming the numbers and the fix."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, vp = tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ConfigError(
             f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}: both must be >= 1."
@@ -49,6 +126,20 @@ def check_layout(world_size: int, tensor_model_parallel_size: int, pipeline_mode
             f"does not divide the world size {world_size}. Use a number of devices that is a "
             f"multiple of {tp * pp}, or change the TP/PP sizes."
         )
+    if vp is not None and vp != 1:
+        if vp < 1:
+            raise ConfigError(f"virtual_pipeline_model_parallel_size={vp}: must be >= 1 (or None).")
+        if pp < 2:
+            raise ConfigError(
+                f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size >= 2 "
+                f"(it is {pp}): the interleaved schedule splits each stage into chunks. Set "
+                "virtual_pipeline_model_parallel_size=None, or use pipeline parallelism."
+            )
+    if sequence_parallel and tp < 2:
+        raise ConfigError(
+            f"sequence_parallel=True needs tensor_model_parallel_size >= 2 (it is {tp}): the sequence is "
+            "split across the tensor-parallel ranks. Set sequence_parallel=False, or raise the TP size."
+        )
     return world_size // (tp * pp)
 
 
@@ -56,6 +147,8 @@ def initialize_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     timeout: datetime.timedelta | None = None,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    sequence_parallel: bool = False,
 ) -> ParallelLayout:
     """Build megatron-core's TP, PP, DP (and embedding) groups; returns this rank's layout."""
     if not dist.is_initialized():
@@ -64,7 +157,8 @@ def initialize_parallel(
             "(or run under MHCParallelStrategy / torchrun) first."
         )
     world = dist.get_world_size()
-    check_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size)
+    check_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size,
+                 virtual_pipeline_model_parallel_size, sequence_parallel)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     kwargs = {"distributed_timeout_minutes": max(1, int(timeout.total_seconds() // 60))} if timeout else {}
@@ -73,18 +167,36 @@ def initialize_parallel(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         **kwargs,
     )
-    return current_layout()
+    return current_layout(virtual_pipeline_model_parallel_size, sequence_parallel)
 
 
-def current_layout() -> ParallelLayout:
+def current_layout(virtual_pipeline_model_parallel_size: int | None = None,
+                   sequence_parallel: bool = False) -> ParallelLayout:
+    """The layout of the groups megatron's ``parallel_state`` holds now."""
+    ps = parallel_state
+    pipeline_ranks = tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
+    # megatron's default embedding ranks: the first and last stage (its is_rank_in_embedding_group
+    # can answer from a previous initialisation after destroy_model_parallel)
+    in_embedding = dist.get_rank() in (pipeline_ranks[0], pipeline_ranks[-1])
+    groups = ParallelGroups(
+        tensor=ps.get_tensor_model_parallel_group(),
+        pipeline=ps.get_pipeline_model_parallel_group(),
+        data=ps.get_data_parallel_group(),
+        model_parallel=ps.get_model_parallel_group(),
+        embedding=ps.get_embedding_group() if in_embedding else None,
+        pipeline_ranks=pipeline_ranks,
+    )
     return ParallelLayout(
         world_size=dist.get_world_size(),
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        data_parallel_size=parallel_state.get_data_parallel_world_size(),
-        tensor_model_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
-        pipeline_model_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        data_parallel_size=ps.get_data_parallel_world_size(),
+        tensor_model_parallel_rank=ps.get_tensor_model_parallel_rank(),
+        pipeline_model_parallel_rank=ps.get_pipeline_model_parallel_rank(),
+        data_parallel_rank=ps.get_data_parallel_rank(),
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size or 1,
+        sequence_parallel=sequence_parallel,
+        groups=groups,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -50,9 +50,11 @@ class ActivationMemoryMeter:
         self._hooks.__enter__()
         return self
 
-    def live_bytes(self, extra: Iterable[torch.Tensor] = ()) -> int:
+    def live_bytes(self, extra: Iterable[torch.Tensor] = (),
+                   where: Callable[[torch.Tensor], bool] | None = None) -> int:
         """Bytes of the unique live storages of the tensors saved so far, plus ``extra``
-        tensors held outside the graph (e.g. a pipeline schedule's in-flight outputs)."""
+        tensors held outside the graph (e.g. a pipeline schedule's in-flight outputs);
+        ``where``: only the tensors it accepts (e.g. those shaped like the residual stream)."""
         params = {
             p.untyped_storage().data_ptr()
             for module in self._exclude
@@ -61,7 +63,7 @@ class ActivationMemoryMeter:
         storages: dict[int, int] = {}
         tensors = [ref() for ref in self._saved] + list(extra)
         for tensor in tensors:
-            if tensor is None:
+            if tensor is None or (where is not None and not where(tensor)):
                 continue
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in params:

@@ -1,0 +1,101 @@
+"""Sequence parallelism: the layer's token-wise part on ``s / TP`` tokens per tensor-parallel rank.
+
+Under ``sequence_parallel`` the residual stream ``[s/TP, b, n*C]``, the norms, the
+hyper-connections (their mappings are per token: no communication), the
+bias-dropout-add and its dropout run on this rank's slice of the sequence. The
+sequence is all-gathered before every column-parallel linear and reduce-scattered
+after every row-parallel one (Megatron-LM's layout, arXiv 2205.05198).
+
+megatron-core's own sequence-parallel mappings allocate on the current CUDA
+device; these autograd functions use the input's device and the collectives
+gloo and NCCL both provide (``all_gather_single``, ``reduce_scatter_single``; the
+``*_tensor`` names before torch 2.13).
+The TP group is megatron's, as for its tensor-parallel layers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch import Tensor
+
+from lightning_mhc.errors import ConfigError
+
+
+# torch >= 2.13 names them *_single (the *_tensor names warn)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _group():
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def all_gather_sequence(x: Tensor) -> Tensor:
+    """``[s/TP, ...]`` -> ``[s, ...]`` over the TP group (no autograd)."""
+    world = dist.get_world_size(_group())
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x.contiguous(), group=_group())
+    return out
+
+
+def reduce_scatter_sequence(x: Tensor) -> Tensor:
+    """``[s, ...]`` -> this rank's ``[s/TP, ...]`` of the sum over the TP group (no autograd)."""
+    world = dist.get_world_size(_group())
+    if x.shape[0] % world:
+        raise ConfigError(f"sequence parallelism splits the sequence across {world} tensor-parallel ranks, "
+                          f"but it has {x.shape[0]} tokens: make the sequence length a multiple of {world}.")
+    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, x.contiguous(), group=_group())
+    return out
+
+
+def _split(x: Tensor) -> Tensor:
+    world, rank = dist.get_world_size(_group()), dist.get_rank(_group())
+    if x.shape[0] % world:
+        raise ConfigError(f"sequence parallelism splits the sequence across {world} tensor-parallel ranks, "
+                          f"but it has {x.shape[0]} tokens: make the sequence length a multiple of {world}.")
+    return x.chunk(world, dim=0)[rank].contiguous()
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Sum the row-parallel partial outputs and keep this rank's part of the sequence."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return reduce_scatter_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad)
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Keep this rank's part of a TP-replicated tensor (the embedding output)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _split(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: Tensor) -> Tensor:
+    """``[s, ...]`` partial sums -> this rank's ``[s/TP, ...]`` of their sum (backward: all-gather)."""
+    return _ReduceScatterToSequenceParallelRegion.apply(x)
+
+
+def scatter_to_sequence_parallel_region(x: Tensor) -> Tensor:
+    """``[s, ...]`` replicated -> this rank's ``[s/TP, ...]`` (backward: all-gather)."""
+    return _ScatterToSequenceParallelRegion.apply(x)
+
+
+def mark_sequence_parallel_parameters(module: torch.nn.Module) -> None:
+    """Mark the parameters replicated across TP that act on the sequence-parallel region
+    (norms, hyper-connections, row-parallel biases) with megatron's ``sequence_parallel``
+    attribute: their gradients are partial sums over TP, reduced by the runtime."""
+    for p in module.parameters():
+        if not getattr(p, "tensor_model_parallel", False):
+            p.sequence_parallel = True
