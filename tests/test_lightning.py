@@ -38,13 +38,18 @@ def fit_gpt(tmp_path: pathlib.Path, *args: str) -> dict:
 
 
 def test_tp2_pp2_matches_one_device(tmp_path):
-    """devices=4, TP=2, PP=2, mhc_block recompute == devices=1 on the same global batches."""
-    (tmp_path / "one").mkdir(), (tmp_path / "four").mkdir()
+    """devices=4, TP=2, PP=2, mhc_block recompute == devices=1 on the same global batches; and
+    the same with sequence parallelism and two virtual-pipeline chunks per stage (interleaved
+    1F1B) through Trainer.fit."""
+    (tmp_path / "one").mkdir(), (tmp_path / "four").mkdir(), (tmp_path / "sp_v2").mkdir()
     single = fit_gpt(tmp_path / "one", "--devices", "1", "--scenario", "equivalence")
     parallel = fit_gpt(tmp_path / "four", "--devices", "4", "--tp", "2", "--pp", "2", "--scenario", "equivalence")
     assert len(single["losses"]) == len(parallel["losses"]) == 6
     torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), rtol=0, atol=1e-5)
     assert single["losses"][3] < single["losses"][0]  # it trains
+    interleaved = fit_gpt(tmp_path / "sp_v2", "--devices", "4", "--tp", "2", "--pp", "2", "--sp", "--vp", "2",
+                          "--scenario", "equivalence")
+    torch.testing.assert_close(torch.tensor(interleaved["losses"]), torch.tensor(single["losses"]), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("devices, tp, pp", [(1, 1, 1), (4, 2, 2)], ids=["single", "tp2pp2"])

@@ -182,6 +182,19 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
     (["trainer.limit_val_batches=-1"], "trainer.limit_val_batches=-1: must be >= 0"),
     (["trainer.precision=fp8"], "trainer.precision='fp8': must be one of 32-true"),
     (["parallel.timeout_s=-5"], "parallel.timeout_s=-5.0: must be > 0"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size"
+                                          " >= 2 (it is 1)"),
+    (["parallel=tp2sp", "trainer.devices=2", "data.seq_length=63"],
+     "parallel.sequence_parallel=true splits data.seq_length=63 over parallel.tensor_model_parallel_size=2 ranks"),
+    (["parallel.virtual_pipeline_model_parallel_size=2"],
+     "parallel.virtual_pipeline_model_parallel_size=2 needs a positive size and parallel.pipeline_model_parallel_size"
+     " >= 2 (it is 1)"),
+    (["parallel=pp2v2", "trainer.devices=2", "model.num_layers=6"],
+     "model.num_layers=6 cannot be split into parallel.pipeline_model_parallel_size=2 x "
+     "parallel.virtual_pipeline_model_parallel_size=2 = 4 equal chunks"),
+    (["parallel=pp2v2", "trainer.devices=2", "model.num_layers=4", "data.global_batch_size=4",
+      "data.micro_batch_size=4"], "a number of microbatches (data.global_batch_size / (data.micro_batch_size x DP) = 1)"
+                                  " that is a multiple of parallel.pipeline_model_parallel_size=2"),
     (["data.seq_length=0"], "data.seq_length=0: must be >= 1"),
     (["data.micro_batch_size=0"], "data.micro_batch_size=0: must be >= 1"),
     (["data.val_fraction=0"], "data.val_fraction=0.0: must be in (0, 1)"),
@@ -191,14 +204,21 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
     (["seed=-1"], "seed=-1: must be in [0, 2**32)"),
     (["recompute=mhc_block", "recompute.mhc_recompute_layer_num=0"], "recompute.mhc_recompute_layer_num=0: a recompute "
                                                                       "block holds a whole, positive number of layers"),
-    (["+trainer.max_step=5", "+parallel.context_parallel_size=2"],
-     "parallel.context_parallel_size=2: the parallel group has no key 'context_parallel_size'; "
+    (["+trainer.max_step=5", "+parallel.zigzag=2"],
+     "parallel.zigzag=2: the parallel group has no key 'zigzag'; "
      "trainer.max_step=5: the trainer group has no key 'max_step' (did you mean trainer.max_steps?)"),
 ])
 def test_ranges_and_unknown_keys(overrides, message):
     with pytest.raises(ConfigError) as error:
         _compose(*overrides)
     assert message in str(error.value)
+
+
+def test_sequence_parallel_and_virtual_pipeline_layouts_compose():
+    sp = _compose("parallel=tp2sp", "trainer.devices=2")
+    assert sp.parallel.sequence_parallel and sp.parallel.tensor_model_parallel_size == 2
+    vp = _compose("parallel=pp2v2", "trainer.devices=2", "model.num_layers=4")
+    assert vp.parallel.virtual_pipeline_model_parallel_size == 2 and vp.num_microbatches % 2 == 0
 
 
 @pytest.mark.parametrize("name, value, instead", [

@@ -124,6 +124,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     """With TP > 1: the residual stream, norms and hyper-connections on seq_length / TP tokens per rank."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline stage (interleaved 1F1B); None or 1: one chunk."""
     num_microbatches: Optional[int] = None
     deallocate_pipeline_outputs: bool = True
     timeout_s: float = 600.0
@@ -298,6 +300,20 @@ class TrainConfig:
                 f"model.num_layers={m.num_layers} cannot be split evenly over "
                 f"parallel.pipeline_model_parallel_size={pp} stages. Use a number of layers divisible by {pp}."
             )
+        v = p.virtual_pipeline_model_parallel_size
+        if v is not None and v != 1:
+            if v < 1 or pp < 2:
+                raise ConfigError(
+                    f"parallel.virtual_pipeline_model_parallel_size={v} needs a positive size and "
+                    f"parallel.pipeline_model_parallel_size >= 2 (it is {pp}): the interleaved schedule splits each "
+                    "stage into chunks. Set it to null, or use pipeline parallelism."
+                )
+            if m.num_layers % (pp * v):
+                raise ConfigError(
+                    f"model.num_layers={m.num_layers} cannot be split into parallel.pipeline_model_parallel_size={pp}"
+                    f" x parallel.virtual_pipeline_model_parallel_size={v} = {pp * v} equal chunks. Use a number of "
+                    f"layers divisible by {pp * v}, or another virtual pipeline size."
+                )
         if p.sequence_parallel and tp < 2:
             raise ConfigError(
                 f"parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size >= 2 (it is {tp}): the "
@@ -336,6 +352,14 @@ class TrainConfig:
                 f"data.global_batch_size={d.global_batch_size} must be a positive multiple of "
                 f"data.micro_batch_size={d.micro_batch_size} x data-parallel size {dp} (trainer.devices / "
                 "(TP * PP)). Change data.global_batch_size or data.micro_batch_size."
+            )
+        v, pp = self.parallel.virtual_pipeline_model_parallel_size, self.parallel.pipeline_model_parallel_size
+        if v is not None and v > 1 and self.num_microbatches % pp:
+            raise ConfigError(
+                f"parallel.virtual_pipeline_model_parallel_size={v}: the interleaved schedule needs a number of "
+                f"microbatches (data.global_batch_size / (data.micro_batch_size x DP) = {self.num_microbatches}) "
+                f"that is a multiple of parallel.pipeline_model_parallel_size={pp} (megatron's rule). Change "
+                "data.global_batch_size."
             )
         explicit = self.parallel.num_microbatches
         if explicit is not None and explicit != self.num_microbatches:

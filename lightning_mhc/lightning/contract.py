@@ -13,6 +13,11 @@ megatron-style:
 Its ``training_step`` / ``validation_step`` call
 ``self.trainer.strategy.forward_backward(self, batch[, forward_only=True])``,
 which splits the batch into microbatches and runs the schedule.
+
+With a virtual pipeline (``virtual_pipeline_model_parallel_size = v``) the module
+builds ``v`` chunks and adds ``model_chunks()`` (the chunk modules, in order);
+``set_input_tensor`` and ``forward_step`` then take the chunk's index as
+``chunk=``. ``MHCGPTModule`` implements both forms.
 """
 from __future__ import annotations
 
@@ -57,3 +62,23 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
         tree_unflatten([c[i] if c is not None else leaf for c, leaf in zip(chunks, leaves)], spec)
         for i in range(num_microbatches)
     ]
+
+
+def has_model_chunks(module: Any) -> bool:
+    return callable(getattr(module, "model_chunks", None))
+
+
+class ModuleChunk:
+    """Chunk ``index`` of a pipelined LightningModule, as the interleaved schedule sees it."""
+
+    def __init__(self, module: Any, index: int) -> None:
+        self.module, self.index = module, index
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        self.module.set_input_tensor(tensor, chunk=self.index)
+
+    def parameters(self):
+        return self.module.model_chunks()[self.index].parameters()
+
+    def forward_step(self, microbatch: Any) -> torch.Tensor:
+        return self.module.forward_step(microbatch, chunk=self.index)

@@ -21,7 +21,7 @@ from lightning_mhc.model.config import (
 )
 from lightning_mhc.model.config_dict import is_plain, model_config_from_dict, model_config_to_dict
 from lightning_mhc.model.gpt import GPTModel, gpt_forward_step, gpt_loss_func
-from lightning_mhc.parallel.stages import build_gpt_stage
+from lightning_mhc.parallel.stages import build_gpt_chunks
 from lightning_mhc.parallel.state import ParallelLayout, current_layout
 from lightning_mhc.recompute.policy import configure_recompute
 
@@ -93,7 +93,8 @@ class MHCGPTModule(pl.LightningModule):
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.recompute_policy = recompute_policy
         self.recompute_kwargs: dict[str, Any] = {}
-        self.model: GPTModel | None = None
+        self.model: GPTModel | torch.nn.ModuleList | None = None
+        """This rank's stage (a ModuleList of its chunks with a virtual pipeline; see model_chunks)."""
         self._step_started: float | None = None
         self._val_losses: list[float] = []
         self.val_history: list[tuple[int, float]] = []
@@ -107,11 +108,18 @@ class MHCGPTModule(pl.LightningModule):
             return
         config = configure_recompute(self.model_config, self.recompute_policy, **self.recompute_kwargs)
         layout = self._layout()
+        v = layout.virtual_pipeline_model_parallel_size
         config = with_parallel_layout(
             config, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
             requested=self._requested_layout, sequence_parallel=layout.sequence_parallel,
+            virtual_pipeline_model_parallel_size=v if v > 1 else None,
         )
-        self.model = build_gpt_stage(config, layout)
+        chunks = build_gpt_chunks(config, layout)
+        self.model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+
+    def model_chunks(self) -> list[GPTModel]:
+        """This rank's model chunks: its stage, or its virtual-pipeline chunks in order."""
+        return list(self.model) if isinstance(self.model, torch.nn.ModuleList) else [self.model]
 
     def _layout(self) -> ParallelLayout:
         """The strategy's layout (megatron's current groups without one)."""
@@ -120,18 +128,18 @@ class MHCGPTModule(pl.LightningModule):
 
 
     # ------------------------------------------------- pipeline contract
-    def set_input_tensor(self, tensor: Tensor | None) -> None:
-        self.model.set_input_tensor(tensor)
+    def set_input_tensor(self, tensor: Tensor | None, chunk: int = 0) -> None:
+        self.model_chunks()[chunk].set_input_tensor(tensor)
 
-    def forward_step(self, microbatch: dict) -> Tensor:
-        return gpt_forward_step(self.model, microbatch)
+    def forward_step(self, microbatch: dict, chunk: int = 0) -> Tensor:
+        return gpt_forward_step(self.model_chunks()[chunk], microbatch)
 
     def loss_func(self, per_token_loss: Tensor, microbatch: dict) -> Tensor:
         return gpt_loss_func(per_token_loss, microbatch)
 
     def pipeline_tensor_shape(self, microbatch: dict) -> tuple[int, ...]:
         batch, seq = microbatch["tokens"].shape
-        return self.model.pipeline_tensor_shape(batch, seq)
+        return self.model_chunks()[0].pipeline_tensor_shape(batch, seq)
 
     # ------------------------------------------------------------- steps
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:

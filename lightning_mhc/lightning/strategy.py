@@ -42,7 +42,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.lightning import sharded_checkpoint
-from lightning_mhc.lightning.contract import is_pipeline_module, split_microbatches
+from lightning_mhc.lightning.contract import ModuleChunk, has_model_chunks, is_pipeline_module, split_microbatches
 from lightning_mhc.lightning.launcher import MHCSubprocessLauncher, watch_launcher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.lightning.resumable_loader import ResumableLoader
@@ -65,6 +65,10 @@ class MHCParallelStrategy(ParallelStrategy):
         sequence_parallel: with TP > 1, run the residual stream, norms, hyper-connections and
             bias-dropout-add on ``s / TP`` tokens per TP rank (the stream-shaped activations
             divide by TP); the sequence length must divide by TP.
+        virtual_pipeline_model_parallel_size: ``v`` model chunks per pipeline stage, run by the
+            interleaved 1F1B schedule (bubble ``(p - 1) / (v m)`` instead of ``(p - 1) / m``); needs
+            PP >= 2, layers divisible by ``PP * v`` and a number of microbatches that is a multiple
+            of PP (megatron's rule). The module implements ``model_chunks`` (``MHCGPTModule`` does).
         num_microbatches: microbatches per training step of a pipelined module
             (default: the PP size); the per-rank batch must divide by it.
         deallocate_pipeline_outputs: shrink sent stage outputs to one element (seed 004).
@@ -90,6 +94,7 @@ class MHCParallelStrategy(ParallelStrategy):
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
         sequence_parallel: bool = False,
+        virtual_pipeline_model_parallel_size: int | None = None,
         num_microbatches: int | None = None,
         deallocate_pipeline_outputs: bool = True,
         process_group_backend: str | None = None,
@@ -112,6 +117,10 @@ class MHCParallelStrategy(ParallelStrategy):
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.pipeline_model_parallel_size = pipeline_model_parallel_size
         self.sequence_parallel = bool(sequence_parallel)
+        vp = virtual_pipeline_model_parallel_size
+        if vp is not None and (isinstance(vp, bool) or not isinstance(vp, int) or vp < 1):
+            raise ConfigError(f"virtual_pipeline_model_parallel_size={vp!r}: must be a positive integer (or None).")
+        self.virtual_pipeline_model_parallel_size = vp if vp and vp > 1 else None
         self._num_microbatches = num_microbatches
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
         self._process_group_backend = process_group_backend
@@ -191,7 +200,13 @@ class MHCParallelStrategy(ParallelStrategy):
                 "MHCParallelStrategy() with TP = PP = 1, or subclass MHCGPTModule."
             )
         check_layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
-                     sequence_parallel=self.sequence_parallel)
+                     self.virtual_pipeline_model_parallel_size, self.sequence_parallel)
+        if self.virtual_pipeline_model_parallel_size and module is not None and not has_model_chunks(module):
+            raise ConfigError(
+                f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs a module "
+                f"with model_chunks() (see MHCGPTModule); {type(module).__name__} has none. Drop the virtual "
+                "pipeline or implement the chunked contract (lightning_mhc/lightning/contract.py)."
+            )
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         watch_launcher()
@@ -205,6 +220,7 @@ class MHCParallelStrategy(ParallelStrategy):
         self.layout = initialize_parallel(
             self.tensor_model_parallel_size, self.pipeline_model_parallel_size, timeout=self._timeout,
             sequence_parallel=self.sequence_parallel,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
         )
         model_parallel_manual_seed(self.seed, self.layout)
 
@@ -349,8 +365,9 @@ class MHCParallelStrategy(ParallelStrategy):
             peak = max(peak, meter.live_bytes(extra=held))
 
         with meter if measure else contextlib.nullcontext():
+            chunked = self.layout.virtual_pipeline_model_parallel_size > 1
             result = forward_backward_pipelining(
-                module,
+                [ModuleChunk(module, i) for i in range(len(module.model_chunks()))] if chunked else module,
                 microbatches,
                 lambda mod, mb: mod.forward_step(mb),
                 loss_func,

@@ -1,7 +1,7 @@
 """Lightning runs of MHCGPTModule for the strategy tests (launched as a script: Lightning's
 subprocess launcher re-runs it once per extra device).
 
-    python fit_gpt.py --devices 4 --tp 2 --pp 2 --scenario equivalence --out losses.json
+    python fit_gpt.py --devices 4 --tp 2 --pp 2 [--sp] [--vp 2] --scenario equivalence --out losses.json
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_
         enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=1.0,
         strategy=MHCParallelStrategy(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                     sequence_parallel=args.sp, virtual_pipeline_model_parallel_size=args.vp,
                                      timeout=datetime.timedelta(seconds=args.timeout)),
         callbacks=callbacks,
     )
@@ -71,6 +72,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--vp", type=int, default=None, help="virtual pipeline chunks per stage")
     parser.add_argument("--policy", default="mhc_block")
     parser.add_argument("--scenario", choices=["equivalence", "resume", "fail"], required=True)
     parser.add_argument("--out", type=pathlib.Path)
