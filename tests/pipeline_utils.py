@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from lightning_mhc.model.config import with_parallel_layout
 from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
+from lightning_mhc.parallel.grad_overlap import OverlappedGradReduction
 from lightning_mhc.parallel.grads import DEFAULT_BUCKET_BYTES, finalize_model_grads, global_grad_norm
 from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
 from lightning_mhc.parallel.schedule import forward_backward_pipelining
@@ -28,6 +29,7 @@ def train_layout(
     dropout: float = 0.0, deallocate: bool = True, global_rows: int | None = None,
     reference: bool = False, probe=None, config_overrides: dict | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES, sequence_parallel: bool = False, virtual: int = 1,
+    overlap: bool = False,
 ) -> dict:
     """3 SGD steps of the tiny model; returns per-step losses and full weights by global name
     (gathered over TP and PP, on every rank). ``reference``: a single-process run (world of
@@ -50,7 +52,8 @@ def train_layout(
     rows = global_rows or dp * microbatches * MICRO_BATCH
     per_rank = rows // dp
     mb_rows = per_rank if reference else MICRO_BATCH
-    losses, grad_norms = [], []
+    losses, grad_norms, overlapped = [], [], []
+    reducer = OverlappedGradReduction(chunks, layout, bucket_bytes) if overlap else None
     for step in range(steps):
         data = global_batch(step, rows)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         mbs = [
@@ -61,9 +64,12 @@ def train_layout(
             chunks, mbs, gpt_forward_step, gpt_loss_func, layout=layout,
             tensor_shape=chunks[0].pipeline_tensor_shape(mb_rows, SEQ),
             deallocate_pipeline_outputs=deallocate, probe=probe,
+            on_last_backward=reducer.start if reducer is not None else None,
         )
+        if reducer is not None:
+            overlapped.append(reducer.overlapped)
         if not reference:
-            finalize_model_grads(chunks, layout, bucket_bytes)
+            finalize_model_grads(chunks, layout, bucket_bytes, overlapped=reducer)
         grad_norms.append(global_grad_norm(params, layout))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -93,6 +99,9 @@ def train_layout(
         dist.all_gather_object(gathered, weights)
         merged = {k: v for part in gathered for k, v in part.items()}
     recomputes = [m.recompute_count for chunk_managers in managers for m in chunk_managers]
+    if reducer is not None:
+        reducer.remove()
     destroy_parallel()
     clear_parallel_seed()
-    return dict(losses=losses, grad_norms=grad_norms, eval_loss=eval_loss, weights=merged, recomputes=recomputes, layout=layout)
+    return dict(losses=losses, grad_norms=grad_norms, eval_loss=eval_loss, weights=merged, recomputes=recomputes,
+                layout=layout, overlapped=overlapped)

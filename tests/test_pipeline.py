@@ -104,8 +104,27 @@ def _sequence_parallel_memory(rank: int, world: int) -> dict:
     return result
 
 
+OVERLAP_LAYOUTS = {2: [(1, 1, 2)], 4: [(1, 2, 2, V2)], 8: []}
+
+
+def _overlapped_reduction(rank: int, world: int) -> dict:
+    """DP all-reduce started by hooks during the last backward (4 KiB buckets, so there are
+    many) against the reduction after backward: same losses, norms and weights, bit for bit."""
+    out = {}
+    for tp, pp, dp, *features in OVERLAP_LAYOUTS[world]:
+        m = 2 * pp
+        runs = [train_layout(tp, pp, m, "mhc_block", bucket_bytes=4096, overlap=overlap, **_features(features))
+                for overlap in (False, True)]
+        out[(tp, pp, dp, *features)] = dict(
+            equal=runs[0]["losses"] == runs[1]["losses"] and runs[0]["grad_norms"] == runs[1]["grad_norms"]
+            and all(torch.equal(runs[0]["weights"][k], runs[1]["weights"][k]) for k in runs[0]["weights"]),
+            overlapped=runs[1]["overlapped"])
+    return out
+
+
 def _run_group(rank: int, world: int) -> dict:
-    results = dict(equivalence=_equivalence(rank, world), dropout=_dropout_recompute(rank, world))
+    results = dict(equivalence=_equivalence(rank, world), dropout=_dropout_recompute(rank, world),
+                   overlap=_overlapped_reduction(rank, world))
     if world == 2:
         results["sp_memory"] = _sequence_parallel_memory(rank, world)
     if world == 4:
@@ -207,6 +226,15 @@ def test_recompute_bit_exact_with_dropout_under_pipeline(world):
     for layout, case in results["dropout"].items():
         assert case["losses_equal"] and case["weights_equal"], layout
         assert len(set(case["losses"])) == len(case["losses"])
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"world{w}")
+def test_overlapped_gradient_reduction_equals_reduction_after_backward(world):
+    cases = _group(world)["overlap"]
+    assert len(cases) == len(OVERLAP_LAYOUTS[world])
+    for layout, case in cases.items():
+        assert case["equal"], layout
+        assert all(count > 0 for count in case["overlapped"]), (layout, case["overlapped"])  # started in backward
 
 
 def test_deallocation_frees_in_flight_outputs():

@@ -12,8 +12,10 @@
   1F1B schedule inside its ``training_step`` through :meth:`forward_backward`;
   Lightning's backward and zero_grad are then skipped (gradients are zeroed
   after each optimizer step); any other module trains as data parallel;
-- after the backward, gradients are averaged over DP (and the tied embedding
-  reduced across stages); ``gradient_clip_val`` clips by the global norm;
+- gradients are averaged over DP (bucket by bucket during the last backward when
+  ``overlap_grad_reduce``, else after it), summed over TP for sequence-parallel
+  parameters, and the tied embedding reduced across stages; ``gradient_clip_val``
+  clips by the global norm;
 - checkpoints are sharded directories (``sharded_checkpoint.py``).
 """
 from __future__ import annotations
@@ -46,6 +48,7 @@ from lightning_mhc.lightning.contract import ModuleChunk, has_model_chunks, is_p
 from lightning_mhc.lightning.launcher import MHCSubprocessLauncher, watch_launcher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.lightning.resumable_loader import ResumableLoader
+from lightning_mhc.parallel.grad_overlap import OverlappedGradReduction
 from lightning_mhc.parallel.grads import clip_grad_norm_, finalize_model_grads, global_grad_norm
 from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
 from lightning_mhc.parallel.schedule import forward_backward_pipelining
@@ -76,6 +79,10 @@ class MHCParallelStrategy(ParallelStrategy):
         timeout: deadline of every collective and point-to-point wait.
         seed: base seed of the parallel randomizer (dropout streams per dimension).
         gradient_bucket_bytes: size of a DP all-reduce bucket.
+        overlap_grad_reduce: with DP > 1, start each bucket's DP all-reduce during the last
+            microbatch's backward, as soon as its gradients are final (megatron's
+            ``overlap_grad_reduce``; the same numbers as reducing after backward). Pipelined
+            modules without gradient accumulation; otherwise the reduction follows backward.
         raise_on_nonfinite_loss: stop at a NaN/inf loss or gradient norm with ``FloatingPointError``
             naming the step (the default; also when ``Trainer(detect_anomaly=True)``); False: warn and
             skip that optimizer step, so the weights (and checkpoints) never become NaN.
@@ -101,6 +108,7 @@ class MHCParallelStrategy(ParallelStrategy):
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
         seed: int = 1234,
         gradient_bucket_bytes: int = 25 * 2**20,
+        overlap_grad_reduce: bool = True,
         raise_on_nonfinite_loss: bool = True,
         save_on_preemption: bool = True,
         preemption_grace_s: float = 25.0,
@@ -127,6 +135,9 @@ class MHCParallelStrategy(ParallelStrategy):
         self._timeout = timeout
         self.seed = seed
         self.gradient_bucket_bytes = gradient_bucket_bytes
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self._grad_reduction: OverlappedGradReduction | None = None
+        self._overlapped_this_step = False
         self.raise_on_nonfinite_loss = raise_on_nonfinite_loss
         self.save_on_preemption = save_on_preemption
         self.preemption = PreemptionState(preemption_grace_s)
@@ -377,6 +388,7 @@ class MHCParallelStrategy(ParallelStrategy):
                 forward_only=forward_only,
                 timeout=self._timeout,
                 probe=probe if measure else None,
+                on_last_backward=self._overlap(module, forward_only, accumulate),
             )
         if measure:
             self.activation_bytes = int(self._max_over_ranks(peak))
@@ -384,6 +396,17 @@ class MHCParallelStrategy(ParallelStrategy):
         if not forward_only:
             self._check_finite(loss, module)
         return loss
+
+    def _overlap(self, module: pl.LightningModule, forward_only: bool, accumulate: int):
+        """The schedule's hook that starts the overlapped DP reduction, or None (see
+        ``overlap_grad_reduce``)."""
+        if forward_only or accumulate > 1 or not self.overlap_grad_reduce or self.layout.data_parallel_size == 1:
+            return None
+        if self._grad_reduction is None:
+            chunks = module.model_chunks() if has_model_chunks(module) else [module]
+            self._grad_reduction = OverlappedGradReduction(chunks, self.layout, self.gradient_bucket_bytes)
+        self._overlapped_this_step = True
+        return self._grad_reduction.start
 
     def _max_over_ranks(self, value: float) -> float:
         tensor = torch.tensor(float(value), dtype=torch.float64, device=self.root_device)
@@ -417,7 +440,9 @@ class MHCParallelStrategy(ParallelStrategy):
         """DP average + tied-embedding reduction; global-norm clipping (Lightning's own clipping
         that follows sees a local norm no larger than the clipped global one and does nothing)."""
         module = self.lightning_module
-        finalize_model_grads(module, self.layout, self.gradient_bucket_bytes)
+        overlapped = self._grad_reduction if self._overlapped_this_step else None
+        self._overlapped_this_step = False
+        finalize_model_grads(module, self.layout, self.gradient_bucket_bytes, overlapped=overlapped)
         params = [p for p in module.parameters() if p.grad is not None]
         trainer = module.trainer
         clip = trainer.gradient_clip_val
@@ -471,6 +496,9 @@ class MHCParallelStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------ teardown
     def teardown(self) -> None:
+        if self._grad_reduction is not None:
+            self._grad_reduction.remove()
+            self._grad_reduction = None
         super().teardown()
         destroy_parallel()
         clear_parallel_seed()

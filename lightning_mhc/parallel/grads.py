@@ -24,8 +24,8 @@ from lightning_mhc.parallel.state import ParallelLayout
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
-def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
-    """Consecutive same-dtype gradients, up to ``bucket_bytes`` per bucket."""
+def buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
+    """Consecutive same-dtype gradients (or parameters), up to ``bucket_bytes`` per bucket."""
     bucket: list[torch.Tensor] = []
     size = 0
     for grad in grads:
@@ -43,7 +43,7 @@ def _allreduce_flat(grads: list[torch.Tensor], group, bucket_bytes: int, average
     """All-reduce ``grads`` in buckets over ``group``; returns the number of buckets."""
     world = dist.get_world_size(group)
     count = 0
-    for bucket in _buckets(grads, bucket_bytes):
+    for bucket in buckets(grads, bucket_bytes):
         flat = _flatten_dense_tensors(bucket)
         dist.all_reduce(flat, group=group)
         if average:
@@ -102,12 +102,17 @@ def allreduce_embedding_grads(params: Iterable[torch.nn.Parameter], layout: Para
 
 
 def finalize_model_grads(models: torch.nn.Module | Iterable[torch.nn.Module], layout: ParallelLayout,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlapped=None) -> None:
     """Everything between the last backward and the optimizer step (megatron's name), for one
-    module or a rank's model chunks."""
+    module or a rank's model chunks: the DP average (``overlapped``: the
+    ``OverlappedGradReduction`` that started it during backward, finished here), then the TP
+    sum of sequence-parallel parameters, then the tied embedding."""
     params = _parameters(models)
+    if overlapped is not None:
+        overlapped.finish()
+    else:
+        allreduce_data_parallel_grads(params, layout, bucket_bytes)
     allreduce_sequence_parallel_grads(params, layout, bucket_bytes)
-    allreduce_data_parallel_grads(params, layout, bucket_bytes)
     allreduce_embedding_grads(params, layout)
 
 

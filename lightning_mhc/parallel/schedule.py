@@ -103,6 +103,7 @@ def forward_backward_pipelining(
     forward_only: bool = False,
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     probe: Callable[[list[Tensor]], None] | None = None,
+    on_last_backward: Callable[[int], None] | None = None,
 ) -> ScheduleResult:
     """Run forward (and backward) of every microbatch through this rank's stage; given a list
     of two or more model chunks, the interleaved schedule (``schedule_interleaved``) runs.
@@ -110,7 +111,9 @@ def forward_backward_pipelining(
     Gradients accumulate into ``.grad`` (each microbatch's loss is scaled by
     ``1/m``); reduce them across DP afterwards (``parallel.grads``).
     ``probe(tensors)``, when given, is called after every forward with the
-    tensors the schedule holds for pending backwards.
+    tensors the schedule holds for pending backwards. ``on_last_backward(chunk)`` is
+    called right before each model chunk's last backward of the step (megatron's
+    grad-sync point: an overlapped DP reduction starts there).
     """
     m = len(microbatches)
     if m < 1:
@@ -122,7 +125,7 @@ def forward_backward_pipelining(
             return forward_backward_pipelining_with_interleaving(
                 model, microbatches, forward_step, loss_func, layout=layout, tensor_shape=tensor_shape,
                 dtype=dtype, deallocate_pipeline_outputs=deallocate_pipeline_outputs, forward_only=forward_only,
-                timeout=timeout, probe=probe,
+                timeout=timeout, probe=probe, on_last_backward=on_last_backward,
             )
         model = model[0]
     device = next(model.parameters()).device
@@ -131,6 +134,14 @@ def forward_backward_pipelining(
     deallocate = deallocate_pipeline_outputs and not p2p.is_last
     total_loss: Tensor | None = None
     in_flight = _InFlight()
+    backwards = 0
+
+    def backward(input_tensor: Tensor | None, output: Tensor, output_grad: Tensor | None) -> Tensor | None:
+        nonlocal backwards
+        backwards += 1
+        if backwards == m and on_last_backward is not None:
+            on_last_backward(0)
+        return backward_step(input_tensor, output, output_grad, deallocate)
 
     def forward(index: int, input_tensor: Tensor | None) -> Tensor:
         nonlocal total_loss
@@ -170,7 +181,7 @@ def forward_backward_pipelining(
         if probe is not None:
             probe(in_flight.tensors())
         oldest_input, oldest_output = in_flight.pop()
-        input_grad = backward_step(oldest_input, oldest_output, output_grad, deallocate)
+        input_grad = backward(oldest_input, oldest_output, output_grad)
         if last_iteration:
             input_tensor = None
             p2p.send_backward(input_grad)
@@ -180,6 +191,6 @@ def forward_backward_pipelining(
     for _ in range(num_warmup):
         oldest_input, oldest_output = in_flight.pop()
         output_grad = p2p.recv_backward()
-        p2p.send_backward(backward_step(oldest_input, oldest_output, output_grad, deallocate))
+        p2p.send_backward(backward(oldest_input, oldest_output, output_grad))
 
     return ScheduleResult(reduce_loss(total_loss, m, device, layout), m)

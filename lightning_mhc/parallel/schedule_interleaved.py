@@ -80,6 +80,7 @@ def forward_backward_pipelining_with_interleaving(
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     probe: Callable[[list[Tensor]], None] | None = None,
     microbatch_group_size: int | None = None,
+    on_last_backward: Callable[[int], None] | None = None,
 ) -> ScheduleResult:
     """Run every microbatch through this rank's ``chunks`` (``forward_step(chunk, microbatch)``).
 
@@ -152,6 +153,8 @@ def forward_backward_pipelining_with_interleaving(
         chunk = chunk_id(k, False)
         if is_last(chunk) and not output_grads[chunk]:
             output_grads[chunk].append(None)
+        if on_last_backward is not None and table[k][0] == m - 1:  # the chunk's last microbatch
+            on_last_backward(chunk)
         input_grad = backward_step(inputs[chunk].pop(0), outputs[chunk].pop(0), output_grads[chunk].pop(0),
                                    deallocate_pipeline_outputs)
         return None if is_first(chunk) else input_grad
