@@ -27,6 +27,8 @@ COMPANIONS = {
     ("parallel", "pp2"): ["trainer.devices=2"],
     ("parallel", "tp2pp2"): ["trainer.devices=4"],
     ("parallel", "pp4"): ["trainer.devices=4"],
+    ("parallel", "tp2sp"): ["trainer.devices=2"],
+    ("parallel", "pp2v2"): ["trainer.devices=2"],
     ("data", "text"): [f"data.path={ROOT / 'README.md'}"],
     ("model", "gpt_125m"): ["data.seq_length=64"],
 }
