@@ -39,23 +39,24 @@ def all_gather_sequence(x: Tensor) -> Tensor:
     return out
 
 
-def reduce_scatter_sequence(x: Tensor) -> Tensor:
-    """``[s, ...]`` -> this rank's ``[s/TP, ...]`` of the sum over the TP group (no autograd)."""
+def _shards(x: Tensor) -> int:
+    """The TP size, checked to divide the sequence (dim 0) of ``x``."""
     world = dist.get_world_size(_group())
     if x.shape[0] % world:
         raise ConfigError(f"sequence parallelism splits the sequence across {world} tensor-parallel ranks, "
                           f"but it has {x.shape[0]} tokens: make the sequence length a multiple of {world}.")
-    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return world
+
+
+def reduce_scatter_sequence(x: Tensor) -> Tensor:
+    """``[s, ...]`` -> this rank's ``[s/TP, ...]`` of the sum over the TP group (no autograd)."""
+    out = torch.empty((x.shape[0] // _shards(x), *x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, x.contiguous(), group=_group())
     return out
 
 
 def _split(x: Tensor) -> Tensor:
-    world, rank = dist.get_world_size(_group()), dist.get_rank(_group())
-    if x.shape[0] % world:
-        raise ConfigError(f"sequence parallelism splits the sequence across {world} tensor-parallel ranks, "
-                          f"but it has {x.shape[0]} tokens: make the sequence length a multiple of {world}.")
-    return x.chunk(world, dim=0)[rank].contiguous()
+    return x.chunk(_shards(x), dim=0)[dist.get_rank(_group())].contiguous()
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
