@@ -201,6 +201,17 @@ def current_layout(virtual_pipeline_model_parallel_size: int | None = None,
 
 
 def destroy_parallel() -> None:
-    """Tear the model-parallel groups down (the default group stays)."""
+    """Tear the model-parallel groups down (the default group stays).
+
+    megatron's ``destroy_model_parallel`` only forgets its groups; with gloo each group
+    keeps its own threads and sockets, so a process that builds layouts again and again
+    (tests, sweeps in one process) would pile them up. The groups are destroyed here."""
+    groups = {id(g): g for g in vars(parallel_state).values()
+              if isinstance(g, dist.ProcessGroup) and g is not dist.GroupMember.WORLD}
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    for group in groups.values():
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # not registered with c10d (already gone): nothing to free
+            pass
