@@ -126,7 +126,6 @@ class MHCGPTModule(pl.LightningModule):
         layout = getattr(getattr(self._trainer, "strategy", None), "layout", None)
         return layout if layout is not None else current_layout()
 
-
     # ------------------------------------------------- pipeline contract
     def set_input_tensor(self, tensor: Tensor | None, chunk: int = 0) -> None:
         self.model_chunks()[chunk].set_input_tensor(tensor)
