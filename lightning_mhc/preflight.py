@@ -89,12 +89,12 @@ def resolve_ckpt_path(cfg: TrainConfig, output_dir: Path) -> str | None:
     """
     from hydra.utils import to_absolute_path
 
-    from lightning_mhc.lightning import sharded_checkpoint
+    from lightning_mhc.checkpoint import commit, legacy
 
     if cfg.ckpt_path is None:
         return None
     if cfg.ckpt_path == "last":
-        found = sharded_checkpoint.latest_complete(output_dir / "checkpoints")
+        found = commit.latest_complete(output_dir / "checkpoints")
         if found is None:
             print(f"lightning-mhc-train: ckpt_path=last: no complete checkpoint in {output_dir / 'checkpoints'}; "
                   "starting from scratch.", file=sys.stderr)
@@ -103,11 +103,11 @@ def resolve_ckpt_path(cfg: TrainConfig, output_dir: Path) -> str | None:
     else:
         path = Path(to_absolute_path(os.path.expanduser(cfg.ckpt_path)))
     try:
-        meta = sharded_checkpoint.read_metadata(path)
+        meta = commit.read_metadata(path)
     except FileNotFoundError as error:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path}: {error}") from None
     p = cfg.parallel
-    sharded_checkpoint.check_layout_matches(path, meta, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    legacy.check_layout(path, meta, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     return str(path)
 
 

@@ -75,9 +75,9 @@ def _csv_version(output_dir: Path, resumed_step: int | None) -> str:
 
 
 def _checkpoint_step(ckpt_path: str | None) -> int | None:
-    from lightning_mhc.lightning import sharded_checkpoint
+    from lightning_mhc.checkpoint import read_metadata
 
-    return sharded_checkpoint.read_metadata(Path(ckpt_path)).get("global_step") if ckpt_path else None
+    return read_metadata(Path(ckpt_path)).get("global_step") if ckpt_path else None
 
 
 def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = None,

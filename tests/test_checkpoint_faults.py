@@ -1,7 +1,7 @@
-"""Crash-safe sharded checkpoints: a kill -9 at any moment of a save or a removal never leaves a
+"""Crash-safe checkpoints: a kill -9 at any moment of a save or a removal never leaves a
 directory that a resume accepts but cannot load, and the next save cleans what the crash left.
 
-The in-process tests check the protocol functions of ``sharded_checkpoint``; the multi-process
+The in-process tests check the protocol functions of ``lightning_mhc.checkpoint.commit``; the multi-process
 test SIGKILLs real devices=2 Trainer.fit runs at every fault point (``tests/scripts/checkpoint_faults.py``).
 """
 from __future__ import annotations
@@ -17,26 +17,36 @@ import time
 import pytest
 import torch
 
-from lightning_mhc.lightning import sharded_checkpoint as sc
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.checkpoint import commit as sc
+from lightning_mhc.checkpoint import format as cf
 from subprocess_env import child_env
 from train_cli import run_train
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "checkpoint_faults.py"
-ONE_RANK = ParallelLayout(1, 1, 1, 1, 0, 0, 0)
-FILES = {"metadata.json", "model_tp0_pp0.pt", "rng_rank0.pt", "trainer_state.pt"}
+FILES = {"metadata.json", ".metadata", "__0_0.distcp", "rng_rank0.pt", "trainer_state.pt"}
+
+
+class _Weights(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(3))
 
 
 def _checkpoint(step: int) -> dict:
-    return dict(state_dict={"w": torch.full((3,), float(step))}, optimizer_states=[{"step": step}],
-                global_step=step, loops={})
+    return dict(state_dict={"w": torch.full((3,), float(step))}, optimizer_states=[], global_step=step, loops={})
+
+
+def _write(staging: pathlib.Path, step: int) -> None:
+    cf.write(_checkpoint(step), staging, 0)
 
 
 def _save(path: pathlib.Path, step: int) -> None:
     """What MHCParallelStrategy.save_checkpoint does, for one rank."""
-    staging = sc.begin_save(path)
-    sc.write_shards(_checkpoint(step), staging, ONE_RANK, 0)
-    sc.commit(staging, path, ONE_RANK, dict(global_step=step))
+    cf.save(_checkpoint(step), path, None, 0)
+
+
+def _load(path: pathlib.Path) -> dict:
+    return cf.load(path, _Weights(), [], None, 0)
 
 
 def _leftovers(directory: pathlib.Path) -> list[str]:
@@ -47,15 +57,15 @@ def test_save_commits_by_rename_and_replaces_atomically(tmp_path):
     path = tmp_path / "step-1.ckpt"
     staging = sc.begin_save(path)
     assert staging.parent == tmp_path and staging.name.startswith("step-1.ckpt.tmp-") and sc.is_leftover(staging)
-    sc.write_shards(_checkpoint(1), staging, ONE_RANK, 0)
+    _write(staging, 1)
     assert not path.exists() and sc.latest_complete(tmp_path) is None  # nothing visible before the commit
-    sc.commit(staging, path, ONE_RANK, dict(global_step=1))
+    sc.commit(staging, path, dict(global_step=1))
     assert {p.name for p in path.iterdir()} == FILES and not staging.exists()
     meta = sc.read_metadata(path)
-    assert meta["files"] == ["model_tp0_pp0.pt", "rng_rank0.pt", "trainer_state.pt"] and meta["global_step"] == 1
+    assert meta["files"] == [".metadata", "__0_0.distcp", "rng_rank0.pt", "trainer_state.pt"] and meta["global_step"] == 1
     assert meta["file_sizes"] == {name: (path / name).stat().st_size for name in meta["files"]}
     _save(path, 2)  # a replace: the old directory goes to the trash, then is deleted
-    assert sc.read_checkpoint(path, ONE_RANK, 0)["state_dict"]["w"].tolist() == [2.0] * 3
+    assert _load(path)["state_dict"]["w"].tolist() == [2.0] * 3
     assert _leftovers(tmp_path) == [] and {p.name for p in tmp_path.iterdir()} == {"step-1.ckpt"}
 
 
@@ -63,10 +73,10 @@ def test_incomplete_checkpoints_are_refused_naming_the_missing_files(tmp_path):
     """The state a kill during the old in-place removal left: metadata.json without its files."""
     path = tmp_path / "step-1.ckpt"
     _save(path, 1)
-    (path / "model_tp0_pp0.pt").unlink()
+    (path / "__0_0.distcp").unlink()
     (path / "trainer_state.pt").unlink()
-    for call in (lambda: sc.read_metadata(path), lambda: sc.read_checkpoint(path, ONE_RANK, 0)):
-        with pytest.raises(sc.IncompleteCheckpointError, match=r"missing: model_tp0_pp0\.pt, trainer_state\.pt"):
+    for call in (lambda: sc.read_metadata(path), lambda: _load(path)):
+        with pytest.raises(sc.IncompleteCheckpointError, match=r"missing: __0_0\.distcp, trainer_state\.pt"):
             call()
     assert issubclass(sc.IncompleteCheckpointError, FileNotFoundError)  # lightning-mhc-train refuses it (exit 2)
     assert not sc.is_complete(path) and sc.latest_complete(tmp_path) is None
@@ -85,8 +95,8 @@ def test_incomplete_checkpoints_are_refused_naming_the_missing_files(tmp_path):
         sc.read_metadata(garbled)
 
     staging = sc.begin_save(tmp_path / "step-4.ckpt")  # even a complete staging directory is not a checkpoint
-    sc.write_shards(_checkpoint(4), staging, ONE_RANK, 0)
-    sc.write_metadata(staging, ONE_RANK, dict(global_step=4))
+    _write(staging, 4)
+    sc.write_metadata(staging, dict(global_step=4))
     with pytest.raises(sc.IncompleteCheckpointError, match="staging or trash directory"):
         sc.read_metadata(staging)
     assert sc.latest_complete(tmp_path) is None
@@ -100,8 +110,9 @@ def test_latest_complete_skips_staging_trash_and_incomplete(tmp_path):
     (broken / "rng_rank0.pt").unlink()
     for kind in ("tmp", "trash"):  # complete copies of a later step under a staging / trash name
         leftover = tmp_path / f"step-9.ckpt.{kind}-0123456789abcdef"
-        sc.write_shards(_checkpoint(9), leftover, ONE_RANK, 0)
-        sc.write_metadata(leftover, ONE_RANK, dict(global_step=9))
+        leftover.mkdir()
+        _write(leftover, 9)
+        sc.write_metadata(leftover, dict(global_step=9))
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     assert sc.latest_complete(tmp_path) == tmp_path / "step-2.ckpt"
     assert sc.latest_complete(tmp_path / "nothing here") is None
@@ -118,7 +129,7 @@ def test_remove_renames_before_deleting(tmp_path, monkeypatch):
         with pytest.raises(sc.IncompleteCheckpointError, match="staging or trash directory"):
             sc.read_metadata(trash)
 
-    monkeypatch.setattr(sc, "_fault_point", fault_point)
+    monkeypatch.setattr(sc, "fault_point", fault_point)
     sc.remove(path)
     monkeypatch.undo()
     (phase, name, files), = seen
@@ -136,7 +147,8 @@ def test_remove_renames_before_deleting(tmp_path, monkeypatch):
 def test_next_save_cleans_what_crashes_left(tmp_path):
     _save(tmp_path / "step-1.ckpt", 1)
     staging = tmp_path / "step-2.ckpt.tmp-00000000000000aa"  # a save killed before its commit
-    sc.write_shards(_checkpoint(2), staging, ONE_RANK, 0)
+    staging.mkdir()
+    _write(staging, 2)
     trash = tmp_path / "step-0.ckpt.trash-00000000000000bb"  # a removal killed halfway
     trash.mkdir()
     (trash / "metadata.json").write_text("{}")
@@ -163,22 +175,22 @@ def test_fault_hook(monkeypatch):
     monkeypatch.setattr(sc.os, "kill", lambda pid, sig: kills.append((pid, sig)))
     monkeypatch.setattr(sc, "_fault_counts", {})
     monkeypatch.delenv(sc.FAULT_ENV, raising=False)
-    sc._fault_point("before_rename")
+    sc.fault_point("before_rename")
     monkeypatch.setenv(sc.FAULT_ENV, "before_rename@2")
-    sc._fault_point("after_shards")
-    sc._fault_point("before_rename")
+    sc.fault_point("after_shards")
+    sc.fault_point("before_rename")
     assert kills == []
-    sc._fault_point("before_rename")
+    sc.fault_point("before_rename")
     assert kills == [(os.getpid(), signal.SIGKILL)]
 
 
 def test_train_refuses_a_checkpoint_with_missing_files_before_launch(tmp_path):
     broken = tmp_path / "step-000004.ckpt"
     _save(broken, 4)
-    (broken / "model_tp0_pp0.pt").unlink()
+    (broken / "__0_0.distcp").unlink()
     proc = run_train(tmp_path, "trainer=debug", "data=synthetic", f"ckpt_path={broken}", timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "missing: model_tp0_pp0.pt" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "missing: __0_0.distcp" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "outputs").exists()
 
 

@@ -9,8 +9,7 @@ import shutil
 import pytest
 import torch
 
-from lightning_mhc.lightning import sharded_checkpoint
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.checkpoint import commit, legacy
 from train_cli import run_train, train_losses
 
 # 6 steps of the tiny mHC model on synthetic tokens (64 steps per epoch at a global batch of 4)
@@ -87,7 +86,8 @@ def test_bad_checkpoint_paths_are_refused_before_launch(tmp_path):
     (partial / "model_tp0_pp0.pt").write_bytes(b"")
     other_layout = tmp_path / "tp2.ckpt"
     other_layout.mkdir()
-    sharded_checkpoint.write_metadata(other_layout, ParallelLayout(2, 2, 1, 1, 0, 0, 0), dict(global_step=3))
+    commit.write_metadata(other_layout, dict(format=legacy.FORMAT, world_size=2, tensor_model_parallel_size=2,
+                                             pipeline_model_parallel_size=1, data_parallel_size=1, global_step=3))
     earlier_run = tmp_path / "earlier_run"
     earlier_run.mkdir()
     (earlier_run / "metrics.csv").write_text("step,train_loss\n0,5.5\n")

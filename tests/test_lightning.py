@@ -17,7 +17,8 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
-from lightning_mhc.lightning import sharded_checkpoint
+from lightning_mhc.checkpoint import commit, legacy
+from lightning_mhc.checkpoint import format as checkpoint_format
 from lightning_mhc.lightning.contract import split_microbatches
 from lightning_mhc.parallel.state import ParallelLayout
 from subprocess_env import child_env
@@ -68,8 +69,8 @@ def test_resume_mid_epoch_is_exact(tmp_path, devices, tp, pp):
         print(f"Trainer.fit TP={tp} PP={pp}, resumed from {name}: max |loss - uninterrupted| = {diff:.3g}")
         torch.testing.assert_close(torch.tensor(resumed), uninterrupted[step:], rtol=0, atol=1e-6,
                                    msg=lambda m: f"resumed from {name}: {m}")
-    expected = {"metadata.json", "trainer_state.pt"} | {f"rng_rank{r}.pt" for r in range(devices)} | {
-        f"model_tp{t}_pp{p}.pt" for t in range(tp) for p in range(pp)}
+    expected = {"metadata.json", ".metadata", "trainer_state.pt"} | {f"rng_rank{r}.pt" for r in range(devices)} | {
+        f"__{r}_0.distcp" for r in range(devices)}
     assert set(result["checkpoint_files"]) == expected
 
 
@@ -175,12 +176,14 @@ def test_incomplete_or_mismatched_checkpoint(tmp_path):
     (tmp_path / "partial").mkdir()
     (tmp_path / "partial" / "model_tp0_pp0.pt").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="metadata.json is missing"):
-        sharded_checkpoint.read_checkpoint(tmp_path / "partial", layout, 0)
-    done = tmp_path / "done"
+        checkpoint_format.load(tmp_path / "partial", None, [], layout, 0)
+    done = tmp_path / "done"  # the earlier per-(tp, pp) format on another layout: refused, saying how to convert
     done.mkdir()
-    sharded_checkpoint.write_metadata(done, ParallelLayout(2, 1, 2, 1, 0, 0, 0), {})
-    with pytest.raises(ConfigError, match="saved with tensor_model_parallel_size=1, pipeline_model_parallel_size=2"):
-        sharded_checkpoint.read_checkpoint(done, layout, 0)
+    commit.write_metadata(done, dict(format=legacy.FORMAT, world_size=2, tensor_model_parallel_size=1,
+                                     pipeline_model_parallel_size=2, data_parallel_size=1))
+    with pytest.raises(ConfigError, match=r"per-\(tp, pp\) format .* saved with tensor_model_parallel_size=1, "
+                                          r"pipeline_model_parallel_size=2.*To convert it, resume it once on TP=1, PP=2"):
+        checkpoint_format.load(done, None, [], layout, 0)
 
 
 def _fit_in_process(module, precision="32-true", **strategy_kwargs) -> pl.Trainer:

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from lightning_mhc.lightning import sharded_checkpoint
+from lightning_mhc.checkpoint import commit as checkpoint_commit
 from subprocess_env import child_env
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_long.py"
@@ -103,7 +103,7 @@ def test_sigterm_to_every_rank_checkpoints_and_resume_is_exact(tmp_path):
     assert code == 143, run.stderr[-3000:]
     assert elapsed < EXIT_BOUND_S
     (checkpoint,) = list((tmp_path / "ckpt").glob("preempted-step-*.ckpt"))
-    step = sharded_checkpoint.read_metadata(checkpoint)["global_step"]
+    step = checkpoint_commit.read_metadata(checkpoint)["global_step"]
     assert 3 <= step <= 7, step
     resumed = Run(tmp_path, *layout, "--ckpt-dir", str(tmp_path / "resumed"), "--ckpt-path", str(checkpoint),
                   "--stop-at", str(step + 3))
@@ -132,7 +132,7 @@ def test_signal_stops_data_parallel_ranks(tmp_path, sig, target, code):
     assert got == code, run.stderr[-3000:]
     assert elapsed < EXIT_BOUND_S
     (checkpoint,) = list((tmp_path / "ckpt").glob("preempted-step-*.ckpt"))
-    assert sharded_checkpoint.read_metadata(checkpoint)["global_step"] >= 2
+    assert checkpoint_commit.read_metadata(checkpoint)["global_step"] >= 2
 
 
 def test_sigkill_of_one_rank_ends_the_run(tmp_path):
@@ -206,7 +206,7 @@ def test_entry_point_preempted_then_resumed_with_last(tmp_path):
     assert summary["status"] == "preempted" and summary["steps"] >= 3
     checkpoint = pathlib.Path(summary["last_checkpoint"])
     assert checkpoint.name == f"preempted-step-{summary['steps']:06d}.ckpt"
-    assert sharded_checkpoint.latest_complete(run_dir / "checkpoints") == checkpoint
+    assert checkpoint_commit.latest_complete(run_dir / "checkpoints") == checkpoint
     resumed = run_train(tmp_path, *args[:-3], "trainer.limit_val_batches=0",
                         f"trainer.max_steps={summary['steps'] + 2}", f"hydra.run.dir={run_dir}", "ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

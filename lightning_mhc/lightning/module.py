@@ -121,6 +121,19 @@ class MHCGPTModule(pl.LightningModule):
         """This rank's model chunks: its stage, or its virtual-pipeline chunks in order."""
         return list(self.model) if isinstance(self.model, torch.nn.ModuleList) else [self.model]
 
+    def global_parameter_name(self, name: str) -> str:
+        """A state-dict name of this rank's stage as the one-process module names it (the key
+        of checkpoints, which therefore load under any layout): ``model.<chunk>.decoder.layers.<i>``
+        becomes ``model.decoder.layers.<i + the chunk's first layer>``."""
+        prefix = "model."
+        if not name.startswith(prefix) or self.model is None:
+            return name
+        rest = name[len(prefix):]
+        if isinstance(self.model, torch.nn.ModuleList):
+            index, rest = rest.split(".", 1)
+            return prefix + self.model[int(index)].global_parameter_name(rest)
+        return prefix + self.model.global_parameter_name(rest)
+
     def _layout(self) -> ParallelLayout:
         """The strategy's layout (megatron's current groups without one)."""
         layout = getattr(getattr(self._trainer, "strategy", None), "layout", None)

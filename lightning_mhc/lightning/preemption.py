@@ -16,7 +16,7 @@ default). Here, as in torchrun's agent:
    collective with a dead peer, a save is too slow), the watchdog ends the
    process with the same status: the bound does not depend on the collective
    timeout. A checkpoint interrupted that way is never taken for a complete
-   one (see ``sharded_checkpoint``).
+   one (see ``lightning_mhc.checkpoint.commit``).
 
 Under SLURM with ``auto_requeue`` Lightning's requeue convention (checkpoint and
 requeue on the requeue signal) stays in charge of that signal.

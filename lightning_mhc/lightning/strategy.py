@@ -16,7 +16,8 @@
   ``overlap_grad_reduce``, else after it), summed over TP for sequence-parallel
   parameters, and the tied embedding reduced across stages; ``gradient_clip_val``
   clips by the global norm;
-- checkpoints are sharded directories (``sharded_checkpoint.py``).
+- checkpoints are reshardable ``torch.distributed.checkpoint`` directories keyed by global
+  parameter names (``lightning_mhc.checkpoint``): save on one layout, resume on any other.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ from torch import Tensor
 from torch.utils.data import DistributedSampler
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.lightning import sharded_checkpoint
+from lightning_mhc import checkpoint as dist_checkpoint
+from lightning_mhc.checkpoint.sharding import global_namer
 from lightning_mhc.lightning.contract import ModuleChunk, has_model_chunks, is_pipeline_module, split_microbatches
 from lightning_mhc.lightning.launcher import MHCSubprocessLauncher, watch_launcher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
@@ -466,33 +468,37 @@ class MHCParallelStrategy(ParallelStrategy):
 
     # ---------------------------------------------------------- checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.lightning_module.state_dict()
+        """This rank's pieces of the whole model's tensors, by global name (views: no copy)."""
+        return dist_checkpoint.model_state(self.lightning_module, self.layout)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's per-parameter states as pieces of the whole model's (AdamW's moments
+        are resharded like their parameters), and its param-group settings."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's wrapper
+        return dist_checkpoint.optimizer_state(optimizer, self.lightning_module, self.layout)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Crash-safe (``lightning_mhc.checkpoint.commit``): every rank writes its pieces into a
+        staging directory; rank 0 writes ``metadata.json`` last and renames it into place."""
         if storage_options is not None:
             raise TypeError("MHCParallelStrategy.save_checkpoint does not take storage_options")
-        # crash-safe (sharded_checkpoint.py): rank 0 deletes what crashed saves left and makes a
-        # staging directory next to the target; every rank writes into it; rank 0 writes
-        # metadata.json last and renames the directory into place
-        path = Path(self.broadcast(str(filepath)))
-        staging = str(sharded_checkpoint.begin_save(path)) if self.is_global_zero else None
-        staging = Path(self.broadcast(staging))
-        sharded_checkpoint.write_shards(checkpoint, staging, self.layout, self.global_rank)
-        self.barrier()
-        if self.is_global_zero:
-            sharded_checkpoint.commit(staging, path, self.layout, dict(global_step=checkpoint.get("global_step")))
-        self.barrier()
+        _, global_names = global_namer(self.lightning_module, self.layout)
+        dist_checkpoint.save(checkpoint, Path(filepath), self.layout, self.global_rank, global_names=global_names)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint saved on any layout into this rank's stage (and, when fitting, its
+        optimizers' states)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        return sharded_checkpoint.read_checkpoint(path, self.layout, self.global_rank)
+        trainer = self.lightning_module.trainer
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if trainer.state.fn == TrainerFn.FITTING else []
+        return dist_checkpoint.load(path, self.lightning_module, optimizers, self.layout, self.global_rank)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            sharded_checkpoint.remove(Path(filepath))
+            dist_checkpoint.remove(Path(filepath))
 
     # ------------------------------------------------------------ teardown
     def teardown(self) -> None:

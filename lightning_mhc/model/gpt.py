@@ -130,7 +130,10 @@ class GPTModel(torch.nn.Module):
 
     def global_parameter_name(self, local_name: str) -> str:
         """The parameter's name in the whole (unpartitioned) model: local layer indices
-        shifted by this stage's first layer."""
+        shifted by this stage's first layer; a last stage's copy of the tied embedding is the
+        embedding."""
+        if local_name == "output_layer.weight" and self.share_embeddings_and_output_weights:
+            return WORD_EMBEDDINGS_KEY
         prefix = "decoder.layers."
         if local_name.startswith(prefix):
             index, rest = local_name[len(prefix):].split(".", 1)

@@ -7,7 +7,7 @@ sharded checkpoint save or removal, check the checkpoint folder after each kill,
 ``step-<N>.ckpt`` (a new directory), removes the previous step's, and replaces ``last.ckpt``.
 The fault comes from ``LIGHTNING_MHC_CHECKPOINT_FAULT=<phase>[@<n>]`` (the rank SIGKILLs
 itself there; the driver then SIGKILLs the other rank). Each run after the first resumes
-from ``sharded_checkpoint.latest_complete`` of the folder and carries the next fault, so one
+from ``checkpoint_commit.latest_complete`` of the folder and carries the next fault, so one
 launch covers every kill point. This process imports torch and Lightning once and forks the
 two ranks of each run (as torchrun would start them: ``LOCAL_RANK``, ``MASTER_PORT``...).
 
@@ -37,10 +37,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_mhc import MHCGPTModule, MHCParallelStrategy
-from lightning_mhc.lightning import sharded_checkpoint
+from lightning_mhc.checkpoint import commit as checkpoint_commit
+from lightning_mhc.checkpoint import format as checkpoint_format
 from lightning_mhc.lightning.data import SyntheticTokens
 from lightning_mhc.parallel.launch import free_port
-from lightning_mhc.parallel.state import ParallelLayout
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from fit_gpt import model_config  # noqa: E402
@@ -96,9 +96,9 @@ def run_ranks(ckpt_dir: pathlib.Path, ckpt_path: str | None, fault: str | None, 
                 os.dup2(fd, 1), os.dup2(fd, 2)
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(DEVICES),
                                   NODE_RANK="0", LOCAL_RANK=str(rank))
-                os.environ.pop(sharded_checkpoint.FAULT_ENV, None)
+                os.environ.pop(checkpoint_commit.FAULT_ENV, None)
                 if fault:
-                    os.environ[sharded_checkpoint.FAULT_ENV] = fault
+                    os.environ[checkpoint_commit.FAULT_ENV] = fault
                 fit(ckpt_dir, ckpt_path, max_steps, record)
                 code = 0
             except BaseException:
@@ -135,27 +135,25 @@ def inspect(ckpt_dir: pathlib.Path) -> dict:
     entries = {}
     for path in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:
         try:
-            meta = sharded_checkpoint.read_metadata(path)
+            meta = checkpoint_commit.read_metadata(path)
         except FileNotFoundError as error:
             entries[path.name] = dict(refused=str(error), type=type(error).__name__)
             continue
-        try:
-            for rank in range(meta["world_size"]):
-                layout = ParallelLayout(meta["world_size"], 1, 1, meta["data_parallel_size"], 0, 0, rank)
-                checkpoint = sharded_checkpoint.read_checkpoint(path, layout, rank)
-                assert "state_dict" in checkpoint and "optimizer_states" in checkpoint and "loops" in checkpoint
+        try:  # every tensor whole, and rank 0's state
+            assert checkpoint_format.read_tensors(path) and checkpoint_format.read_tensors(path, "optimizer_states.")
+            assert "loops" in checkpoint_format.read_trainer_state(path)
             entries[path.name] = dict(loaded=True, global_step=meta.get("global_step"))
         except BaseException as error:  # accepted but cannot be loaded: what must never happen
             entries[path.name] = dict(load_error=f"{type(error).__name__}: {error}")
-    latest = sharded_checkpoint.latest_complete(ckpt_dir)
+    latest = checkpoint_commit.latest_complete(ckpt_dir)
     return dict(entries=entries, latest=latest.name if latest else None,
-                latest_step=sharded_checkpoint.read_metadata(latest).get("global_step") if latest else None)
+                latest_step=checkpoint_commit.read_metadata(latest).get("global_step") if latest else None)
 
 
 def launch(args) -> dict:
     """One fit under Lightning's launcher (rank 1 re-runs this script), killed at ``args.launch_fault``."""
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to us
-    env = dict(os.environ, **{sharded_checkpoint.FAULT_ENV: args.launch_fault})
+    env = dict(os.environ, **{checkpoint_commit.FAULT_ENV: args.launch_fault})
     start = time.monotonic()
     with open(args.workdir / "launch.log", "w") as log:
         proc = subprocess.Popen([sys.executable, __file__, "--workdir", str(args.workdir), "--launch"], env=env,
@@ -184,9 +182,9 @@ def chain(args) -> dict:
     print(json.dumps(runs[0]), flush=True)
     faults = [f for f in args.faults.split(",") if f] + [None]
     for i, fault in enumerate(faults):
-        latest = sharded_checkpoint.latest_complete(ckpt_dir)
+        latest = checkpoint_commit.latest_complete(ckpt_dir)
         record = args.workdir / f"run{i}.json"
-        max_steps = (sharded_checkpoint.read_metadata(latest)["global_step"] if latest else 0) + 3
+        max_steps = (checkpoint_commit.read_metadata(latest)["global_step"] if latest else 0) + 3
         start = time.monotonic()
         ended = run_ranks(ckpt_dir, str(latest) if latest else None, fault, max_steps, record,
                           args.workdir / f"run{i}")

@@ -42,8 +42,9 @@ def model_config(dropout: float) -> dict:
 
 
 def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_path: str | None = None,
-        module_cls=MHCGPTModule, every_n_train_steps: int = STEPS_PER_EPOCH) -> list[float]:
-    dp = args.devices // (args.tp * args.pp)
+        module_cls=MHCGPTModule, every_n_train_steps: int = STEPS_PER_EPOCH, layout: dict | None = None) -> list[float]:
+    layout = layout or dict(tp=args.tp, pp=args.pp, sp=args.sp, vp=args.vp)
+    dp = args.devices // (layout["tp"] * layout["pp"])
     loader = DataLoader(SyntheticTokens(STEPS_PER_EPOCH * GLOBAL_BATCH, SEQ), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True)
     recorder = LossRecorder()
@@ -57,8 +58,8 @@ def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_
         accelerator="cpu", devices=args.devices, max_steps=max_steps, logger=False,
         enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=1.0,
-        strategy=MHCParallelStrategy(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                     sequence_parallel=args.sp, virtual_pipeline_model_parallel_size=args.vp,
+        strategy=MHCParallelStrategy(tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
+                                     sequence_parallel=layout["sp"], virtual_pipeline_model_parallel_size=layout["vp"],
                                      timeout=datetime.timedelta(seconds=args.timeout)),
         callbacks=callbacks,
     )
@@ -75,7 +76,8 @@ def main() -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--vp", type=int, default=None, help="virtual pipeline chunks per stage")
     parser.add_argument("--policy", default="mhc_block")
-    parser.add_argument("--scenario", choices=["equivalence", "resume", "fail"], required=True)
+    parser.add_argument("--scenario", choices=["equivalence", "resume", "reshard", "fail"], required=True)
+    parser.add_argument("--ckpt", type=pathlib.Path, help="reshard: the checkpoint to continue from (else: save one)")
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--timeout", type=float, default=120)
     args = parser.parse_args()
@@ -94,6 +96,22 @@ def main() -> None:
         result["resumed"] = {}
         for step in (2, 4, 6, "epoch_end_3"):
             result["resumed"][step], trainer = fit(args, 7, dropout=0.1, ckpt_path=str(saved[step]))
+    elif args.scenario == "reshard":
+        # without --ckpt: 5 steps on TP 2 x PP 2 (4 devices) with a checkpoint at step 2 (mid-epoch),
+        # then continue from it on TP 2 x PP 2, PP 2 x DP 2 and PP 4; with --ckpt: continue from it
+        # on --tp/--pp (steps 3 to 5)
+        layouts = {"tp2_pp2": dict(tp=2, pp=2, sp=False, vp=None), "pp2_dp2": dict(tp=1, pp=2, sp=False, vp=None),
+                   "pp4": dict(tp=1, pp=4, sp=False, vp=None)}
+        if args.ckpt is None:
+            ckpt_dir = args.out.parent / "ckpt"
+            result["uninterrupted"], trainer = fit(args, 5, dropout=0.0, ckpt_dir=str(ckpt_dir), every_n_train_steps=2,
+                                                   layout=layouts["tp2_pp2"])
+            result["checkpoint"] = str(next(ckpt_dir.glob("*step=2.ckpt")))
+            result["checkpoint_files"] = sorted(p.name for p in pathlib.Path(result["checkpoint"]).iterdir())
+            for name, layout in layouts.items():
+                result[name], trainer = fit(args, 5, dropout=0.0, ckpt_path=result["checkpoint"], layout=layout)
+        else:
+            result["continued"], trainer = fit(args, 5, dropout=0.0, ckpt_path=str(args.ckpt))
     else:
         result["losses"], trainer = fit(args, 6, dropout=0.0, module_cls=FailingModule)
     if trainer.global_rank == 0 and args.out:

@@ -1,15 +1,13 @@
-"""Sharded checkpoints: a directory with one shard per model-parallel rank.
+"""The commit protocol of a checkpoint directory: visible only once complete.
 
-    <dir>/model_tp{t}_pp{p}.pt   model + optimizer states of that shard (written by DP rank 0)
-    <dir>/rng_rank{r}.pt         every rank's RNG states (CPU, CUDA, parallel randomizer)
-    <dir>/trainer_state.pt       loops, callbacks, schedulers, step counters (rank 0)
-    <dir>/metadata.json          layout, file list and sizes, written last and atomically
+A checkpoint is a directory that many ranks write files into (``format.py`` says which);
+``metadata.json``, written last by rank 0, lists every file with its size.
 
 Crash safety: a kill -9 at any moment of a save or a removal never leaves a directory
 that a resume accepts but cannot load (the commit protocol of megatron-core's and
 torch.distributed.checkpoint's savers):
 
-- a save (:func:`begin_save`, :func:`write_shards` on every rank, :func:`commit`) writes
+- a save (:func:`begin_save` on rank 0, every rank writes, :func:`commit` on rank 0) writes
   into a staging directory ``<name>.tmp-<token>`` next to the target; after every rank
   wrote its files, rank 0 writes ``metadata.json`` last and renames the directory into
   place (an existing target is first renamed to ``<name>.trash-<token>``, then deleted);
@@ -39,27 +37,20 @@ from typing import Any
 
 import torch
 
-from lightning_mhc.errors import ConfigError
-from lightning_mhc.parallel.state import ParallelLayout
-from lightning_mhc.recompute.rng import get_all_rng_states, set_all_rng_states
-
-FORMAT = "lightning_mhc.sharded/1"
 METADATA = "metadata.json"
-SHARDED_KEYS = ("state_dict", "optimizer_states")
 FAULT_ENV = "LIGHTNING_MHC_CHECKPOINT_FAULT"
 FAULT_PHASES = ("during_shards", "after_shards", "before_metadata", "before_rename", "during_replace",
                 "after_rename", "during_remove", "during_cleanup")
 
 _LEFTOVER = re.compile(r"^.+\.(tmp|trash)-[0-9a-f]{16}$")
-_CHECKPOINT_FILE = re.compile(r"^((model_tp\d+_pp\d+|rng_rank\d+|trainer_state)\.pt|metadata\.json)(\.tmp)?$")
+# the files of a checkpoint (this format's and the per-(tp, pp) format's), for recognising the
+# metadata-less directories of the earlier in-place saves
+_CHECKPOINT_FILE = re.compile(
+    r"^((model_tp\d+_pp\d+|rng_rank\d+|trainer_state)\.pt|metadata\.json|\.metadata|__\d+_\d+\.distcp)(\.tmp)?$")
 
 
 class IncompleteCheckpointError(FileNotFoundError):
     """A directory that is not a complete checkpoint (a ``FileNotFoundError``, as before)."""
-
-
-def shard_name(layout: ParallelLayout) -> str:
-    return f"model_tp{layout.tensor_model_parallel_rank}_pp{layout.pipeline_model_parallel_rank}.pt"
 
 
 def is_leftover(path: Path) -> bool:
@@ -87,37 +78,12 @@ def begin_save(path: Path) -> Path:
     return staging
 
 
-def write_shards(checkpoint: dict[str, Any], path: Path, layout: ParallelLayout, global_rank: int) -> None:
-    """This rank's part of the checkpoint (call on every rank, then :func:`commit` / :func:`write_metadata`)."""
+def write_metadata(path: Path, meta: dict[str, Any]) -> None:
+    """Rank 0, after every rank wrote its files: ``meta`` plus the list of files (with their
+    sizes) goes into ``metadata.json``, atomically."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    files = []
-    if layout.data_parallel_rank == 0:
-        files.append(({k: checkpoint[k] for k in SHARDED_KEYS if k in checkpoint}, shard_name(layout)))
-    files.append((get_all_rng_states(), f"rng_rank{global_rank}.pt"))
-    if global_rank == 0:
-        files.append(({k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}, "trainer_state.pt"))
-    for i, (obj, name) in enumerate(files):
-        _atomic_save(obj, path / name)
-        if i == 0:
-            _fault_point("during_shards")
-    _fault_point("after_shards")
-
-
-def write_metadata(path: Path, layout: ParallelLayout, extra: dict[str, Any]) -> None:
-    """Rank 0, after every rank wrote its files: lists them (with their sizes) in ``metadata.json``."""
-    path = Path(path)
-    files = sorted(p.name for p in path.iterdir() if p.suffix == ".pt" and p.is_file())
-    meta = dict(
-        format=FORMAT,
-        world_size=layout.world_size,
-        tensor_model_parallel_size=layout.tensor_model_parallel_size,
-        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        data_parallel_size=layout.data_parallel_size,
-        files=files,
-        file_sizes={name: (path / name).stat().st_size for name in files},
-        **extra,
-    )
+    files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != METADATA)
+    meta = dict(meta, files=files, file_sizes={name: (path / name).stat().st_size for name in files})
     tmp = path / (METADATA + ".tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(meta, indent=2))
@@ -127,22 +93,22 @@ def write_metadata(path: Path, layout: ParallelLayout, extra: dict[str, Any]) ->
     _fsync_dir(path)
 
 
-def commit(staging: Path, path: Path, layout: ParallelLayout, extra: dict[str, Any]) -> None:
+def commit(staging: Path, path: Path, meta: dict[str, Any]) -> None:
     """Rank 0, after every rank wrote its files into ``staging``: the commit point of the save.
     ``metadata.json`` goes in last, then the directory is renamed to ``path`` (an existing
     ``path`` is renamed away to a trash name first and deleted once the new one is in place)."""
     staging, path = Path(staging), Path(path)
-    _fault_point("before_metadata")
-    write_metadata(staging, layout, extra)
-    _fault_point("before_rename")
+    fault_point("before_metadata")
+    write_metadata(staging, meta)
+    fault_point("before_rename")
     trash = None
     if path.exists() or path.is_symlink():
         trash = _unique(path, "trash")
         os.replace(path, trash)
-        _fault_point("during_replace")
+        fault_point("during_replace")
     os.replace(staging, path)
     _fsync_dir(path.parent)
-    _fault_point("after_rename")
+    fault_point("after_rename")
     if trash is not None:
         _delete(trash)
 
@@ -219,18 +185,6 @@ def read_metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
-def check_layout_matches(path: Path, meta: dict[str, Any], tensor_model_parallel_size: int,
-                         pipeline_model_parallel_size: int) -> None:
-    saved = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"])
-    current = (tensor_model_parallel_size, pipeline_model_parallel_size)
-    if saved != current:
-        raise ConfigError(
-            f"checkpoint {path} was saved with tensor_model_parallel_size={saved[0]}, "
-            f"pipeline_model_parallel_size={saved[1]}; this run has {current[0]} and {current[1]}. "
-            "Resume with the same TP and PP sizes (resharding is not supported)."
-        )
-
-
 def latest_complete(directory: Path) -> Path | None:
     """The complete checkpoint of ``directory`` with the highest global step (None if there is none);
     staging and trash directories and incomplete checkpoints are skipped."""
@@ -248,20 +202,6 @@ def latest_complete(directory: Path) -> Path | None:
         if best_key is None or key > best_key:
             best, best_key = entry, key
     return best
-
-
-def read_checkpoint(path: Path, layout: ParallelLayout, global_rank: int) -> dict[str, Any]:
-    """Load this rank's view of a checkpoint; restores its RNG states when the layout matches."""
-    path = Path(path)
-    meta = read_metadata(path)
-    check_layout_matches(path, meta, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size)
-    checkpoint = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    checkpoint.update(torch.load(path / shard_name(layout), map_location="cpu", weights_only=False))
-    rng_file = path / f"rng_rank{global_rank}.pt"
-    if meta["world_size"] == layout.world_size and rng_file.is_file():
-        set_all_rng_states(torch.load(rng_file, map_location="cpu", weights_only=False))
-    checkpoint["lightning_mhc_metadata"] = meta
-    return checkpoint
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -286,11 +226,12 @@ def _delete(path: Path, fault: str | None = None) -> None:
         else:
             entry.unlink(missing_ok=True)
         if i == 0 and fault:
-            _fault_point(fault)
+            fault_point(fault)
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _atomic_save(obj: Any, target: Path) -> None:
+def atomic_save(obj: Any, target: Path) -> None:
+    """``torch.save`` to ``<target>.tmp``, fsync, rename: a file is whole or absent."""
     tmp = target.with_name(target.name + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
@@ -316,7 +257,7 @@ def _fsync_dir(path: Path) -> None:
 _fault_counts: dict[str, int] = {}
 
 
-def _fault_point(phase: str) -> None:
+def fault_point(phase: str) -> None:
     """Fault injection for tests: SIGKILL this process at ``LIGHTNING_MHC_CHECKPOINT_FAULT=<phase>[@<n>]``."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
