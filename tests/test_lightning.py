@@ -6,7 +6,6 @@ re-runs the script once per extra device, as it does for users.
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
 import time
@@ -21,21 +20,8 @@ from lightning_mhc.checkpoint import commit, legacy
 from lightning_mhc.checkpoint import format as checkpoint_format
 from lightning_mhc.lightning.contract import split_microbatches
 from lightning_mhc.parallel.state import ParallelLayout
+from script_runs import SCRIPTS, fit_gpt, run_script
 from subprocess_env import child_env
-
-SCRIPTS = pathlib.Path(__file__).parent / "scripts"
-
-
-def run_script(name: str, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
-                          timeout=timeout, env=child_env())
-
-
-def fit_gpt(tmp_path: pathlib.Path, *args: str) -> dict:
-    out = tmp_path / "result.json"
-    proc = run_script("fit_gpt.py", *args, "--out", str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
 
 
 def test_tp2_pp2_matches_one_device(tmp_path):

@@ -35,14 +35,15 @@ class FailingModule(MHCGPTModule):
         return super().training_step(batch, batch_idx)
 
 
-def model_config(dropout: float) -> dict:
+def model_config(dropout: float, **extra) -> dict:
     return dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
                 max_sequence_length=SEQ, hidden_dropout=dropout, attention_dropout=dropout,
-                mhc_sinkhorn_iterations=4)
+                mhc_sinkhorn_iterations=4, **extra)
 
 
 def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_path: str | None = None,
-        module_cls=MHCGPTModule, every_n_train_steps: int = STEPS_PER_EPOCH, layout: dict | None = None) -> list[float]:
+        module_cls=MHCGPTModule, every_n_train_steps: int = STEPS_PER_EPOCH, layout: dict | None = None,
+        model_extra: dict | None = None) -> list[float]:
     layout = layout or dict(tp=args.tp, pp=args.pp, sp=args.sp, vp=args.vp)
     dp = args.devices // (layout["tp"] * layout["pp"])
     loader = DataLoader(SyntheticTokens(STEPS_PER_EPOCH * GLOBAL_BATCH, SEQ), batch_size=GLOBAL_BATCH // dp,
@@ -63,7 +64,7 @@ def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_
                                      timeout=datetime.timedelta(seconds=args.timeout)),
         callbacks=callbacks,
     )
-    module = module_cls(model_config(dropout), lr=1e-3, warmup_steps=2)
+    module = module_cls(model_config(dropout, **(model_extra or {})), lr=1e-3, warmup_steps=2)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return recorder.losses, trainer
 
@@ -98,20 +99,23 @@ def main() -> None:
             result["resumed"][step], trainer = fit(args, 7, dropout=0.1, ckpt_path=str(saved[step]))
     elif args.scenario == "reshard":
         # without --ckpt: 5 steps on TP 2 x PP 2 (4 devices) with a checkpoint at step 2 (mid-epoch),
-        # then continue from it on TP 2 x PP 2, PP 2 x DP 2 and PP 4; with --ckpt: continue from it
-        # on --tp/--pp (steps 3 to 5)
+        # then continue from it on TP 2 x PP 2, PP 2 x DP 2, PP 4 and TP 2 x SP x PP 2 x v 2; with
+        # --ckpt: continue from it on --tp/--pp (steps 3 to 5). SwiGLU (a strided TP split) and
+        # tied embeddings (a copy on the last stage)
+        extra = dict(activation="swiglu", share_embeddings_and_output_weights=True)
         layouts = {"tp2_pp2": dict(tp=2, pp=2, sp=False, vp=None), "pp2_dp2": dict(tp=1, pp=2, sp=False, vp=None),
-                   "pp4": dict(tp=1, pp=4, sp=False, vp=None)}
+                   "pp4": dict(tp=1, pp=4, sp=False, vp=None), "tp2_sp_pp2_v2": dict(tp=2, pp=2, sp=True, vp=2)}
         if args.ckpt is None:
             ckpt_dir = args.out.parent / "ckpt"
             result["uninterrupted"], trainer = fit(args, 5, dropout=0.0, ckpt_dir=str(ckpt_dir), every_n_train_steps=2,
-                                                   layout=layouts["tp2_pp2"])
+                                                   layout=layouts["tp2_pp2"], model_extra=extra)
             result["checkpoint"] = str(next(ckpt_dir.glob("*step=2.ckpt")))
             result["checkpoint_files"] = sorted(p.name for p in pathlib.Path(result["checkpoint"]).iterdir())
             for name, layout in layouts.items():
-                result[name], trainer = fit(args, 5, dropout=0.0, ckpt_path=result["checkpoint"], layout=layout)
+                result[name], trainer = fit(args, 5, dropout=0.0, ckpt_path=result["checkpoint"], layout=layout,
+                                            model_extra=extra)
         else:
-            result["continued"], trainer = fit(args, 5, dropout=0.0, ckpt_path=str(args.ckpt))
+            result["continued"], trainer = fit(args, 5, dropout=0.0, ckpt_path=str(args.ckpt), model_extra=extra)
     else:
         result["losses"], trainer = fit(args, 6, dropout=0.0, module_cls=FailingModule)
     if trainer.global_rank == 0 and args.out:
