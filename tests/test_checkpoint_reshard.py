@@ -6,6 +6,7 @@ stage holds a copy of the embedding, stored once under the embedding's name).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from script_runs import fit_gpt
@@ -33,3 +34,19 @@ def test_checkpoint_of_tp2_pp2_continues_on_other_layouts(tmp_path):
         continued = fit_gpt(tmp_path / name.replace(" ", "_"), *layout, "--scenario", "reshard",
                             "--ckpt", saved["checkpoint"])["continued"]
         _compare(name, continued, reference)
+
+
+def test_data_position_is_by_global_sample_and_refuses_another_global_batch():
+    from torch.utils.data import DataLoader
+
+    from lightning_mhc import ConfigError
+    from lightning_mhc.lightning.resumable_loader import ResumableLoader
+
+    def loader(batch: int, dp: int) -> ResumableLoader:
+        return ResumableLoader(DataLoader(list(range(64)), batch_size=batch), lambda: (1, 3), dp)
+
+    state = loader(8, 1).state_dict()
+    assert state == dict(epoch=1, batches_completed=3, global_batch_size=8, global_sample_index=24)
+    loader(4, 2).load_state_dict(state)  # DP 1 -> 2 with the same global batch: the same samples
+    with pytest.raises(ConfigError, match=r"global batches of 8 .* this run's global batch is 16 \(8 x 2\)"):
+        loader(8, 2).load_state_dict(state)

@@ -12,6 +12,12 @@ prefetched). With a sampler seeded per epoch (the ``DistributedSampler``
 that ``MHCParallelStrategy`` makes Lightning insert) the resumed run then sees
 exactly the batches the uninterrupted run saw.
 
+The data position is also recorded by global sample index (batches completed x per-rank batch
+x data-parallel size). A checkpoint resumes on another data-parallel size when the global batch
+stays the same (``lightning-mhc-train`` keeps ``data.global_batch_size``): the
+``DistributedSampler`` deals the epoch's permutation round-robin, so the first ``k`` global
+batches are the same samples under every DP size. A different global batch is refused.
+
 The sampler's epoch is set here too, to the trainer's ``current_epoch``, when
 an epoch's iteration starts. Lightning sets it from its *processed* epoch
 count, which is one ahead after a resume from a checkpoint saved in
@@ -31,7 +37,9 @@ from typing import Any, Callable, Iterator
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-_OWN = frozenset({"_loader", "_position", "_resuming"})
+from lightning_mhc.errors import ConfigError
+
+_OWN = frozenset({"_loader", "_position", "_resuming", "_data_parallel_size"})
 
 
 class ResumableLoader:
@@ -40,20 +48,41 @@ class ResumableLoader:
     Args:
         loader: the DataLoader (or any sized/unsized iterable) Lightning prepared.
         position: returns the fit loop's ``(current epoch, batches of it completed)``.
+        data_parallel_size: the number of ranks that read different samples.
     """
 
-    def __init__(self, loader: Any, position: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, loader: Any, position: Callable[[], tuple[int, int]], data_parallel_size: int = 1) -> None:
         object.__setattr__(self, "_loader", loader)
         object.__setattr__(self, "_position", position)
         object.__setattr__(self, "_resuming", False)
+        object.__setattr__(self, "_data_parallel_size", data_parallel_size)
+
+    @property
+    def global_batch_size(self) -> int | None:
+        batch = getattr(self._loader, "batch_size", None)
+        return batch * self._data_parallel_size if batch else None
 
     # ----------------------------------------------------- Lightning's _Stateful
     def state_dict(self) -> dict[str, Any]:
-        """The data position (informational: a restore reads Lightning's own restored counters)."""
+        """The data position: the restore reads Lightning's own restored batch counters, and
+        checks that the global batch is the saving run's."""
         epoch, batches = self._position()
-        return {"epoch": int(epoch), "batches_completed": int(batches)}
+        state = {"epoch": int(epoch), "batches_completed": int(batches)}
+        if self.global_batch_size:
+            state.update(global_batch_size=self.global_batch_size,
+                         global_sample_index=int(batches) * self.global_batch_size)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved, current = state.get("global_batch_size"), self.global_batch_size
+        if saved and current and saved != current:
+            raise ConfigError(
+                f"the checkpoint's run read {state.get('global_sample_index')} samples of epoch {state.get('epoch')} "
+                f"in global batches of {saved} (per-rank batch x data-parallel size); this run's global batch is "
+                f"{current} ({getattr(self._loader, 'batch_size', None)} x {self._data_parallel_size}). Resume with "
+                f"a global batch of {saved}: per-rank batch_size = {saved} / data-parallel size "
+                "(lightning-mhc-train: keep data.global_batch_size)."
+            )
         object.__setattr__(self, "_resuming", True)
 
     # ------------------------------------------------------------- iteration

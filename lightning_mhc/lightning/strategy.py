@@ -301,6 +301,7 @@ class MHCParallelStrategy(ParallelStrategy):
             return ResumableLoader(
                 dataloader,
                 lambda: (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.completed),
+                self.layout.data_parallel_size,
             )
         return dataloader
 
