@@ -125,6 +125,27 @@ def load(path: Path, module: torch.nn.Module, optimizers: list[torch.optim.Optim
     return checkpoint
 
 
+def load_whole(path: Path, module: torch.nn.Module, prefix: str = "") -> dict[str, Any]:
+    """One process, no collective: fill ``module``, the whole model built in this process, from
+    a checkpoint of any layout; its tensor ``<name>`` is the checkpoint's ``<prefix><name>``
+    (``prefix="model."`` loads a GPTModel from an MHCGPTModule's checkpoint). Returns the
+    checkpoint's metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    meta = commit.read_metadata(path)
+    if legacy.is_legacy(meta):
+        raise ConfigError(legacy.not_reshardable(path, meta))
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    model, local = model_targets(module, None, Sharder(None))
+    targets = {f"{MODEL}.{prefix}{k}": v for k, v in model.items()}
+    _check_model_shapes(path, targets, saved)
+    dcp.load(targets, storage_reader=reader, no_dist=True)
+    module.load_state_dict(local, strict=False)
+    return meta
+
+
 def read_tensors(path: Path, prefix: str = MODEL + ".") -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint whose name starts with ``prefix``, whole, by global name
     (``prefix`` removed), in this process: no model, no process group needed."""

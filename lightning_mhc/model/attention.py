@@ -31,6 +31,8 @@ class SelfAttention(torch.nn.Module):
         self.groups_per_rank = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.recompute_core_attention = False  # "core_attn" in recompute_modules
+        self.kv_cache = None
+        """A ``generation.LayerKVCache`` while generating: keys and values of earlier positions."""
         qkv_size = self.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = SPColumnParallelLinear(
             config.hidden_size,
@@ -54,20 +56,28 @@ class SelfAttention(torch.nn.Module):
         q = q.reshape(s, b, self.heads_per_rank, self.head_dim)
         if rotary_freqs is not None:
             q, k = apply_rotary(q, rotary_freqs), apply_rotary(k, rotary_freqs)
+        past = 0
+        if self.kv_cache is not None:
+            past = self.kv_cache.length
+            k, v = self.kv_cache.extend(k, v)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, q, k, v)
         else:
-            context = self.core_attention(q, k, v)
+            context = self.core_attention(q, k, v, past)
         return self.linear_proj(context)
 
-    def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """``q [s,b,heads,d]``, ``k, v [s,b,groups,d]`` -> context ``[s, b, heads*d]``."""
+    def core_attention(self, q: Tensor, k: Tensor, v: Tensor, past: int = 0) -> Tensor:
+        """``q [s,b,heads,d]``, ``k, v [past + s,b,groups,d]`` -> context ``[s, b, heads*d]``
+        (query ``i`` sees keys ``0 .. past + i``)."""
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.heads_per_group > 1:
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
         dropout = self.config.attention_dropout if self.training else 0.0
+        mask = None
+        if past:  # causal over the cached positions too
+            mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)
         with rng_fork():  # heads are split across TP: masks differ on every rank
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)

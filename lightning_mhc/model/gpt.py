@@ -140,6 +140,15 @@ class GPTModel(torch.nn.Module):
             return f"{prefix}{int(index) + self.layer_range[0]}.{rest}"
         return local_name
 
+    def generate(self, input_ids: Tensor, max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, stop_token: int | None = None,
+                 use_cache: bool = True, generator: torch.Generator | None = None) -> Tensor:
+        """``input_ids [b, s]`` followed by up to ``max_new_tokens`` tokens: greedy when
+        ``temperature == 0``, else sampled (``top_k`` / ``top_p``); see ``generation.generate``."""
+        from lightning_mhc.model.generation import generate
+
+        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, stop_token, use_cache, generator)
+
     def pipeline_tensor_shape(self, micro_batch_size: int, seq_length: int) -> tuple[int, int, int]:
         """What crosses stages: the residual stream ``[s, b, n*C]`` (``[s/TP, b, n*C]`` under
         sequence parallelism)."""
@@ -162,8 +171,12 @@ class GPTModel(torch.nn.Module):
         input_ids: Tensor | None,
         position_ids: Tensor | None = None,
         labels: Tensor | None = None,
+        start_position: int = 0,
     ) -> Tensor:
+        """``start_position``: the position of the first token (a KV-cached generation step)."""
         if self.pre_process:
+            if position_ids is None and start_position:
+                position_ids = torch.arange(start_position, start_position + input_ids.shape[1], device=input_ids.device)
             hidden_states = self.embedding(input_ids, position_ids)
         else:
             if self.input_tensor is None:
@@ -175,9 +188,9 @@ class GPTModel(torch.nn.Module):
         freqs = None
         if self.config.position_embedding_type == "rope":
             freqs = rotary_freqs(  # positions of the whole sequence: attention sees all of it
-                hidden_states.shape[0] * self._sequence_shards(), self.config.kv_channels, self.config.rotary_base,
-                hidden_states.device,
-            )
+                start_position + hidden_states.shape[0] * self._sequence_shards(), self.config.kv_channels,
+                self.config.rotary_base, hidden_states.device,
+            )[start_position:]
         hidden_states = self.decoder(hidden_states, freqs)
         if not self.post_process:
             return hidden_states

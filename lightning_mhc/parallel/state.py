@@ -215,3 +215,27 @@ def destroy_parallel() -> None:
             dist.destroy_process_group(group)
         except ValueError:  # not registered with c10d (already gone): nothing to free
             pass
+
+
+def single_process_layout() -> ParallelLayout:
+    """TP = PP = DP = 1 in this process, for using a whole model outside a parallel run (loading
+    a checkpoint, generating): megatron's layers need an initialised default group and TP group,
+    so a one-rank gloo group is made when there is none. In a process of a larger world, the
+    current layout must already be TP = PP = 1."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        layout = current_layout()
+        if layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size != 1:
+            raise RuntimeError(
+                f"this process holds a TP={layout.tensor_model_parallel_size}, PP={layout.pipeline_model_parallel_size} "
+                "layout: a whole model is built outside a model-parallel run (a checkpoint resumes on any layout "
+                "through Trainer.fit(ckpt_path=...))."
+            )
+        return layout
+    if dist.get_world_size() != 1:
+        raise RuntimeError(
+            f"torch.distributed has {dist.get_world_size()} ranks and no model-parallel layout: build the whole "
+            "model in a process of its own, or call initialize_parallel(1, 1) first."
+        )
+    return initialize_parallel(1, 1)

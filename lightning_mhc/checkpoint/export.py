@@ -1,0 +1,108 @@
+"""One-process use of a checkpoint of any layout: the whole model, a safetensors export, and
+loading the export back without the strategy.
+
+    <out>/model.safetensors   every tensor of the whole GPTModel (its state-dict names)
+    <out>/config.json         the model configuration (``model_config_to_dict``: the fields
+                              that differ from MHCTransformerConfig's defaults)
+
+    lightning-mhc-export <checkpoint dir> <out dir>
+    model = load_exported("<out dir>")            # a GPTModel, TP = PP = 1, in eval mode
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from lightning_mhc.checkpoint.format import load_whole, read_trainer_state
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.model.config import PARALLEL_LAYOUT_FIELDS, MHCTransformerConfig, with_parallel_layout
+from lightning_mhc.model.config_dict import model_config_from_dict, model_config_to_dict
+from lightning_mhc.model.gpt import GPTModel
+from lightning_mhc.parallel.state import single_process_layout
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def whole_model_config(values: Mapping[str, Any] | MHCTransformerConfig) -> MHCTransformerConfig:
+    """The configuration of the whole model in one process (TP = PP = 1, no recompute), from a
+    checkpoint's recorded ``model_config`` (its parallel layout is dropped)."""
+    if isinstance(values, Mapping):
+        values = model_config_from_dict({k: v for k, v in values.items() if k not in PARALLEL_LAYOUT_FIELDS})
+    return with_parallel_layout(values, 1, 1)
+
+
+def checkpoint_model_config(path: Path) -> dict[str, Any]:
+    """The ``model_config`` hyperparameter a checkpoint of ``MHCGPTModule`` recorded."""
+    hparams = read_trainer_state(path).get("hyper_parameters") or {}
+    if "model_config" not in hparams:
+        raise ConfigError(
+            f"checkpoint {path} records no model_config hyperparameter (it was not saved from an MHCGPTModule): "
+            "build the model yourself and load it with lightning_mhc.checkpoint.format.load_whole(path, model)."
+        )
+    return dict(hparams["model_config"])
+
+
+def load_gpt(path: Path) -> GPTModel:
+    """The whole GPTModel of an ``MHCGPTModule`` checkpoint of any layout, in this process (eval mode)."""
+    single_process_layout()
+    model = GPTModel(whole_model_config(checkpoint_model_config(path)))
+    load_whole(path, model, prefix="model.")
+    return model.eval()
+
+
+def export(path: Path, out: Path) -> dict[str, Any]:
+    """Write ``out/model.safetensors`` and ``out/config.json`` from a checkpoint of any layout;
+    returns what was written (files, bytes, seconds)."""
+    from safetensors.torch import save_file
+
+    start = time.perf_counter()
+    path, out = Path(path), Path(out)
+    model = load_gpt(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "lightning_mhc.gpt/1"})
+    (out / CONFIG_FILE).write_text(json.dumps(model_config_to_dict(model.config, strict=False), indent=2) + "\n")
+    return dict(weights=str(out / WEIGHTS_FILE), config=str(out / CONFIG_FILE), tensors=len(tensors),
+                bytes=(out / WEIGHTS_FILE).stat().st_size, seconds=time.perf_counter() - start)
+
+
+def load_exported(out: Path) -> GPTModel:
+    """A GPTModel from an export directory, without the strategy (TP = PP = 1, eval mode)."""
+    from safetensors.torch import load_file
+
+    out = Path(out)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (out / name).is_file():
+            raise FileNotFoundError(f"{out} is not a lightning-mhc-export directory: {name} is missing.")
+    single_process_layout()
+    model = GPTModel(whole_model_config(json.loads((out / CONFIG_FILE).read_text())))
+    model.load_state_dict(load_file(str(out / WEIGHTS_FILE)), strict=True)
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-mhc-export",
+        description="Write the whole model of a lightning_mhc checkpoint (any layout) as one safetensors file "
+                    "plus its config (JSON), loadable with lightning_mhc.load_exported(out) in one process.")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint directory (e.g. <run>/checkpoints/step-000050.ckpt)")
+    parser.add_argument("out", type=Path, help="the directory to write model.safetensors and config.json into")
+    args = parser.parse_args(argv)
+    try:
+        written = export(args.checkpoint, args.out)
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"lightning-mhc-export: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"lightning-mhc-export: {written['tensors']} tensors, {written['bytes']:,} bytes -> {written['weights']} "
+          f"(+ {written['config']}) in {written['seconds']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
