@@ -6,10 +6,15 @@ stage holds a copy of the embedding, stored once under the embedding's name).
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from script_runs import fit_gpt
+from script_runs import fit_gpt, run_script
+from subprocess_env import child_env
 
 STEPS_AFTER = slice(2, 5)  # the checkpoint is at step 2 of 5
 
@@ -34,6 +39,27 @@ def test_checkpoint_of_tp2_pp2_continues_on_other_layouts(tmp_path):
         continued = fit_gpt(tmp_path / name.replace(" ", "_"), *layout, "--scenario", "reshard",
                             "--ckpt", saved["checkpoint"])["continued"]
         _compare(name, continued, reference)
+
+    # one-process use of the final (step 5) checkpoint, in fresh processes: lightning-mhc-export,
+    # then load_exported / MHCGPTModule.load_from_checkpoint against the TP2 x PP2 logits
+    final, export_dir = tmp_path / "save" / "final.ckpt", tmp_path / "export"
+    proc = subprocess.run([sys.executable, "-m", "lightning_mhc.checkpoint.export", str(final), str(export_dir)],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in export_dir.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((export_dir / "config.json").read_text())["activation"] == "swiglu"
+    proc = run_script("check_export.py", str(final), str(export_dir), str(tmp_path / "save" / "logits.pt"),
+                      str(tmp_path / "export.json"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checked = json.loads((tmp_path / "export.json").read_text())
+    print(f"exported vs TP2 x PP2 logits: {checked['export_vs_training']:.3g}; "
+          f"load_from_checkpoint: {checked['checkpoint_vs_training']:.3g}")
+    assert checked["shape"] == [4, 16, 256]
+    assert checked["export_vs_training"] <= 1e-5 and checked["checkpoint_vs_training"] <= 1e-5, checked
+    assert checked["generate_equals_argmax"]
+    proc = subprocess.run([sys.executable, "-m", "lightning_mhc.generate", f"ckpt_path={export_dir}", "prompt=ab",
+                           "max_new_tokens=5"], capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0 and proc.stdout.startswith("ab"), proc.stderr[-3000:]
 
 
 def test_data_position_is_by_global_sample_and_refuses_another_global_batch():

@@ -99,6 +99,8 @@ class MHCGPTModule(pl.LightningModule):
         self._val_losses: list[float] = []
         self.val_history: list[tuple[int, float]] = []
         """(global step, mean validation loss); step 0 comes from the sanity check."""
+        self.generation_kwargs: dict[str, Any] = dict(max_new_tokens=32)
+        """What ``predict_step`` passes to ``GPTModel.generate``."""
         self.throughput = ThroughputMeter()
         """Whole-job tokens/s per step (warm-up excluded): ``throughput.summary()``."""
 
@@ -169,6 +171,44 @@ class MHCGPTModule(pl.LightningModule):
         if self._val_losses:
             self.val_history.append((self.global_step, sum(self._val_losses) / len(self._val_losses)))
         self._val_losses = []
+
+    def predict_step(self, batch: dict, batch_idx: int = 0) -> Tensor:
+        """Continue ``batch["tokens"]`` (``[b, s]``) by ``generation_kwargs`` (``GPTModel.generate``:
+        ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``stop_token``); the whole model
+        is needed (TP = PP = 1; any DP size, each rank continues its own batch)."""
+        chunks = self.model_chunks()
+        if len(chunks) != 1 or not (chunks[0].pre_process and chunks[0].post_process) \
+                or chunks[0].config.tensor_model_parallel_size != 1:
+            from lightning_mhc.errors import ConfigError
+
+            raise ConfigError("predict_step generates with the whole model in each process: run predict with "
+                              "MHCParallelStrategy(tensor_model_parallel_size=1, pipeline_model_parallel_size=1), "
+                              "or load the checkpoint with MHCGPTModule.load_from_checkpoint(dir).")
+        tokens = batch["tokens"] if isinstance(batch, Mapping) else batch
+        return chunks[0].generate(tokens, **self.generation_kwargs)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None, **kwargs):
+        """The whole module in this process (TP = PP = 1, eval mode) from a checkpoint directory
+        saved on any layout; ``kwargs`` override the saved hyperparameters. A file goes to
+        Lightning's own ``load_from_checkpoint``."""
+        from pathlib import Path
+
+        from lightning_mhc.checkpoint.format import load_whole, read_trainer_state
+        from lightning_mhc.parallel.state import single_process_layout
+
+        path = Path(checkpoint_path)
+        if not path.is_dir():
+            return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, **kwargs)
+        state = read_trainer_state(path)
+        single_process_layout()
+        module = cls(**{**(state.get("hyper_parameters") or {}), **kwargs})
+        module.configure_model()
+        load_whole(path, module)
+        module.on_load_checkpoint(state)
+        if map_location is not None:
+            module.to(map_location)
+        return module.eval()
 
     def test_step(self, batch: dict, batch_idx: int) -> Tensor:
         loss = self.trainer.strategy.forward_backward(self, batch, forward_only=True)

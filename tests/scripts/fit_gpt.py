@@ -28,6 +28,38 @@ class LossRecorder(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class FinalCheckpointAndLogits(Callback):
+    """At the end of training (before the strategy tears down): save ``final.ckpt`` and the
+    logits of a fixed batch computed on the training layout (vocab-parallel pieces gathered)."""
+
+    def __init__(self, out_dir: pathlib.Path) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, module) -> None:
+        import torch
+        import torch.distributed as dist
+
+        trainer.save_checkpoint(self.out_dir / "final.ckpt")
+        tokens = torch.randint(0, 256, (4, SEQ), generator=torch.Generator().manual_seed(0))
+        captured = []
+
+        def logits_step(microbatch, chunk=0):
+            stage = module.model_chunks()[chunk]
+            return stage(microbatch["tokens"] if stage.pre_process else None)  # no labels: logits [b, s, V/tp]
+
+        module.forward_step = logits_step
+        module.loss_func = lambda output, mb: (captured.append(output.detach().clone()), output.sum() * 0)[1]
+        trainer.strategy.forward_backward(module, {"tokens": tokens, "labels": tokens}, forward_only=True)
+        del module.forward_step, module.loss_func
+        layout = trainer.strategy.layout
+        if captured:  # the last stage: gather the vocabulary over TP
+            logits = torch.cat(captured, dim=0)
+            pieces = [torch.empty_like(logits) for _ in range(layout.tensor_model_parallel_size)]
+            dist.all_gather(pieces, logits.contiguous(), group=layout.tp_group)
+            if layout.tensor_model_parallel_rank == 0 and layout.data_parallel_rank == 0:
+                torch.save(dict(tokens=tokens, logits=torch.cat(pieces, dim=-1)), self.out_dir / "logits.pt")
+
+
 class FailingModule(MHCGPTModule):
     def training_step(self, batch, batch_idx):
         if self.global_step == 1 and self.trainer.global_rank == 1:
@@ -43,13 +75,13 @@ def model_config(dropout: float, **extra) -> dict:
 
 def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_path: str | None = None,
         module_cls=MHCGPTModule, every_n_train_steps: int = STEPS_PER_EPOCH, layout: dict | None = None,
-        model_extra: dict | None = None) -> list[float]:
+        model_extra: dict | None = None, extra_callbacks: list | None = None) -> list[float]:
     layout = layout or dict(tp=args.tp, pp=args.pp, sp=args.sp, vp=args.vp)
     dp = args.devices // (layout["tp"] * layout["pp"])
     loader = DataLoader(SyntheticTokens(STEPS_PER_EPOCH * GLOBAL_BATCH, SEQ), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True)
     recorder = LossRecorder()
-    callbacks = [recorder, MHCRecomputeCallback(args.policy)]
+    callbacks = [recorder, MHCRecomputeCallback(args.policy), *(extra_callbacks or [])]
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_train_steps=every_n_train_steps))
         # Lightning's default kind too: saved in on_train_epoch_end
@@ -108,7 +140,8 @@ def main() -> None:
         if args.ckpt is None:
             ckpt_dir = args.out.parent / "ckpt"
             result["uninterrupted"], trainer = fit(args, 5, dropout=0.0, ckpt_dir=str(ckpt_dir), every_n_train_steps=2,
-                                                   layout=layouts["tp2_pp2"], model_extra=extra)
+                                                   layout=layouts["tp2_pp2"], model_extra=extra,
+                                                   extra_callbacks=[FinalCheckpointAndLogits(args.out.parent)])
             result["checkpoint"] = str(next(ckpt_dir.glob("*step=2.ckpt")))
             result["checkpoint_files"] = sorted(p.name for p in pathlib.Path(result["checkpoint"]).iterdir())
             for name, layout in layouts.items():
