@@ -7,6 +7,7 @@ stage holds a copy of the embedding, stored once under the embedding's name).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -76,3 +77,22 @@ def test_data_position_is_by_global_sample_and_refuses_another_global_batch():
     loader(4, 2).load_state_dict(state)  # DP 1 -> 2 with the same global batch: the same samples
     with pytest.raises(ConfigError, match=r"global batches of 8 .* this run's global batch is 16 \(8 x 2\)"):
         loader(8, 2).load_state_dict(state)
+
+
+def test_export_refuses_missing_incomplete_and_earlier_format(tmp_path, capsys):
+    from lightning_mhc.checkpoint import commit, legacy
+    from lightning_mhc.checkpoint.export import main
+
+    old = tmp_path / "old.ckpt"
+    old.mkdir()
+    commit.write_metadata(old, dict(format=legacy.FORMAT, world_size=4, tensor_model_parallel_size=2,
+                                    pipeline_model_parallel_size=2, data_parallel_size=1))
+    (tmp_path / "partial.ckpt").mkdir()
+    for path, message in ((tmp_path / "absent.ckpt", "does not exist"),
+                          (tmp_path / "partial.ckpt", "metadata.json is missing"),
+                          (old, r"per-\(tp, pp\) format .* To convert it, resume it once on TP=2, PP=2")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(path), str(tmp_path / "out")])
+        assert exit_info.value.code == 2
+        assert re.search(message, capsys.readouterr().err), message
+    assert not (tmp_path / "out").exists()

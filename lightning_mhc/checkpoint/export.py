@@ -19,6 +19,8 @@ from typing import Any, Mapping
 
 import torch
 
+from lightning_mhc.checkpoint import legacy
+from lightning_mhc.checkpoint.commit import read_metadata
 from lightning_mhc.checkpoint.format import load_whole, read_trainer_state
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import PARALLEL_LAYOUT_FIELDS, MHCTransformerConfig, with_parallel_layout
@@ -40,6 +42,8 @@ def whole_model_config(values: Mapping[str, Any] | MHCTransformerConfig) -> MHCT
 
 def checkpoint_model_config(path: Path) -> dict[str, Any]:
     """The ``model_config`` hyperparameter a checkpoint of ``MHCGPTModule`` recorded."""
+    if legacy.is_legacy(read_metadata(path)):  # a clear error for a missing or incomplete one, too
+        raise ConfigError(legacy.not_reshardable(path, read_metadata(path)))
     hparams = read_trainer_state(path).get("hyper_parameters") or {}
     if "model_config" not in hparams:
         raise ConfigError(

@@ -132,15 +132,10 @@ def load_whole(path: Path, module: torch.nn.Module, prefix: str = "") -> dict[st
     checkpoint's metadata."""
     import torch.distributed.checkpoint as dcp
 
-    path = Path(path)
-    meta = commit.read_metadata(path)
-    if legacy.is_legacy(meta):
-        raise ConfigError(legacy.not_reshardable(path, meta))
-    reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
+    meta, reader, saved = _open_whole(Path(path))
     model, local = model_targets(module, None, Sharder(None))
     targets = {f"{MODEL}.{prefix}{k}": v for k, v in model.items()}
-    _check_model_shapes(path, targets, saved)
+    _check_model_shapes(Path(path), targets, saved)
     dcp.load(targets, storage_reader=reader, no_dist=True)
     module.load_state_dict(local, strict=False)
     return meta
@@ -152,16 +147,22 @@ def read_tensors(path: Path, prefix: str = MODEL + ".") -> dict[str, torch.Tenso
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(path)
-    meta = commit.read_metadata(path)
-    if legacy.is_legacy(meta):
-        raise ConfigError(legacy.not_reshardable(path, meta))
-    reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
+    _, reader, saved = _open_whole(Path(path))
     tensors = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in saved.items()
                if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
     dcp.load(tensors, storage_reader=reader, no_dist=True)
     return {key[len(prefix):]: tensor for key, tensor in tensors.items()}
+
+
+def _open_whole(path: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """``(metadata, DCP reader, DCP tensor metadata)`` of a checkpoint to read whole."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = commit.read_metadata(path)
+    if legacy.is_legacy(meta):
+        raise ConfigError(legacy.not_reshardable(path, meta))
+    reader = dcp.FileSystemReader(path)
+    return meta, reader, reader.read_metadata().state_dict_metadata
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
