@@ -65,3 +65,27 @@ def test_sample_next_filters():
     assert {sample_next(logits, 1.0, top_p=0.8, generator=g).item() for _ in range(200)} == {2, 3}
     with pytest.raises(ValueError, match="temperature"):
         sample_next(logits, -1.0)
+
+
+def test_trainer_predict_generates(single_rank_group):
+    """Trainer.predict under MHCParallelStrategy: predict_step continues each batch's tokens."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_mhc import MHCGPTModule, MHCParallelStrategy
+
+    module = MHCGPTModule(dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               vocab_size=256, max_sequence_length=32))
+    module.generation_kwargs = dict(max_new_tokens=4)
+    prompts = [{"tokens": torch.arange(5)}, {"tokens": torch.arange(5, 10)}]
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    (out,) = trainer.predict(module, DataLoader(prompts, batch_size=2))
+    assert out.shape == (2, 9) and torch.equal(out[:, :5], torch.stack([p["tokens"] for p in prompts]))
+    from lightning_mhc.parallel.state import destroy_parallel, single_process_layout
+
+    single_process_layout()  # the strategy's groups went with the Trainer
+    try:
+        assert torch.equal(module.model.generate(out[:, :5], max_new_tokens=4), out)
+    finally:
+        destroy_parallel()
