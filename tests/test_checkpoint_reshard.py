@@ -27,6 +27,7 @@ def _compare(name: str, continued: list[float], reference: list[float]) -> None:
                                msg=lambda m: f"continued on {name}: {m}")
 
 
+@pytest.mark.slow
 def test_checkpoint_of_tp2_pp2_continues_on_other_layouts(tmp_path):
     saved = fit_gpt(tmp_path / "save", "--devices", "4", "--scenario", "reshard", timeout=600)
     assert {".metadata", "metadata.json", "trainer_state.pt"} <= set(saved["checkpoint_files"])
