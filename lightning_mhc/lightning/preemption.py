@@ -99,6 +99,16 @@ class PreemptionSignalConnector(_SignalConnector):
                 launcher.kill(signum)
 
 
+def _quiet_child_observer() -> None:
+    """In the launching process: Lightning's child-process observer SIGKILLs every rank, this one
+    included, when it sees a rank exit non-zero; after a preemption the ranks leave with 143 on
+    purpose, and the launching one (which goes last, see ``wait_for``) must not be killed for it.
+    The watchdog bounds every rank meanwhile."""
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer" and hasattr(thread, "_run"):
+            thread._run = lambda: True
+
+
 def agree_to_stop(state: PreemptionState, device: torch.device) -> bool:
     """One all-reduce (MAX) of the flag over every rank, at a step boundary."""
     flag = torch.tensor([0 if state.signum is None else int(state.signum)], device=device)
@@ -119,6 +129,7 @@ def preemption_checkpoint_path(trainer: pl.Trainer) -> Path:
 
 def stop_preempted(trainer: pl.Trainer, state: PreemptionState, save: bool) -> None:
     """Every rank: save the step checkpoint together (optional), then leave with 128 + signal."""
+    _quiet_child_observer()
     if save:
         path = preemption_checkpoint_path(trainer)
         trainer.save_checkpoint(path)
