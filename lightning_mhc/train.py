@@ -5,6 +5,7 @@
     lightning-mhc-train -m recompute=none,mhc_block parallel=single,tp2pp2 trainer.devices=4
     lightning-mhc-train ... ckpt_path=outputs/<date>/<time>/checkpoints/<checkpoint>   # resume exactly
     lightning-mhc-train ... hydra.run.dir=outputs/<date>/<time> ckpt_path=last          # newest one of that run
+    lightning-mhc-train ... mode=validate ckpt_path=<checkpoint>   # evaluate it (any layout; mode=test too)
 
 Everything checkable is checked before Hydra makes a directory or any process
 starts (``lightning_mhc.preflight``): the command line's overrides (every job of a multirun), the config's
@@ -118,6 +119,7 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
         accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision,
         max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val, val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.limit_val_batches,
+        limit_test_batches=t.limit_val_batches,  # mode=test: the held-out split, as validation reads it
         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
         detect_anomaly=t.detect_anomaly,
         logger=build_logger(cfg, output_dir, resolved or {}, _checkpoint_step(ckpt_path)),
@@ -130,6 +132,8 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
                            seq_length=d.seq_length, path=d.path, val_fraction=d.val_fraction, max_bytes=d.max_bytes,
                            synthetic_samples=d.synthetic_samples, vocab_size=cfg.model.vocab_size,
                            num_workers=d.num_workers)
+    if cfg.mode != "fit":
+        return _evaluate(cfg, trainer, module, data, ckpt_path, output_dir, launched_here)
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     except BaseException as error:
@@ -155,6 +159,25 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
         resumed_from=ckpt_path,
         last_checkpoint=checkpoints.last_saved,
     )
+    if trainer.global_rank == 0:
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _end_job(trainer, launched_here, failed=False)
+    return summary
+
+
+def _evaluate(cfg: TrainConfig, trainer, module, data, ckpt_path: str | None, output_dir: Path,
+              launched_here: bool) -> dict[str, Any]:
+    """``mode=validate`` / ``mode=test``: the checkpoint's loss on the held-out split (any layout)."""
+    try:
+        (metrics,) = getattr(trainer, cfg.mode)(module, datamodule=data, ckpt_path=ckpt_path)
+    except BaseException:
+        _end_job(trainer, launched_here, failed=True)
+        raise
+    key = "val_loss" if cfg.mode == "validate" else "test_loss"
+    summary = dict(name=cfg.name, mode=cfg.mode, checkpoint=ckpt_path, devices=cfg.trainer.devices,
+                   tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+                   pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+                   data_parallel_size=cfg.data_parallel_size, **{key: float(metrics[key])})
     if trainer.global_rank == 0:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     _end_job(trainer, launched_here, failed=False)
@@ -234,7 +257,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["data"]["path"] = train_cfg.data.path
     summary = run(train_cfg, output_dir, resolved, ckpt_path=ckpt_path)
-    return summary["final_val_loss"]
+    return summary.get("final_val_loss", summary.get("val_loss", summary.get("test_loss")))  # a sweep's objective
 
 
 def main() -> None:

@@ -237,6 +237,9 @@ class LoggerConfig:
         _one_of("logger.name", self.name, LOGGERS, "Choose logger=csv|wandb|none.")
 
 
+MODES = ("fit", "validate", "test")
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -250,10 +253,16 @@ class TrainConfig:
     name: str = "mhc"
     ckpt_path: Optional[str] = None
     """Resume from this checkpoint directory, or 'last': the newest complete one of the run directory."""
+    mode: str = "fit"
+    """fit (train, or resume from ckpt_path), or validate / test: evaluate ckpt_path on the held-out split."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.seed, int) and 0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32)",
                  "Set seed to a non-negative 32-bit integer, e.g. seed=1234.")
+        _one_of("mode", self.mode, MODES, "Choose mode=fit|validate|test.")
+        if self.mode != "fit" and self.ckpt_path is None:
+            raise ConfigError(f"mode={self.mode} evaluates a checkpoint: give ckpt_path=<checkpoint directory> "
+                              "(or ckpt_path=last with hydra.run.dir=<the run>).")
         self._check_recompute()
         self._check_layout()
         self._check_batches()

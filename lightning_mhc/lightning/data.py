@@ -222,3 +222,7 @@ class TokenDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split (the same as validation: the byte data has one held-out part)."""
+        return self._loader(self.val_set, shuffle=False)
