@@ -97,3 +97,6 @@ def test_export_refuses_missing_incomplete_and_earlier_format(tmp_path, capsys):
         assert exit_info.value.code == 2
         assert re.search(message, capsys.readouterr().err), message
     assert not (tmp_path / "out").exists()
+    from megatron.core import parallel_state
+
+    assert not parallel_state.model_parallel_is_initialized()  # refused before building anything

@@ -55,8 +55,9 @@ def checkpoint_model_config(path: Path) -> dict[str, Any]:
 
 def load_gpt(path: Path) -> GPTModel:
     """The whole GPTModel of an ``MHCGPTModule`` checkpoint of any layout, in this process (eval mode)."""
+    config = checkpoint_model_config(path)  # refuses a missing or unusable checkpoint first
     single_process_layout()
-    model = GPTModel(whole_model_config(checkpoint_model_config(path)))
+    model = GPTModel(whole_model_config(config))
     load_whole(path, model, prefix="model.")
     return model.eval()
 

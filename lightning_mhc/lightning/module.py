@@ -194,12 +194,14 @@ class MHCGPTModule(pl.LightningModule):
         Lightning's own ``load_from_checkpoint``."""
         from pathlib import Path
 
+        from lightning_mhc.checkpoint.commit import read_metadata
         from lightning_mhc.checkpoint.format import load_whole, read_trainer_state
         from lightning_mhc.parallel.state import single_process_layout
 
         path = Path(checkpoint_path)
         if not path.is_dir():
             return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, **kwargs)
+        read_metadata(path)  # a clear error for an incomplete checkpoint, before anything is built
         state = read_trainer_state(path)
         single_process_layout()
         module = cls(**{**(state.get("hyper_parameters") or {}), **kwargs})
