@@ -42,8 +42,9 @@ def whole_model_config(values: Mapping[str, Any] | MHCTransformerConfig) -> MHCT
 
 def checkpoint_model_config(path: Path) -> dict[str, Any]:
     """The ``model_config`` hyperparameter a checkpoint of ``MHCGPTModule`` recorded."""
-    if legacy.is_legacy(read_metadata(path)):  # a clear error for a missing or incomplete one, too
-        raise ConfigError(legacy.not_reshardable(path, read_metadata(path)))
+    meta = read_metadata(path)  # a clear error for a missing or incomplete one, too
+    if legacy.is_legacy(meta):
+        raise ConfigError(legacy.not_reshardable(path, meta))
     hparams = read_trainer_state(path).get("hyper_parameters") or {}
     if "model_config" not in hparams:
         raise ConfigError(

@@ -156,13 +156,18 @@ def read_tensors(path: Path, prefix: str = MODEL + ".") -> dict[str, torch.Tenso
 
 def _open_whole(path: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """``(metadata, DCP reader, DCP tensor metadata)`` of a checkpoint to read whole."""
-    import torch.distributed.checkpoint as dcp
-
     meta = commit.read_metadata(path)
     if legacy.is_legacy(meta):
         raise ConfigError(legacy.not_reshardable(path, meta))
+    return (meta, *_dcp_reader(path))
+
+
+def _dcp_reader(path: Path) -> tuple[Any, dict[str, Any]]:
+    """``(DCP reader, its tensor metadata by key)`` of a checkpoint directory."""
+    import torch.distributed.checkpoint as dcp
+
     reader = dcp.FileSystemReader(path)
-    return meta, reader, reader.read_metadata().state_dict_metadata
+    return reader, reader.read_metadata().state_dict_metadata
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -188,8 +193,7 @@ def _load(path: Path, meta: dict[str, Any], module: torch.nn.Module, optimizers:
             "global_parameter_name(local_name) method (see MHCGPTModule)."
         )
     checkpoint = read_trainer_state(path)
-    reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
+    reader, saved = _dcp_reader(path)
     sharder = Sharder(layout)
     model, local = model_targets(module, layout, sharder)
     targets = {f"{MODEL}.{k}": v for k, v in model.items()}

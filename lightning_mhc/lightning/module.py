@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_mhc.errors import ConfigError
 from lightning_mhc.lightning.throughput import ThroughputMeter
 from lightning_mhc.model.config import (
     PARALLEL_LAYOUT_FIELDS,
@@ -179,8 +180,6 @@ class MHCGPTModule(pl.LightningModule):
         chunks = self.model_chunks()
         if len(chunks) != 1 or not (chunks[0].pre_process and chunks[0].post_process) \
                 or chunks[0].config.tensor_model_parallel_size != 1:
-            from lightning_mhc.errors import ConfigError
-
             raise ConfigError("predict_step generates with the whole model in each process: run predict with "
                               "MHCParallelStrategy(tensor_model_parallel_size=1, pipeline_model_parallel_size=1), "
                               "or load the checkpoint with MHCGPTModule.load_from_checkpoint(dir).")
