@@ -1,7 +1,8 @@
-"""Register ``strategy="mhc_parallel"`` with Lightning once both packages are imported.
+"""Register ``strategy="mhc_parallel"`` with Lightning (Trainer and Fabric) once both packages
+are imported.
 
-Lightning finds the strategy by name only after ``lightning_mhc.lightning`` has run
-(it calls ``StrategyRegistry.register``). Yet ``import lightning_mhc`` must not import
+Lightning finds the strategy by name only after ``lightning_mhc.lightning`` and
+``lightning_mhc.fabric`` have run (they call the Trainer's and Fabric's registries). Yet ``import lightning_mhc`` must not import
 Lightning: the layers below ``lightning_mhc.lightning`` (``recompute``, ``model``,
 ``parallel``) are used without it. So ``import lightning_mhc`` calls
 :func:`register_with_lightning`, which
@@ -11,7 +12,7 @@ Lightning: the layers below ``lightning_mhc.lightning`` (``recompute``, ``model`
 - installs a one-shot post-import hook: a ``sys.meta_path`` finder that lets the normal
   finders locate ``lightning`` and ``lightning.pytorch``, wraps their loaders'
   ``exec_module``, and, once the outermost of the two has finished executing, removes
-  itself and imports ``lightning_mhc.lightning``.
+  itself and imports ``lightning_mhc.fabric`` and ``lightning_mhc.lightning``.
 
 Both import orders (``import lightning_mhc`` before or after ``import lightning.pytorch``,
 or ``import lightning``) therefore end with the strategy registered, and importing a
@@ -25,7 +26,7 @@ import warnings
 from importlib.abc import MetaPathFinder
 
 _WATCHED = ("lightning", "lightning.pytorch")
-_INTEGRATION = "lightning_mhc.lightning"
+_INTEGRATIONS = ("lightning_mhc.fabric", "lightning_mhc.lightning")
 
 
 def _initializing(name: str) -> bool:
@@ -42,16 +43,17 @@ def _lightning_ready(just_executed: str | None = None) -> bool:
 
 
 def _register() -> None:
-    if _INTEGRATION in sys.modules:  # imported, or being imported: it registers the strategy itself
-        return
-    try:
-        importlib.import_module(_INTEGRATION)
-    except Exception as exc:  # a broken plugin must not break ``import lightning``
-        warnings.warn(
-            f"lightning_mhc could not register strategy 'mhc_parallel' with Lightning ({exc!r}); "
-            f"`import {_INTEGRATION}` shows the error.",
-            stacklevel=2,
-        )
+    for integration in _INTEGRATIONS:
+        if integration in sys.modules:  # imported, or being imported: it registers the strategy itself
+            continue
+        try:
+            importlib.import_module(integration)
+        except Exception as exc:  # a broken plugin must not break ``import lightning``
+            warnings.warn(
+                f"lightning_mhc could not register strategy 'mhc_parallel' with Lightning ({exc!r}); "
+                f"`import {integration}` shows the error.",
+                stacklevel=2,
+            )
 
 
 class _RegisterAfterLightningImport(MetaPathFinder):

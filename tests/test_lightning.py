@@ -18,7 +18,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
 from lightning_mhc.checkpoint import commit, legacy
 from lightning_mhc.checkpoint import format as checkpoint_format
-from lightning_mhc.lightning.contract import split_microbatches
+from lightning_mhc.parallel.contract import split_microbatches
 from lightning_mhc.parallel.state import ParallelLayout
 from script_runs import SCRIPTS, fit_gpt, run_script
 from subprocess_env import child_env

@@ -113,7 +113,8 @@ def load(path: Path, module: torch.nn.Module, optimizers: list[torch.optim.Optim
          layout: ParallelLayout | None, global_rank: int) -> dict[str, Any]:
     """Every rank: Lightning's checkpoint dict for this rank's module on this layout, with
     ``state_dict`` (local names) and ``optimizer_states`` (``optimizer.load_state_dict``'s
-    form, one per optimizer given) read from whatever layout saved ``path``. Restores the RNG
+    form, one per optimizer given; ``None`` in ``optimizers`` skips the saved optimizer of that
+    index) read from whatever layout saved ``path``. Restores the RNG
     states when the layout is the saving one."""
     path = Path(path)
     meta = commit.read_metadata(path)
@@ -201,6 +202,9 @@ def _load(path: Path, meta: dict[str, Any], module: torch.nn.Module, optimizers:
     keys = parameter_keys(module, layout)
     assemblers = []
     for i, optimizer in enumerate(optimizers):
+        if optimizer is None:  # the caller skips the saved optimizer i
+            assemblers.append(None)
+            continue
         optimizer_part, assemble = optimizer_targets(optimizer, f"{OPTIMIZERS}.{i}.", keys, sharder, saved)
         targets.update(optimizer_part)
         assemblers.append(assemble)
@@ -210,8 +214,10 @@ def _load(path: Path, meta: dict[str, Any], module: torch.nn.Module, optimizers:
     state_dict.update(local)
     checkpoint[MODEL] = state_dict
     settings = checkpoint.pop(PARAM_GROUPS, [])
-    checkpoint[OPTIMIZERS] = [_optimizer_state(path, optimizer, assemble(), settings[i] if i < len(settings) else None)
-                              for i, (optimizer, assemble) in enumerate(zip(optimizers, assemblers))]
+    checkpoint[OPTIMIZERS] = [
+        None if optimizer is None else
+        _optimizer_state(path, optimizer, assemble(), settings[i] if i < len(settings) else None)
+        for i, (optimizer, assemble) in enumerate(zip(optimizers, assemblers))]
     if all(meta.get(k) == v for k, v in current.items()):
         rng = path / rng_file(global_rank)
         if rng.is_file():

@@ -6,11 +6,10 @@ Lightning's strategy registry.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mhc.lightning.callback import MHCRecomputeCallback
-from lightning_mhc.lightning.contract import PipelineModule, is_pipeline_module
 from lightning_mhc.lightning.module import MHCGPTModule
 from lightning_mhc.lightning.strategy import MHCParallelStrategy
+from lightning_mhc.parallel.contract import PipelineModule, is_pipeline_module
 
-if MHCParallelStrategy.strategy_name not in StrategyRegistry:
-    MHCParallelStrategy.register_strategies(StrategyRegistry)
+MHCParallelStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["MHCGPTModule", "MHCParallelStrategy", "MHCRecomputeCallback", "PipelineModule", "is_pipeline_module"]

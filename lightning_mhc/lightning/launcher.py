@@ -1,94 +1,11 @@
-"""Lightning's subprocess launcher, made to work inside a Hydra multirun.
-
-Lightning re-runs ``sys.argv`` for every extra device; in a multirun that
-would start the whole sweep again in each child. Here a child re-runs the
-current *job*: its own overrides, its run directory, no ``-m``.
-"""
+"""The Trainer's subprocess launcher: Lightning's, with the job-aware children of
+``lightning_mhc.fabric.launcher`` (Hydra multirun, launcher watch)."""
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import threading
-import time
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-_DDP_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+from lightning_mhc.fabric.launcher import JobLauncherMixin
 
 
-def _in_hydra_multirun() -> bool:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-    except ImportError:
-        return False
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def _job_command(local_rank: int) -> tuple[list[str], str]:
-    import __main__
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.utils import get_original_cwd, to_absolute_path
-
-    hc = HydraConfig.get()
-    if __main__.__spec__ is None:
-        command = [sys.executable, to_absolute_path(sys.argv[0])]
-    else:
-        command = [sys.executable, "-m", __main__.__spec__.name]
-    command += list(hc.overrides.task)
-    command += [f"hydra.run.dir={hc.runtime.output_dir}", "hydra.output_subdir=null",
-                f"hydra.job.name=train_rank_{local_rank}"]
-    return command, get_original_cwd()
-
-
-LAUNCHER_PID = "LIGHTNING_MHC_LAUNCHER_PID"
-
-
-def watch_launcher(poll_s: float = 1.0) -> None:
-    """In a rank started by ``MHCSubprocessLauncher``: exit when the launching process is gone.
-
-    Without it, a rank whose launcher died (kill -9, OOM) before the process group formed keeps
-    waiting for the rendezvous store until its timeout; during training gloo notices the lost
-    peer anyway. The launcher's pid comes through the environment (the rank may be re-parented
-    before this runs)."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    started_by_it = os.environ.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
-    if launcher is None or not started_by_it or int(launcher) == os.getpid():
-        return
-
-    def watch() -> None:
-        while os.getppid() == int(launcher):
-            time.sleep(poll_s)
-        os.write(2, f"[pid {os.getpid()}] the launching process {launcher} is gone: exiting\n".encode())
-        os._exit(1)
-
-    threading.Thread(target=watch, name="lightning_mhc-launcher-watch", daemon=True).start()
-
-
-class MHCSubprocessLauncher(_SubprocessScriptLauncher):
-    def _call_children_scripts(self) -> None:
-        os.environ[LAUNCHER_PID] = str(os.getpid())  # inherited by the ranks started below
-        if not _in_hydra_multirun():
-            return super()._call_children_scripts()
-        self._check_can_spawn_children()
-        self.procs = []
-        env = os.environ
-        env["MASTER_ADDR"] = self.cluster_environment.main_address
-        env["MASTER_PORT"] = str(self.cluster_environment.main_port)
-        env["NODE_RANK"] = str(self.cluster_environment.node_rank())
-        env["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
-        env["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
-        for local_rank in range(1, self.num_processes):
-            child_env = dict(env, LOCAL_RANK=str(local_rank))
-            command, cwd = _job_command(local_rank)
-            self.procs.append(subprocess.Popen(command, env=child_env, cwd=cwd))
-        return None
-
-    def finish(self, timeout_s: float = 600.0) -> None:
-        """Wait for this job's children and clear the variables that mark a launched process,
-        so the next job of a multirun launches its own."""
-        for proc in getattr(self, "procs", []):
-            proc.wait(timeout=timeout_s)
-        for key in (*_DDP_ENV, LAUNCHER_PID):
-            os.environ.pop(key, None)
+class MHCSubprocessLauncher(JobLauncherMixin, _SubprocessScriptLauncher):
+    """The Trainer's launcher (``Trainer(devices=N)`` re-runs the script N - 1 times)."""

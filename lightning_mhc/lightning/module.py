@@ -249,7 +249,11 @@ class MHCGPTModule(pl.LightningModule):
             self.log("max_cuda_mb", torch.cuda.max_memory_allocated() / 2**20)
 
     # -------------------------------------------------------- optimizer
-    def configure_optimizers(self):
+    def configure_optimizers(self, max_steps: int | None = None):
+        """AdamW (no weight decay on vectors and hyper-connections) with linear warm-up, then cosine
+        decay to ``min_lr_ratio * lr`` at ``max_steps`` (default: the Trainer's ``max_steps``; in a
+        Fabric loop, pass it). Returns Lightning's dict: ``["optimizer"]`` and
+        ``["lr_scheduler"]["scheduler"]`` (stepped every optimizer step)."""
         decay, no_decay = [], []
         for name, p in self.named_parameters():
             (no_decay if p.ndim < 2 or "hyper_connection" in name else decay).append(p)
@@ -257,7 +261,9 @@ class MHCGPTModule(pl.LightningModule):
             [dict(params=decay, weight_decay=self.weight_decay), dict(params=no_decay, weight_decay=0.0)],
             lr=self.lr, betas=self.betas,
         )
-        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else None
+        if max_steps is None and self._trainer is not None:
+            max_steps = self._trainer.max_steps
+        total = max_steps if max_steps and max_steps > 0 else None
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(self.warmup_steps, total, self.min_lr_ratio))
         return dict(optimizer=optimizer, lr_scheduler=dict(scheduler=scheduler, interval="step"))
 

@@ -9,6 +9,7 @@ import argparse
 import datetime
 import json
 import pathlib
+import sys
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -75,11 +76,12 @@ def model_config(dropout: float, **extra) -> dict:
 
 def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_path: str | None = None,
         module_cls=MHCGPTModule, every_n_train_steps: int = STEPS_PER_EPOCH, layout: dict | None = None,
-        model_extra: dict | None = None, extra_callbacks: list | None = None) -> list[float]:
+        model_extra: dict | None = None, extra_callbacks: list | None = None, config: dict | None = None,
+        seq: int = SEQ, global_batch: int = GLOBAL_BATCH, num_samples: int = STEPS_PER_EPOCH * GLOBAL_BATCH,
+        lr: float = 1e-3, warmup_steps: int = 2, max_grad_norm: float = 1.0) -> list[float]:
     layout = layout or dict(tp=args.tp, pp=args.pp, sp=args.sp, vp=args.vp)
     dp = args.devices // (layout["tp"] * layout["pp"])
-    loader = DataLoader(SyntheticTokens(STEPS_PER_EPOCH * GLOBAL_BATCH, SEQ), batch_size=GLOBAL_BATCH // dp,
-                        shuffle=True)
+    loader = DataLoader(SyntheticTokens(num_samples, seq), batch_size=global_batch // dp, shuffle=True)
     recorder = LossRecorder()
     callbacks = [recorder, MHCRecomputeCallback(args.policy), *(extra_callbacks or [])]
     if ckpt_dir:
@@ -90,13 +92,13 @@ def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, max_steps=max_steps, logger=False,
         enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=1.0,
+        num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=max_grad_norm,
         strategy=MHCParallelStrategy(tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
                                      sequence_parallel=layout["sp"], virtual_pipeline_model_parallel_size=layout["vp"],
                                      timeout=datetime.timedelta(seconds=args.timeout)),
         callbacks=callbacks,
     )
-    module = module_cls(model_config(dropout, **(model_extra or {})), lr=1e-3, warmup_steps=2)
+    module = module_cls(config or model_config(dropout, **(model_extra or {})), lr=lr, warmup_steps=warmup_steps)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return recorder.losses, trainer
 
@@ -109,7 +111,9 @@ def main() -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--vp", type=int, default=None, help="virtual pipeline chunks per stage")
     parser.add_argument("--policy", default="mhc_block")
-    parser.add_argument("--scenario", choices=["equivalence", "resume", "reshard", "fail"], required=True)
+    parser.add_argument("--scenario", choices=["equivalence", "resume", "reshard", "fail", "fabric_example"],
+                        required=True)
+    parser.add_argument("--steps", type=int, default=6, help="fabric_example: training steps")
     parser.add_argument("--ckpt", type=pathlib.Path, help="reshard: the checkpoint to continue from (else: save one)")
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--timeout", type=float, default=120)
@@ -149,6 +153,16 @@ def main() -> None:
                                             model_extra=extra)
         else:
             result["continued"], trainer = fit(args, 5, dropout=0.0, ckpt_path=str(args.ckpt), model_extra=extra)
+    elif args.scenario == "fabric_example":
+        # examples/fabric_train.py's run (model, data, optimizer, clipping, dropout 0.1, mhc_block)
+        # through Trainer.fit: the Fabric loop must give the same losses
+        sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
+        import fabric_train as example
+
+        result["losses"], trainer = fit(
+            args, args.steps, dropout=0.1, config=example.model_config(0.1), seq=example.SEQ,
+            global_batch=example.GLOBAL_BATCH, num_samples=example.NUM_SAMPLES, lr=example.LR,
+            warmup_steps=example.WARMUP_STEPS, max_grad_norm=example.MAX_GRAD_NORM)
     else:
         result["losses"], trainer = fit(args, 6, dropout=0.0, module_cls=FailingModule)
     if trainer.global_rank == 0 and args.out:

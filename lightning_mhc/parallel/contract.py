@@ -1,7 +1,7 @@
-"""The pipeline contract between ``MHCParallelStrategy`` and a LightningModule.
+"""The pipeline contract between ``MHCParallelStrategy`` (Trainer or Fabric) and a module.
 
 A module that implements it is trained with the 1F1B schedule; any other
-LightningModule trains as plain data parallel (TP = PP = 1). The contract,
+module trains as plain data parallel (TP = PP = 1). The contract,
 megatron-style:
 
 - ``configure_model()``: build this rank's pipeline stage (and only it);
@@ -11,7 +11,8 @@ megatron-style:
 - ``pipeline_tensor_shape(microbatch)``: the shape of what crosses stages.
 
 Its ``training_step`` / ``validation_step`` call
-``self.trainer.strategy.forward_backward(self, batch[, forward_only=True])``,
+``self.trainer.strategy.forward_backward(self, batch[, forward_only=True])``
+(a Fabric loop calls ``fabric.strategy.forward_backward(model, batch)``),
 which splits the batch into microbatches and runs the schedule.
 
 With a virtual pipeline (``virtual_pipeline_model_parallel_size = v``) the module

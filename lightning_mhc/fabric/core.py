@@ -1,0 +1,376 @@
+"""What the Fabric and the Trainer ``MHCParallelStrategy`` share: one copy of each.
+
+:class:`MHCParallelCore` is mixed into both strategies, before their Lightning base class
+(``lightning.fabric.strategies.ParallelStrategy`` / ``lightning.pytorch.strategies.ParallelStrategy``,
+which provide the devices and the cluster environment). It holds
+
+- the settings (the parallel layout, the schedule, gradient reduction, RNG seed);
+- launch and process groups: the default group through the cluster environment, then
+  megatron-core's TP/PP/DP groups (``parallel.state``) and the parallel randomizer;
+- the data-parallel split (``distributed_sampler_kwargs``) and its check on a loader;
+- the 1F1B / interleaved schedule over a batch (``parallel.schedule*``), with the overlapped
+  DP reduction started during the last backward;
+- gradient reduction (DP average, SP parameters over TP, the tied embedding) and global-norm
+  clipping (``parallel.grads``);
+- the reshardable checkpoint (``lightning_mhc.checkpoint``);
+- teardown of all of the above.
+
+Only the way a loop drives them differs: the Trainer calls hooks (``lightning/strategy.py``),
+a Fabric loop calls ``fabric.backward`` / ``strategy.forward_backward`` (``fabric/strategy.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.utils.data import DistributedSampler
+
+from lightning_mhc import checkpoint as dist_checkpoint
+from lightning_mhc.checkpoint.sharding import global_namer
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.fabric.launcher import watch_launcher
+from lightning_mhc.parallel.contract import ModuleChunk, has_model_chunks, is_pipeline_module, split_microbatches
+from lightning_mhc.parallel.grad_overlap import OverlappedGradReduction
+from lightning_mhc.parallel.grads import finalize_model_grads
+from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
+from lightning_mhc.parallel.schedule import forward_backward_pipelining
+from lightning_mhc.parallel.state import ParallelLayout, check_layout, destroy_parallel, initialize_parallel
+from lightning_mhc.recompute.memory import ActivationMemoryMeter
+
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+class MHCParallelCore:
+    """Tensor, pipeline and data parallelism with megatron-core process groups (shared part).
+
+    Args:
+        tensor_model_parallel_size: TP size.
+        pipeline_model_parallel_size: PP size; DP is ``world_size / (TP * PP)``.
+        sequence_parallel: with TP > 1, run the residual stream, norms, hyper-connections and
+            bias-dropout-add on ``s / TP`` tokens per TP rank (the stream-shaped activations
+            divide by TP); the sequence length must divide by TP.
+        virtual_pipeline_model_parallel_size: ``v`` model chunks per pipeline stage, run by the
+            interleaved 1F1B schedule (bubble ``(p - 1) / (v m)`` instead of ``(p - 1) / m``); needs
+            PP >= 2, layers divisible by ``PP * v`` and a number of microbatches that is a multiple
+            of PP (megatron's rule). The module implements ``model_chunks`` (``MHCGPTModule`` does).
+        num_microbatches: microbatches per training step of a pipelined module
+            (default: the PP size); the per-rank batch must divide by it.
+        deallocate_pipeline_outputs: shrink sent stage outputs to one element (megatron's
+            ``deallocate_output_tensor``; the backward goes through ``custom_backward``).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
+        timeout: deadline of every collective and point-to-point wait.
+        seed: base seed of the parallel randomizer (dropout streams per dimension).
+        gradient_bucket_bytes: size of a DP all-reduce bucket.
+        overlap_grad_reduce: with DP > 1, start each bucket's DP all-reduce during the last
+            microbatch's backward, as soon as its gradients are final (megatron's
+            ``overlap_grad_reduce``; the same numbers as reducing after backward). Pipelined
+            modules without gradient accumulation; otherwise the reduction follows backward.
+        raise_on_nonfinite_loss: stop at a NaN/inf loss (and, under the Trainer, gradient norm)
+            with ``FloatingPointError`` naming the step (the default); False: warn (the Trainer
+            also skips that optimizer step, so the weights and checkpoints never become NaN).
+        measure_activation_memory: on the first training step, record the peak activation
+            bytes any stage retains (saved tensors plus the schedule's in-flight tensors) in
+            ``activation_bytes`` (max over ranks).
+    """
+
+    strategy_name = "mhc_parallel"
+
+    def __init__(
+        self,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+        virtual_pipeline_model_parallel_size: int | None = None,
+        num_microbatches: int | None = None,
+        deallocate_pipeline_outputs: bool = True,
+        process_group_backend: str | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        seed: int = 1234,
+        gradient_bucket_bytes: int = 25 * 2**20,
+        overlap_grad_reduce: bool = True,
+        raise_on_nonfinite_loss: bool = True,
+        measure_activation_memory: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        for name, value in (("tensor_model_parallel_size", tensor_model_parallel_size),
+                            ("pipeline_model_parallel_size", pipeline_model_parallel_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: must be a positive integer.")
+        if num_microbatches is not None and num_microbatches < 1:
+            raise ConfigError(f"num_microbatches={num_microbatches}: must be at least 1 (or None for the PP size).")
+        self.tensor_model_parallel_size = tensor_model_parallel_size
+        self.pipeline_model_parallel_size = pipeline_model_parallel_size
+        self.sequence_parallel = bool(sequence_parallel)
+        vp = virtual_pipeline_model_parallel_size
+        if vp is not None and (isinstance(vp, bool) or not isinstance(vp, int) or vp < 1):
+            raise ConfigError(f"virtual_pipeline_model_parallel_size={vp!r}: must be a positive integer (or None).")
+        self.virtual_pipeline_model_parallel_size = vp if vp and vp > 1 else None
+        self._num_microbatches = num_microbatches
+        self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.seed = seed
+        self.gradient_bucket_bytes = gradient_bucket_bytes
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self._grad_reduction: OverlappedGradReduction | None = None
+        self._overlapped_this_step = False
+        self.raise_on_nonfinite_loss = raise_on_nonfinite_loss
+        self.measure_activation_memory = measure_activation_memory
+        self.activation_bytes: int | None = None
+        self._num_nodes = 1
+        self.layout: ParallelLayout | None = None
+        """The parallel layout (degrees, ranks, process groups), once the processes have started."""
+        self.last_grad_norm: float | None = None
+        """The global gradient norm of the last step (before clipping)."""
+
+    # ------------------------------------------------------------ registry
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="Tensor/pipeline/data parallelism for mHC transformers"
+            )
+
+    # ----------------------------------------------------------- topology
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._num_microbatches or self.pipeline_model_parallel_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Distinct data per DP rank; TP and PP peers of one DP rank see the same batches."""
+        if self.layout is None:
+            raise RuntimeError("the data-parallel split is known once the processes have started "
+                               "(Trainer.fit / Fabric.launch)")
+        return dict(num_replicas=self.layout.data_parallel_size, rank=self.layout.data_parallel_rank)
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    _set_world_ranks = set_world_ranks  # the name Fabric's connector calls
+
+    # ------------------------------------------------------ process groups
+    def _check_module(self, module: Any) -> None:
+        """A module that cannot run on this layout is refused before any process group exists."""
+        if module is None:
+            return
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size > 1
+        if model_parallel and not is_pipeline_module(module):
+            raise ConfigError(
+                f"{type(module).__name__} does not implement the pipeline contract (forward_step, "
+                "loss_func, set_input_tensor, pipeline_tensor_shape; see MHCGPTModule), so it can only "
+                f"run data parallel, but tensor_model_parallel_size={self.tensor_model_parallel_size} "
+                f"and pipeline_model_parallel_size={self.pipeline_model_parallel_size}. Use "
+                "MHCParallelStrategy() with TP = PP = 1, or subclass MHCGPTModule."
+            )
+        if self.virtual_pipeline_model_parallel_size and not has_model_chunks(module):
+            raise ConfigError(
+                f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs a module "
+                f"with model_chunks() (see MHCGPTModule); {type(module).__name__} has none. Drop the virtual "
+                "pipeline or implement the chunked contract (lightning_mhc/parallel/contract.py)."
+            )
+
+    def _setup_parallel(self) -> None:
+        """In every process: the default process group, megatron's TP/PP/DP groups, the seeds."""
+        reset_seed()
+        self.set_world_ranks()
+        check_layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                     self.virtual_pipeline_model_parallel_size, self.sequence_parallel)
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        watch_launcher()
+        if not dist.is_initialized():
+            # the rendezvous waits for every rank to start (imports, an oversubscribed CPU): not
+            # bounded by the collective timeout; the TP/PP/DP groups below get that one
+            kwargs: dict[str, Any] = {"timeout": max(self._timeout, RENDEZVOUS_TIMEOUT)}
+            if self.root_device.type != "cpu":
+                kwargs["device_id"] = self.root_device
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self.layout = initialize_parallel(
+            self.tensor_model_parallel_size, self.pipeline_model_parallel_size, timeout=self._timeout,
+            sequence_parallel=self.sequence_parallel,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+        )
+        model_parallel_manual_seed(self.seed, self.layout)
+
+    def _teardown_parallel(self) -> None:
+        if self._grad_reduction is not None:
+            self._grad_reduction.remove()
+            self._grad_reduction = None
+        destroy_parallel()
+        clear_parallel_seed()  # self.layout stays readable (degrees and ranks); its groups are gone
+
+    @staticmethod
+    def _sync_replicas(module: torch.nn.Module) -> None:
+        """A plain module is initialised by each process: start every replica from rank 0's."""
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor.data, src=0)
+
+    # ------------------------------------------------------- collectives
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def _max_over_ranks(self, value: float) -> float:
+        tensor = torch.tensor(float(value), dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
+
+    # --------------------------------------------------------------- data
+    def _check_data_parallel_sampler(self, dataloader: object, training: bool, fix: str) -> None:
+        """A loader's ``DistributedSampler`` must split by DP rank (``fix``: how to build it right);
+        a training loader without one warns when DP > 1."""
+        assert self.layout is not None
+        dp, dp_rank = self.layout.data_parallel_size, self.layout.data_parallel_rank
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        samplers = [getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None), batch_sampler]
+        distributed = [s for s in samplers if isinstance(s, DistributedSampler)]
+        for sampler in distributed:
+            if (sampler.num_replicas, sampler.rank) != (dp, dp_rank):
+                raise ConfigError(
+                    f"the DataLoader's DistributedSampler has num_replicas={sampler.num_replicas}, "
+                    f"rank={sampler.rank}, but this process is data-parallel rank {dp_rank} of {dp} (TP and PP "
+                    f"peers of a data-parallel rank must read the same samples). {fix}"
+                )
+        if not distributed and dp > 1 and training:
+            rank_zero_warn(
+                f"the training DataLoader has no DistributedSampler although data-parallel size is {dp}: "
+                "unless its dataset shards itself by strategy.distributed_sampler_kwargs, every "
+                "data-parallel rank trains on the same samples."
+            )
+
+    # ------------------------------------------------------------ schedule
+    def _run_schedule(self, module: Any, batch: Any, forward_only: bool, accumulate: int, step: int,
+                      raise_on_nonfinite: bool | None = None, reduce_this_step: bool = True) -> Tensor:
+        """The schedule over the microbatches of ``batch`` on this rank's stage: the mean loss
+        over the microbatches and the DP replicas (the same detached scalar on every rank); with
+        ``forward_only=False`` the gradients are accumulated (divided by ``accumulate``) and a
+        NaN/inf loss raises or warns (``raise_on_nonfinite``, default ``raise_on_nonfinite_loss``).
+        ``reduce_this_step=False``: the gradients are not final after this call (accumulation),
+        so no overlapped reduction starts."""
+        m = self.num_microbatches
+        microbatches = split_microbatches(batch, m)
+        loss_func: Callable = module.loss_func
+        if accumulate > 1:
+            loss_func = lambda output, mb: module.loss_func(output, mb) / accumulate  # noqa: E731
+        forward_only = forward_only or not torch.is_grad_enabled()
+        measure = self.measure_activation_memory and not forward_only and self.activation_bytes is None
+        meter = ActivationMemoryMeter(module) if measure else None
+        peak = 0
+
+        def probe(held):
+            nonlocal peak
+            peak = max(peak, meter.live_bytes(extra=held))
+
+        with meter if measure else contextlib.nullcontext():
+            chunked = self.layout.virtual_pipeline_model_parallel_size > 1
+            result = forward_backward_pipelining(
+                [ModuleChunk(module, i) for i in range(len(module.model_chunks()))] if chunked else module,
+                microbatches,
+                lambda mod, mb: mod.forward_step(mb),
+                loss_func,
+                layout=self.layout,
+                tensor_shape=module.pipeline_tensor_shape(microbatches[0]),
+                deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+                forward_only=forward_only,
+                timeout=self._timeout,
+                probe=probe if measure else None,
+                on_last_backward=self._overlap(module, forward_only or not reduce_this_step, accumulate),
+            )
+        if measure:
+            self.activation_bytes = int(self._max_over_ranks(peak))
+        loss = result.loss * accumulate
+        if not forward_only:
+            self._check_finite(loss, step, raise_on_nonfinite)
+        return loss
+
+    def _overlap(self, module: Any, forward_only: bool, accumulate: int):
+        """The schedule's hook that starts the overlapped DP reduction, or None (see
+        ``overlap_grad_reduce``)."""
+        if forward_only or accumulate > 1 or not self.overlap_grad_reduce or self.layout.data_parallel_size == 1:
+            return None
+        if self._grad_reduction is None:
+            chunks = module.model_chunks() if has_model_chunks(module) else [module]
+            self._grad_reduction = OverlappedGradReduction(chunks, self.layout, self.gradient_bucket_bytes)
+        self._overlapped_this_step = True
+        return self._grad_reduction.start
+
+    def _check_finite(self, loss: Tensor, step: int, raise_: bool | None = None) -> None:
+        if math.isfinite(loss.item()):
+            return
+        message = f"non-finite training loss {loss.item()} at global step {step}"
+        if self.raise_on_nonfinite_loss if raise_ is None else raise_:
+            raise FloatingPointError(message + " (raise_on_nonfinite_loss / detect_anomaly is on)")
+        rank_zero_warn(message)
+
+    # ----------------------------------------------------------- gradients
+    def _reduce_gradients(self, module: torch.nn.Module) -> None:
+        """DP average (finishing the overlapped reduction when one ran), SP parameters summed
+        over TP, the tied embedding reduced between the first and last stage."""
+        overlapped = self._grad_reduction if self._overlapped_this_step else None
+        self._overlapped_this_step = False
+        finalize_model_grads(module, self.layout, self.gradient_bucket_bytes, overlapped=overlapped)
+
+    @staticmethod
+    def _with_grads(parameters: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        return [p for p in parameters if p.grad is not None]
+
+    # ---------------------------------------------------------- checkpoints
+    def _save_distributed(self, checkpoint: dict[str, Any], path: Path, module: torch.nn.Module) -> None:
+        """Every rank: write ``checkpoint`` (``state_dict`` / ``optimizer_states`` as pieces, see
+        ``lightning_mhc.checkpoint.format``) crash-safely into the directory ``path``."""
+        _, global_names = global_namer(module, self.layout)
+        dist_checkpoint.save(checkpoint, Path(path), self.layout, self.global_rank, global_names=global_names)
+
+    def _load_distributed(self, path: Any, module: torch.nn.Module,
+                          optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        """Every rank: read a checkpoint saved on any layout for this rank's ``module`` and
+        ``optimizers`` (``state_dict`` in local names, ``optimizer_states`` in torch's form)."""
+        path = Path(self.broadcast(str(path)))
+        return dist_checkpoint.load(path, module, optimizers, self.layout, self.global_rank)

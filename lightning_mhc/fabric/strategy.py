@@ -1,0 +1,314 @@
+"""``MHCParallelStrategy`` for Lightning Fabric: TP/PP/DP in a hand-written training loop.
+
+    fabric = Fabric(accelerator="cpu", devices=4,
+                    strategy=MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    fabric.launch()
+    model = fabric.setup_module(MHCGPTModule(config, recompute_policy="mhc_block"))  # this rank's stage
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=8, shuffle=True))
+    for batch in loader:
+        loss = fabric.strategy.forward_backward(model, batch)  # 1F1B over the microbatches + reduction
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)  # by the global norm
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save("ckpt", {"model": model, "optimizer": optimizer, "step": step})  # reshardable directory
+
+A module without the pipeline contract (any ``nn.Module``) trains data parallel (TP = PP = 1):
+``fabric.setup(model, optimizer)`` starts every replica from rank 0's weights, ``fabric.backward(loss)``
+averages the gradients over DP (not inside ``fabric.no_backward_sync(model)``).
+
+The parts shared with the Trainer strategy (process groups, layout, RNG, schedule, gradient
+reduction, checkpoints) are ``core.MHCParallelCore``; like Lightning's own
+``lightning.fabric.strategies.ModelParallelStrategy``, checkpoints are directories written by
+every rank and restore the objects passed to ``fabric.load``.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
+from lightning.fabric.utilities.types import _Stateful
+from lightning.fabric.wrappers import _unwrap_objects
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_mhc import checkpoint as dist_checkpoint
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.fabric.core import MHCParallelCore
+from lightning_mhc.fabric.launcher import MHCFabricLauncher
+from lightning_mhc.parallel.contract import is_pipeline_module
+from lightning_mhc.parallel.grads import clip_grad_norm_
+from lightning_mhc.recompute.policy import attach_recompute
+
+FABRIC_OBJECTS = "fabric_objects"
+"""Checkpoint entry: which keys of ``fabric.save``'s state were the model and the optimizers."""
+FABRIC_STATE = "fabric_state"
+"""Checkpoint entry: the rest of ``fabric.save``'s state (``state_dict()`` of stateful objects)."""
+
+
+class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
+    """Tensor, pipeline and data parallelism with megatron-core process groups, for Fabric.
+
+    Takes the arguments of :class:`~lightning_mhc.fabric.core.MHCParallelCore` (the same as the
+    Trainer's ``MHCParallelStrategy`` without its preemption handling).
+
+    - ``fabric.setup_module(model)`` builds this rank's stage (``model.configure_model()``, e.g.
+      ``MHCGPTModule``), attaches mHC block recompute where its config asks for it (the module's
+      ``recompute_policy``; the same managers the Trainer's ``MHCRecomputeCallback`` attaches) and,
+      for a plain module, broadcasts rank 0's weights. Create the optimizer after it.
+    - ``fabric.strategy.forward_backward(model, batch)`` runs the 1F1B schedule (interleaved with
+      a virtual pipeline) over ``num_microbatches`` microbatches of ``batch`` and reduces the
+      gradients; it returns the mean loss (detached, the same on every rank). The user then clips
+      and steps. ``forward_only=True`` (or ``torch.no_grad()``) evaluates.
+    - ``fabric.clip_gradients(model, optimizer, max_norm=...)`` clips by the global norm over
+      TP, PP and DP (each replicated parameter counted once).
+    - ``fabric.setup_dataloaders`` splits the data by DP rank (TP/PP peers read the same batches).
+    - ``fabric.save(path, state)`` / ``fabric.load(path, state)``: the reshardable checkpoint
+      directory of ``lightning_mhc.checkpoint`` (one model per checkpoint; load on any layout,
+      and Trainer checkpoints load too).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._backward_sync_control = _GradientSyncControl(self)
+        self._sync_gradients = True
+        self._modules: list[Module] = []
+        self._steps = 0
+
+    # ------------------------------------------------------- processes
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = MHCFabricLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_parallel()
+
+    def teardown(self) -> None:
+        """Remove the gradient hooks, destroy megatron's groups and the parallel randomizer."""
+        self._teardown_parallel()
+        self._modules = []
+        super().teardown()
+
+    # ---------------------------------------------------------- modules
+    def setup_module(self, module: Module) -> Module:
+        self._check_module(module)
+        if callable(getattr(module, "configure_model", None)):
+            module.configure_model()  # this rank's stage, built for self.layout
+        self.module_to_device(module)
+        attach_recompute(module)
+        if not is_pipeline_module(module):
+            self._sync_replicas(module)
+        self._modules.append(module)
+        return module
+
+    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None):
+        module = self.setup_module(module)
+        current = {id(p) for p in module.parameters()}
+        if any(id(p) not in current for opt in optimizers for group in opt.param_groups for p in group["params"]):
+            raise ConfigError(
+                f"setting up {type(module).__name__} built its stage for this rank, so an optimizer created "
+                "before it holds parameters that are not the stage's. Set up the module first, then the optimizer:\n"
+                "    model = fabric.setup_module(model)\n"
+                "    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))"
+            )
+        return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
+
+    def module_to_device(self, module: Module) -> None:
+        module.to(self.root_device)
+
+    # ------------------------------------------------------------- data
+    def process_dataloader(self, dataloader: Any) -> Any:
+        self._check_data_parallel_sampler(
+            dataloader, True,
+            "Let fabric.setup_dataloaders insert the sampler (use_distributed_sampler=True, the default) or build "
+            "it with **fabric.strategy.distributed_sampler_kwargs.")
+        return dataloader
+
+    # --------------------------------------------------------- training
+    def forward_backward(self, module: Any, batch: Any, forward_only: bool = False) -> Tensor:
+        """Run the schedule over the microbatches of ``batch`` on this rank's stage (a module with
+        the pipeline contract, e.g. ``MHCGPTModule``; the same call as under the Trainer).
+
+        Returns the mean loss over the microbatches and the DP replicas (the same detached scalar
+        on every rank). Unless ``forward_only``, the gradients are accumulated and then reduced
+        (DP average, SP parameters over TP, the tied embedding), except inside
+        ``fabric.no_backward_sync(model)``, where they keep accumulating locally.
+        """
+        module = _unwrap_objects(module)
+        if not is_pipeline_module(module):
+            raise ConfigError(
+                f"forward_backward runs the pipeline schedule, which needs the pipeline contract (forward_step, "
+                f"loss_func, set_input_tensor, pipeline_tensor_shape); {type(module).__name__} has none. Train a "
+                "plain module with loss = model(batch); fabric.backward(loss)."
+            )
+        training = not forward_only and torch.is_grad_enabled()
+        with self.precision.forward_context():
+            loss = self._run_schedule(module, batch, not training, 1, self._steps,
+                                      reduce_this_step=self._sync_gradients)
+        if training:
+            if self._sync_gradients:
+                self._reduce_gradients(module)
+            self._steps += 1
+        return loss
+
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        """The loss's backward (through the precision plugin), then the gradient reduction of the
+        set-up modules (``module`` alone when given), unless inside ``fabric.no_backward_sync``."""
+        modules = [module] if module is not None else self._modules
+        if any(is_pipeline_module(m) and self.pipeline_model_parallel_size * self.tensor_model_parallel_size > 1
+               for m in modules):
+            raise ConfigError(
+                "a pipelined / tensor-parallel module runs its backward inside "
+                "fabric.strategy.forward_backward(model, batch) (which also reduces the gradients): "
+                "do not call fabric.backward on its loss."
+            )
+        super().backward(tensor, module, *args, **kwargs)
+        if self._sync_gradients:
+            for m in modules:
+                self._reduce_gradients(m)
+
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int,
+                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        """Clip by the global 2-norm over TP, PP and DP (each replicated parameter counted once);
+        returns that norm before clipping."""
+        if float(norm_type) != 2.0:
+            raise ConfigError(f"MHCParallelStrategy clips by the global 2-norm; norm_type={norm_type} is not supported.")
+        self.precision.unscale_gradients(optimizer)
+        # the optimizer's parameters in the module's order: the same sums as the Trainer's clipping
+        owned = {id(p): p for p in self.precision.main_params(optimizer)}
+        ordered = [p for p in module.parameters() if owned.pop(id(p), None) is not None]
+        params = self._with_grads(ordered + list(owned.values()))
+        norm = clip_grad_norm_(params, float(max_norm), self.layout)
+        self.last_grad_norm = norm
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(
+                f"the global gradient norm is {norm} (a NaN/inf loss or gradient); gradients were not clipped. "
+                "Pass error_if_nonfinite=False to clip anyway."
+            )
+        return torch.tensor(norm)
+
+    # ------------------------------------------------------ collectives
+    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    # ------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Every rank: ``state``'s model and optimizers as pieces of the whole model's tensors
+        (reshardable), the rest (``state_dict()`` of stateful objects) on rank 0; a directory,
+        written crash-safely (complete once ``metadata.json`` is in place)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        if filter is not None:
+            raise NotImplementedError(f"{type(self).__name__} saves whole distributed checkpoints: no filter.")
+        model_key, module = _the_model(state)
+        optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
+        rest = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in state.items()
+                if k != model_key and k not in optimizer_keys}
+        step = next((rest[k] for k in ("global_step", "step") if isinstance(rest.get(k), int)), None)
+        checkpoint = {
+            "state_dict": dist_checkpoint.model_state(module, self.layout),
+            "optimizer_states": [dist_checkpoint.optimizer_state(state[k], module, self.layout) for k in optimizer_keys],
+            FABRIC_OBJECTS: dict(model=model_key, optimizers=optimizer_keys),
+            FABRIC_STATE: rest,
+            "global_step": step,
+        }
+        self._save_distributed(checkpoint, Path(path), module)
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Restore the objects in ``state`` (one model, its optimizers, stateful objects; other
+        keys are replaced by the saved values) from a checkpoint saved on any layout, by
+        ``fabric.save`` or by the Trainer (model and optimizers in order, then its top-level
+        entries). Returns the saved entries not asked for. ``state`` may be the model alone."""
+        if not state:
+            raise ValueError(
+                f"{type(self).__name__}.load_checkpoint needs the objects to restore, at least the model: "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})"
+            )
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(f"{type(self).__name__} loads an optimizer together with its model: "
+                                      "fabric.load(path, {'model': model, 'optimizer': optimizer})")
+        if isinstance(state, Module):
+            checkpoint = self._load_distributed(path, state, [])
+            state.load_state_dict(checkpoint["state_dict"], strict=strict)
+            return {}
+        model_key, module = _the_model(state)
+        wanted = [k for k, v in state.items() if isinstance(v, Optimizer)]
+        saved = _saved_objects(Path(path), wanted, model_key)
+        missing = [k for k in wanted if k not in saved["optimizers"]]
+        if missing:
+            raise ConfigError(f"checkpoint {path} has no optimizer state for {missing} (saved: {saved['optimizers']}).")
+        optimizers = [state[k] if k in wanted else None for k in saved["optimizers"]]
+        checkpoint = self._load_distributed(path, module, optimizers)
+        rest = checkpoint.get(FABRIC_STATE) if FABRIC_OBJECTS in checkpoint else \
+            {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        available = {saved["model"], *saved["optimizers"], *rest}
+        _validate_keys_for_strict_loading(state.keys(), available, strict=strict)
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        for key, loaded in zip(saved["optimizers"], checkpoint["optimizer_states"]):
+            if loaded is not None:
+                state[key].load_state_dict(loaded)
+        for key, obj in list(state.items()):
+            if key == model_key or key in wanted or key not in rest:
+                continue
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(rest.pop(key))
+            else:
+                state[key] = rest.pop(key)
+        return rest
+
+
+class _GradientSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: gradients accumulate locally, not reduced over DP."""
+
+    def __init__(self, strategy: MHCParallelStrategy) -> None:
+        self._strategy = strategy
+
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return _NoSync(self._strategy) if enabled else nullcontext()
+
+
+class _NoSync(AbstractContextManager):
+    def __init__(self, strategy: MHCParallelStrategy) -> None:
+        self._strategy = strategy
+
+    def __enter__(self) -> None:
+        self._previous, self._strategy._sync_gradients = self._strategy._sync_gradients, False
+
+    def __exit__(self, *exc: Any) -> None:
+        self._strategy._sync_gradients = self._previous
+
+
+def _the_model(state: dict[str, Any]) -> tuple[str, Module]:
+    modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
+    if len(modules) != 1:
+        raise ValueError(
+            f"MHCParallelStrategy saves and loads one model per checkpoint; the state has {len(modules)} "
+            f"({[k for k, _ in modules]}). Save several models to several paths."
+        )
+    return modules[0]
+
+
+def _saved_objects(path: Path, wanted: list[str], model_key: str) -> dict[str, Any]:
+    """Which saved entries are the model and the optimizers: recorded by ``fabric.save``; for a
+    Trainer checkpoint, its optimizers in order, named by the keys asked for."""
+    dist_checkpoint.read_metadata(path)  # a clear error for a missing or incomplete checkpoint
+    saved = dist_checkpoint.read_trainer_state(path)
+    if FABRIC_OBJECTS in saved:
+        return saved[FABRIC_OBJECTS]
+    return dict(model=model_key, optimizers=wanted[:len(saved.get("optimizer_param_groups", []))])

@@ -1,0 +1,183 @@
+"""Fabric runs on 2 processes (Fabric's launcher re-runs this script), several phases in one launch.
+
+    python fabric_checks.py --out result.json [--gpt-ckpt DIR]
+
+1. ``strategy="mhc_parallel"``, a plain module, DP = 2: replicas after setup and after training,
+   the samples each rank saw, a gradient-accumulation step (``no_backward_sync``), global-norm
+   clipping, save at step 2 / load into fresh objects / continue, and a one-process replay of
+   the same global batches as the reference.
+2. With ``--gpt-ckpt`` (a checkpoint of examples/fabric_train.py, saved on TP 2 x PP 2): load it
+   on DP 2, TP 2 and PP 2 in turn (a new Fabric each time, same processes) and evaluate a fixed
+   batch; refusals of misuse on the way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_mhc import ConfigError, MHCGPTModule
+from lightning_mhc.fabric import MHCParallelStrategy
+
+STEPS, SAVE_AT, ACCUMULATE_AT, MAX_NORM, BATCH = 5, 2, 3, 0.05, 4
+
+
+class Indexed(Dataset):
+    """Sample ``i``: ``(i, x_i, y_i)`` drawn from a generator seeded by ``i``."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(8, generator=g)
+        return torch.tensor(i), x, x[:1] * 2 - x[1:2]
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def cycle(loader):
+    while True:
+        yield from loader
+
+
+def train(fabric, model, optimizer, batches, state, log):
+    """Steps ``state["step"] + 1 .. STEPS``; step ACCUMULATE_AT takes two batches."""
+    while state["step"] < STEPS:
+        step = state["step"] + 1
+        micro = 2 if step == ACCUMULATE_AT else 1
+        for k in range(micro):
+            index, x, y = next(batches)
+            state["consumed"] += 1
+            log.setdefault(step, []).append(index.tolist())
+            with fabric.no_backward_sync(model, enabled=k < micro - 1):
+                fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        norm = fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)
+        log.setdefault("norms", {})[step] = norm.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        state["step"] = step
+        if step == SAVE_AT and "ckpt" in state:
+            fabric.save(state["ckpt"], {k: v for k, v in state.items() if k != "ckpt"})
+
+
+def phase_plain(fabric: Fabric, out_dir: pathlib.Path) -> dict:
+    rank = fabric.global_rank
+    module = make_model(100 + rank)  # different on each rank: setup must sync them
+    initial = fabric.all_gather(flat(module))
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
+    synced = fabric.all_gather(flat(model))
+    loader = fabric.setup_dataloaders(DataLoader(Indexed(), batch_size=BATCH, shuffle=True))
+    ckpt = str(out_dir / "plain-2")
+    state = dict(model=model, optimizer=optimizer, step=0, consumed=0, ckpt=ckpt)
+    log: dict = {}
+    train(fabric, model, optimizer, cycle(loader), state, log)
+    final = fabric.all_gather(flat(model))
+
+    # a fresh model and optimizer (other weights), loaded from step 2, continued
+    module2 = make_model(7 + rank)
+    model2, optimizer2 = fabric.setup(module2, torch.optim.SGD(module2.parameters(), lr=0.1, momentum=0.9))
+    resumed = dict(model=model2, optimizer=optimizer2, step=0, consumed=0)
+    fabric.load(ckpt, resumed)
+    batches = cycle(fabric.setup_dataloaders(DataLoader(Indexed(), batch_size=BATCH, shuffle=True)))
+    for _ in range(resumed["consumed"]):
+        next(batches)
+    resumed_log: dict = {}
+    train(fabric, model2, optimizer2, batches, resumed, resumed_log)
+    logs = [None] * fabric.world_size
+    dist.all_gather_object(logs, log)
+    return dict(initial=initial.tolist(), synced=synced.tolist(), final=final.tolist(),
+                resumed=flat(model2).tolist(), resumed_step=resumed["step"], logs=logs,
+                sampler=dict(fabric.strategy.distributed_sampler_kwargs))
+
+
+def one_process_replay(initial: list[float], logs: list[dict]) -> dict:
+    """The same steps in one process on the global batches (both ranks' samples)."""
+    model = make_model(0)
+    torch.nn.utils.vector_to_parameters(torch.tensor(initial), model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data, norms = Indexed(), {}
+    for step in range(1, STEPS + 1):
+        for micro in range(len(logs[0][step])):
+            per_rank = []
+            for log in logs:
+                batch = [data[i] for i in log[step][micro]]
+                x, y = torch.stack([b[1] for b in batch]), torch.stack([b[2] for b in batch])
+                per_rank.append(torch.nn.functional.mse_loss(model(x), y))
+            (sum(per_rank) / len(per_rank)).backward()  # DP averages the ranks' gradients
+        norms[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item()
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(final=flat(model).tolist(), norms=norms)
+
+
+def phase_gpt(ckpt: str) -> dict:
+    """Load a TP 2 x PP 2 checkpoint of the example on DP 2, TP 2 and PP 2; evaluate one batch."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
+    import fabric_train as example
+
+    tokens = torch.randint(0, 256, (4, example.SEQ + 1), generator=torch.Generator().manual_seed(3))
+    batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:])
+    result: dict = {"eval_loss": {}, "refused": {}}
+    for name, tp, pp in (("dp2", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)):
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=MHCParallelStrategy(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+        fabric.launch()
+        module = MHCGPTModule(example.model_config(0.1), recompute_policy="mhc_block")
+        if name == "tp2":
+            try:  # an optimizer made before the stage exists holds the wrong parameters
+                fabric.setup(module, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
+            except ConfigError as exc:
+                result["refused"]["optimizer_before_stage"] = str(exc)
+            try:  # a plain module cannot be tensor-parallel
+                fabric.setup_module(torch.nn.Linear(4, 4))
+            except ConfigError as exc:
+                result["refused"]["plain_module_tp"] = str(exc)
+            module = MHCGPTModule(example.model_config(0.1), recompute_policy="mhc_block")
+        model = fabric.setup_module(module)
+        remainder = fabric.load(ckpt, {"model": model})
+        model.eval()
+        loss = fabric.strategy.forward_backward(model, batch, forward_only=True)
+        result["eval_loss"][name] = loss.item()
+        result["remainder_keys"] = sorted(remainder)
+        if name == "pp2":
+            try:
+                fabric.backward(loss.requires_grad_())
+            except ConfigError as exc:
+                result["refused"]["backward_on_pipeline"] = str(exc)
+        fabric.strategy.teardown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--gpt-ckpt")
+    args = parser.parse_args()
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="mhc_parallel")
+    fabric.launch()
+    result = dict(strategy=type(fabric.strategy).__module__ + "." + type(fabric.strategy).__name__)
+    result["plain"] = phase_plain(fabric, args.out.parent)
+    fabric.strategy.teardown()
+    if args.gpt_ckpt:
+        result["gpt"] = phase_gpt(args.gpt_ckpt)
+    if dist.get_rank() == 0:
+        result["reference"] = one_process_replay(result["plain"]["synced"][0], result["plain"]["logs"])
+        args.out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Lightning Fabric: ``lightning_mhc.fabric.MHCParallelStrategy`` through the public door.
+
+- examples/fabric_train.py as a user runs it (TP 2 x PP 2, 4 processes, mhc_block, dropout 0.1):
+  the same per-step losses as Trainer.fit of the same run; save at step 3, resume, the same
+  losses as the uninterrupted loop;
+- a plain module under ``strategy="mhc_parallel"`` (DP 2): replicas, distinct samples, gradient
+  accumulation, global-norm clipping and save/load against a one-process replay;
+- the example's TP 2 x PP 2 checkpoint loaded by Fabric on DP 2, TP 2 and PP 2.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from script_runs import fit_gpt, run_script
+from subprocess_env import child_env
+
+EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "fabric_train.py"
+
+
+def run_example(cwd: pathlib.Path, *args: str) -> dict[int, float]:
+    out = cwd / f"losses{len(list(cwd.glob('losses*.json')))}.json"
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, env=child_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "step 1: loss" in proc.stdout or "--resume" in args, proc.stdout[-2000:]
+    return {int(k): v for k, v in json.loads(out.read_text()).items()}
+
+
+# ---------------------------------------------------------------- no processes
+def test_fabric_finds_the_strategy_by_name_and_class():
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    import lightning_mhc  # noqa: F401  (registers with Fabric and the Trainer)
+    from lightning_mhc.fabric import MHCParallelStrategy
+    from lightning_mhc.fabric.core import MHCParallelCore
+    from lightning_mhc.lightning import MHCParallelStrategy as TrainerStrategy
+
+    assert STRATEGY_REGISTRY["mhc_parallel"]["strategy"] is MHCParallelStrategy
+    assert type(Fabric(accelerator="cpu", devices=1, strategy="mhc_parallel").strategy) is MHCParallelStrategy
+    strategy = MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_microbatches=4)
+    assert Fabric(accelerator="cpu", devices=4, strategy=strategy).strategy is strategy
+    # one implementation of the shared parts: both strategies inherit them, neither overrides them
+    shared = ["_setup_parallel", "_run_schedule", "_reduce_gradients", "_save_distributed", "_load_distributed",
+              "_teardown_parallel", "_check_module", "distributed_sampler_kwargs"]
+    for cls in (MHCParallelStrategy, TrainerStrategy):
+        assert issubclass(cls, MHCParallelCore)
+        assert all(name not in vars(cls) for name in shared), cls
+
+
+def test_fabric_strategy_rejects_a_bad_layout_before_starting():
+    from lightning_mhc import ConfigError
+    from lightning_mhc.fabric import MHCParallelStrategy
+
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=0"):
+        MHCParallelStrategy(tensor_model_parallel_size=0)
+
+
+# ------------------------------------------------------------- with processes
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory):
+    """examples/fabric_train.py as written: 6 steps, checkpoints at steps 3 and 6."""
+    cwd = tmp_path_factory.mktemp("fabric_example")
+    return cwd, run_example(cwd)
+
+
+@pytest.mark.slow
+def test_fabric_example_matches_trainer_fit(example_run, tmp_path):
+    cwd, fabric_losses = example_run
+    trainer = fit_gpt(tmp_path, "--devices", "4", "--tp", "2", "--pp", "2", "--policy", "mhc_block",
+                      "--scenario", "fabric_example", "--steps", "6")["losses"]
+    diff = max(abs(a - b) for a, b in zip(trainer, [fabric_losses[s] for s in range(1, 7)]))
+    print(f"Fabric vs Trainer (TP2 x PP2, mhc_block, dropout 0.1), 6 steps: max |loss diff| = {diff:.3g}; "
+          f"losses {[round(x, 6) for x in trainer]}")
+    assert len(trainer) == 6 and diff <= 1e-6
+    assert len(set(trainer)) > 1  # a run that trains
+
+
+@pytest.mark.slow
+def test_fabric_resume_continues_like_the_uninterrupted_loop(example_run):
+    cwd, uninterrupted = example_run
+    assert (cwd / "fabric_ckpt" / "step-3" / "metadata.json").is_file()
+    resumed = run_example(cwd, "--resume", "fabric_ckpt/step-3", "--ckpt-dir", "resumed_ckpt")
+    assert sorted(resumed) == [4, 5, 6]
+    diff = max(abs(resumed[s] - uninterrupted[s]) for s in resumed)
+    print(f"Fabric resume from step 3 (TP2 x PP2, dropout 0.1): max |loss diff| over steps 4-6 = {diff:.3g}")
+    assert diff <= 1e-6
+
+
+@pytest.mark.slow
+def test_fabric_plain_data_parallel_and_resharded_loads(example_run, tmp_path):
+    cwd, _ = example_run
+    out = tmp_path / "result.json"
+    proc = run_script("fabric_checks.py", "--out", str(out), "--gpt-ckpt", str(cwd / "fabric_ckpt" / "step-3"),
+                      timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["strategy"] == "lightning_mhc.fabric.strategy.MHCParallelStrategy"  # strategy="mhc_parallel"
+
+    plain = result["plain"]
+    initial, synced, final = torch.tensor(plain["initial"]), torch.tensor(plain["synced"]), torch.tensor(plain["final"])
+    assert not torch.equal(initial[0], initial[1])  # the ranks initialised different weights ...
+    assert torch.equal(synced[0], synced[1]) and torch.equal(synced[0], initial[0])  # ... setup gave rank 0's to all
+    assert torch.equal(final[0], final[1])  # replicas identical after training
+    logs = plain["logs"]
+    seen = [[i for step in map(str, range(1, 6)) for batch in log[step] for i in batch] for log in logs]
+    assert all(not set(a) & set(b) for a, b in zip(logs[0]["1"], logs[1]["1"]))  # distinct samples per step
+    first_epoch = [set(s[:16]) for s in seen]  # 4 batches of 4 per rank: one epoch of the 32 samples
+    assert not first_epoch[0] & first_epoch[1] and first_epoch[0] | first_epoch[1] == set(range(32))
+
+    reference = result["reference"]
+    weight_diff = (final[0] - torch.tensor(reference["final"])).abs().max().item()
+    norm_diff = max(abs(logs[0]["norms"][s] - reference["norms"][s]) for s in reference["norms"])
+    print(f"Fabric DP2 plain module vs one-process replay of the global batches, 5 steps (one accumulated, "
+          f"clipped at {0.05}): max |weight diff| = {weight_diff:.3g}, max |global norm diff| = {norm_diff:.3g}")
+    assert weight_diff <= 1e-6 and norm_diff <= 1e-5
+    assert min(reference["norms"].values()) > 0.05  # clipping was active on every step
+    assert plain["resumed_step"] == 5 and torch.equal(torch.tensor(plain["resumed"]), final[0])
+
+    gpt = result["gpt"]
+    losses = gpt["eval_loss"]
+    spread = max(losses.values()) - min(losses.values())
+    print(f"TP2 x PP2 Fabric checkpoint loaded by Fabric on DP2 / TP2 / PP2: eval losses {losses}, spread {spread:.3g}")
+    assert spread <= 1e-6
+    assert {"scheduler", "step"} <= set(gpt["remainder_keys"])  # not asked for: returned to the caller
+    assert "Set up the module first" in gpt["refused"]["optimizer_before_stage"]
+    assert "pipeline contract" in gpt["refused"]["plain_module_tp"]
+    assert "forward_backward" in gpt["refused"]["backward_on_pipeline"]
