@@ -1,9 +1,11 @@
 """lightning_mhc: train mHC transformers with TP/PP/DP from one line of Lightning.
 
 Layers, each importable without the ones after it: ``recompute`` (torch
-only) <- ``model`` (megatron-core) <- ``parallel`` <- ``lightning``. Public
-names are loaded on first use, so importing one layer never imports the
-layers above it.
+only) <- ``model`` (megatron-core) <- ``parallel`` <- ``checkpoint`` <- ``fabric``
+(Lightning Fabric; what both strategies share) <- ``lightning`` (the Trainer).
+Public names are loaded on first use, so importing one layer never imports the
+layers above it. ``MHCParallelStrategy`` here is the Trainer's; Fabric's is
+``lightning_mhc.fabric.MHCParallelStrategy``.
 """
 from __future__ import annotations
 

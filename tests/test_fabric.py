@@ -5,7 +5,8 @@
   losses as the uninterrupted loop;
 - a plain module under ``strategy="mhc_parallel"`` (DP 2): replicas, distinct samples, gradient
   accumulation, global-norm clipping and save/load against a one-process replay;
-- the example's TP 2 x PP 2 checkpoint loaded by Fabric on DP 2, TP 2 and PP 2.
+- the example's TP 2 x PP 2 checkpoint loaded by Fabric on DP 2, TP 2 and PP 2; its last
+  checkpoint and the Trainer's of the same run loaded by Fabric (model and optimizer) agree.
 """
 from __future__ import annotations
 
@@ -70,11 +71,17 @@ def example_run(tmp_path_factory):
     return cwd, run_example(cwd)
 
 
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory):
+    """The example's run through Trainer.fit (tests/scripts/fit_gpt.py), checkpoint at step 6."""
+    return fit_gpt(tmp_path_factory.mktemp("trainer_of_example"), "--devices", "4", "--tp", "2", "--pp", "2",
+                   "--policy", "mhc_block", "--scenario", "fabric_example", "--steps", "6")
+
+
 @pytest.mark.slow
-def test_fabric_example_matches_trainer_fit(example_run, tmp_path):
+def test_fabric_example_matches_trainer_fit(example_run, trainer_run):
     cwd, fabric_losses = example_run
-    trainer = fit_gpt(tmp_path, "--devices", "4", "--tp", "2", "--pp", "2", "--policy", "mhc_block",
-                      "--scenario", "fabric_example", "--steps", "6")["losses"]
+    trainer = trainer_run["losses"]
     diff = max(abs(a - b) for a, b in zip(trainer, [fabric_losses[s] for s in range(1, 7)]))
     print(f"Fabric vs Trainer (TP2 x PP2, mhc_block, dropout 0.1), 6 steps: max |loss diff| = {diff:.3g}; "
           f"losses {[round(x, 6) for x in trainer]}")
@@ -94,10 +101,11 @@ def test_fabric_resume_continues_like_the_uninterrupted_loop(example_run):
 
 
 @pytest.mark.slow
-def test_fabric_plain_data_parallel_and_resharded_loads(example_run, tmp_path):
+def test_fabric_plain_data_parallel_and_resharded_loads(example_run, trainer_run, tmp_path):
     cwd, _ = example_run
     out = tmp_path / "result.json"
     proc = run_script("fabric_checks.py", "--out", str(out), "--gpt-ckpt", str(cwd / "fabric_ckpt" / "step-3"),
+                      "--gpt-final", str(cwd / "fabric_ckpt" / "step-6"), "--trainer-final", trainer_run["checkpoint"],
                       timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads(out.read_text())
@@ -129,6 +137,14 @@ def test_fabric_plain_data_parallel_and_resharded_loads(example_run, tmp_path):
     print(f"TP2 x PP2 Fabric checkpoint loaded by Fabric on DP2 / TP2 / PP2: eval losses {losses}, spread {spread:.3g}")
     assert spread <= 1e-6
     assert {"scheduler", "step"} <= set(gpt["remainder_keys"])  # not asked for: returned to the caller
+    assert gpt["recompute_attached"] == {"dp2": True, "tp2": True, "pp2": True}  # mhc_block managers hooked
+    fabric_final, trainer_final = gpt["final"]["fabric"], gpt["final"]["trainer"]
+    diffs = {key: (torch.tensor(fabric_final[key]) - torch.tensor(trainer_final[key])).abs().max().item()
+             for key in ("weights", "moments")}
+    print(f"step-6 checkpoints of the same run by Fabric and by the Trainer, both loaded by Fabric on DP2: eval "
+          f"loss {fabric_final['eval_loss']:.6f} vs {trainer_final['eval_loss']:.6f}, max |diff| {diffs}")
+    assert fabric_final["steps"] == trainer_final["steps"] == [6]
+    assert abs(fabric_final["eval_loss"] - trainer_final["eval_loss"]) <= 1e-6 and max(diffs.values()) <= 1e-6
     assert "Set up the module first" in gpt["refused"]["optimizer_before_stage"]
     assert "pipeline contract" in gpt["refused"]["plain_module_tp"]
     assert "forward_backward" in gpt["refused"]["backward_on_pipeline"]

@@ -187,6 +187,14 @@ class MHCParallelCore:
 
     _set_world_ranks = set_world_ranks  # the name Fabric's connector calls
 
+    launcher_class: type
+    """The subprocess launcher (Fabric's or the Trainer's, with ``launcher.JobLauncherMixin``)."""
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
+
     # ------------------------------------------------------ process groups
     def _check_module(self, module: Any) -> None:
         """A module that cannot run on this layout is refused before any process group exists."""

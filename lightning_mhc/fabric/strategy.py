@@ -75,6 +75,8 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
       and Trainer checkpoints load too).
     """
 
+    launcher_class = MHCFabricLauncher
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._backward_sync_control = _GradientSyncControl(self)
@@ -82,12 +84,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         self._modules: list[Module] = []
         self._steps = 0
 
-    # ------------------------------------------------------- processes
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = MHCFabricLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
+    # -------------------------------------------------------- processes
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_parallel()

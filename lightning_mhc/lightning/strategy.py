@@ -67,6 +67,8 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
     (``raise_on_nonfinite_loss``, or ``Trainer(detect_anomaly=True)``) or skips that step.
     """
 
+    launcher_class = MHCSubprocessLauncher
+
     def __init__(self, *args: Any, save_on_preemption: bool = True, preemption_grace_s: float = 25.0,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -85,11 +87,6 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the stage is built in configure_model before its shard is loaded
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = MHCSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()

@@ -8,7 +8,8 @@
    the same global batches as the reference.
 2. With ``--gpt-ckpt`` (a checkpoint of examples/fabric_train.py, saved on TP 2 x PP 2): load it
    on DP 2, TP 2 and PP 2 in turn (a new Fabric each time, same processes) and evaluate a fixed
-   batch; refusals of misuse on the way.
+   batch; refusals of misuse on the way; with ``--gpt-final`` and ``--trainer-final``, the
+   example's and the Trainer's last checkpoints of the same run, loaded with their optimizers.
 """
 from __future__ import annotations
 
@@ -124,8 +125,10 @@ def one_process_replay(initial: list[float], logs: list[dict]) -> dict:
     return dict(final=flat(model).tolist(), norms=norms)
 
 
-def phase_gpt(ckpt: str) -> dict:
-    """Load a TP 2 x PP 2 checkpoint of the example on DP 2, TP 2 and PP 2; evaluate one batch."""
+def phase_gpt(ckpt: str, final: str | None, trainer_final: str | None) -> dict:
+    """Load a TP 2 x PP 2 checkpoint of the example on DP 2, TP 2 and PP 2 and evaluate one batch;
+    on DP 2 also load the example's final checkpoint and the Trainer's of the same run (model and
+    optimizer) and compare them."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
     import fabric_train as example
 
@@ -148,6 +151,9 @@ def phase_gpt(ckpt: str) -> dict:
                 result["refused"]["plain_module_tp"] = str(exc)
             module = MHCGPTModule(example.model_config(0.1), recompute_policy="mhc_block")
         model = fabric.setup_module(module)
+        blocks = [m for m in module.modules() if hasattr(m, "recompute_block_ranges")]
+        result.setdefault("recompute_attached", {})[name] = bool(blocks) and all(
+            getattr(b, "mhc_recompute_attached", False) for b in blocks)
         remainder = fabric.load(ckpt, {"model": model})
         model.eval()
         loss = fabric.strategy.forward_backward(model, batch, forward_only=True)
@@ -158,14 +164,31 @@ def phase_gpt(ckpt: str) -> dict:
                 fabric.backward(loss.requires_grad_())
             except ConfigError as exc:
                 result["refused"]["backward_on_pipeline"] = str(exc)
+        if name == "dp2" and final and trainer_final:
+            result["final"] = {source: _load_with_optimizer(fabric, example, path, batch)
+                               for source, path in (("fabric", final), ("trainer", trainer_final))}
         fabric.strategy.teardown()
     return result
+
+
+def _load_with_optimizer(fabric: Fabric, example, path: str, batch: dict) -> dict:
+    module = MHCGPTModule(example.model_config(0.1))
+    model = fabric.setup_module(module)
+    optimizer = fabric.setup_optimizers(module.configure_optimizers(max_steps=6)["optimizer"])
+    fabric.load(path, {"model": model, "optimizer": optimizer})
+    model.eval()
+    moments = [s["exp_avg_sq"].reshape(-1) for s in optimizer.state_dict()["state"].values()]
+    return dict(eval_loss=fabric.strategy.forward_backward(model, batch, forward_only=True).item(),
+                weights=flat(model).tolist(), moments=torch.cat(moments).tolist(),
+                steps=sorted({int(s["step"]) for s in optimizer.state_dict()["state"].values()}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--gpt-ckpt")
+    parser.add_argument("--gpt-final", help="the example's last checkpoint")
+    parser.add_argument("--trainer-final", help="the Trainer's last checkpoint of the same run")
     args = parser.parse_args()
     fabric = Fabric(accelerator="cpu", devices=2, strategy="mhc_parallel")
     fabric.launch()
@@ -173,7 +196,7 @@ def main() -> None:
     result["plain"] = phase_plain(fabric, args.out.parent)
     fabric.strategy.teardown()
     if args.gpt_ckpt:
-        result["gpt"] = phase_gpt(args.gpt_ckpt)
+        result["gpt"] = phase_gpt(args.gpt_ckpt, args.gpt_final, args.trainer_final)
     if dist.get_rank() == 0:
         result["reference"] = one_process_replay(result["plain"]["synced"][0], result["plain"]["logs"])
         args.out.write_text(json.dumps(result))

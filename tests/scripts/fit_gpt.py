@@ -159,10 +159,13 @@ def main() -> None:
         sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
         import fabric_train as example
 
+        ckpt_dir = args.out.parent / "ckpt"
         result["losses"], trainer = fit(
-            args, args.steps, dropout=0.1, config=example.model_config(0.1), seq=example.SEQ,
+            args, args.steps, dropout=0.1, ckpt_dir=str(ckpt_dir), every_n_train_steps=args.steps,
+            config=example.model_config(0.1), seq=example.SEQ,
             global_batch=example.GLOBAL_BATCH, num_samples=example.NUM_SAMPLES, lr=example.LR,
             warmup_steps=example.WARMUP_STEPS, max_grad_norm=example.MAX_GRAD_NORM)
+        result["checkpoint"] = str(next(ckpt_dir.glob(f"*step={args.steps}.ckpt")))
     else:
         result["losses"], trainer = fit(args, 6, dropout=0.0, module_cls=FailingModule)
     if trainer.global_rank == 0 and args.out:
