@@ -6,7 +6,8 @@
 - a plain module under ``strategy="mhc_parallel"`` (DP 2): replicas, distinct samples, gradient
   accumulation, global-norm clipping and save/load against a one-process replay;
 - the example's TP 2 x PP 2 checkpoint loaded by Fabric on DP 2, TP 2 and PP 2; its last
-  checkpoint and the Trainer's of the same run loaded by Fabric (model and optimizer) agree.
+  checkpoint and the Trainer's of the same run loaded by Fabric (model and optimizer) agree;
+  ``MHCGPTModule.training_step`` called in a Fabric loop.
 """
 from __future__ import annotations
 
@@ -145,6 +146,7 @@ def test_fabric_plain_data_parallel_and_resharded_loads(example_run, trainer_run
           f"loss {fabric_final['eval_loss']:.6f} vs {trainer_final['eval_loss']:.6f}, max |diff| {diffs}")
     assert fabric_final["steps"] == trainer_final["steps"] == [6]
     assert abs(fabric_final["eval_loss"] - trainer_final["eval_loss"]) <= 1e-6 and max(diffs.values()) <= 1e-6
+    assert gpt["training_step"]["grads"] and 5.0 < gpt["training_step"]["loss"] < 6.0  # MHCGPTModule.training_step
     assert "Set up the module first" in gpt["refused"]["optimizer_before_stage"]
     assert "pipeline contract" in gpt["refused"]["plain_module_tp"]
     assert "forward_backward" in gpt["refused"]["backward_on_pipeline"]

@@ -164,6 +164,10 @@ def phase_gpt(ckpt: str, final: str | None, trainer_final: str | None) -> dict:
                 fabric.backward(loss.requires_grad_())
             except ConfigError as exc:
                 result["refused"]["backward_on_pipeline"] = str(exc)
+            model.train()  # the LightningModule's own training_step under Fabric (self.trainer.strategy)
+            step_loss = model.training_step(batch, 0)
+            result["training_step"] = dict(loss=step_loss.item(), grads=all(
+                p.grad is not None for p in module.parameters() if p.requires_grad))
         if name == "dp2" and final and trainer_final:
             result["final"] = {source: _load_with_optimizer(fabric, example, path, batch)
                                for source, path in (("fabric", final), ("trainer", trainer_final))}
