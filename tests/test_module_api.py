@@ -33,8 +33,12 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 # --------------------------------------------------------- registration by name
 _BUILD_BY_NAME = """
+    import lightning.pytorch as pl
+    from lightning.fabric import Fabric
     trainer = pl.Trainer(strategy="mhc_parallel", accelerator="cpu", devices=1, logger=False)
-    assert type(trainer.strategy).__name__ == "MHCParallelStrategy", type(trainer.strategy)
+    assert type(trainer.strategy).__module__ == "lightning_mhc.lightning.strategy", type(trainer.strategy)
+    fabric = Fabric(strategy="mhc_parallel", accelerator="cpu", devices=1)
+    assert type(fabric.strategy).__module__ == "lightning_mhc.fabric.strategy", type(fabric.strategy)
     assert not any(type(f).__module__ == "lightning_mhc._registration" for f in sys.meta_path), sys.meta_path
     print("OK")
 """
@@ -43,8 +47,11 @@ _BUILD_BY_NAME = """
 @pytest.mark.parametrize("imports", [
     "import lightning_mhc\nimport lightning.pytorch as pl",
     "import lightning.pytorch as pl\nimport lightning_mhc",
-], ids=["lightning_mhc-first", "lightning-first"])
+    "import lightning_mhc\nfrom lightning.fabric import Fabric",
+    "from lightning.fabric import Fabric\nimport lightning_mhc",
+], ids=["lightning_mhc-first", "lightning-first", "lightning_mhc-then-fabric", "fabric-first"])
 def test_strategy_name_works_after_import_lightning_mhc(imports):
+    """``strategy="mhc_parallel"`` names the Trainer's strategy in a Trainer and Fabric's in Fabric."""
     proc = run_python("import sys\n" + imports + textwrap.dedent(_BUILD_BY_NAME))
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
@@ -54,7 +61,8 @@ def test_lower_layers_do_not_import_lightning():
     imported afterwards (it imports lightning.pytorch) still gets the strategy registered."""
     proc = run_python(textwrap.dedent("""
         import sys
-        import lightning_mhc.model, lightning_mhc.recompute, lightning_mhc.parallel
+        import lightning_mhc.model, lightning_mhc.recompute, lightning_mhc.parallel, lightning_mhc.checkpoint
+        import lightning_mhc.parallel.contract, lightning_mhc.checkpoint.export
         assert "lightning.pytorch" not in sys.modules
         loaded = [m for m in sys.modules
                   if m == "lightning" or m.startswith(("lightning.", "lightning_mhc.lightning"))]
