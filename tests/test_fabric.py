@@ -2,7 +2,7 @@
 
 - examples/fabric_train.py as a user runs it (TP 2 x PP 2, 4 processes, mhc_block, dropout 0.1):
   the same per-step losses as Trainer.fit of the same run; save at step 3, resume, the same
-  losses as the uninterrupted loop;
+  losses as the uninterrupted loop; started by torchrun instead of Fabric's launcher;
 - a plain module under ``strategy="mhc_parallel"`` (DP 2): replicas, distinct samples, gradient
   accumulation, global-norm clipping and save/load against a one-process replay;
 - the example's TP 2 x PP 2 checkpoint loaded by Fabric on DP 2, TP 2 and PP 2; its last
@@ -25,10 +25,10 @@ from subprocess_env import child_env
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "fabric_train.py"
 
 
-def run_example(cwd: pathlib.Path, *args: str) -> dict[int, float]:
+def run_example(cwd: pathlib.Path, *args: str, launcher: tuple[str, ...] = ()) -> dict[int, float]:
     out = cwd / f"losses{len(list(cwd.glob('losses*.json')))}.json"
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, env=child_env())
+    proc = subprocess.run([sys.executable, *launcher, str(EXAMPLE), "--out", str(out), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "step 1: loss" in proc.stdout or "--resume" in args, proc.stdout[-2000:]
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
@@ -99,6 +99,15 @@ def test_fabric_resume_continues_like_the_uninterrupted_loop(example_run):
     diff = max(abs(resumed[s] - uninterrupted[s]) for s in resumed)
     print(f"Fabric resume from step 3 (TP2 x PP2, dropout 0.1): max |loss diff| over steps 4-6 = {diff:.3g}")
     assert diff <= 1e-6
+
+
+@pytest.mark.slow
+def test_fabric_example_under_torchrun(example_run, tmp_path):
+    """Processes started by torchrun (TorchElasticEnvironment): the strategy joins them."""
+    _, launched_by_fabric = example_run
+    losses = run_example(tmp_path, "--steps", "2", "--save-every", "0",
+                         launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"))
+    assert losses == {1: launched_by_fabric[1], 2: launched_by_fabric[2]}
 
 
 @pytest.mark.slow
