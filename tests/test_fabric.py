@@ -156,6 +156,10 @@ def test_fabric_plain_data_parallel_and_resharded_loads(example_run, trainer_run
     assert fabric_final["steps"] == trainer_final["steps"] == [6]
     assert abs(fabric_final["eval_loss"] - trainer_final["eval_loss"]) <= 1e-6 and max(diffs.values()) <= 1e-6
     assert gpt["training_step"]["grads"] and 5.0 < gpt["training_step"]["loss"] < 6.0  # MHCGPTModule.training_step
+    refused = gpt["refused"]
+    assert refused["missing"].startswith("FileNotFoundError") and "does not exist" in refused["missing"]
+    assert refused["unfinished"].startswith("IncompleteCheckpointError") and "metadata.json" in refused["unfinished"]
+    assert refused["other_model"].startswith("ConfigError") and "does not fit this model" in refused["other_model"]
     assert "Set up the module first" in gpt["refused"]["optimizer_before_stage"]
     assert "pipeline contract" in gpt["refused"]["plain_module_tp"]
     assert "forward_backward" in gpt["refused"]["backward_on_pipeline"]

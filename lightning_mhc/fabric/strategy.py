@@ -254,7 +254,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         checkpoint = self._load_distributed(path, module, optimizers)
         rest = checkpoint.get(FABRIC_STATE) if FABRIC_OBJECTS in checkpoint else \
             {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        available = {saved["model"], *saved["optimizers"], *rest}
+        available = {model_key, *saved["optimizers"], *rest}  # the one model, under whatever key
         _validate_keys_for_strict_loading(state.keys(), available, strict=strict)
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
         for key, loaded in zip(saved["optimizers"], checkpoint["optimizer_states"]):

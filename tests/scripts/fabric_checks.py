@@ -168,11 +168,31 @@ def phase_gpt(ckpt: str, final: str | None, trainer_final: str | None) -> dict:
             step_loss = model.training_step(batch, 0)
             result["training_step"] = dict(loss=step_loss.item(), grads=all(
                 p.grad is not None for p in module.parameters() if p.requires_grad))
+        if name == "dp2":
+            result["refused"].update(_bad_loads(fabric, example, model, ckpt))
         if name == "dp2" and final and trainer_final:
             result["final"] = {source: _load_with_optimizer(fabric, example, path, batch)
                                for source, path in (("fabric", final), ("trainer", trainer_final))}
         fabric.strategy.teardown()
     return result
+
+
+def _bad_loads(fabric: Fabric, example, model, ckpt: str) -> dict[str, str]:
+    """fabric.load of a missing path, of a directory without metadata.json (a save that did not
+    finish), and of the checkpoint into a model of another size: each refused with its reason."""
+    refused = {}
+    unfinished = pathlib.Path(ckpt).parent / "unfinished"
+    if fabric.global_rank == 0:
+        unfinished.mkdir(exist_ok=True)
+    fabric.barrier()
+    bigger = fabric.setup_module(MHCGPTModule({**example.model_config(0.1), "hidden_size": 128}))
+    for name, path, target in (("missing", pathlib.Path(ckpt).parent / "nowhere", model),
+                               ("unfinished", unfinished, model), ("other_model", pathlib.Path(ckpt), bigger)):
+        try:
+            fabric.load(path, {"model": target})
+        except (FileNotFoundError, ConfigError) as exc:
+            refused[name] = f"{type(exc).__name__}: {exc}"
+    return refused
 
 
 def _load_with_optimizer(fabric: Fabric, example, path: str, batch: dict) -> dict:
