@@ -4,8 +4,9 @@ Layers, each importable without the ones after it: ``recompute`` (torch
 only) <- ``model`` (megatron-core) <- ``parallel`` <- ``checkpoint`` <- ``fabric``
 (Lightning Fabric; what both strategies share) <- ``lightning`` (the Trainer).
 Public names are loaded on first use, so importing one layer never imports the
-layers above it. ``MHCParallelStrategy`` here is the Trainer's; Fabric's is
-``lightning_mhc.fabric.MHCParallelStrategy``.
+layers above it, with one deliberate exception: once Lightning itself is imported, the
+registration hook imports ``fabric`` and ``lightning`` to register ``"mhc_parallel"``.
+``MHCParallelStrategy`` here is the Trainer's; Fabric's is ``lightning_mhc.fabric.MHCParallelStrategy``.
 """
 from __future__ import annotations
 

@@ -126,8 +126,10 @@ class MHCParallelCore:
         self.seed = seed
         self.gradient_bucket_bytes = gradient_bucket_bytes
         self.overlap_grad_reduce = overlap_grad_reduce
-        self._grad_reduction: OverlappedGradReduction | None = None
-        self._overlapped_this_step = False
+        self._grad_reductions: dict[int, OverlappedGradReduction] = {}
+        """The overlapped DP reduction of each trained module (by ``id``)."""
+        self._overlapped: set[int] = set()
+        """Modules whose overlapped reduction started in this step's last backward."""
         self.raise_on_nonfinite_loss = raise_on_nonfinite_loss
         self.measure_activation_memory = measure_activation_memory
         self.activation_bytes: int | None = None
@@ -185,7 +187,8 @@ class MHCParallelCore:
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
-    _set_world_ranks = set_world_ranks  # the name Fabric's connector calls
+    def _set_world_ranks(self) -> None:  # the name Fabric's connector calls
+        self.set_world_ranks()
 
     launcher_class: type
     """The subprocess launcher (Fabric's or the Trainer's, with ``launcher.JobLauncherMixin``)."""
@@ -197,11 +200,13 @@ class MHCParallelCore:
 
     # ------------------------------------------------------ process groups
     def _check_module(self, module: Any) -> None:
-        """A module that cannot run on this layout is refused before any process group exists."""
-        if module is None:
-            return
+        """A module that cannot run on this layout is refused with what to change."""
+        self._check_contract(module)
+        self._check_chunks(module)
+
+    def _check_contract(self, module: Any) -> None:
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size > 1
-        if model_parallel and not is_pipeline_module(module):
+        if module is not None and model_parallel and not is_pipeline_module(module):
             raise ConfigError(
                 f"{type(module).__name__} does not implement the pipeline contract (forward_step, "
                 "loss_func, set_input_tensor, pipeline_tensor_shape; see MHCGPTModule), so it can only "
@@ -209,19 +214,24 @@ class MHCParallelCore:
                 f"and pipeline_model_parallel_size={self.pipeline_model_parallel_size}. Use "
                 "MHCParallelStrategy() with TP = PP = 1, or subclass MHCGPTModule."
             )
-        if self.virtual_pipeline_model_parallel_size and not has_model_chunks(module):
+
+    def _check_chunks(self, module: Any) -> None:
+        if module is not None and self.virtual_pipeline_model_parallel_size and not has_model_chunks(module):
             raise ConfigError(
                 f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs a module "
                 f"with model_chunks() (see MHCGPTModule); {type(module).__name__} has none. Drop the virtual "
                 "pipeline or implement the chunked contract (lightning_mhc/parallel/contract.py)."
             )
 
-    def _setup_parallel(self) -> None:
-        """In every process: the default process group, megatron's TP/PP/DP groups, the seeds."""
+    def _setup_parallel(self, module: Any = None) -> None:
+        """In every process: the default process group, megatron's TP/PP/DP groups, the seeds
+        (``module``, when known already, is checked against the layout first)."""
         reset_seed()
         self.set_world_ranks()
+        self._check_contract(module)
         check_layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                      self.virtual_pipeline_model_parallel_size, self.sequence_parallel)
+        self._check_chunks(module)
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         watch_launcher()
@@ -239,10 +249,13 @@ class MHCParallelCore:
         )
         model_parallel_manual_seed(self.seed, self.layout)
 
-    def _teardown_parallel(self) -> None:
-        if self._grad_reduction is not None:
-            self._grad_reduction.remove()
-            self._grad_reduction = None
+    def _remove_gradient_hooks(self) -> None:
+        for reduction in self._grad_reductions.values():
+            reduction.remove()
+        self._grad_reductions.clear()
+        self._overlapped.clear()
+
+    def _destroy_parallel(self) -> None:
         destroy_parallel()
         clear_parallel_seed()  # self.layout stays readable (degrees and ranks); its groups are gone
 
@@ -271,9 +284,9 @@ class MHCParallelCore:
         return tensor.item()
 
     # --------------------------------------------------------------- data
-    def _check_data_parallel_sampler(self, dataloader: object, training: bool, fix: str) -> None:
+    def _check_data_parallel_sampler(self, dataloader: object, warn_unsplit: bool, fix: str) -> None:
         """A loader's ``DistributedSampler`` must split by DP rank (``fix``: how to build it right);
-        a training loader without one warns when DP > 1."""
+        with ``warn_unsplit``, a loader without one warns when DP > 1."""
         assert self.layout is not None
         dp, dp_rank = self.layout.data_parallel_size, self.layout.data_parallel_rank
         batch_sampler = getattr(dataloader, "batch_sampler", None)
@@ -286,20 +299,21 @@ class MHCParallelCore:
                     f"rank={sampler.rank}, but this process is data-parallel rank {dp_rank} of {dp} (TP and PP "
                     f"peers of a data-parallel rank must read the same samples). {fix}"
                 )
-        if not distributed and dp > 1 and training:
+        if not distributed and dp > 1 and warn_unsplit:
             rank_zero_warn(
-                f"the training DataLoader has no DistributedSampler although data-parallel size is {dp}: "
+                f"the DataLoader has no DistributedSampler although data-parallel size is {dp}: "
                 "unless its dataset shards itself by strategy.distributed_sampler_kwargs, every "
-                "data-parallel rank trains on the same samples."
+                "data-parallel rank reads the same samples."
             )
 
     # ------------------------------------------------------------ schedule
-    def _run_schedule(self, module: Any, batch: Any, forward_only: bool, accumulate: int, step: int,
+    def _run_schedule(self, module: Any, batch: Any, forward_only: bool, accumulate: int, where: str,
                       raise_on_nonfinite: bool | None = None, reduce_this_step: bool = True) -> Tensor:
         """The schedule over the microbatches of ``batch`` on this rank's stage: the mean loss
         over the microbatches and the DP replicas (the same detached scalar on every rank); with
         ``forward_only=False`` the gradients are accumulated (divided by ``accumulate``) and a
-        NaN/inf loss raises or warns (``raise_on_nonfinite``, default ``raise_on_nonfinite_loss``).
+        NaN/inf loss raises or warns (``raise_on_nonfinite``, default ``raise_on_nonfinite_loss``;
+        ``where`` names the step in the message).
         ``reduce_this_step=False``: the gradients are not final after this call (accumulation),
         so no overlapped reduction starts."""
         m = self.num_microbatches
@@ -335,7 +349,7 @@ class MHCParallelCore:
             self.activation_bytes = int(self._max_over_ranks(peak))
         loss = result.loss * accumulate
         if not forward_only:
-            self._check_finite(loss, step, raise_on_nonfinite)
+            self._check_finite(loss, where, raise_on_nonfinite)
         return loss
 
     def _overlap(self, module: Any, forward_only: bool, accumulate: int):
@@ -343,26 +357,28 @@ class MHCParallelCore:
         ``overlap_grad_reduce``)."""
         if forward_only or accumulate > 1 or not self.overlap_grad_reduce or self.layout.data_parallel_size == 1:
             return None
-        if self._grad_reduction is None:
+        reduction = self._grad_reductions.get(id(module))
+        if reduction is None:
             chunks = module.model_chunks() if has_model_chunks(module) else [module]
-            self._grad_reduction = OverlappedGradReduction(chunks, self.layout, self.gradient_bucket_bytes)
-        self._overlapped_this_step = True
-        return self._grad_reduction.start
+            reduction = self._grad_reductions[id(module)] = OverlappedGradReduction(
+                chunks, self.layout, self.gradient_bucket_bytes)
+        self._overlapped.add(id(module))
+        return reduction.start
 
-    def _check_finite(self, loss: Tensor, step: int, raise_: bool | None = None) -> None:
+    def _check_finite(self, loss: Tensor, where: str, raise_: bool | None = None) -> None:
         if math.isfinite(loss.item()):
             return
-        message = f"non-finite training loss {loss.item()} at global step {step}"
+        message = f"non-finite training loss {loss.item()} at {where}"
         if self.raise_on_nonfinite_loss if raise_ is None else raise_:
-            raise FloatingPointError(message + " (raise_on_nonfinite_loss / detect_anomaly is on)")
+            raise FloatingPointError(message + " (raise_on_nonfinite_loss is on, or the Trainer's detect_anomaly)")
         rank_zero_warn(message)
 
     # ----------------------------------------------------------- gradients
     def _reduce_gradients(self, module: torch.nn.Module) -> None:
         """DP average (finishing the overlapped reduction when one ran), SP parameters summed
         over TP, the tied embedding reduced between the first and last stage."""
-        overlapped = self._grad_reduction if self._overlapped_this_step else None
-        self._overlapped_this_step = False
+        overlapped = self._grad_reductions[id(module)] if id(module) in self._overlapped else None
+        self._overlapped.discard(id(module))
         finalize_model_grads(module, self.layout, self.gradient_bucket_bytes, overlapped=overlapped)
 
     @staticmethod

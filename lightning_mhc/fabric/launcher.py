@@ -47,7 +47,8 @@ LAUNCHER_PID = "LIGHTNING_MHC_LAUNCHER_PID"
 
 
 def watch_launcher(poll_s: float = 1.0) -> None:
-    """In a rank started by ``MHCSubprocessLauncher``: exit when the launching process is gone.
+    """In a rank started by ``MHCSubprocessLauncher`` or ``MHCFabricLauncher``: exit when the
+    launching process is gone.
 
     Without it, a rank whose launcher died (kill -9, OOM) before the process group formed keeps
     waiting for the rendezvous store until its timeout; during training gloo notices the lost

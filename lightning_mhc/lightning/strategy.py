@@ -90,8 +90,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._check_module(self.lightning_module)
-        self._setup_parallel()
+        self._setup_parallel(self.lightning_module)
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -179,7 +178,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         """
         trainer = module.trainer
         accumulate = trainer.accumulate_grad_batches if not forward_only else 1
-        return self._run_schedule(module, batch, forward_only, accumulate, trainer.global_step,
+        return self._run_schedule(module, batch, forward_only, accumulate, f"global step {trainer.global_step}",
                                   raise_on_nonfinite=self._raise_on_nonfinite(trainer))
 
     def _raise_on_nonfinite(self, trainer: pl.Trainer) -> bool:
@@ -257,8 +256,9 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
 
     # ------------------------------------------------------------ teardown
     def teardown(self) -> None:
+        self._remove_gradient_hooks()
         super().teardown()
-        self._teardown_parallel()
+        self._destroy_parallel()
         if self.preemption.signum is not None and self.launcher is not None:
             self.preemption.wait_for(getattr(self.launcher, "procs", []))  # like torchrun: the launcher goes last
         self.preemption.cancel()  # stopped cleanly: nothing left for the watchdog

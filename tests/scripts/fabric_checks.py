@@ -8,8 +8,9 @@
    the same global batches as the reference.
 2. With ``--gpt-ckpt`` (a checkpoint of examples/fabric_train.py, saved on TP 2 x PP 2): load it
    on DP 2, TP 2 and PP 2 in turn (a new Fabric each time, same processes) and evaluate a fixed
-   batch; refusals of misuse on the way; with ``--gpt-final`` and ``--trainer-final``, the
-   example's and the Trainer's last checkpoints of the same run, loaded with their optimizers.
+   batch, then train two steps from it (dropout 0; on DP 2 also with 2-call accumulation) and
+   evaluate again; refusals of misuse on the way; with ``--gpt-final`` and ``--trainer-final``,
+   the example's and the Trainer's last checkpoints of the same run, loaded with their optimizers.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from lightning_mhc import ConfigError, MHCGPTModule
 from lightning_mhc.fabric import MHCParallelStrategy
 
 STEPS, SAVE_AT, ACCUMULATE_AT, MAX_NORM, BATCH = 5, 2, 3, 0.05, 4
+MAX_NORM_GPT = 0.5
 
 
 class Indexed(Dataset):
@@ -158,7 +160,11 @@ def phase_gpt(ckpt: str, final: str | None, trainer_final: str | None) -> dict:
         model.eval()
         loss = fabric.strategy.forward_backward(model, batch, forward_only=True)
         result["eval_loss"][name] = loss.item()
-        result["remainder_keys"] = sorted(remainder)
+        result.setdefault("remainder_keys", {})[name] = sorted(remainder)
+        trained = result.setdefault("trained", {})
+        trained[name] = _train_two_steps(fabric, example, ckpt, batch)
+        if name == "dp2":
+            trained["dp2_accumulate2"] = _train_two_steps(fabric, example, ckpt, batch, accumulate=2)
         if name == "pp2":
             try:
                 fabric.backward(loss.requires_grad_())
@@ -175,6 +181,33 @@ def phase_gpt(ckpt: str, final: str | None, trainer_final: str | None) -> dict:
                                for source, path in (("fabric", final), ("trainer", trainer_final))}
         fabric.strategy.teardown()
     return result
+
+
+def _train_two_steps(fabric: Fabric, example, ckpt: str, eval_batch: dict, accumulate: int = 1) -> dict:
+    """From ``ckpt`` (dropout 0): two AdamW steps, clipped, on two fixed global batches of 8 (each
+    DP rank its slice; with ``accumulate``, in that many calls, all but the last without DP
+    sync), then the loss of ``eval_batch``."""
+    module = MHCGPTModule(example.model_config(0.0), recompute_policy="mhc_block", warmup_steps=0)
+    model = fabric.setup_module(module)
+    optimizer = fabric.setup_optimizers(module.configure_optimizers()["optimizer"])
+    fabric.load(ckpt, {"model": model})
+    layout = fabric.strategy.layout
+    losses = []
+    for step in range(2):
+        tokens = torch.randint(0, 256, (8, example.SEQ + 1), generator=torch.Generator().manual_seed(10 + step))
+        mine = tokens.chunk(layout.data_parallel_size)[layout.data_parallel_rank]
+        parts = mine.chunk(accumulate)
+        total = 0.0
+        for k, part in enumerate(parts):
+            with fabric.no_backward_sync(model, enabled=k < accumulate - 1):
+                total += fabric.strategy.forward_backward(
+                    model, dict(tokens=part[:, :-1], labels=part[:, 1:]), accumulate=accumulate).item()
+        losses.append(total / accumulate)
+        fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM_GPT)
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    return dict(losses=losses, eval_loss=fabric.strategy.forward_backward(model, eval_batch, forward_only=True).item())
 
 
 def _bad_loads(fabric: Fabric, example, model, ckpt: str) -> dict[str, str]:
