@@ -50,7 +50,7 @@ def test_fabric_finds_the_strategy_by_name_and_class():
     assert Fabric(accelerator="cpu", devices=4, strategy=strategy).strategy is strategy
     # one implementation of the shared parts: both strategies inherit them, neither overrides them
     shared = ["_setup_parallel", "_run_schedule", "_reduce_gradients", "_save_distributed", "_load_distributed",
-              "_teardown_parallel", "_check_module", "distributed_sampler_kwargs"]
+              "_remove_gradient_hooks", "_destroy_parallel", "_check_module", "distributed_sampler_kwargs"]
     for cls in (MHCParallelStrategy, TrainerStrategy):
         assert issubclass(cls, MHCParallelCore)
         assert all(name not in vars(cls) for name in shared), cls

@@ -25,6 +25,7 @@ every rank and restore the objects passed to ``fabric.load``.
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -40,6 +41,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_mhc import checkpoint as dist_checkpoint
+from lightning_mhc.checkpoint.format import PARAM_GROUPS
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.fabric.core import MHCParallelCore
 from lightning_mhc.fabric.launcher import MHCFabricLauncher
@@ -51,6 +53,8 @@ FABRIC_OBJECTS = "fabric_objects"
 """Checkpoint entry: which keys of ``fabric.save``'s state were the model and the optimizers."""
 FABRIC_STATE = "fabric_state"
 """Checkpoint entry: the rest of ``fabric.save``'s state (``state_dict()`` of stateful objects)."""
+_TRAINER_OBJECTS = ("state_dict", "optimizer_states", PARAM_GROUPS, "lightning_mhc_metadata")
+"""Entries of a Trainer checkpoint that are not the user's: the model, the optimizers, our metadata."""
 
 
 class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
@@ -79,10 +83,10 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._backward_sync_control = _GradientSyncControl(self)
-        self._sync_gradients = True
-        self._modules: list[Module] = []
-        self._steps = 0
+        self._backward_sync_control = _GradientSyncControl()
+        self._modules: weakref.WeakKeyDictionary[Module, None] = weakref.WeakKeyDictionary()
+        """The set-up modules, in order (those still alive): whose gradients ``backward`` reduces."""
+        self._calls = 0
 
     # -------------------------------------------------------- processes
     def setup_environment(self) -> None:
@@ -90,21 +94,25 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         self._setup_parallel()
 
     def teardown(self) -> None:
-        """Remove the gradient hooks, destroy megatron's groups and the parallel randomizer."""
-        self._teardown_parallel()
-        self._modules = []
+        """Remove the gradient hooks, destroy megatron's groups and the parallel randomizer (call it
+        before making another Fabric in the same processes; the default process group stays)."""
+        self._remove_gradient_hooks()
+        self._modules.clear()
         super().teardown()
+        self._destroy_parallel()
 
     # ---------------------------------------------------------- modules
     def setup_module(self, module: Module) -> Module:
         self._check_module(module)
         if callable(getattr(module, "configure_model", None)):
-            module.configure_model()  # this rank's stage, built for self.layout
+            with self.precision.module_init_context():
+                module.configure_model()  # this rank's stage, built for self.layout
+            module = self.precision.convert_module(module)  # Fabric converted the module before it had a stage
         self.module_to_device(module)
         attach_recompute(module)
         if not is_pipeline_module(module):
             self._sync_replicas(module)
-        self._modules.append(module)
+        self._modules[module] = None
         return module
 
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None):
@@ -125,20 +133,22 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
     # ------------------------------------------------------------- data
     def process_dataloader(self, dataloader: Any) -> Any:
         self._check_data_parallel_sampler(
-            dataloader, True,
+            dataloader, True,  # only a loader set up with use_distributed_sampler=False (or iterable) warns
             "Let fabric.setup_dataloaders insert the sampler (use_distributed_sampler=True, the default) or build "
             "it with **fabric.strategy.distributed_sampler_kwargs.")
         return dataloader
 
     # --------------------------------------------------------- training
-    def forward_backward(self, module: Any, batch: Any, forward_only: bool = False) -> Tensor:
+    def forward_backward(self, module: Any, batch: Any, forward_only: bool = False, accumulate: int = 1) -> Tensor:
         """Run the schedule over the microbatches of ``batch`` on this rank's stage (a module with
         the pipeline contract, e.g. ``MHCGPTModule``; the same call as under the Trainer).
 
         Returns the mean loss over the microbatches and the DP replicas (the same detached scalar
         on every rank). Unless ``forward_only``, the gradients are accumulated and then reduced
         (DP average, SP parameters over TP, the tied embedding), except inside
-        ``fabric.no_backward_sync(model)``, where they keep accumulating locally.
+        ``fabric.no_backward_sync(model)``, where they keep accumulating locally. ``accumulate``:
+        the number of calls whose gradients make one step (all but the last inside
+        ``no_backward_sync``); the loss is divided by it, as the Trainer's ``accumulate_grad_batches``.
         """
         module = _unwrap_objects(module)
         if not is_pipeline_module(module):
@@ -147,20 +157,26 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
                 f"loss_func, set_input_tensor, pipeline_tensor_shape); {type(module).__name__} has none. Train a "
                 "plain module with loss = model(batch); fabric.backward(loss)."
             )
+        if getattr(self.precision, "scaler", None) is not None:
+            raise ConfigError("the pipeline schedule runs its own backward without a gradient scaler: use "
+                              "precision='bf16-mixed', 'bf16-true' or '32-true', not '16-mixed'.")
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(f"accumulate={accumulate!r}: must be a positive integer.")
         training = not forward_only and torch.is_grad_enabled()
+        sync = self._backward_sync_control.syncs(module)
         with self.precision.forward_context():
-            loss = self._run_schedule(module, batch, not training, 1, self._steps,
-                                      reduce_this_step=self._sync_gradients)
+            loss = self._run_schedule(module, batch, not training, accumulate if training else 1,
+                                      f"forward_backward call {self._calls} of this process", reduce_this_step=sync)
         if training:
-            if self._sync_gradients:
+            if sync:
                 self._reduce_gradients(module)
-            self._steps += 1
+            self._calls += 1
         return loss
 
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         """The loss's backward (through the precision plugin), then the gradient reduction of the
         set-up modules (``module`` alone when given), unless inside ``fabric.no_backward_sync``."""
-        modules = [module] if module is not None else self._modules
+        modules = [module] if module is not None else list(self._modules)
         if any(is_pipeline_module(m) and self.pipeline_model_parallel_size * self.tensor_model_parallel_size > 1
                for m in modules):
             raise ConfigError(
@@ -169,8 +185,8 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
                 "do not call fabric.backward on its loss."
             )
         super().backward(tensor, module, *args, **kwargs)
-        if self._sync_gradients:
-            for m in modules:
+        for m in modules:
+            if self._backward_sync_control.syncs(m) and any(p.grad is not None for p in m.parameters()):
                 self._reduce_gradients(m)
 
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int,
@@ -191,7 +207,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
                 f"the global gradient norm is {norm} (a NaN/inf loss or gradient); gradients were not clipped. "
                 "Pass error_if_nonfinite=False to clip anyway."
             )
-        return torch.tensor(norm)
+        return torch.tensor(norm, device=self.root_device)
 
     # ------------------------------------------------------ collectives
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -228,10 +244,13 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Restore the objects in ``state`` (one model, its optimizers, stateful objects; other
-        keys are replaced by the saved values) from a checkpoint saved on any layout, by
-        ``fabric.save`` or by the Trainer (model and optimizers in order, then its top-level
-        entries). Returns the saved entries not asked for. ``state`` may be the model alone."""
+        """Restore the objects in ``state`` (one model, optimizers, stateful objects; other keys
+        get the saved values) from a checkpoint saved on any layout, by ``fabric.save`` or by the
+        Trainer (its model and optimizers in order; its other top-level entries are the rest).
+        Returns the saved entries not asked for (optimizer states not asked for are not read).
+        ``strict``: every key of ``state`` must be in the checkpoint (checked before anything is
+        read); the model must match the checkpoint either way. ``fabric.load_raw(path, model)``
+        loads the model alone. The files are the project's own: ``weights_only`` is not applied."""
         if not state:
             raise ValueError(
                 f"{type(self).__name__}.load_checkpoint needs the objects to restore, at least the model: "
@@ -240,26 +259,23 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         if isinstance(state, Optimizer):
             raise NotImplementedError(f"{type(self).__name__} loads an optimizer together with its model: "
                                       "fabric.load(path, {'model': model, 'optimizer': optimizer})")
+        path = Path(self.broadcast(str(path)))
         if isinstance(state, Module):
             checkpoint = self._load_distributed(path, state, [])
             state.load_state_dict(checkpoint["state_dict"], strict=strict)
             return {}
         model_key, module = _the_model(state)
         wanted = [k for k, v in state.items() if isinstance(v, Optimizer)]
-        saved = _saved_objects(Path(path), wanted, model_key)
-        missing = [k for k in wanted if k not in saved["optimizers"]]
-        if missing:
-            raise ConfigError(f"checkpoint {path} has no optimizer state for {missing} (saved: {saved['optimizers']}).")
-        optimizers = [state[k] if k in wanted else None for k in saved["optimizers"]]
+        saved_optimizers, saved_rest = _saved_entries(path, wanted)
+        _validate_keys_for_strict_loading(state.keys(), {model_key, *saved_optimizers, *saved_rest}, strict=strict)
+        optimizers = [state[k] if k in wanted else None for k in saved_optimizers]
         checkpoint = self._load_distributed(path, module, optimizers)
-        rest = checkpoint.get(FABRIC_STATE) if FABRIC_OBJECTS in checkpoint else \
-            {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        available = {model_key, *saved["optimizers"], *rest}  # the one model, under whatever key
-        _validate_keys_for_strict_loading(state.keys(), available, strict=strict)
-        module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        for key, loaded in zip(saved["optimizers"], checkpoint["optimizer_states"]):
+        module.load_state_dict(checkpoint["state_dict"])
+        for key, loaded in zip(saved_optimizers, checkpoint["optimizer_states"]):
             if loaded is not None:
                 state[key].load_state_dict(loaded)
+        rest = checkpoint[FABRIC_STATE] if FABRIC_OBJECTS in checkpoint else \
+            {k: v for k, v in checkpoint.items() if k not in _TRAINER_OBJECTS}
         for key, obj in list(state.items()):
             if key == model_key or key in wanted or key not in rest:
                 continue
@@ -271,24 +287,27 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
 
 
 class _GradientSyncControl(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: gradients accumulate locally, not reduced over DP."""
+    """``fabric.no_backward_sync(model)``: that model's gradients accumulate locally, not reduced."""
 
-    def __init__(self, strategy: MHCParallelStrategy) -> None:
-        self._strategy = strategy
+    def __init__(self) -> None:
+        self._paused: weakref.WeakKeyDictionary[Module, int] = weakref.WeakKeyDictionary()
+
+    def syncs(self, module: Module) -> bool:
+        return not self._paused.get(module)
 
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return _NoSync(self._strategy) if enabled else nullcontext()
+        return _NoSync(self._paused, module) if enabled else nullcontext()
 
 
 class _NoSync(AbstractContextManager):
-    def __init__(self, strategy: MHCParallelStrategy) -> None:
-        self._strategy = strategy
+    def __init__(self, paused: weakref.WeakKeyDictionary, module: Module) -> None:
+        self._paused, self._module = paused, module
 
     def __enter__(self) -> None:
-        self._previous, self._strategy._sync_gradients = self._strategy._sync_gradients, False
+        self._paused[self._module] = self._paused.get(self._module, 0) + 1
 
     def __exit__(self, *exc: Any) -> None:
-        self._strategy._sync_gradients = self._previous
+        self._paused[self._module] -= 1
 
 
 def _the_model(state: dict[str, Any]) -> tuple[str, Module]:
@@ -301,11 +320,13 @@ def _the_model(state: dict[str, Any]) -> tuple[str, Module]:
     return modules[0]
 
 
-def _saved_objects(path: Path, wanted: list[str], model_key: str) -> dict[str, Any]:
-    """Which saved entries are the model and the optimizers: recorded by ``fabric.save``; for a
-    Trainer checkpoint, its optimizers in order, named by the keys asked for."""
+def _saved_entries(path: Path, wanted: list[str]) -> tuple[list[str], list[str]]:
+    """The keys of the saved optimizers (in their saved order) and of the other saved entries:
+    recorded by ``fabric.save``; for a Trainer checkpoint, its optimizers in order named by the
+    optimizer keys asked for, and its top-level entries."""
     dist_checkpoint.read_metadata(path)  # a clear error for a missing or incomplete checkpoint
     saved = dist_checkpoint.read_trainer_state(path)
     if FABRIC_OBJECTS in saved:
-        return saved[FABRIC_OBJECTS]
-    return dict(model=model_key, optimizers=wanted[:len(saved.get("optimizer_param_groups", []))])
+        return list(saved[FABRIC_OBJECTS]["optimizers"]), list(saved[FABRIC_STATE])
+    count = len(saved.get(PARAM_GROUPS, []))
+    return wanted[:count], [k for k in saved if k not in _TRAINER_OBJECTS]
