@@ -155,6 +155,9 @@ def test_fabric_plain_data_parallel_and_resharded_loads(example_run, trainer_run
     assert set(after) == {"dp2", "dp2_accumulate2", "tp2", "pp2"}
     assert max(after.values()) - min(after.values()) <= 1e-5 and step_diff <= 1e-5
     assert all(abs(after[name] - losses[name.split("_")[0]]) > 1e-4 for name in after)  # the steps changed it
+    bf16, fp32 = gpt["bf16_true_pp2"], trained["pp2"]["losses"][0]
+    print(f"bf16-true on PP2: first training loss {bf16['loss']:.6f} (fp32: {fp32:.6f}), parameters {bf16['param_dtypes']}")
+    assert bf16["param_dtypes"] == ["torch.bfloat16"] and bf16["loss"] != fp32 and abs(bf16["loss"] - fp32) < 2e-2
     assert gpt["recompute_attached"] == {"dp2": True, "tp2": True, "pp2": True}  # mhc_block managers hooked
     fabric_final, trainer_final = gpt["final"]["fabric"], gpt["final"]["trainer"]
     diffs = {key: (torch.tensor(fabric_final[key]) - torch.tensor(trainer_final[key])).abs().max().item()

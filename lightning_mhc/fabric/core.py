@@ -339,6 +339,7 @@ class MHCParallelCore:
                 loss_func,
                 layout=self.layout,
                 tensor_shape=module.pipeline_tensor_shape(microbatches[0]),
+                dtype=_pipeline_dtype(module),
                 deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
                 forward_only=forward_only,
                 timeout=self._timeout,
@@ -398,3 +399,9 @@ class MHCParallelCore:
         ``optimizers`` (``state_dict`` in local names, ``optimizer_states`` in torch's form)."""
         path = Path(self.broadcast(str(path)))
         return dist_checkpoint.load(path, module, optimizers, self.layout, self.global_rank)
+
+
+def _pipeline_dtype(module: torch.nn.Module) -> torch.dtype:
+    """What crosses stages: the parameters' dtype (megatron's ``pipeline_dtype`` is its
+    ``params_dtype``): fp32 for fp32 and mixed precision, bf16 for ``bf16-true``."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)

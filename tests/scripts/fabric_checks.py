@@ -180,7 +180,23 @@ def phase_gpt(ckpt: str, final: str | None, trainer_final: str | None) -> dict:
             result["final"] = {source: _load_with_optimizer(fabric, example, path, batch)
                                for source, path in (("fabric", final), ("trainer", trainer_final))}
         fabric.strategy.teardown()
+    result["bf16_true_pp2"] = _bf16_true_step(example, ckpt)
     return result
+
+
+def _bf16_true_step(example, ckpt: str) -> dict:
+    """``precision="bf16-true"`` on PP 2: the stage in bf16, the first training loss of
+    ``_train_two_steps``."""
+    fabric = Fabric(accelerator="cpu", devices=2, precision="bf16-true",
+                    strategy=MHCParallelStrategy(pipeline_model_parallel_size=2))
+    fabric.launch()
+    model = fabric.setup_module(MHCGPTModule(example.model_config(0.0), recompute_policy="mhc_block"))
+    fabric.load(ckpt, {"model": model})
+    tokens = torch.randint(0, 256, (8, example.SEQ + 1), generator=torch.Generator().manual_seed(10))
+    loss = fabric.strategy.forward_backward(model, dict(tokens=tokens[:, :-1], labels=tokens[:, 1:]))
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    fabric.strategy.teardown()
+    return dict(loss=loss.item(), param_dtypes=dtypes)
 
 
 def _train_two_steps(fabric: Fabric, example, ckpt: str, eval_batch: dict, accumulate: int = 1) -> dict:
