@@ -27,6 +27,9 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_mhc import ConfigError, MHCGPTModule
 from lightning_mhc.fabric import MHCParallelStrategy
 
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
+import fabric_train as example  # noqa: E402  (its model, data sizes and cycle())
+
 STEPS, SAVE_AT, ACCUMULATE_AT, MAX_NORM, BATCH = 5, 2, 3, 0.05, 4
 MAX_NORM_GPT = 0.5
 
@@ -50,11 +53,6 @@ def make_model(seed: int) -> torch.nn.Module:
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def cycle(loader):
-    while True:
-        yield from loader
 
 
 def train(fabric, model, optimizer, batches, state, log):
@@ -87,7 +85,7 @@ def phase_plain(fabric: Fabric, out_dir: pathlib.Path) -> dict:
     ckpt = str(out_dir / "plain-2")
     state = dict(model=model, optimizer=optimizer, step=0, consumed=0, ckpt=ckpt)
     log: dict = {}
-    train(fabric, model, optimizer, cycle(loader), state, log)
+    train(fabric, model, optimizer, example.cycle(loader), state, log)
     final = fabric.all_gather(flat(model))
 
     # a fresh model and optimizer (other weights), loaded from step 2, continued
@@ -95,7 +93,7 @@ def phase_plain(fabric: Fabric, out_dir: pathlib.Path) -> dict:
     model2, optimizer2 = fabric.setup(module2, torch.optim.SGD(module2.parameters(), lr=0.1, momentum=0.9))
     resumed = dict(model=model2, optimizer=optimizer2, step=0, consumed=0)
     fabric.load(ckpt, resumed)
-    batches = cycle(fabric.setup_dataloaders(DataLoader(Indexed(), batch_size=BATCH, shuffle=True)))
+    batches = example.cycle(fabric.setup_dataloaders(DataLoader(Indexed(), batch_size=BATCH, shuffle=True)))
     for _ in range(resumed["consumed"]):
         next(batches)
     resumed_log: dict = {}
@@ -131,9 +129,6 @@ def phase_gpt(ckpt: str, final: str | None, trainer_final: str | None) -> dict:
     """Load a TP 2 x PP 2 checkpoint of the example on DP 2, TP 2 and PP 2 and evaluate one batch;
     on DP 2 also load the example's final checkpoint and the Trainer's of the same run (model and
     optimizer) and compare them."""
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
-    import fabric_train as example
-
     tokens = torch.randint(0, 256, (4, example.SEQ + 1), generator=torch.Generator().manual_seed(3))
     batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:])
     result: dict = {"eval_loss": {}, "refused": {}}
@@ -162,9 +157,9 @@ def phase_gpt(ckpt: str, final: str | None, trainer_final: str | None) -> dict:
         result["eval_loss"][name] = loss.item()
         result.setdefault("remainder_keys", {})[name] = sorted(remainder)
         trained = result.setdefault("trained", {})
-        trained[name] = _train_two_steps(fabric, example, ckpt, batch)
+        trained[name] = _train_two_steps(fabric, ckpt, batch)
         if name == "dp2":
-            trained["dp2_accumulate2"] = _train_two_steps(fabric, example, ckpt, batch, accumulate=2)
+            trained["dp2_accumulate2"] = _train_two_steps(fabric, ckpt, batch, accumulate=2)
         if name == "pp2":
             try:
                 fabric.backward(loss.requires_grad_())
@@ -175,16 +170,16 @@ def phase_gpt(ckpt: str, final: str | None, trainer_final: str | None) -> dict:
             result["training_step"] = dict(loss=step_loss.item(), grads=all(
                 p.grad is not None for p in module.parameters() if p.requires_grad))
         if name == "dp2":
-            result["refused"].update(_bad_loads(fabric, example, model, ckpt))
+            result["refused"].update(_bad_loads(fabric, model, ckpt))
         if name == "dp2" and final and trainer_final:
-            result["final"] = {source: _load_with_optimizer(fabric, example, path, batch)
+            result["final"] = {source: _load_with_optimizer(fabric, path, batch)
                                for source, path in (("fabric", final), ("trainer", trainer_final))}
         fabric.strategy.teardown()
-    result["bf16_true_pp2"] = _bf16_true_step(example, ckpt)
+    result["bf16_true_pp2"] = _bf16_true_step(ckpt)
     return result
 
 
-def _bf16_true_step(example, ckpt: str) -> dict:
+def _bf16_true_step(ckpt: str) -> dict:
     """``precision="bf16-true"`` on PP 2: the stage in bf16, the first training loss of
     ``_train_two_steps``."""
     fabric = Fabric(accelerator="cpu", devices=2, precision="bf16-true",
@@ -199,7 +194,7 @@ def _bf16_true_step(example, ckpt: str) -> dict:
     return dict(loss=loss.item(), param_dtypes=dtypes)
 
 
-def _train_two_steps(fabric: Fabric, example, ckpt: str, eval_batch: dict, accumulate: int = 1) -> dict:
+def _train_two_steps(fabric: Fabric, ckpt: str, eval_batch: dict, accumulate: int = 1) -> dict:
     """From ``ckpt`` (dropout 0): two AdamW steps, clipped, on two fixed global batches of 8 (each
     DP rank its slice; with ``accumulate``, in that many calls, all but the last without DP
     sync), then the loss of ``eval_batch``."""
@@ -226,7 +221,7 @@ def _train_two_steps(fabric: Fabric, example, ckpt: str, eval_batch: dict, accum
     return dict(losses=losses, eval_loss=fabric.strategy.forward_backward(model, eval_batch, forward_only=True).item())
 
 
-def _bad_loads(fabric: Fabric, example, model, ckpt: str) -> dict[str, str]:
+def _bad_loads(fabric: Fabric, model, ckpt: str) -> dict[str, str]:
     """fabric.load of a missing path, of a directory without metadata.json (a save that did not
     finish), and of the checkpoint into a model of another size: each refused with its reason."""
     refused = {}
@@ -244,7 +239,7 @@ def _bad_loads(fabric: Fabric, example, model, ckpt: str) -> dict[str, str]:
     return refused
 
 
-def _load_with_optimizer(fabric: Fabric, example, path: str, batch: dict) -> dict:
+def _load_with_optimizer(fabric: Fabric, path: str, batch: dict) -> dict:
     module = MHCGPTModule(example.model_config(0.1))
     model = fabric.setup_module(module)
     optimizer = fabric.setup_optimizers(module.configure_optimizers(max_steps=6)["optimizer"])
