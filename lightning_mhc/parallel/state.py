@@ -167,7 +167,23 @@ def initialize_parallel(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         **kwargs,
     )
-    return current_layout(virtual_pipeline_model_parallel_size, sequence_parallel)
+    global _ACTIVE
+    _ACTIVE = current_layout(virtual_pipeline_model_parallel_size, sequence_parallel)
+    return _ACTIVE
+
+
+_ACTIVE: ParallelLayout | None = None
+
+
+def active_layout() -> ParallelLayout:
+    """The layout :func:`initialize_parallel` built last (virtual pipeline and sequence
+    parallelism included), while its groups live; else megatron's current groups'; else, in a
+    process without a layout, the one-process one (:func:`single_process_layout`)."""
+    if _ACTIVE is not None and parallel_state.model_parallel_is_initialized():
+        return _ACTIVE
+    if parallel_state.model_parallel_is_initialized():
+        return current_layout()
+    return single_process_layout()
 
 
 def current_layout(virtual_pipeline_model_parallel_size: int | None = None,
@@ -206,6 +222,8 @@ def destroy_parallel() -> None:
     megatron's ``destroy_model_parallel`` only forgets its groups; with gloo each group
     keeps its own threads and sockets, so a process that builds layouts again and again
     (tests, sweeps in one process) would pile them up. The groups are destroyed here."""
+    global _ACTIVE
+    _ACTIVE = None
     groups = {id(g): g for g in vars(parallel_state).values()
               if isinstance(g, dist.ProcessGroup) and g is not dist.GroupMember.WORLD}
     if parallel_state.model_parallel_is_initialized():

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_mhc.recompute.rng import (
+    active_fork,
     fork_rng,
     get_all_rng_states,
     get_tracked_rng_states,
@@ -174,7 +175,7 @@ class CheckpointWithoutOutput:
         ]
         with fork_rng():
             set_all_rng_states(self.rng_states)
-            with torch.enable_grad():
+            with active_fork(self.rng_states), torch.enable_grad():
                 outputs = self.run_function(*tree_unflatten(list(inputs), ctx.in_spec))
         flat_out, _ = tree_flatten(outputs)
         with torch.no_grad():
@@ -188,12 +189,13 @@ class CheckpointWithoutOutput:
         self.recomputed = True
 
 
-def checkpoint(function: Callable, *args: Any):
+def checkpoint(function: Callable, *args: Any, **kwargs: Any):
     """``torch.utils.checkpoint`` (non-reentrant) that also restores the parallel randomizer
-    and registered RNG sources when it recomputes; torch restores the CPU/CUDA generators."""
+    and registered RNG sources when it recomputes (inside the fork that was open in the forward);
+    torch restores the CPU/CUDA generators."""
     states = get_tracked_rng_states()
 
     def context_fn():
         return contextlib.nullcontext(), restored_tracked_rng_states(states)
 
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn)
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

@@ -13,7 +13,9 @@ swaps the device's default generator (CPU, and CUDA when initialised), so
 ``get_all_rng_states`` / ``set_all_rng_states`` cover the CPU generator, the
 CUDA generators when CUDA is initialised, the installed randomizer, and any
 source registered with ``register_rng_state_source``; recomputed dropout is
-therefore bit-identical.
+therefore bit-identical. Forks nest (a replicated region inside a TP-split
+one), and a recompute re-enters the fork that was open when its states were
+taken (``active_fork``).
 """
 from __future__ import annotations
 
@@ -27,8 +29,19 @@ def _cuda_active() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+_ACTIVE: list["_Randomizer"] = []
+"""The randomizers whose fork is open, innermost last: the device generators hold the innermost
+one's stream; the others' streams are in their ``cpu_state`` / ``cuda_state``."""
+
+
 class _Randomizer:
-    """CPU (and CUDA) generator states seeded once and advanced only inside ``fork``."""
+    """CPU (and CUDA) generator states seeded once and advanced only inside ``fork``.
+
+    Forks nest: entering another randomizer's fork inside this one parks this stream and
+    resumes it afterwards (a dropout on replicated activations inside a TP-split region draws
+    from the replicated stream, and the region's own draws continue where they stopped);
+    re-entering the fork that is already innermost continues its stream.
+    """
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -37,23 +50,44 @@ class _Randomizer:
             self.cpu_state = torch.get_rng_state()
             self.cuda_state = torch.cuda.get_rng_state() if _cuda_active() else None
 
-    @contextlib.contextmanager
-    def fork(self) -> Iterator[None]:
-        cpu, cuda = torch.get_rng_state(), (torch.cuda.get_rng_state() if _cuda_active() else None)
+    def _park(self) -> None:
+        """The device generators' state (this stream, live) into ``cpu_state`` / ``cuda_state``."""
+        self.cpu_state = torch.get_rng_state()
+        if _cuda_active():
+            self.cuda_state = torch.cuda.get_rng_state()
+
+    def _resume(self) -> None:
         torch.set_rng_state(self.cpu_state)
-        if cuda is not None:
+        if _cuda_active():
             if self.cuda_state is None:  # CUDA initialised after this randomizer was made
                 torch.cuda.manual_seed(self.seed)
             else:
                 torch.cuda.set_rng_state(self.cuda_state)
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        outer = _ACTIVE[-1] if _ACTIVE else None
+        if outer is self:
+            yield
+            return
+        saved = None
+        if outer is None:
+            saved = torch.get_rng_state(), (torch.cuda.get_rng_state() if _cuda_active() else None)
+        else:
+            outer._park()
+        self._resume()
+        _ACTIVE.append(self)
         try:
             yield
         finally:
-            self.cpu_state = torch.get_rng_state()
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                self.cuda_state = torch.cuda.get_rng_state()
-                torch.cuda.set_rng_state(cuda)
+            _ACTIVE.pop()
+            self._park()
+            if outer is not None:
+                outer._resume()
+            else:
+                torch.set_rng_state(saved[0])
+                if saved[1] is not None:
+                    torch.cuda.set_rng_state(saved[1])
 
 
 class MultiDimParallelRandomizer:
@@ -91,10 +125,20 @@ class MultiDimParallelRandomizer:
         return self._randomizers[key]
 
     def get_states(self) -> dict:
-        return {k: (r.cpu_state.clone(), None if r.cuda_state is None else r.cuda_state.clone())
-                for k, r in self._randomizers.items()}
+        """Every stream's state; taken inside a fork, the live stream is read from the generators
+        and ``ACTIVE_KEY`` names the innermost fork (see :func:`active_fork`)."""
+        keys = {id(r): k for k, r in self._randomizers.items()}
+        innermost = _ACTIVE[-1] if _ACTIVE and id(_ACTIVE[-1]) in keys else None
+        if innermost is not None:
+            innermost._park()
+        states: dict = {k: (r.cpu_state.clone(), None if r.cuda_state is None else r.cuda_state.clone())
+                        for k, r in self._randomizers.items()}
+        states[ACTIVE_KEY] = keys[id(innermost)] if innermost is not None else None
+        return states
 
     def set_states(self, states: dict) -> None:
+        """Restore :meth:`get_states` (outside any fork)."""
+        states = {k: v for k, v in states.items() if k != ACTIVE_KEY}
         for key, (cpu, cuda) in states.items():
             randomizer = self._randomizers.get(key)
             if randomizer is None:
@@ -103,6 +147,9 @@ class MultiDimParallelRandomizer:
         for key in set(self._randomizers) - set(states):  # created after the capture
             del self._randomizers[key]
 
+
+ACTIVE_KEY = "active"
+"""The entry of ``MultiDimParallelRandomizer.get_states()`` naming the fork open when they were taken."""
 
 _RANDOMIZER: MultiDimParallelRandomizer | None = None
 
@@ -180,12 +227,24 @@ def fork_rng() -> Iterator[None]:
         set_all_rng_states(saved)
 
 
+def active_fork(states: dict[str, Any]):
+    """The randomizer fork that was innermost when ``states`` (``get_tracked_rng_states`` or
+    ``get_all_rng_states``) were taken, or a no-op: a recompute of work that ran inside a fork
+    re-enters it, so nested forks park and resume the same streams as in the forward."""
+    key = (states.get("parallel_randomizer") or {}).get(ACTIVE_KEY)
+    if _RANDOMIZER is None or key is None or key not in _RANDOMIZER._randomizers:
+        return contextlib.nullcontext()
+    return _RANDOMIZER._randomizers[key].fork()
+
+
 @contextlib.contextmanager
 def restored_tracked_rng_states(states: dict[str, Any]) -> Iterator[None]:
-    """Run a block with the tracked states set to ``states``, then put them back."""
+    """Run a block with the tracked states set to ``states`` (and inside the fork that was open
+    when they were taken), then put them back."""
     current = get_tracked_rng_states()
     set_tracked_rng_states(states)
     try:
-        yield
+        with active_fork(states):
+            yield
     finally:
         set_tracked_rng_states(current)

@@ -1,0 +1,99 @@
+"""``ParallelLMModule``: the LightningModule for a causal language model split by ``parallelize``.
+
+    class MyModule(ParallelLMModule):
+        def configure_model(self):
+            if self.model is None:
+                with record_module_init():                       # meta device
+                    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4))
+                self.model = parallelize(model, plan="gpt2")     # this rank's TP x PP part
+
+    Trainer(strategy=MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+            devices=8).fit(MyModule(), train_dataloaders=loader)
+
+It implements the pipeline contract (``parallel/contract.py``) by handing each call to the
+``ParallelModel``, so the strategy runs the 1F1B (or interleaved) schedule on the model as
+written; checkpoints use the model's own parameter names.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.parallelize.model import ParallelModel
+
+
+class ParallelLMModule(pl.LightningModule):
+    """A causal LM trained with ``MHCParallelStrategy`` on any TP x PP x DP layout.
+
+    Batches are dicts with ``input_ids`` (or ``tokens``) and ``labels`` (``[batch, seq]``; the
+    label of a position is the next token, ``-100`` ignored), and optionally ``attention_mask``;
+    :meth:`model_inputs` turns a microbatch into the model's keyword arguments. Override it, the
+    loss (:meth:`loss_func`) or the optimizer as with any LightningModule.
+
+    Args:
+        lr, weight_decay, betas: AdamW settings.
+    """
+
+    def __init__(self, lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95)) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.model: ParallelModel | None = None
+        """This rank's part of the model: set in ``configure_model`` with ``parallelize(...)``."""
+
+    def _parallel_model(self) -> ParallelModel:
+        if not isinstance(self.model, ParallelModel):
+            raise ConfigError(
+                f"{type(self).__name__}.configure_model must set self.model = parallelize(model, plan=...) "
+                f"(a model built under record_module_init()); it is {type(self.model).__name__}.")
+        return self.model
+
+    # ------------------------------------------------------------ the contract
+    def model_inputs(self, microbatch: dict) -> dict[str, Any]:
+        """The model's keyword arguments for a microbatch."""
+        ids = microbatch["input_ids"] if "input_ids" in microbatch else microbatch["tokens"]
+        inputs = {"input_ids": ids}
+        if "attention_mask" in microbatch:
+            inputs["attention_mask"] = microbatch["attention_mask"]
+        return inputs
+
+    def set_input_tensor(self, tensor: Tensor | None, chunk: int = 0) -> None:
+        self._parallel_model().set_input_tensor(tensor, chunk)
+
+    def forward_step(self, microbatch: dict, chunk: int = 0) -> Tensor:
+        return self._parallel_model().forward_step(self.model_inputs(microbatch), chunk)
+
+    def loss_func(self, logits: Tensor, microbatch: dict) -> Tensor:
+        return self._parallel_model().loss(logits, microbatch["labels"])
+
+    def pipeline_tensor_shape(self, microbatch: dict) -> tuple[int, ...]:
+        return self._parallel_model().pipeline_tensor_shape(self.model_inputs(microbatch))
+
+    def model_chunks(self) -> list[torch.nn.Module]:
+        return list(self._parallel_model().chunks)
+
+    def global_parameter_name(self, name: str) -> str:
+        """``model.<the whole model's name>``: checkpoints load on any layout and into the model
+        as written (``lightning_mhc.parallelize.export``)."""
+        prefix = "model."
+        if not name.startswith(prefix) or self.model is None:
+            return name
+        return prefix + self._parallel_model().global_parameter_name(name[len(prefix):])
+
+    # ------------------------------------------------------------ steps
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        loss = self.trainer.strategy.forward_backward(self, batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
+        loss = self.trainer.strategy.forward_backward(self, batch, forward_only=True)
+        self.log("val_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)

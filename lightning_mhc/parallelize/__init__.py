@@ -1,0 +1,25 @@
+"""Tensor, pipeline and data parallelism for a model as written (a Hugging Face model, or any
+PyTorch transformer with a list of repeated blocks), without rewriting it on megatron layers.
+
+    with record_module_init():                       # meta device: nothing allocated
+        model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4))
+    model = parallelize(model, plan="gpt2")           # this rank's stage and TP slices
+
+- ``record.py``: meta construction with recorded constructor arguments; materialising a module
+  from them with name-seeded generators (layout-invariant initial weights);
+- ``plan.py``: TP plans by module-name patterns (built in: ``gpt2``, ``llama``) and their checks;
+- ``tensor_parallel.py``: the styles applied in place with megatron-core's TP mappings;
+- ``pipeline.py``: the block list, the stage split, stubs for parts on other stages;
+- ``model.py``: :func:`parallelize`, :class:`ParallelModel` (the pipeline contract), and
+  :func:`build_recorded_module` (the whole model in one process, same weights).
+
+No Lightning import: ``lightning_mhc.lightning.ParallelLMModule`` is the LightningModule side.
+"""
+from lightning_mhc.parallelize.model import MaterializedReport, ParallelModel, build_recorded_module, parallelize
+from lightning_mhc.parallelize.plan import GPT2, LLAMA, PLANS, Column, Replicate, Row, TPPlan, VocabEmbedding, check_plan
+from lightning_mhc.parallelize.record import record_module_init
+
+__all__ = [
+    "GPT2", "LLAMA", "PLANS", "Column", "MaterializedReport", "ParallelModel", "Replicate", "Row", "TPPlan",
+    "VocabEmbedding", "build_recorded_module", "check_plan", "parallelize", "record_module_init",
+]

@@ -1,0 +1,409 @@
+"""``parallelize``: this rank's TP x PP part of a model as written, and ``ParallelModel``, its
+side of the pipeline contract.
+
+    with record_module_init():
+        model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4))
+    model = parallelize(model, plan="gpt2")      # inside configure_model: the strategy's layout
+
+Each rank materialises only the blocks of its stage(s) and the parts around them that it runs
+(``pipeline.py``), each tensor drawn whole from the generator of its name and cut to this rank's
+TP slice (``record.py``, ``tensor_parallel.py``), so the weights equal those of the whole model
+materialised in one process with the same seed (:func:`build_recorded_module`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.parallel.state import ParallelLayout, active_layout
+from lightning_mhc.parallelize.pipeline import (
+    FirstStageStub,
+    ModelParts,
+    NotOnThisStage,
+    chunk_skeleton,
+    find_parts,
+    set_submodule,
+    split_blocks,
+    stage_block_list,
+)
+from lightning_mhc.parallelize.plan import Column, TPPlan, check_plan, resolve_plan
+from lightning_mhc.parallelize.record import InitFn, Materializer, is_meta
+from lightning_mhc.parallelize.tensor_parallel import apply_style, divide_attributes, random_region
+from lightning_mhc.recompute.checkpoint import checkpoint
+from lightning_mhc.recompute.rng import rng_fork
+
+log = logging.getLogger("lightning_mhc.parallelize")
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+IGNORE_INDEX = -100
+
+
+class _StageExit(Exception):
+    """Raised after a non-last stage's last block: carries what goes to the next stage."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+@dataclass(frozen=True)
+class MaterializedReport:
+    """Parameters this rank holds against the whole model (tied tensors counted once)."""
+
+    rank_parameters: int
+    whole_parameters: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+
+    @property
+    def fraction(self) -> float:
+        return self.rank_parameters / self.whole_parameters
+
+    def __str__(self) -> str:
+        ideal = 1 / (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return (f"{self.rank_parameters:,} of {self.whole_parameters:,} parameters materialised "
+                f"({self.fraction:.3f}; 1/(TP*PP) = {ideal:.3f})")
+
+
+class ParallelModel(nn.Module):
+    """This rank's chunks of a model split by :func:`parallelize` (one chunk, or ``v`` with a
+    virtual pipeline), and the pipeline contract over them: ``set_input_tensor``,
+    ``forward_step`` (the model's own forward on the stage), ``loss`` (causal-LM cross entropy,
+    vocab-parallel when the head is split), ``pipeline_tensor_shape`` and
+    ``global_parameter_name`` (the whole model's names: checkpoints reshard).
+
+    With PP = 1, ``model(input_ids=...)`` is the model's forward (logits; split over the
+    vocabulary when ``vocab_parallel_logits``)."""
+
+    def __init__(self, chunks: list[nn.Module], virtual_stages: list[int], num_virtual_stages: int,
+                 layout: ParallelLayout, hidden_size: int, vocab_parallel_logits: bool,
+                 aliases: dict[str, str], report: MaterializedReport, forward_kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.virtual_stages = virtual_stages
+        self.num_virtual_stages = num_virtual_stages
+        self.layout = layout
+        self.hidden_size = hidden_size
+        self.vocab_parallel_logits = vocab_parallel_logits
+        self.aliases = aliases
+        self.report = report
+        self.forward_kwargs = forward_kwargs
+        self._inputs: list[Tensor | None] = [None] * len(chunks)
+        self._running: int | None = None
+
+    # ------------------------------------------------------------------ contract
+    def set_input_tensor(self, tensor: Tensor | None, chunk: int = 0) -> None:
+        self._inputs[chunk] = tensor
+
+    def forward_step(self, inputs: Mapping[str, Any], chunk: int = 0) -> Tensor:
+        """The stage's part of the model's forward on ``inputs`` (the model's keyword arguments):
+        the activations for the next stage, or the logits on the last."""
+        self._running = chunk
+        try:
+            with rng_fork("tensor"):  # replicated across TP, distinct per DP and PP rank
+                try:
+                    output = self.chunks[chunk](**inputs, **self.forward_kwargs)
+                except _StageExit as stop:
+                    return stop.hidden
+        finally:
+            self._running = None
+        return _logits(output)
+
+    def forward(self, **inputs: Any) -> Tensor:
+        if len(self.chunks) != 1 or self.num_virtual_stages != 1:
+            raise RuntimeError("a pipelined model runs through the strategy's schedule (forward_backward), not "
+                               "model(...): call it directly only with pipeline_model_parallel_size=1")
+        return self.forward_step(inputs)
+
+    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Mean next-token cross entropy over the labels that are not ``-100`` (``labels[b, s]``
+        is the target of position ``s``); fp32; over the vocabulary slices when split."""
+        keep = labels != IGNORE_INDEX
+        if self.vocab_parallel_logits:
+            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+            per_token = vocab_parallel_cross_entropy(logits.float(), labels.masked_fill(~keep, 0))
+            return (per_token * keep).sum() / keep.sum().clamp(min=1)
+        return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    def pipeline_tensor_shape(self, inputs: Mapping[str, Any]) -> tuple[int, ...]:
+        """What crosses stages: the hidden states ``[batch, seq, hidden]``."""
+        first = next(v for v in inputs.values() if isinstance(v, Tensor))
+        return (*first.shape[:2], self.hidden_size)
+
+    def global_parameter_name(self, name: str) -> str:
+        """A state-dict name of this module as the whole model names it: no chunk prefix, and a
+        tied tensor under its owner's name (one entry in checkpoints)."""
+        if name.startswith("chunks."):
+            name = name.split(".", 2)[2]
+        return self.aliases.get(name, name)
+
+    # ------------------------------------------------------------------ hooks
+    def _take_input(self, chunk: int, module: nn.Module, args: tuple, kwargs: dict):
+        if self._running != chunk:
+            return None
+        received = self._inputs[chunk]
+        if received is None:
+            raise RuntimeError("no input tensor was set for a stage after the first (set_input_tensor)")
+        if args:
+            return (received, *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": received}
+        raise RuntimeError(f"{type(module).__name__} was called without a positional or 'hidden_states' input: "
+                           "the pipeline cannot hand it the previous stage's activations")
+
+    def _stop(self, chunk: int, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._running == chunk:
+            raise _StageExit(output if isinstance(output, Tensor) else output[0])
+
+
+def _logits(output: Any) -> Tensor:
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    return logits if isinstance(logits, Tensor) else output[0]
+
+
+def _hidden_size(model: nn.Module, parts: ModelParts, given: int | None) -> int:
+    if given is not None:
+        return given
+    size = getattr(getattr(model, "config", None), "hidden_size", None)
+    if isinstance(size, int):
+        return size
+    for name in parts.first:
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Embedding):
+            return module.embedding_dim
+    raise ConfigError(f"cannot tell the hidden size of {type(model).__name__} (what crosses pipeline stages): pass "
+                      "hidden_size= to parallelize().")
+
+
+def _unique_numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _checkpointed(module: nn.Module) -> None:
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if module.training and torch.is_grad_enabled():
+            return checkpoint(forward, *args, **kwargs)
+        return forward(*args, **kwargs)
+
+    module.forward = run
+
+
+def parallelize(
+    model: nn.Module,
+    plan: str | TPPlan | Mapping[str, Any] | None = None,
+    *,
+    layout: ParallelLayout | None = None,
+    blocks: str | None = None,
+    pipeline_split: list[int] | list[str] | None = None,
+    seed: int = 0,
+    init_fn: InitFn | None = None,
+    recompute: str = "none",
+    recompute_modules: tuple[str, ...] | list[str] | None = None,
+    hidden_size: int | None = None,
+    loss_parallel: bool = True,
+) -> ParallelModel:
+    """This rank's part of ``model`` (built under :func:`record_module_init`) on ``layout``
+    (default: the running strategy's, see ``parallel.state.active_layout``).
+
+    Args:
+        plan: the TP plan: ``"gpt2"``, ``"llama"``, a ``{module-name pattern: style}`` dict or a
+            :class:`TPPlan` (``plan.py``); None splits nothing (PP and DP only).
+        blocks: the name of the repeated block list (found when not given).
+        pipeline_split: blocks per (virtual) stage, or the names of the blocks that begin stages
+            1, 2, ... (default: balanced).
+        seed: the initialisation seed (every layout draws the same weights from it).
+        init_fn: the model's init, applied per module (default: the model's ``_init_weights``,
+            as Hugging Face models have; else the constructors' own init).
+        recompute: ``"none"``, ``"full"`` (every block checkpointed) or ``"selective"`` (the
+            modules ``recompute_modules`` names, default the plan's ``selective`` list).
+        loss_parallel: keep the logits split over the vocabulary when the plan splits the head
+            (the loss is then megatron's vocab-parallel cross entropy); False gathers them.
+    """
+    layout = layout if layout is not None else active_layout()
+    if not is_meta(model):
+        raise ConfigError(f"parallelize() takes a model built on the meta device with its constructor arguments "
+                          f"recorded: construct {type(model).__name__} inside `with record_module_init():`.")
+    if layout.sequence_parallel:
+        raise ConfigError("sequence_parallel=True is not supported for a model split by parallelize(): its norms and "
+                          "dropouts run on the whole sequence. Set sequence_parallel=False.")
+    if recompute not in RECOMPUTE_POLICIES:
+        raise ConfigError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE_POLICIES)} for a model split "
+                          "by parallelize() (mhc_block needs hyper-connections: MHCGPTModule).")
+    plan = resolve_plan(plan)
+    if recompute_modules is not None:
+        plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
+    tp, pp, v = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                 layout.virtual_pipeline_model_parallel_size)
+    check_plan(model, plan, tp)
+    parts = find_parts(model, blocks)
+    ranges = split_blocks(len(parts.blocks), pp * v, pipeline_split, parts.block_path)
+    if recompute == "selective" and not plan.selective:
+        raise ConfigError("recompute='selective' needs the modules to checkpoint: pass recompute_modules=[patterns] "
+                          "(e.g. ['*.mlp']) or use a plan with a selective list.")
+    whole = _unique_numel(model)
+    hidden = _hidden_size(model, parts, hidden_size)
+    materializer = Materializer(model, seed, init_fn)
+    aliases = {name: materializer.owner_name(t)
+               for name, t in list(model.named_parameters(remove_duplicate=False))
+               + list(model.named_buffers(remove_duplicate=False))
+               if materializer.owner_name(t) != name}
+    ties = _tied_tensors(model)
+    output_name = plan.output or (parts.last[-1] if parts.last else None)
+    output_style = plan.style_of(output_name) if output_name else None
+    vocab_parallel = bool(loss_parallel and tp > 1 and isinstance(output_style, Column)
+                          and not output_style.gather_output)
+    if not loss_parallel and isinstance(output_style, Column) and not output_style.gather_output:
+        plan = dataclasses.replace(plan, layers={output_name: Column(output_style.stride, True), **plan.layers})
+
+    def replace(old: Tensor, new: Tensor) -> Tensor:
+        key = materializer.meta_id(old)
+        if key is not None:
+            materializer.replace(key, new)
+        return new
+
+    built: set[int] = set()
+
+    def build(name: str, module: nn.Module) -> nn.Module:
+        if id(module) in built:
+            return module
+        built.add(id(module))
+        materializer.materialize(name, module)
+        for sub_name, sub in module.named_modules(prefix=name):
+            style = plan.style_of(sub_name)
+            if style is not None:
+                apply_style(sub, style, layout, replace)
+            for pattern, attrs in plan.divide.items():
+                if _matches(sub_name, pattern):
+                    divide_attributes(sub, attrs, tp)
+            for pattern, region in plan.random.items():
+                if _matches(sub_name, pattern):
+                    random_region(sub, region)
+            if recompute == "selective" and any(_matches(sub_name, p) for p in plan.selective):
+                _checkpointed(sub)
+        return module
+
+    block_list = model.get_submodule(parts.block_path)
+    skeletons = [model] + [chunk_skeleton(model, parts) for _ in range(v - 1)]
+    part_modules = {name: model.get_submodule(name) for name in parts.first + parts.last + parts.everywhere}
+    virtual_stages = [c * pp + layout.pipeline_model_parallel_rank for c in range(v)]
+    last_stage = pp * v - 1
+    model_parallel = ParallelModel([], virtual_stages, pp * v, layout, hidden, vocab_parallel, aliases,
+                                   None, _forward_kwargs(model))  # chunks and report set below
+    chunks = []
+    for chunk, (skeleton, stage) in enumerate(zip(skeletons, virtual_stages)):
+        start, end = ranges[stage]
+        local = {i: parts.blocks[i] for i in range(start, end)}
+        set_submodule(skeleton, parts.block_path, stage_block_list(block_list, local))
+        for name in parts.first:
+            set_submodule(skeleton, name, build(name, part_modules[name]) if stage == 0
+                          else FirstStageStub(name, part_modules[name]))
+        for name in parts.last:
+            set_submodule(skeleton, name, build(name, part_modules[name]) if stage == last_stage
+                          else NotOnThisStage(name))
+        for name in parts.everywhere:
+            set_submodule(skeleton, name, build(name, part_modules[name]))
+        for index, block in local.items():
+            build(parts.block_name(index), block)
+            if recompute == "full":
+                _checkpointed(block)
+        if stage > 0:
+            local[start].register_forward_pre_hook(functools.partial(model_parallel._take_input, chunk),
+                                                   with_kwargs=True)
+        if stage < last_stage:
+            local[end - 1].register_forward_hook(functools.partial(model_parallel._stop, chunk))
+        chunks.append(skeleton)
+    model_parallel.chunks = nn.ModuleList(chunks)
+    model_parallel._inputs = [None] * len(chunks)
+    for meta_id in _tied_across_stages(ties, parts, ranges, last_stage):
+        held = materializer.real.get(meta_id)
+        if held is not None and any(p is held for p in model_parallel.parameters()):
+            held.shared_embedding = True  # its gradient is summed between the first and the last stage
+    model_parallel.report = MaterializedReport(_unique_numel(model_parallel), whole, tp, pp)
+    log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
+             layout.pipeline_model_parallel_rank, model_parallel.report)
+    return model_parallel
+
+
+def _tied_tensors(model: nn.Module) -> dict[int, list[str]]:
+    """``id(parameter) -> the names of the modules holding it``, for parameters held by several."""
+    holders: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(name.rpartition(".")[0])
+    return {key: names for key, names in holders.items() if len(names) > 1}
+
+
+def _tied_across_stages(ties: dict[int, list[str]], parts: ModelParts, ranges: list[tuple[int, int]],
+                        last_stage: int) -> list[int]:
+    """The tied parameters whose holders sit on different (virtual) stages: the first and the last
+    (a tied embedding and head), like megatron's embedding group; any other split is refused."""
+    def stage_of(module_name: str) -> int:
+        prefix = parts.block_path + "."
+        if module_name.startswith(prefix):
+            index = int(module_name[len(prefix):].split(".")[0])
+            return next(stage for stage, (start, end) in enumerate(ranges) if start <= index < end)
+        if any(module_name == p or module_name.startswith(p + ".") for p in parts.first):
+            return 0
+        return last_stage
+
+    across = []
+    for key, holders in ties.items():
+        stages = {stage_of(name) for name in holders}
+        if len(stages) == 1:
+            continue
+        if stages != {0, last_stage}:
+            raise ConfigError(f"{', '.join(holders)} share a parameter across pipeline stages {sorted(stages)}; only a "
+                              "tie between the first and the last stage (embedding and head) is kept in sync. Change "
+                              "pipeline_split so the holders share a stage.")
+        across.append(key)
+    return across
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments every stage forward gets: no KV cache for a model that would make one."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in parameters else {}
+
+
+def build_recorded_module(model: nn.Module, seed: int = 0, init_fn: InitFn | None = None,
+                          blocks: str | None = None) -> nn.Module:
+    """The whole recorded ``model`` materialised in this process, in place, with the weights every
+    layout of :func:`parallelize` (same ``seed`` and ``init_fn``) draws: the unmodified model for
+    one-process reference runs, evaluation and export."""
+    if not is_meta(model):
+        raise ConfigError(f"build_recorded_module() takes a model built inside `with record_module_init():`; "
+                          f"this {type(model).__name__} is materialised already.")
+    parts = find_parts(model, blocks)
+    materializer = Materializer(model, seed, init_fn)
+    for name in parts.first + parts.last + parts.everywhere:
+        materializer.materialize(name, model.get_submodule(name))
+    for index, block in enumerate(parts.blocks):
+        materializer.materialize(parts.block_name(index), block)
+    return model

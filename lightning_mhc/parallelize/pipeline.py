@@ -1,0 +1,212 @@
+"""Splitting a model as written into pipeline stages.
+
+The model's repeated block list (a ``ModuleList`` / ``Sequential`` of modules of one class; the
+one with the most parameters, or the one named) is cut into consecutive runs of blocks, one per
+(virtual) pipeline stage. Everything else hangs off the *containers* on the path from the root to
+the block list; each of their other children is a *part* of the model:
+
+- parts registered before the block list (embeddings) live on the first stage; later stages get a
+  stub that returns zeros of the right shape (the model's forward still runs there: it builds the
+  masks and position encodings the blocks need, and the stage's first block takes the received
+  activations instead of what the stub produced);
+- parts registered after it (final norm, head) live on the last stage; earlier stages stop after
+  their last block, so they never run them;
+- parts without parameters (dropout, rotary tables) live on every stage.
+
+A stage is the model's own root object (or a shallow copy of the containers, for the extra chunks
+of a virtual pipeline) whose block list holds this stage's blocks under their global indices, so
+state-dict names stay those of the whole model.
+"""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_mhc.errors import ConfigError
+
+
+@dataclass
+class ModelParts:
+    """The layout of a model around its block list (see the module docstring)."""
+
+    block_path: str
+    """Name of the block list, e.g. ``transformer.h``."""
+    containers: list[str]
+    """The root (``""``) and every module between it and the block list, outermost first."""
+    blocks: list[nn.Module]
+    first: list[str]
+    """Parts with parameters before the block list (first stage only)."""
+    last: list[str]
+    """Parts with parameters after the block list (last stage only)."""
+    everywhere: list[str]
+    """Parts without parameters (every stage)."""
+
+    def block_name(self, index: int) -> str:
+        return f"{self.block_path}.{index}"
+
+
+def _is_block_list(module: nn.Module) -> bool:
+    children = list(module.children())
+    return (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2
+            and len({type(c) for c in children}) == 1)
+
+
+def find_parts(root: nn.Module, blocks: str | None = None) -> ModelParts:
+    """The block list (``blocks``, or found) and the parts around it."""
+    modules = dict(root.named_modules())
+    if blocks is None:
+        candidates = [name for name, m in modules.items() if _is_block_list(m)]
+        if not candidates:
+            raise ConfigError(
+                f"{type(root).__name__} has no list of repeated blocks (a ModuleList or Sequential of at least two "
+                "modules of one class) to split into pipeline stages: name it with blocks='<module name>'.")
+        blocks = max(candidates, key=lambda n: sum(p.numel() for p in modules[n].parameters()))
+    elif blocks not in modules or not isinstance(modules[blocks], (nn.ModuleList, nn.Sequential)):
+        raise ConfigError(f"blocks={blocks!r} is not a ModuleList or Sequential of {type(root).__name__}; "
+                          "name the list of repeated transformer blocks (print(model) shows it).")
+    path = blocks.split(".")
+    containers = [".".join(path[:i]) for i in range(len(path))]
+    first, last, everywhere = [], [], []
+    for container in containers:
+        module = modules[container]
+        direct = [n for n, t in list(module._parameters.items()) + list(module._buffers.items()) if t is not None]
+        if direct:
+            raise ConfigError(
+                f"{container or 'the root'} ({type(module).__name__}) holds tensors itself ({', '.join(direct)}) and "
+                f"contains the block list {blocks}, so no pipeline stage can own them: move them into a submodule "
+                "(e.g. an nn.Embedding or a small module with the parameter).")
+        on_path = path[len(container.split(".")) if container else 0]
+        seen_path = False
+        for child_name, child in module.named_children():
+            full = f"{container}.{child_name}" if container else child_name
+            if child_name == on_path:
+                seen_path = True
+                continue
+            if not any(True for _ in child.parameters()):
+                everywhere.append(full)
+            else:
+                (last if seen_path else first).append(full)
+    return ModelParts(blocks, containers, list(modules[blocks].children()), first, last, everywhere)
+
+
+def split_blocks(num_blocks: int, num_stages: int, pipeline_split: list[int] | list[str] | None,
+                 block_path: str) -> list[tuple[int, int]]:
+    """``[start, end)`` block ranges per (virtual) stage: balanced (earlier stages take the extra
+    blocks), or ``pipeline_split`` as blocks per stage or as the names of the blocks that begin
+    stages 1, 2, ..."""
+    if pipeline_split is None:
+        if num_blocks < num_stages:
+            raise ConfigError(f"{num_blocks} blocks cannot fill {num_stages} pipeline stages (PP x virtual "
+                              "pipeline): use fewer stages.")
+        q, r = divmod(num_blocks, num_stages)
+        sizes = [q + (1 if i < r else 0) for i in range(num_stages)]
+    elif all(isinstance(s, int) for s in pipeline_split):
+        sizes = list(pipeline_split)
+        if len(sizes) != num_stages or sum(sizes) != num_blocks or min(sizes) < 1:
+            raise ConfigError(f"pipeline_split={pipeline_split}: give {num_stages} positive block counts summing to "
+                              f"{num_blocks} (one per pipeline stage).")
+    else:
+        starts = []
+        for name in pipeline_split:
+            prefix = block_path + "."
+            index = name[len(prefix):] if isinstance(name, str) and name.startswith(prefix) else None
+            if index is None or not index.isdigit() or not 0 < int(index) < num_blocks:
+                raise ConfigError(f"pipeline_split entry {name!r} is not a block after the first ({prefix}1 .. "
+                                  f"{prefix}{num_blocks - 1}): name the blocks that begin stages 1, 2, ...")
+            starts.append(int(index))
+        if len(starts) != num_stages - 1 or starts != sorted(set(starts)):
+            raise ConfigError(f"pipeline_split={pipeline_split}: name {num_stages - 1} distinct blocks in order, the "
+                              "first block of each stage after the first.")
+        bounds = [0, *starts, num_blocks]
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+class StageBlocks(nn.ModuleList):
+    """A stage's blocks under their indices in the whole model (``h.4``, ``h.5``): indexing,
+    slicing and iterating go by position, as the model's own loop expects."""
+
+    def __init__(self, blocks: dict[int, nn.Module]) -> None:
+        super().__init__()
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+
+    def __getitem__(self, index):
+        values = list(self._modules.values())
+        return nn.ModuleList(values[index]) if isinstance(index, slice) else values[index]
+
+
+def stage_block_list(original: nn.Module, blocks: dict[int, nn.Module]) -> nn.Module:
+    if isinstance(original, nn.Sequential):  # Sequential indexes and slices by position already
+        return type(original)(OrderedDict((str(i), b) for i, b in blocks.items()))
+    return StageBlocks(blocks)
+
+
+class FirstStageStub(nn.Module):
+    """Stands in for a first-stage part on later stages: zeros of the part's output shape (their
+    values are never used: the stage's first block takes the received activations)."""
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__()
+        self.part_name = name
+        if isinstance(module, nn.Embedding):
+            self.width = module.embedding_dim
+        elif isinstance(module, nn.Linear):
+            self.width = module.out_features
+        else:
+            raise ConfigError(
+                f"{name} ({type(module).__name__}) runs before the block list, so stages after the first need a "
+                "stand-in for it; only nn.Embedding and nn.Linear have one. Run with pipeline_model_parallel_size=1, "
+                "or move it into the first block.")
+        dtype = next(module.parameters()).dtype
+        self.register_buffer("dtype_probe", torch.zeros(0, dtype=dtype), persistent=False)
+
+    def forward(self, input_: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        shape = input_.shape if not input_.is_floating_point() else input_.shape[:-1]
+        return torch.zeros(*shape, self.width, dtype=self.dtype_probe.dtype, device=input_.device)
+
+
+class NotOnThisStage(nn.Module):
+    """Stands in for a last-stage part on earlier stages (they stop after their last block)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.part_name = name
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"{self.part_name} lives on the last pipeline stage; this stage stops after its last block")
+
+
+def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    root.get_submodule(parent_name)._modules[child] = module
+
+
+def chunk_skeleton(root: nn.Module, parts: ModelParts) -> nn.Module:
+    """A shallow copy of ``root`` with fresh copies of the containers on the block path (so one
+    chunk's parts and blocks can differ from another's); the parts themselves are shared."""
+    skeleton = copy.copy(root)
+    _detach_dicts(skeleton)
+    parent = skeleton
+    for container in parts.containers[1:]:
+        child_name = container.rsplit(".", 1)[-1]
+        child = copy.copy(parent._modules[child_name])
+        _detach_dicts(child)
+        parent._modules[child_name] = child
+        parent = child
+    return skeleton
+
+
+def _detach_dicts(module: nn.Module) -> None:
+    for attr in ("_modules", "_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+        if attr in module.__dict__:
+            module.__dict__[attr] = copy.copy(module.__dict__[attr])

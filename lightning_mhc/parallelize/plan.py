@@ -1,0 +1,242 @@
+"""Tensor-parallel plans: which modules of a model are split across TP ranks, and how.
+
+A plan maps glob patterns over module names (``fnmatch``, ``*`` matches dots too; the first
+pattern that matches a module decides) to a style:
+
+| style | module | what each TP rank holds | forward |
+|---|---|---|---|
+| ``"column"`` / ``Column(stride=s, gather_output=False)`` | ``nn.Linear``, HF ``Conv1D`` | a slice of the output features (with ``stride=s`` the output is ``s`` concatenated parts, e.g. GPT-2's ``[q; k; v]``, sliced part by part) | input copied to the TP region; output split (or gathered) |
+| ``"row"`` | ``nn.Linear``, HF ``Conv1D`` | a slice of the input features; the bias whole | partial products all-reduced, then the bias |
+| ``"vocab"`` | ``nn.Embedding`` | a slice of the vocabulary rows | rows outside the slice give zeros; all-reduced |
+| ``"replicate"`` | any | everything | unchanged (exempts a module from a broader pattern) |
+
+Besides ``layers``, a :class:`TPPlan` names module attributes the forward reads that must be
+divided by the TP size (``divide``: head counts, split sizes), attributes that must only be
+divisible (``divisible``: e.g. ``config.num_key_value_heads``), and the random regions
+(``random``): modules whose dropout acts on TP-split activations (``"parallel"``: different masks
+on every TP rank) or, inside those, on replicated ones again (``"replicated"``). Everything else
+draws from the stream shared by the TP ranks (see ``lightning_mhc.parallel.random``).
+
+Every pattern must match a module, and a style must fit its module; a wrong plan is refused
+before anything is built, with the module and the fix (:func:`check_plan`).
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Mapping, Union
+
+from torch import nn
+
+from lightning_mhc.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Column:
+    """Split the output features. ``stride``: the output is ``stride`` equal parts side by side
+    (each rank takes its slice of every part); ``gather_output``: all-gather the output."""
+
+    stride: int = 1
+    gather_output: bool = False
+
+
+@dataclass(frozen=True)
+class Row:
+    """Split the input features (the input is the TP-split output of a column layer)."""
+
+
+@dataclass(frozen=True)
+class VocabEmbedding:
+    """Split an embedding's rows (the vocabulary)."""
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Keep the module whole on every TP rank."""
+
+
+Style = Union[Column, Row, VocabEmbedding, Replicate]
+STYLE_NAMES: dict[str, Style] = {"column": Column(), "row": Row(), "vocab": VocabEmbedding(), "replicate": Replicate()}
+RANDOM_REGIONS = ("parallel", "replicated")
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """A tensor-parallel plan (see the module docstring). ``output``: the module whose output is
+    the logits (default: the last module with parameters after the block list); ``selective``:
+    the modules the ``selective`` recompute policy checkpoints."""
+
+    layers: Mapping[str, Style | str] = field(default_factory=dict)
+    divide: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    divisible: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    random: Mapping[str, str] = field(default_factory=dict)
+    output: str | None = None
+    selective: tuple[str, ...] = ()
+
+    def style_of(self, name: str) -> Style | None:
+        for pattern, style in self.layers.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return as_style(style, pattern)
+        return None
+
+
+def as_style(style: Style | str, pattern: str = "") -> Style:
+    if isinstance(style, (Column, Row, VocabEmbedding, Replicate)):
+        return style
+    if isinstance(style, str) and style in STYLE_NAMES:
+        return STYLE_NAMES[style]
+    raise ConfigError(f"plan entry {pattern!r}: {style!r} is not a style; use one of {', '.join(STYLE_NAMES)} "
+                      "(or Column(stride=..., gather_output=...)).")
+
+
+# ------------------------------------------------------------------------ built-in plans
+GPT2 = TPPlan(
+    layers={
+        "transformer.wte": "vocab",
+        "transformer.h.*.attn.c_attn": Column(stride=3),  # [q; k; v]: each rank its heads of all three
+        "transformer.h.*.attn.c_proj": "row",
+        "transformer.h.*.mlp.c_fc": "column",
+        "transformer.h.*.mlp.c_proj": "row",
+        "lm_head": "column",  # tied to wte: the same vocabulary rows
+    },
+    divide={"transformer.h.*.attn": ("embed_dim", "num_heads", "split_size")},
+    random={"transformer.h.*.attn": "parallel", "transformer.h.*.attn.resid_dropout": "replicated"},
+    output="lm_head",
+    selective=("transformer.h.*.mlp",),
+)
+"""Hugging Face ``GPT2LMHeadModel``."""
+
+LLAMA = TPPlan(
+    layers={
+        "model.embed_tokens": "vocab",
+        "model.layers.*.self_attn.q_proj": "column",
+        "model.layers.*.self_attn.k_proj": "column",
+        "model.layers.*.self_attn.v_proj": "column",
+        "model.layers.*.self_attn.o_proj": "row",
+        "model.layers.*.mlp.gate_proj": "column",
+        "model.layers.*.mlp.up_proj": "column",
+        "model.layers.*.mlp.down_proj": "row",
+        "lm_head": "column",
+    },
+    # the attention reshapes with -1 heads and keeps num_key_value_groups: only whole heads per rank
+    divisible={"model.layers.*.self_attn": ("config.num_attention_heads", "config.num_key_value_heads")},
+    random={"model.layers.*.self_attn": "parallel"},
+    output="lm_head",
+    selective=("model.layers.*.mlp",),
+)
+"""Hugging Face ``LlamaForCausalLM`` (and models with its module names)."""
+
+PLANS: dict[str, TPPlan] = {"gpt2": GPT2, "llama": LLAMA}
+
+
+def resolve_plan(plan: str | TPPlan | Mapping[str, Style | str] | None) -> TPPlan:
+    """A plan by name (``"gpt2"``, ``"llama"``), a :class:`TPPlan`, or a plain ``{pattern: style}``."""
+    if plan is None:
+        return TPPlan()
+    if isinstance(plan, TPPlan):
+        return plan
+    if isinstance(plan, str):
+        if plan not in PLANS:
+            raise ConfigError(f"plan={plan!r}: no such built-in plan; choose {', '.join(PLANS)}, or pass a dict "
+                              "{module-name pattern: style} or a TPPlan.")
+        return PLANS[plan]
+    if isinstance(plan, Mapping):
+        return TPPlan(layers=dict(plan))
+    raise ConfigError(f"plan={plan!r}: pass a built-in plan's name, a dict of module-name patterns to styles, or a TPPlan.")
+
+
+# ------------------------------------------------------------------------ checking
+def linear_dims(module: nn.Module) -> tuple[int, int, str, str] | None:
+    """``(output-feature dim of the weight, input-feature dim, output size attribute, input size
+    attribute)`` of a module column/row can split: ``nn.Linear`` (weight ``[out, in]``) and Hugging
+    Face's ``Conv1D`` (weight ``[in, out]``, GPT-2); None for any other module."""
+    if isinstance(module, nn.Linear):
+        return 0, 1, "out_features", "in_features"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
+        return 1, 0, "nf", "nx"
+    return None
+
+
+def _get_path(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None = None) -> None:
+    """Refuse a plan that cannot apply to ``model`` at TP size ``tp`` (ConfigError, one line naming
+    the module and the fix): a pattern that matches no module, a style on a module it cannot split,
+    a size or attribute that does not divide by ``tp``, an unknown random region."""
+    model_name = model_name or type(model).__name__
+    names = [name for name, _ in model.named_modules() if name]
+    example = next((n for n in reversed(names) if n.count(".") >= 2), names[-1] if names else "")
+    for section, patterns in (("layers", plan.layers), ("divide", plan.divide), ("divisible", plan.divisible),
+                              ("random", plan.random), ("selective", dict.fromkeys(plan.selective))):
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                raise ConfigError(
+                    f"plan {section} pattern {pattern!r} matches no module of {model_name} (module names look like "
+                    f"{example!r}; print(model) lists them). Fix the pattern or remove it.")
+    for pattern, region in plan.random.items():
+        if region not in RANDOM_REGIONS:
+            raise ConfigError(f"plan random entry {pattern!r}: {region!r} is not a region; use 'parallel' (TP-split "
+                              "activations: masks differ across TP) or 'replicated'.")
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        style = plan.style_of(name) if name else None
+        if style is not None:
+            _check_style(name, module, style, tp)
+        for pattern, attrs in plan.divide.items():
+            if name and fnmatch.fnmatchcase(name, pattern):
+                _check_divisible(name, module, attrs, tp, "divided by")
+        for pattern, attrs in plan.divisible.items():
+            if name and fnmatch.fnmatchcase(name, pattern):
+                _check_divisible(name, module, attrs, tp, "split across")
+
+
+def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
+    kind = type(module).__name__
+    if isinstance(style, (Column, Row)):
+        dims = linear_dims(module)
+        what = "column" if isinstance(style, Column) else "row"
+        if dims is None:
+            raise ConfigError(
+                f"plan maps {name} ({kind}) to {what!r}, but only nn.Linear and Hugging Face Conv1D can be split by "
+                f"column or row (and nn.Embedding by 'vocab'): map {name} to 'replicate' or narrow the pattern.")
+        out_dim, in_dim, out_attr, in_attr = dims
+        if isinstance(style, Column):
+            size, parts = getattr(module, out_attr), style.stride
+            if style.stride < 1 or size % (parts * tp):
+                raise ConfigError(
+                    f"{name} ({kind}) has {size} output features: {parts} part(s) of {size // max(parts, 1)} cannot be "
+                    f"split across tensor_model_parallel_size={tp} ranks. Use a TP size that divides "
+                    f"{size // max(parts, 1)}, or map {name} to 'replicate'.")
+        elif getattr(module, in_attr) % tp:
+            raise ConfigError(
+                f"{name} ({kind}) has {getattr(module, in_attr)} input features, not divisible by "
+                f"tensor_model_parallel_size={tp}. Use a TP size that divides it, or map {name} to 'replicate'.")
+    elif isinstance(style, VocabEmbedding):
+        if not isinstance(module, nn.Embedding):
+            raise ConfigError(f"plan maps {name} ({kind}) to 'vocab', which splits nn.Embedding rows only: map it to "
+                              "'column'/'row' (linear layers) or 'replicate'.")
+        if module.num_embeddings % tp:
+            raise ConfigError(
+                f"{name} (nn.Embedding) has {module.num_embeddings} rows, not divisible by tensor_model_parallel_size="
+                f"{tp}. Pad the vocabulary to a multiple of {tp} (e.g. vocab_size={module.num_embeddings + (-module.num_embeddings) % tp}) "
+                f"or map {name} to 'replicate'.")
+        if module.max_norm is not None or module.sparse:
+            raise ConfigError(f"{name}: nn.Embedding with max_norm or sparse=True cannot be split by 'vocab'; map it to "
+                              "'replicate'.")
+
+
+def _check_divisible(name: str, module: nn.Module, attrs: tuple[str, ...], tp: int, verb: str) -> None:
+    for attr in attrs:
+        try:
+            value = _get_path(module, attr)
+        except AttributeError:
+            raise ConfigError(f"plan names attribute {attr!r} of {name} ({type(module).__name__}), which it does not "
+                              "have. Fix the attribute name in the plan.") from None
+        if not isinstance(value, int) or value % tp:
+            raise ConfigError(
+                f"{name}.{attr}={value} cannot be {verb} tensor_model_parallel_size={tp}: each TP rank must hold whole "
+                f"attention heads. Use a TP size that divides {value}.")

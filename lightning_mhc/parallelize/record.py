@@ -1,0 +1,252 @@
+"""Build a model on the meta device with its constructor arguments recorded, and give parts of it
+real tensors later.
+
+``record_module_init()`` is a context in which every ``nn.Module`` is constructed on the meta
+device (no weights allocated) and remembers the arguments it was constructed with
+(``_init_args`` / ``_init_kwargs``). :class:`Materializer` then gives a module real tensors by
+constructing it again from those arguments, on the CPU, under a generator seeded by ``(seed, the
+module's name)``, and applies the model's own init function (Hugging Face's ``_init_weights``)
+the same way, children before parents. A tensor's initial value therefore depends only on the
+seed and its module's name: every rank of every TP/PP layout that holds it draws the same values
+(megatron's CPU initialisation keeps the shard of such a "master" tensor), and so does the whole
+model materialised in one process.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from itertools import chain
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.model.init import _stable_seed
+
+InitFn = Callable[[nn.Module], None]
+
+
+def _all_module_classes() -> list[type]:
+    seen, stack = {nn.Module}, [nn.Module]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                stack.append(sub)
+    return list(seen)
+
+
+@contextlib.contextmanager
+def record_module_init() -> Iterator[None]:
+    """Construct modules on the meta device and record their constructor arguments.
+
+        with record_module_init():
+            model = GPT2LMHeadModel(GPT2Config(n_layer=4))   # nothing allocated
+        model = parallelize(model, plan="gpt2")            # each rank builds its part
+
+    The arguments a module was called with are kept on it (the outermost constructor's, when
+    constructors call their parents'); they must not be changed afterwards. Tensors a
+    constructor creates on another device explicitly are moved to the meta device."""
+    patched: dict[type, Any] = {}
+
+    def patch(cls: type) -> None:
+        init = cls.__dict__.get("__init__")
+        if init is None or cls in patched:
+            return
+
+        @functools.wraps(init)
+        def recording_init(module, *args, **kwargs):
+            init(module, *args, **kwargs)
+            # parents' constructors finish first: the outermost (the class called) records last
+            module._init_args, module._init_kwargs = args, kwargs
+            for store in (module._parameters, module._buffers):
+                for name, tensor in store.items():
+                    if tensor is not None and tensor.device.type != "meta":
+                        store[name] = _to_meta(tensor)
+
+        patched[cls] = init
+        cls.__init__ = recording_init
+
+    had_hook = "__init_subclass__" in nn.Module.__dict__
+    old_hook = nn.Module.__dict__.get("__init_subclass__")
+
+    def init_subclass(cls, **kwargs):  # classes defined inside the context record too
+        super(nn.Module, cls).__init_subclass__(**kwargs)
+        patch(cls)
+
+    for cls in _all_module_classes():
+        patch(cls)
+    nn.Module.__init_subclass__ = classmethod(init_subclass)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for cls, init in patched.items():
+            cls.__init__ = init
+        if had_hook:
+            nn.Module.__init_subclass__ = old_hook
+        else:
+            del nn.Module.__init_subclass__
+
+
+def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
+    meta = tensor.to("meta")
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    return meta
+
+
+def is_meta(module: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in chain(module.parameters(), module.buffers()))
+
+
+@contextlib.contextmanager
+def seeded(seed: int, key: str) -> Iterator[None]:
+    """The default CPU generator seeded by ``(seed, key)`` for a block, then put back."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_stable_seed(seed, key))
+        yield
+
+
+def post_order(module: nn.Module, name: str) -> Iterator[tuple[str, nn.Module]]:
+    """``(name, module)`` children before parents (``Module.apply``'s order)."""
+    for child_name, child in module.named_children():
+        yield from post_order(child, f"{name}.{child_name}" if name else child_name)
+    yield name, module
+
+
+class Materializer:
+    """Gives the modules of a recorded meta model real tensors, one subtree at a time.
+
+    ``init_fn`` is the model's own init function applied per module (default: the root's
+    ``_init_weights``, as Hugging Face models have); without one, a module's weights are what its
+    constructor draws. A tensor shared by several modules (tied embeddings) belongs to the first
+    module that holds it in ``named_modules`` order (its *owner*); every holder gets the owner's
+    values, and an ``init_fn`` call on another holder does not change them.
+    """
+
+    def __init__(self, root: nn.Module, seed: int, init_fn: InitFn | None = None) -> None:
+        self.seed = seed
+        self.init_fn = init_fn if init_fn is not None else getattr(root, "_init_weights", None)
+        self.owners: dict[int, tuple[str, nn.Module, str]] = {}
+        """``id(meta tensor) -> (owner module's name, owner, attribute)``."""
+        for name, module in root.named_modules(remove_duplicate=False):
+            for attr, tensor in chain(module._parameters.items(), module._buffers.items()):
+                if tensor is not None and id(tensor) not in self.owners:
+                    self.owners[id(tensor)] = (name, module, attr)
+        self.real: dict[int, torch.Tensor] = {}
+        """``id(meta tensor) -> the real tensor that replaced it`` (see :meth:`replace`)."""
+        self._meta_of: dict[int, int] = {}
+
+    def replace(self, meta_id: int, real: torch.Tensor) -> None:
+        """``real`` now stands for the meta tensor ``meta_id`` (every holder materialised later gets it)."""
+        old = self.real.get(meta_id)
+        if old is not None:
+            self._meta_of.pop(id(old), None)
+        self.real[meta_id] = real
+        self._meta_of[id(real)] = meta_id
+
+    def meta_id(self, real: torch.Tensor) -> int | None:
+        """The meta tensor a real one replaced (None for a tensor not made here)."""
+        return self._meta_of.get(id(real))
+
+    def owner_name(self, tensor: torch.Tensor) -> str:
+        """The tensor's name in the whole model: its owner's (one name for tied tensors)."""
+        name, _, attr = self.owners[id(tensor)]
+        return f"{name}.{attr}" if name else attr
+
+    def materialize(self, name: str, module: nn.Module) -> None:
+        """Real tensors for ``module`` (named ``name`` in the root) and its whole subtree."""
+        for sub_name, sub in module.named_modules(prefix=name):
+            self._fill(sub_name, sub)
+        if self.init_fn is not None:
+            for sub_name, sub in post_order(module, name):
+                with seeded(self.seed, sub_name + "#init"), self._holding_only_own(sub):
+                    self.init_fn(sub)
+
+    # ------------------------------------------------------------------ internals
+    def _fill(self, name: str, module: nn.Module) -> None:
+        fresh: nn.Module | None = None
+        for store in (module._parameters, module._buffers):
+            for attr, tensor in list(store.items()):
+                if tensor is None or tensor.device.type != "meta":
+                    continue
+                key = id(tensor)
+                if key in self.real:
+                    store[attr] = self.real[key]
+                    continue
+                owner_name, owner, owner_attr = self.owners[key]
+                if owner is module:
+                    fresh = fresh if fresh is not None else self._rebuild(name, module)
+                    value = _own_tensor(fresh, attr, name)
+                else:  # held here, owned elsewhere (a tied weight whose owner is not on this rank)
+                    value = self._detached_value(owner_name, owner, owner_attr)
+                real = _like(tensor, value)
+                self.replace(key, real)
+                store[attr] = real
+
+    def _rebuild(self, name: str, module: nn.Module) -> nn.Module:
+        """``module`` constructed again from its recorded arguments, on the CPU, seeded by name."""
+        if not hasattr(module, "_init_args"):
+            raise ConfigError(
+                f"{name or 'the model'} ({type(module).__name__}) was not constructed under record_module_init(): "
+                "construct the whole model inside `with record_module_init():` and pass it to parallelize().")
+        args, kwargs = module._init_args, module._init_kwargs
+        leaves, _ = tree_flatten((args, kwargs))
+        with seeded(self.seed, name + "#build"), torch.device("cpu"):
+            if not any(isinstance(x, (nn.Module, torch.Tensor)) for x in leaves):
+                return type(module)(*args, **kwargs)
+            # constructed from modules or tensors: its own reset instead of a second construction
+            if not callable(getattr(module, "reset_parameters", None)):
+                raise ConfigError(
+                    f"{name} ({type(module).__name__}) was constructed from modules or tensors, so it cannot be "
+                    "constructed again to materialise it, and it has no reset_parameters(): give it one, or "
+                    "construct it from plain arguments.")
+            fresh = module.to_empty(device="cpu", recurse=False)
+            fresh.reset_parameters()
+            return fresh
+
+    def _detached_value(self, name: str, owner: nn.Module, attr: str) -> torch.Tensor:
+        """The value an owner's tensor gets, without keeping the owner (not on this rank)."""
+        fresh = self._rebuild(name, owner)
+        if self.init_fn is not None:
+            for sub_name, sub in post_order(fresh, name):
+                with seeded(self.seed, sub_name + "#init"):
+                    self.init_fn(sub)
+        return _own_tensor(fresh, attr, name)
+
+    @contextlib.contextmanager
+    def _holding_only_own(self, module: nn.Module) -> Iterator[None]:
+        """Hide the tied tensors ``module`` holds but does not own from ``init_fn``."""
+        hidden = []
+        for store in (module._parameters, module._buffers):
+            for attr, tensor in store.items():
+                owner = self.owners.get(self.meta_id(tensor)) if tensor is not None else None
+                if owner is not None and owner[1] is not module:
+                    hidden.append((store, attr, tensor))
+                    store[attr] = _like(tensor, torch.empty_like(tensor))
+        try:
+            yield
+        finally:
+            for store, attr, tensor in hidden:
+                store[attr] = tensor
+
+
+def _own_tensor(module: nn.Module, attr: str, name: str) -> torch.Tensor:
+    value = module._parameters.get(attr, module._buffers.get(attr))
+    if value is None:
+        raise ConfigError(
+            f"{name}.{attr} is not created by {type(module).__name__}'s constructor (another module assigned "
+            "it), so it cannot be materialised from the recorded arguments: create it in the constructor.")
+    return value
+
+
+def _like(meta: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a tensor of ``meta``'s kind: a Parameter (same requires_grad) or a buffer, in
+    ``meta``'s dtype."""
+    value = value.detach().to(meta.dtype)
+    if isinstance(meta, nn.Parameter):
+        return nn.Parameter(value, requires_grad=meta.requires_grad)
+    return value

@@ -1,0 +1,136 @@
+"""Applying a plan's styles to materialised modules, in place.
+
+Each split module keeps its class, its parameter names and its weight's orientation (a
+``Conv1D`` weight stays ``[in, out]``); only its tensors become this rank's slices, its size
+attributes shrink, and its forward gains megatron-core's tensor-parallel mappings
+(``copy_to`` / ``reduce_from`` / ``gather_from_tensor_model_parallel_region`` over the layout's
+TP group). The slices carry megatron's ``tensor_model_parallel`` / ``partition_dim`` /
+``partition_stride`` attributes, which gradient reduction, the global gradient norm and the
+reshardable checkpoints read, as they do for the mHC GPT's megatron layers.
+
+Why megatron's mappings and attributes rather than DTensor: the rest of the runtime (the 1F1B
+schedule, DP reduction, clipping, checkpoints) speaks them, they run on gloo and NCCL alike, and
+the model's own modules keep running their own code on plain tensors.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+from torch import nn
+
+from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.parallelize.plan import Column, Replicate, Row, Style, VocabEmbedding, linear_dims
+from lightning_mhc.recompute.rng import rng_fork
+
+
+def shard(tensor: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> torch.Tensor:
+    """This rank's slice of ``tensor`` along ``dim``: with ``stride = s`` the dim is ``s`` parts,
+    and the slice is the rank's piece of each part, concatenated (megatron's strided split)."""
+    size = tensor.shape[dim]
+    parts = tensor.unflatten(dim, (stride, size // stride))
+    piece = parts.narrow(dim + 1, rank * (size // stride // tp), size // stride // tp)
+    return piece.flatten(dim, dim + 1).contiguous()
+
+
+def _sharded_parameter(param: torch.Tensor, dim: int, stride: int, layout: ParallelLayout) -> nn.Parameter:
+    tp, rank = layout.tensor_model_parallel_size, layout.tensor_model_parallel_rank
+    local = nn.Parameter(shard(param.detach(), dim, stride, tp, rank), requires_grad=param.requires_grad)
+    local.tensor_model_parallel, local.partition_dim, local.partition_stride = True, dim, stride
+    return local
+
+
+def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
+                replace: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Split ``module`` (materialised, whole) by ``style``. ``replace(old, new)`` records that the
+    tensor ``old`` became ``new`` (tied holders get the slice) and returns the tensor to use: the
+    slice already made for a tied tensor, if one was."""
+    if isinstance(style, Replicate):
+        return
+    if isinstance(style, VocabEmbedding):
+        _split(module, "weight", 0, 1, layout, replace)
+        vocab = module.num_embeddings
+        module.num_embeddings = vocab // layout.tensor_model_parallel_size
+        module.vocab_start_index = layout.tensor_model_parallel_rank * module.num_embeddings
+        if layout.tensor_model_parallel_size > 1:
+            module.forward = types.MethodType(functools.partial(_vocab_forward, group=layout.tp_group), module)
+        return
+    out_dim, in_dim, out_attr, in_attr = linear_dims(module)
+    tp = layout.tensor_model_parallel_size
+    if isinstance(style, Column):
+        _split(module, "weight", out_dim, style.stride, layout, replace)
+        if getattr(module, "bias", None) is not None:
+            _split(module, "bias", 0, style.stride, layout, replace)
+        setattr(module, out_attr, getattr(module, out_attr) // tp)
+        if tp > 1:
+            group = layout.tp_group
+            module.register_forward_pre_hook(lambda _m, args: (copy_to_tensor_model_parallel_region(args[0], group),
+                                                               *args[1:]))
+            if style.gather_output:
+                module.register_forward_hook(lambda _m, _a, out: gather_from_tensor_model_parallel_region(out, group))
+    elif isinstance(style, Row):
+        _split(module, "weight", in_dim, 1, layout, replace)
+        setattr(module, in_attr, getattr(module, in_attr) // tp)
+        if tp > 1:  # the bias is added once, after the partial products are summed
+            module.forward = types.MethodType(functools.partial(_row_forward, group=layout.tp_group,
+                                                                transposed=in_dim == 0), module)
+
+
+def _split(module: nn.Module, attr: str, dim: int, stride: int, layout: ParallelLayout, replace) -> None:
+    whole = module._parameters[attr]
+    if getattr(whole, "tensor_model_parallel", False):  # a tied tensor another holder split already
+        if (whole.partition_dim, whole.partition_stride) != (dim, stride):
+            raise ValueError(f"{type(module).__name__}.{attr} is tied to a tensor split along dim "
+                             f"{whole.partition_dim}, not {dim}: give both holders matching styles")
+        return
+    module._parameters[attr] = replace(whole, _sharded_parameter(whole, dim, stride, layout))
+
+
+def _row_forward(module: nn.Module, input_: torch.Tensor, group, transposed: bool) -> torch.Tensor:
+    """``nn.Linear`` / ``Conv1D`` on the rank's input features: the partial products summed over
+    TP, then the (whole) bias."""
+    if transposed:  # Conv1D: weight [in, out]
+        partial = torch.matmul(input_, module.weight)
+    else:
+        partial = F.linear(input_, module.weight)
+    output = reduce_from_tensor_model_parallel_region(partial, group)
+    return output if module.bias is None else output + module.bias
+
+
+def _vocab_forward(module: nn.Embedding, ids: torch.Tensor, group) -> torch.Tensor:
+    """megatron's ``VocabParallelEmbedding`` on the module's own slice of rows."""
+    start = module.vocab_start_index
+    outside = (ids < start) | (ids >= start + module.num_embeddings)
+    local = (ids - start).masked_fill(outside, 0)
+    padding = module.padding_idx
+    padding = padding - start if padding is not None and start <= padding < start + module.num_embeddings else None
+    rows = F.embedding(local, module.weight, padding, None, module.norm_type, module.scale_grad_by_freq, False)
+    return reduce_from_tensor_model_parallel_region(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+
+def divide_attributes(module: nn.Module, attrs: tuple[str, ...], tp: int) -> None:
+    """Attributes the forward reads as whole-model sizes (heads, split sizes) become per-rank."""
+    for attr in attrs:
+        setattr(module, attr, getattr(module, attr) // tp)
+
+
+def random_region(module: nn.Module, region: str) -> None:
+    """Run ``module``'s forward on the randomizer's stream for ``region``: ``"parallel"`` differs
+    across TP ranks (dropout on TP-split activations), ``"replicated"`` is shared by them."""
+    forward = module.forward
+    groups = () if region == "parallel" else ("tensor",)
+
+    @functools.wraps(forward)
+    def forward_in_region(*args, **kwargs):
+        with rng_fork(*groups):
+            return forward(*args, **kwargs)
+
+    module.forward = forward_in_region

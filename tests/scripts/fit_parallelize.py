@@ -1,0 +1,149 @@
+"""Bring your own model: ``Trainer.fit`` of Hugging Face GPT-2 / Llama and a plain PyTorch
+transformer split by ``parallelize``, several cases per process group.
+
+    python fit_parallelize.py --devices 4 --cases gpt2:tp2pp2 llama:tp2pp2 --out result.json
+    python fit_parallelize.py --devices 1 --cases gpt2:single ...        # the one-process references
+
+A case is ``<model>:<layout>``; DP is what the devices leave. ``single`` trains the unmodified
+model (``build_recorded_module``: the same initial weights) as a plain LightningModule. Every case
+fits a shuffled DataLoader for ``STEPS`` steps and records the per-step losses, the whole model's
+final weights by name (gathered from every rank's pieces), and each rank's materialised share.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from lm_models import MODELS, SEQ, VOCAB
+from lightning_mhc import MHCParallelStrategy, ParallelLMModule
+from lightning_mhc.lightning.data import SyntheticTokens
+from lightning_mhc.parallelize import build_recorded_module, parallelize, record_module_init
+
+GLOBAL_BATCH, STEPS, SEED, LR = 8, 4, 5, 0.5
+
+
+def sgd(parameters):
+    """SGD with momentum: a weight difference then measures a gradient difference. (AdamW divides by
+    sqrt(v): on elements whose exact gradient is zero, such as a key bias, fp32 rounding noise
+    becomes a full-size step.)"""
+    return torch.optim.SGD(parameters, lr=LR, momentum=0.9)
+LAYOUTS = {"single": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "pp2v2": (1, 2, 2), "tp2pp2": (2, 2, None)}
+
+
+class ParallelLM(ParallelLMModule):
+    def __init__(self, model: str, dropout: float = 0.0, recompute: str = "none") -> None:
+        super().__init__()
+        self.model_name, self.dropout, self.recompute = model, dropout, recompute
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            make, plan = MODELS[self.model_name]
+            with record_module_init():
+                model = make(dropout=self.dropout)
+            self.model = parallelize(model, plan, seed=SEED, recompute=self.recompute)
+
+    def configure_optimizers(self):
+        return sgd(self.parameters())
+
+
+class ReferenceLM(pl.LightningModule):
+    """The unmodified model in one process: its own forward, cross entropy on its logits."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        make, _ = MODELS[model]
+        with record_module_init():
+            meta = make()
+        self.model = build_recorded_module(meta, seed=SEED)
+
+    def training_step(self, batch, batch_idx):
+        output = self.model(input_ids=batch["tokens"])
+        logits = output if isinstance(output, torch.Tensor) else output.logits
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return sgd(self.parameters())
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"].detach()))
+
+
+def _gather(value):
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def whole_weights(module: pl.LightningModule, strategy: MHCParallelStrategy) -> dict[str, list]:
+    """The whole model's parameters by name, from every rank's pieces (TP slices joined)."""
+    layout = strategy.layout
+    mine = {}
+    for name, p in module.named_parameters():
+        key = module.global_parameter_name(name) if hasattr(module, "global_parameter_name") else name
+        mine[key.removeprefix("model.")] = (p.detach().cpu(), int(getattr(p, "partition_dim", -1))
+                                            if getattr(p, "tensor_model_parallel", False) else None,
+                                            int(getattr(p, "partition_stride", 1)))
+    pieces = _gather((layout.data_parallel_rank, layout.tensor_model_parallel_rank, mine))
+    whole: dict[str, torch.Tensor] = {}
+    for name in sorted({n for _, _, m in pieces for n in m}):
+        # one piece per TP rank (a tied tensor is held by the first and the last stage: same values)
+        held = sorted({tp: m[name] for dp, tp, m in pieces if dp == 0 and name in m}.items(), key=lambda x: x[0])
+        tensor, dim, stride = held[0][1]
+        if dim is None:
+            whole[name] = tensor
+            continue
+        parts = [t.unflatten(dim, (stride, t.shape[dim] // stride)) for _, (t, _, _) in held]
+        whole[name] = torch.cat(parts, dim + 1).flatten(dim, dim + 1)
+    return {name: t.flatten().tolist() for name, t in whole.items()}
+
+
+def fit_case(case: str, devices: int) -> dict:
+    model, layout_name = case.split(":")
+    tp, pp, v = LAYOUTS[layout_name]
+    dp = devices // (tp * pp)
+    strategy = MHCParallelStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                   virtual_pipeline_model_parallel_size=v, num_microbatches=2 if pp > 1 else 1)
+    losses = Losses()
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses])
+    module = ReferenceLM(model) if layout_name == "single" else ParallelLM(model)
+    loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
+                        shuffle=True, drop_last=True)
+    trainer.fit(module, train_dataloaders=loader)
+    result = dict(losses=losses.losses, tp=tp, pp=pp, dp=dp, weights=whole_weights(module, strategy))
+    if isinstance(module, ParallelLM):
+        report = module.model.report
+        result["materialised"] = _gather((report.rank_parameters, report.whole_parameters))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--cases", nargs="+", required=True)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args()
+    pl.seed_everything(7, verbose=False)
+    results = {case: fit_case(case, args.devices) for case in args.cases}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        args.out.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

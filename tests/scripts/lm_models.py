@@ -1,0 +1,93 @@
+"""The models of the bring-your-own-model tests: Hugging Face GPT-2 and Llama from small configs
+(no download), and a plain PyTorch transformer written the way a user writes one, with its plan."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mhc.parallelize import Column, TPPlan
+
+VOCAB, SEQ, WIDTH, LAYERS, HEADS = 128, 16, 64, 4, 4
+
+
+def gpt2(dropout: float = 0.0) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, attn_implementation="eager"))
+
+
+def llama(dropout: float = 0.0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        num_hidden_layers=LAYERS, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS // 2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
+        eos_token_id=0, attention_dropout=dropout, attn_implementation="eager"))
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, width // heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.attn_drop = nn.Dropout(dropout)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        probs = self.attn_drop(scores.masked_fill(~causal, float("-inf")).softmax(-1))
+        out = (probs @ v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return self.resid_drop(self.proj(out))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = Attention(width, heads, dropout)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.mlp_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp_drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class PlainTransformer(nn.Module):
+    """A user's own GPT: token and position embeddings, pre-norm blocks, a final norm and a head."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH, heads: int = HEADS, layers: int = LAYERS,
+                 seq: int = SEQ, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.drop(self.tok(input_ids) + self.pos(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+PLAIN_PLAN = TPPlan(
+    layers={"tok": "vocab", "blocks.*.attn.qkv": Column(stride=3), "blocks.*.attn.proj": "row",
+            "blocks.*.fc1": "column", "blocks.*.fc2": "row", "head": "column"},
+    divide={"blocks.*.attn": ("heads",)},
+    random={"blocks.*.attn": "parallel", "blocks.*.attn.resid_drop": "replicated"},
+    selective=("blocks.*.attn",),
+)
+
+MODELS = {"gpt2": (gpt2, "gpt2"), "llama": (llama, "llama"), "plain": (PlainTransformer, PLAIN_PLAN)}
