@@ -1,0 +1,178 @@
+"""Bring your own model: Hugging Face GPT-2 and Llama and a plain PyTorch transformer, split by
+``parallelize`` and trained through ``Trainer.fit`` on shuffled DataLoaders, against the unmodified
+model in one process (``tests/scripts/fit_parallelize.py``: one spawned group per world size runs
+all of its cases).
+
+Compared per case: the per-step losses and the whole model's final weights by name (SGD with
+momentum, 4 steps) within 1e-5, and each rank's materialised parameters against the whole model.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
+from lm_models import MODELS, PLAIN_PLAN, PlainTransformer, gpt2, llama  # noqa: E402
+from subprocess_env import child_env  # noqa: E402
+
+from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule  # noqa: E402
+from lightning_mhc.parallelize import GPT2, LLAMA, Column, build_recorded_module, check_plan, parallelize, record_module_init  # noqa: E402
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_parallelize.py"
+MODEL_NAMES = ("gpt2", "llama", "plain")
+
+
+def run_group(tmp_path: pathlib.Path, devices: int, cases: list[str]) -> dict:
+    out = tmp_path / f"devices{devices}.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--devices", str(devices), "--cases", *cases,
+                           "--out", str(out)], capture_output=True, text=True, timeout=900, env=child_env(),
+                          cwd=SCRIPT.parent)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict:
+    return run_group(tmp_path_factory.mktemp("reference"), 1, [f"{m}:single" for m in MODEL_NAMES])
+
+
+def check_case(case: str, result: dict, references: dict) -> None:
+    reference = references[case.split(":")[0] + ":single"]
+    losses, ref_losses = torch.tensor(result["losses"]), torch.tensor(reference["losses"])
+    assert len(losses) == len(ref_losses) == 4
+    assert set(result["weights"]) == set(reference["weights"])  # the model's own names, every tensor
+    weight_diff = max((torch.tensor(result["weights"][k]) - torch.tensor(w)).abs().max().item()
+                      for k, w in reference["weights"].items())
+    tp, pp = result["tp"], result["pp"]
+    shares = [rank / whole for rank, whole in result["materialised"]]
+    print(f"{case} (TP={tp} PP={pp} DP={result['dp']}): max |loss diff| = {(losses - ref_losses).abs().max():.3g}, "
+          f"max |weight diff| = {weight_diff:.3g}; materialised per rank: "
+          + ", ".join(f"{s:.3f}" for s in shares) + f" of the model (1/(TP*PP) = {1 / (tp * pp):.3f})")
+    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5)
+    assert weight_diff <= 1e-5
+    assert losses[-1] != losses[0]  # it trained
+    # each rank holds about 1/(TP*PP) of the model (embeddings, norms and biases stay whole)
+    assert max(shares) <= 1.25 / (tp * pp)
+
+
+def test_tp2_and_pp2(tmp_path, references):
+    """TP 2 and PP 2 (2 processes), and PP 2 with the interleaved schedule (v = 2) for GPT-2."""
+    cases = [f"{m}:{layout}" for m in MODEL_NAMES for layout in ("tp2", "pp2")] + ["gpt2:pp2v2"]
+    results = run_group(tmp_path, 2, cases)
+    for case in cases:
+        check_case(case, results[case], references)
+
+
+def test_tp2_x_pp2(tmp_path, references):
+    cases = [f"{m}:tp2pp2" for m in MODEL_NAMES]
+    results = run_group(tmp_path, 4, cases)
+    for case in cases:
+        check_case(case, results[case], references)
+
+
+@pytest.mark.slow
+def test_tp2_x_pp2_x_dp2(tmp_path, references):
+    cases = [f"{m}:tp2pp2" for m in MODEL_NAMES]
+    results = run_group(tmp_path, 8, cases)
+    for case in cases:
+        assert results[case]["dp"] == 2
+        check_case(case, results[case], references)
+
+
+# ---------------------------------------------------------------- one process
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_one_process_parallelize_is_the_recorded_model(name):
+    """TP = PP = 1: the same weights and logits, bit for bit, as the unmodified model built whole."""
+    make, plan = MODELS[name]
+    with record_module_init():
+        reference = make()
+    reference = build_recorded_module(reference, seed=11).eval()
+    with record_module_init():
+        meta = make()
+    assert all(p.device.type == "meta" for p in meta.parameters())  # nothing allocated
+    model = parallelize(meta, plan, seed=11).eval()
+    mine = {model.global_parameter_name(k): v for k, v in model.state_dict().items()}
+    theirs = reference.state_dict()
+    for key, value in mine.items():
+        assert torch.equal(value, theirs[key]), key
+    ids = torch.randint(0, 128, (2, 16))
+    out = reference(input_ids=ids)
+    torch.testing.assert_close(model(input_ids=ids), out if isinstance(out, torch.Tensor) else out.logits,
+                               rtol=0, atol=0)
+    assert model.report.rank_parameters == model.report.whole_parameters
+
+
+def test_record_module_init_keeps_arguments_and_restores_classes():
+    import torch.nn as nn
+
+    init = nn.Linear.__init__
+    with record_module_init():
+        layer = nn.Linear(3, 5, bias=False)
+        model = PlainTransformer(layers=2)
+    assert nn.Linear.__init__ is init
+    assert layer.weight.device.type == "meta" and layer._init_args == (3, 5) and layer._init_kwargs == {"bias": False}
+    assert model._init_kwargs == {"layers": 2}
+    assert not hasattr(nn.Linear(2, 2), "_init_args")  # outside the context nothing is recorded
+
+
+# ---------------------------------------------------------------- wrong plans
+def _meta(make, **kwargs):
+    with record_module_init():
+        return make(**kwargs)
+
+
+@pytest.mark.parametrize("make, plan, tp, match", [
+    (gpt2, {"transformer.h.*.attention.c_attn": "column"}, 1,
+     r"plan layers pattern 'transformer.h.\*.attention.c_attn' matches no module of GPT2LMHeadModel \(module names "
+     r"look like 'transformer.h.3.mlp.dropout'.*Fix the pattern or remove it"),
+    (gpt2, {"transformer.h.*.ln_1": "column"}, 1,
+     r"plan maps transformer.h.0.ln_1 \(LayerNorm\) to 'column', but only nn.Linear and Hugging Face Conv1D.*map "
+     r"transformer.h.0.ln_1 to 'replicate'"),
+    (gpt2, GPT2, 8, r"transformer.h.0.attn.num_heads=4 cannot be divided by tensor_model_parallel_size=8: each TP "
+                    r"rank must hold whole attention heads. Use a TP size that divides 4"),
+    (llama, LLAMA, 4, r"model.layers.0.self_attn.config.num_key_value_heads=2 cannot be split across "
+                      r"tensor_model_parallel_size=4"),
+    (PlainTransformer, {"tok": "column"}, 2, r"plan maps tok \(Embedding\) to 'column'"),
+    (PlainTransformer, {"blocks.*.fc1": "vocab"}, 2, r"plan maps blocks.0.fc1 \(Linear\) to 'vocab'"),
+    (PlainTransformer, PLAIN_PLAN, 3, r"tok \(nn.Embedding\) has 128 rows, not divisible by tensor_model_parallel_size=3"
+                                      r"\. Pad the vocabulary to a multiple of 3 \(e.g. vocab_size=129\)"),
+    (PlainTransformer, {"blocks.*.attn.qkv": Column(stride=3)}, 3,
+     r"blocks.0.attn.qkv \(Linear\) has 192 output features: 3 part\(s\) of 64 cannot be split across "
+     r"tensor_model_parallel_size=3"),
+])
+def test_wrong_plan_is_refused_naming_the_module(make, plan, tp, match):
+    from lightning_mhc.parallelize.plan import resolve_plan
+
+    with pytest.raises(ConfigError, match=match) as error:
+        check_plan(_meta(make), resolve_plan(plan), tp)
+    assert "\n" not in str(error.value)
+
+
+def test_wrong_plan_fails_in_trainer_fit_before_any_step():
+    class Wrong(ParallelLMModule):
+        def configure_model(self):
+            with record_module_init():
+                model = gpt2()
+            self.model = parallelize(model, {"transformer.h.*.mlp.fc": "column"})
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(ConfigError, match=r"pattern 'transformer.h.\*.mlp.fc' matches no module"):
+        trainer.fit(Wrong(), train_dataloaders=[{"tokens": torch.zeros(2, 16, dtype=torch.long),
+                                                  "labels": torch.zeros(2, 16, dtype=torch.long)}])
+    assert trainer.global_step == 0
+
+
+def test_unrecorded_model_and_bad_split_are_refused():
+    with pytest.raises(ConfigError, match=r"construct PlainTransformer inside `with record_module_init\(\):`"):
+        parallelize(PlainTransformer(), PLAIN_PLAN)
+    with pytest.raises(ConfigError, match=r"pipeline_split=\[3, 3\]: give 1 positive block counts summing to 4"):
+        parallelize(_meta(PlainTransformer), PLAIN_PLAN, pipeline_split=[3, 3])
