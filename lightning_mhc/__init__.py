@@ -1,7 +1,7 @@
 """lightning_mhc: train mHC transformers with TP/PP/DP from one line of Lightning.
 
 Layers, each importable without the ones after it: ``recompute`` (torch
-only) <- ``model`` (megatron-core) <- ``parallel`` <- ``checkpoint`` <- ``fabric``
+only) <- ``model`` (megatron-core) <- ``parallel`` <- ``checkpoint`` <- ``parallelize`` <- ``fabric``
 (Lightning Fabric; what both strategies share) <- ``lightning`` (the Trainer).
 Public names are loaded on first use, so importing one layer never imports the
 layers above it, with one deliberate exception: once Lightning itself is imported, the
