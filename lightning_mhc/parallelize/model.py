@@ -84,14 +84,12 @@ class ParallelModel(nn.Module):
     With PP = 1, ``model(input_ids=...)`` is the model's forward (logits; split over the
     vocabulary when ``vocab_parallel_logits``)."""
 
-    def __init__(self, chunks: list[nn.Module], virtual_stages: list[int], num_virtual_stages: int,
-                 layout: ParallelLayout, hidden_size: int, vocab_parallel_logits: bool,
-                 aliases: dict[str, str], report: MaterializedReport, forward_kwargs: dict[str, Any]) -> None:
+    def __init__(self, chunks: list[nn.Module], num_virtual_stages: int, hidden_size: int,
+                 vocab_parallel_logits: bool, aliases: dict[str, str], report: MaterializedReport,
+                 forward_kwargs: dict[str, Any]) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
-        self.virtual_stages = virtual_stages
         self.num_virtual_stages = num_virtual_stages
-        self.layout = layout
         self.hidden_size = hidden_size
         self.vocab_parallel_logits = vocab_parallel_logits
         self.aliases = aliases
@@ -302,10 +300,8 @@ def parallelize(
     part_modules = {name: model.get_submodule(name) for name in parts.first + parts.last + parts.everywhere}
     virtual_stages = [c * pp + layout.pipeline_model_parallel_rank for c in range(v)]
     last_stage = pp * v - 1
-    model_parallel = ParallelModel([], virtual_stages, pp * v, layout, hidden, vocab_parallel, aliases,
-                                   None, _forward_kwargs(model))  # chunks and report set below
-    chunks = []
-    for chunk, (skeleton, stage) in enumerate(zip(skeletons, virtual_stages)):
+    chunks, stage_ends = [], []
+    for skeleton, stage in zip(skeletons, virtual_stages):
         start, end = ranges[stage]
         local = {i: parts.blocks[i] for i in range(start, end)}
         set_submodule(skeleton, parts.block_path, stage_block_list(block_list, local))
@@ -321,19 +317,20 @@ def parallelize(
             build(parts.block_name(index), block)
             if recompute == "full":
                 _checkpointed(block)
-        if stage > 0:
-            local[start].register_forward_pre_hook(functools.partial(model_parallel._take_input, chunk),
-                                                   with_kwargs=True)
-        if stage < last_stage:
-            local[end - 1].register_forward_hook(functools.partial(model_parallel._stop, chunk))
         chunks.append(skeleton)
-    model_parallel.chunks = nn.ModuleList(chunks)
-    model_parallel._inputs = [None] * len(chunks)
+        stage_ends.append((stage, local[start], local[end - 1]))
+    report = MaterializedReport(_unique_numel(nn.ModuleList(chunks)), whole, tp, pp)
+    model_parallel = ParallelModel(chunks, pp * v, hidden, vocab_parallel, aliases, report, _forward_kwargs(model))
+    for chunk, (stage, first_block, last_block) in enumerate(stage_ends):
+        if stage > 0:  # takes the previous stage's activations
+            first_block.register_forward_pre_hook(functools.partial(model_parallel._take_input, chunk),
+                                                  with_kwargs=True)
+        if stage < last_stage:  # the stage ends here
+            last_block.register_forward_hook(functools.partial(model_parallel._stop, chunk))
     for meta_id in _tied_across_stages(ties, parts, ranges, last_stage):
         held = materializer.real.get(meta_id)
         if held is not None and any(p is held for p in model_parallel.parameters()):
             held.shared_embedding = True  # its gradient is summed between the first and the last stage
-    model_parallel.report = MaterializedReport(_unique_numel(model_parallel), whole, tp, pp)
     log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
              layout.pipeline_model_parallel_rank, model_parallel.report)
     return model_parallel
