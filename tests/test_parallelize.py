@@ -89,7 +89,7 @@ def test_tp2_x_pp2_x_dp2(tmp_path, references):
 
 # ---------------------------------------------------------------- one process
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_one_process_parallelize_is_the_recorded_model(name):
+def test_one_process_parallelize_is_the_recorded_model(name, model_parallel):
     """TP = PP = 1: the same weights and logits, bit for bit, as the unmodified model built whole."""
     make, plan = MODELS[name]
     with record_module_init():
@@ -98,7 +98,7 @@ def test_one_process_parallelize_is_the_recorded_model(name):
     with record_module_init():
         meta = make()
     assert all(p.device.type == "meta" for p in meta.parameters())  # nothing allocated
-    model = parallelize(meta, plan, seed=11).eval()
+    model = parallelize(meta, plan, layout=model_parallel, seed=11).eval()
     mine = {model.global_parameter_name(k): v for k, v in model.state_dict().items()}
     theirs = reference.state_dict()
     for key, value in mine.items():
@@ -171,23 +171,22 @@ def test_wrong_plan_fails_in_trainer_fit_before_any_step():
     assert trainer.global_step == 0
 
 
-def test_unrecorded_model_and_bad_split_are_refused():
+def test_unrecorded_model_and_bad_split_are_refused(model_parallel):
     with pytest.raises(ConfigError, match=r"construct PlainTransformer inside `with record_module_init\(\):`"):
-        parallelize(PlainTransformer(), PLAIN_PLAN)
+        parallelize(PlainTransformer(), PLAIN_PLAN, layout=model_parallel)
     with pytest.raises(ConfigError, match=r"pipeline_split=\[3, 3\]: give 1 positive block counts summing to 4"):
-        parallelize(_meta(PlainTransformer), PLAIN_PLAN, pipeline_split=[3, 3])
+        parallelize(_meta(PlainTransformer), PLAIN_PLAN, layout=model_parallel, pipeline_split=[3, 3])
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_recompute_policies_are_bit_exact_with_dropout(name):
+def test_recompute_policies_are_bit_exact_with_dropout(name, model_parallel):
     """``full`` (every block) and ``selective`` (the plan's modules) recompute give the losses and
     gradients of no recompute, bit for bit, with dropout 0.1 on the randomizer's streams (a replicated
     region nested in a TP-split one included) and one block checkpoint per block forward."""
     from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
-    from lightning_mhc.parallel.state import single_process_layout
 
     make, plan = MODELS[name]
-    layout = single_process_layout()
+    layout = model_parallel
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     results = {}
     try:
