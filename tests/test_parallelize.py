@@ -30,11 +30,11 @@ SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_parallelize.py"
 MODEL_NAMES = ("gpt2", "llama", "plain")
 
 
-def run_group(tmp_path: pathlib.Path, devices: int, cases: list[str]) -> dict:
+def run_group(tmp_path: pathlib.Path, devices: int, cases: list[str], *options: str) -> dict:
     out = tmp_path / f"devices{devices}.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--devices", str(devices), "--cases", *cases,
-                           "--out", str(out)], capture_output=True, text=True, timeout=900, env=child_env(),
-                          cwd=SCRIPT.parent)
+                           "--out", str(out), *options], capture_output=True, text=True, timeout=900,
+                          env=child_env(), cwd=SCRIPT.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -71,11 +71,65 @@ def test_tp2_and_pp2(tmp_path, references):
         check_case(case, results[case], references)
 
 
-def test_tp2_x_pp2(tmp_path, references):
+RESUMED = ("gpt2:pp2:resume", "gpt2:tp2:resume", "llama:pp2:resume", "plain:tp2:resume")
+
+
+def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references):
+    """TP 2 x PP 2 against one process; its checkpoints (the model's own names) continue on PP 2 x
+    DP 2 and TP 2 x DP 2 as they would have on TP 2 x PP 2 (resharding), and load into the plain
+    model in one process, and through save_pretrained / from_pretrained, with its logits."""
     cases = [f"{m}:tp2pp2" for m in MODEL_NAMES]
-    results = run_group(tmp_path, 4, cases)
+    results = run_group(tmp_path, 4, cases + list(RESUMED), "--checkpoints", str(tmp_path / "ckpt"))
     for case in cases:
         check_case(case, results[case], references)
+    for case in RESUMED:  # saved at step 2 of 4 on TP 2 x PP 2
+        saved = results[case.split(":")[0] + ":tp2pp2"]
+        resumed = results[case]
+        loss_diff = (torch.tensor(resumed["losses"]) - torch.tensor(saved["losses"][2:])).abs().max().item()
+        weight_diff = max((torch.tensor(resumed["weights"][k]) - torch.tensor(w)).abs().max().item()
+                          for k, w in saved["weights"].items())
+        print(f"{case} (TP={resumed['tp']} PP={resumed['pp']} DP={resumed['dp']}) from TP2 x PP2's step 2: "
+              f"max |loss diff| = {loss_diff:.3g}, max |final weight diff| = {weight_diff:.3g}")
+        assert len(resumed["losses"]) == 2 and set(resumed["weights"]) == set(saved["weights"])
+        assert loss_diff <= 1e-5 and weight_diff <= 1e-5
+    for name in MODEL_NAMES:
+        check_one_process_use(name, tmp_path / "ckpt" / name, tmp_path / "export" / name)
+    from lightning_mhc.parallelize import load_checkpoint
+
+    with pytest.raises(ConfigError, match=r"lacks \d+ tensor\(s\) of LlamaForCausalLM, e.g. model\.model\.embed_tokens"):
+        load_checkpoint(llama(), tmp_path / "ckpt" / "gpt2" / "final.ckpt")  # another model: refused, not half-loaded
+    wider = PlainTransformer(width=128)
+    with pytest.raises(ConfigError, match=r"model.tok.weight has shape \(128, 64\), the model's tok.weight \(128, 128\)"):
+        load_checkpoint(wider, tmp_path / "ckpt" / "plain" / "final.ckpt")
+
+
+def check_one_process_use(name: str, ckpt_dir: pathlib.Path, export_dir: pathlib.Path) -> None:
+    from safetensors.torch import load_model
+
+    from lightning_mhc.parallelize import export_pretrained, load_checkpoint
+
+    make, _ = MODELS[name]
+    expected = torch.load(ckpt_dir / "logits.pt")
+    tokens = expected["tokens"]
+
+    def logits(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            out = model.eval()(input_ids=tokens)
+        return out if isinstance(out, torch.Tensor) else out.logits
+
+    plain = load_checkpoint(make(), ckpt_dir / "final.ckpt")  # model.load_state_dict, strict
+    written = export_pretrained(ckpt_dir / "final.ckpt", make(), export_dir)
+    if name == "plain":
+        exported = make()
+        load_model(exported, str(export_dir / "model.safetensors"))
+    else:
+        assert {"config.json", "model.safetensors"} <= set(written["files"])
+        exported = type(plain).from_pretrained(export_dir)
+    diff = (logits(plain) - expected["logits"]).abs().max().item()
+    export_diff = (logits(exported) - expected["logits"]).abs().max().item()
+    print(f"{name}: TP2 x PP2 checkpoint in the plain model: max |logits - TP2 x PP2 logits| = {diff:.3g}; "
+          f"exported ({', '.join(written['files'])}) and reloaded: {export_diff:.3g}")
+    assert diff <= 1e-5 and export_diff <= 1e-5
 
 
 @pytest.mark.slow

@@ -132,6 +132,8 @@ def model_entries(module: torch.nn.Module, layout: ParallelLayout | None) -> dic
         if not isinstance(tensor, Tensor):
             continue  # megatron's "_extra_state" placeholders
         key = namer(local)
+        if key in entries and entries[key][1] is tensor:
+            continue  # one tensor held twice (a tied embedding and head on one stage): stored once
         if key in entries:
             raise ValueError(f"{local} and {entries[key][0]} have the same global name {key}")
         entries[key] = (local, tensor)

@@ -11,15 +11,19 @@ PyTorch transformer with a list of repeated blocks), without rewriting it on meg
 - ``tensor_parallel.py``: the styles applied in place with megatron-core's TP mappings;
 - ``pipeline.py``: the block list, the stage split, stubs for parts on other stages;
 - ``model.py``: :func:`parallelize`, :class:`ParallelModel` (the pipeline contract), and
-  :func:`build_recorded_module` (the whole model in one process, same weights).
+  :func:`build_recorded_module` (the whole model in one process, same weights);
+- ``checkpoint.py``: a parallel run's checkpoint into the plain model (``load_checkpoint``) and
+  out as ``save_pretrained`` safetensors (``export_pretrained``).
 
 No Lightning import: ``lightning_mhc.lightning.ParallelLMModule`` is the LightningModule side.
 """
+from lightning_mhc.parallelize.checkpoint import consolidated_state_dict, export_pretrained, load_checkpoint
 from lightning_mhc.parallelize.model import MaterializedReport, ParallelModel, build_recorded_module, parallelize
 from lightning_mhc.parallelize.plan import GPT2, LLAMA, PLANS, Column, Replicate, Row, TPPlan, VocabEmbedding, check_plan
 from lightning_mhc.parallelize.record import record_module_init
 
 __all__ = [
     "GPT2", "LLAMA", "PLANS", "Column", "MaterializedReport", "ParallelModel", "Replicate", "Row", "TPPlan",
-    "VocabEmbedding", "build_recorded_module", "check_plan", "parallelize", "record_module_init",
+    "VocabEmbedding", "build_recorded_module", "check_plan", "consolidated_state_dict", "export_pretrained",
+    "load_checkpoint", "parallelize", "record_module_init",
 ]

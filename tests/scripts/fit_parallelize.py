@@ -8,6 +8,10 @@ A case is ``<model>:<layout>``; DP is what the devices leave. ``single`` trains 
 model (``build_recorded_module``: the same initial weights) as a plain LightningModule. Every case
 fits a shuffled DataLoader for ``STEPS`` steps and records the per-step losses, the whole model's
 final weights by name (gathered from every rank's pieces), and each rank's materialised share.
+
+With ``--checkpoints DIR`` a parallel case also saves ``DIR/<model>/step=2.ckpt`` (mid-run),
+``DIR/<model>/final.ckpt`` and the logits of a fixed batch on its layout (``logits.pt``); a case
+``<model>:<layout>:resume`` continues from ``step=2.ckpt`` on its own layout (resharding).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lm_models import MODELS, SEQ, VOCAB
@@ -81,6 +85,31 @@ class Losses(Callback):
         self.losses.append(float(outputs["loss"].detach()))
 
 
+class FinalCheckpointAndLogits(Callback):
+    """At the end of training, on the training layout: ``final.ckpt``, and the logits of a fixed
+    batch (the last stage's vocabulary slices gathered over TP) in ``logits.pt``."""
+
+    def __init__(self, out_dir: pathlib.Path) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, module) -> None:
+        trainer.save_checkpoint(self.out_dir / "final.ckpt")
+        tokens = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
+        captured = []
+        module.loss_func = lambda logits, mb: (captured.append(logits.detach().clone()), logits.sum() * 0)[1]
+        trainer.strategy.forward_backward(module, {"tokens": tokens, "labels": tokens}, forward_only=True)
+        del module.loss_func
+        layout = trainer.strategy.layout
+        if captured:  # the last stage
+            logits = torch.cat(captured, dim=0)
+            if module.model.vocab_parallel_logits:
+                pieces = [torch.empty_like(logits) for _ in range(layout.tensor_model_parallel_size)]
+                dist.all_gather(pieces, logits.contiguous(), group=layout.tp_group)
+                logits = torch.cat(pieces, dim=-1)
+            if layout.tensor_model_parallel_rank == 0 and layout.data_parallel_rank == 0:
+                torch.save(dict(tokens=tokens, logits=logits), self.out_dir / "logits.pt")
+
+
 def _gather(value):
     if not dist.is_initialized():
         return [value]
@@ -112,20 +141,27 @@ def whole_weights(module: pl.LightningModule, strategy: MHCParallelStrategy) -> 
     return {name: t.flatten().tolist() for name, t in whole.items()}
 
 
-def fit_case(case: str, devices: int) -> dict:
-    model, layout_name = case.split(":")
+def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None) -> dict:
+    model, layout_name, *resume = case.split(":")
     tp, pp, v = LAYOUTS[layout_name]
     dp = devices // (tp * pp)
     strategy = MHCParallelStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                    virtual_pipeline_model_parallel_size=v, num_microbatches=2 if pp > 1 else 1)
     losses = Losses()
+    callbacks, ckpt_path = [losses], None
+    if checkpoints is not None and resume:
+        ckpt_path = next((checkpoints / model).glob("*step=2.ckpt"))
+    elif checkpoints is not None and layout_name != "single":
+        callbacks += [ModelCheckpoint(dirpath=checkpoints / model, filename="{step}", save_top_k=-1,
+                                      every_n_train_steps=2),
+                      FinalCheckpointAndLogits(checkpoints / model)]
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses])
+                         enable_checkpointing=len(callbacks) > 1, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
     module = ReferenceLM(model) if layout_name == "single" else ParallelLM(model)
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
-    trainer.fit(module, train_dataloaders=loader)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     result = dict(losses=losses.losses, tp=tp, pp=pp, dp=dp, weights=whole_weights(module, strategy))
     if isinstance(module, ParallelLM):
         report = module.model.report
@@ -138,9 +174,10 @@ def main() -> None:
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--cases", nargs="+", required=True)
     parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--checkpoints", type=pathlib.Path, help="save checkpoints here / resume from them")
     args = parser.parse_args()
     pl.seed_everything(7, verbose=False)
-    results = {case: fit_case(case, args.devices) for case in args.cases}
+    results = {case: fit_case(case, args.devices, args.checkpoints) for case in args.cases}
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.out.write_text(json.dumps(results))
 
