@@ -132,13 +132,49 @@ def check_one_process_use(name: str, ckpt_dir: pathlib.Path, export_dir: pathlib
     assert diff <= 1e-5 and export_diff <= 1e-5
 
 
+DROPOUT_RUNS = ("gpt2:tp2pp2:dropout", "gpt2:tp2pp2:dropout-again", "gpt2:tp2pp2:dropout-full")
+
+
 @pytest.mark.slow
-def test_tp2_x_pp2_x_dp2(tmp_path, references):
+def test_tp2_x_pp2_x_dp2_and_its_dropout_masks(tmp_path, references):
     cases = [f"{m}:tp2pp2" for m in MODEL_NAMES]
-    results = run_group(tmp_path, 8, cases)
+    results = run_group(tmp_path, 8, cases + list(DROPOUT_RUNS))
     for case in cases:
         assert results[case]["dp"] == 2
         check_case(case, results[case], references)
+    check_dropout_masks({run: results[run] for run in DROPOUT_RUNS})
+
+
+def check_dropout_masks(runs: dict[str, dict]) -> None:
+    """GPT-2 with dropout 0.1 on TP 2 x PP 2 x DP 2, the randomizer's table: the attention
+    probabilities (split by heads across TP: a "parallel" region) get different masks on the two
+    TP ranks; the embedding, residual and MLP dropouts (on whole activations: replicated) the same
+    mask on both; every DP rank and every pipeline stage its own. The layout run again gives the
+    same losses and masks bit for bit, and so does full recompute (it replays the masks)."""
+    first, *again = runs.values()
+    for name, run in runs.items():
+        assert run["losses"] == first["losses"], name  # bit-identical
+        assert run["masks"] == first["masks"], name
+    masks = {(r["tp"], r["pp"], r["dp"]): r["masks"] for r in first["masks"]}
+    assert len(masks) == 8
+    checked = {"parallel": 0, "replicated": 0}
+    for (tp, pp, dp), mine in masks.items():
+        for module, (digest, _, dropped) in mine.items():
+            if pp == 1 and module == "transformer.drop":
+                continue  # the embedding's dropout on the last stage sees the stub's zeros
+            assert 0.02 < dropped < 0.2, (module, dropped)  # dropout acted
+            region = "parallel" if module.endswith(".attn") else "replicated"  # F.dropout inside attention
+            tp_peer, dp_peer = masks[(1 - tp, pp, dp)][module][0], masks[(tp, pp, 1 - dp)][module][0]
+            assert (digest == tp_peer) == (region == "replicated"), (module, region, tp, pp, dp)
+            assert digest != dp_peer, (module, tp, pp, dp)
+            checked[region] += 1
+        if pp == 0:  # the first block of each stage: h.0 on stage 0, h.2 on stage 1
+            for kind in ("attn", "attn.resid_dropout", "mlp.dropout"):
+                assert mine[f"transformer.h.0.{kind}"][0] != masks[(tp, 1, dp)][f"transformer.h.2.{kind}"][0]
+    print(f"dropout masks on TP2 x PP2 x DP2 (GPT-2, p=0.1): {checked['parallel']} parallel-region masks differ "
+          f"across TP, {checked['replicated']} replicated-region masks equal across TP; all differ across DP and "
+          f"PP; {len(again)} reruns (one with full recompute) bit-identical")
+    assert checked["parallel"] == 8 * 2 and checked["replicated"] == 4 * 5 + 4 * 4
 
 
 # ---------------------------------------------------------------- one process

@@ -12,10 +12,13 @@ final weights by name (gathered from every rank's pieces), and each rank's mater
 With ``--checkpoints DIR`` a parallel case also saves ``DIR/<model>/step=2.ckpt`` (mid-run),
 ``DIR/<model>/final.ckpt`` and the logits of a fixed batch on its layout (``logits.pt``); a case
 ``<model>:<layout>:resume`` continues from ``step=2.ckpt`` on its own layout (resharding).
+A case ``<model>:<layout>:dropout[-<tag>]`` trains with dropout 0.1 and records, per rank, a
+digest of each dropout module's mask in the first forward (``:dropout-full``: with full recompute).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import pathlib
 
@@ -110,6 +113,42 @@ class FinalCheckpointAndLogits(Callback):
                 torch.save(dict(tokens=tokens, logits=logits), self.out_dir / "logits.pt")
 
 
+class DropoutMasks(Callback):
+    """The mask of each dropout in its first call of the training run, by the whole model's name of
+    the innermost module running it (``nn.Dropout`` modules, and ``F.dropout`` inside a module's
+    forward, as Hugging Face's attention does): ``{name: [sha1 of the mask, its shape, the
+    fraction dropped]}``."""
+
+    def __init__(self) -> None:
+        self.masks: dict[str, list] = {}
+        self._running: list[str] = []
+        self._dropout = None
+
+    def on_train_start(self, trainer, module) -> None:
+        for name, sub in module.model.named_modules():
+            name = name.split(".", 2)[2] if name.startswith("chunks.") and name.count(".") >= 2 else name
+            sub.register_forward_pre_hook(lambda *_, name=name: self._running.append(name))
+            sub.register_forward_hook(lambda *_: self._leave(), always_call=True)
+        self._dropout = F.dropout
+
+        def dropout(input, p=0.5, training=True, inplace=False):
+            output = self._dropout(input, p, training, inplace)
+            name = self._running[-1] if self._running else "?"
+            if training and p > 0 and name not in self.masks:
+                dropped = (output == 0) & (input != 0)
+                self.masks[name] = [hashlib.sha1(dropped.numpy().tobytes()).hexdigest(), list(dropped.shape),
+                                    dropped.float().mean().item()]
+            return output
+
+        torch.nn.functional.dropout = dropout
+
+    def _leave(self) -> None:
+        self._running.pop()
+
+    def on_train_end(self, trainer, module) -> None:
+        torch.nn.functional.dropout = self._dropout
+
+
 def _gather(value):
     if not dist.is_initialized():
         return [value]
@@ -142,23 +181,30 @@ def whole_weights(module: pl.LightningModule, strategy: MHCParallelStrategy) -> 
 
 
 def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None) -> dict:
-    model, layout_name, *resume = case.split(":")
+    model, layout_name, variant = (case.split(":") + [""])[:3]
     tp, pp, v = LAYOUTS[layout_name]
     dp = devices // (tp * pp)
     strategy = MHCParallelStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                    virtual_pipeline_model_parallel_size=v, num_microbatches=2 if pp > 1 else 1)
-    losses = Losses()
+    losses, masks = Losses(), DropoutMasks()
     callbacks, ckpt_path = [losses], None
-    if checkpoints is not None and resume:
+    if variant.startswith("dropout"):
+        callbacks.append(masks)
+    if checkpoints is not None and variant == "resume":
         ckpt_path = next((checkpoints / model).glob("*step=2.ckpt"))
-    elif checkpoints is not None and layout_name != "single":
+    elif checkpoints is not None and layout_name != "single" and not variant:
         callbacks += [ModelCheckpoint(dirpath=checkpoints / model, filename="{step}", save_top_k=-1,
                                       every_n_train_steps=2),
                       FinalCheckpointAndLogits(checkpoints / model)]
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_checkpointing=len(callbacks) > 1, enable_progress_bar=False,
+                         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
-    module = ReferenceLM(model) if layout_name == "single" else ParallelLM(model)
+    if layout_name == "single":
+        module = ReferenceLM(model)
+    elif variant.startswith("dropout"):
+        module = ParallelLM(model, dropout=0.1, recompute="full" if variant == "dropout-full" else "none")
+    else:
+        module = ParallelLM(model)
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
@@ -166,6 +212,10 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None) -> dict:
     if isinstance(module, ParallelLM):
         report = module.model.report
         result["materialised"] = _gather((report.rank_parameters, report.whole_parameters))
+    if variant.startswith("dropout"):
+        layout = strategy.layout
+        result["masks"] = _gather(dict(tp=layout.tensor_model_parallel_rank, pp=layout.pipeline_model_parallel_rank,
+                                       dp=layout.data_parallel_rank, masks=masks.masks))
     return result
 
 
