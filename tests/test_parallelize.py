@@ -297,3 +297,52 @@ def test_recompute_policies_are_bit_exact_with_dropout(name, model_parallel):
         assert torch.equal(loss, other_loss), policy
         for key, grad in grads.items():
             assert torch.equal(grad, other_grads[key]), (policy, key)
+
+
+def test_recompute_callback_applies_its_policy_through_trainer_fit():
+    """``MHCRecomputeCallback("full")`` with a ParallelLMModule built by ``self.parallelize``: every
+    block's attention runs twice per training forward (once more in backward) and the losses equal
+    those without recompute, bit for bit, with dropout 0.1; a model built without the policy, or
+    ``mhc_block``, is refused before any step."""
+    from torch.utils.data import DataLoader
+
+    from lightning_mhc import MHCRecomputeCallback
+    from lightning_mhc.lightning.data import SyntheticTokens
+
+    class RecomputedLM(ParallelLMModule):
+        def __init__(self, use_policy: bool = True) -> None:
+            super().__init__(lr=1e-2)
+            self.use_policy, self.attention_calls, self.losses = use_policy, 0, []
+
+        def configure_model(self):
+            if self.model is None:
+                with record_module_init():
+                    model = PlainTransformer(dropout=0.1)
+                build = self.parallelize if self.use_policy else parallelize
+                self.model = build(model, PLAIN_PLAN, seed=3)
+                self.model.chunks[0].blocks[0].attn.register_forward_hook(lambda *_: self._count())
+
+        def _count(self) -> None:
+            self.attention_calls += 1
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            self.losses.append(outputs["loss"].detach().clone())
+
+    def fit(module: RecomputedLM, *callbacks) -> RecomputedLM:
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(), max_steps=3, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=list(callbacks))
+        data = DataLoader(SyntheticTokens(6, 16, vocab_size=128), batch_size=2)
+        trainer.fit(module, train_dataloaders=data)
+        return module
+
+    plain = fit(RecomputedLM())
+    full = fit(RecomputedLM(), MHCRecomputeCallback("full"))
+    assert (plain.model.recompute, full.model.recompute) == ("none", "full")
+    assert (plain.attention_calls, full.attention_calls) == (3, 6)
+    assert all(torch.equal(a, b) for a, b in zip(plain.losses, full.losses)) and len(full.losses) == 3
+    with pytest.raises(ConfigError, match=r"built the model with recompute='none': build it with self.parallelize"):
+        fit(RecomputedLM(use_policy=False), MHCRecomputeCallback("full"))
+    with pytest.raises(ConfigError, match=r"MHCRecomputeCallback\('mhc_block'\): a model split by parallelize\(\)"):
+        fit(RecomputedLM(), MHCRecomputeCallback("mhc_block"))

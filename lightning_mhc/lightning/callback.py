@@ -7,11 +7,16 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.lightning.parallel_lm import ParallelLMModule
 from lightning_mhc.recompute.policy import attach_recompute, configure_recompute, recompute_fields
 
 
 class MHCRecomputeCallback(Callback):
     """Select a recompute policy (``none``, ``selective``, ``mhc_block``, ``full``).
+
+    With a ``ParallelLMModule`` (a model split by ``parallelize``) the policy (``none``,
+    ``selective``, ``full``) is handed to the module, whose ``self.parallelize(...)`` builds the
+    blocks with it.
 
     Invalid combinations raise at construction; ones that depend on the model
     (``mhc_block`` without hyper-connections) raise in ``setup``, before the
@@ -36,6 +41,13 @@ class MHCRecomputeCallback(Callback):
         self.policy = policy
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if isinstance(pl_module, ParallelLMModule):  # a model as written: the policies apply to its blocks
+            if self.kwargs:
+                raise ConfigError(f"MHCRecomputeCallback({self.policy!r}, {self.kwargs}): for a model split by "
+                                  "parallelize(), name the selectively recomputed modules with "
+                                  "parallelize(recompute_modules=[patterns]).")
+            pl_module.configure_recompute(self.policy)
+            return
         if not hasattr(pl_module, "recompute_policy") or not hasattr(pl_module, "model_config"):
             raise ConfigError(
                 f"MHCRecomputeCallback({self.policy!r}) needs a module that builds its model from a "
@@ -46,4 +58,7 @@ class MHCRecomputeCallback(Callback):
         pl_module.recompute_kwargs = dict(self.kwargs)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if isinstance(pl_module, ParallelLMModule):
+            pl_module.check_recompute()
+            return
         attach_recompute(pl_module)

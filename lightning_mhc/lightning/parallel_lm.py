@@ -5,9 +5,10 @@
             if self.model is None:
                 with record_module_init():                       # meta device
                     model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4))
-                self.model = parallelize(model, plan="gpt2")     # this rank's TP x PP part
+                self.model = self.parallelize(model, plan="gpt2")  # this rank's TP x PP part
 
     Trainer(strategy=MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+            callbacks=[MHCRecomputeCallback("full")],           # optional: "selective", "full"
             devices=8).fit(MyModule(), train_dataloaders=loader)
 
 It implements the pipeline contract (``parallel/contract.py``) by handing each call to the
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.parallelize.model import ParallelModel
+from lightning_mhc.parallelize.model import RECOMPUTE_POLICIES, ParallelModel, parallelize
 
 
 class ParallelLMModule(pl.LightningModule):
@@ -44,6 +45,31 @@ class ParallelLMModule(pl.LightningModule):
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.model: ParallelModel | None = None
         """This rank's part of the model: set in ``configure_model`` with ``parallelize(...)``."""
+        self.recompute_policy: str | None = None
+        """Set by ``MHCRecomputeCallback``: the policy :meth:`parallelize` builds the blocks with."""
+
+    def parallelize(self, model: torch.nn.Module, plan: Any = None, **kwargs: Any) -> ParallelModel:
+        """:func:`lightning_mhc.parallelize.parallelize` with the recompute policy an
+        ``MHCRecomputeCallback`` chose (``none``, ``selective``, ``full``)."""
+        if self.recompute_policy is not None:
+            kwargs.setdefault("recompute", self.recompute_policy)
+        return parallelize(model, plan, **kwargs)
+
+    def configure_recompute(self, policy: str) -> None:
+        """Called by ``MHCRecomputeCallback`` before ``configure_model``."""
+        if policy not in RECOMPUTE_POLICIES:
+            raise ConfigError(f"MHCRecomputeCallback({policy!r}): a model split by parallelize() takes "
+                              f"{', '.join(RECOMPUTE_POLICIES)} (mhc_block needs hyper-connections: MHCGPTModule).")
+        self.recompute_policy = policy
+
+    def check_recompute(self) -> None:
+        """At fit start: the model was built with the policy the callback chose."""
+        built = self._parallel_model().recompute
+        if self.recompute_policy is not None and built != self.recompute_policy:
+            raise ConfigError(
+                f"MHCRecomputeCallback({self.recompute_policy!r}) is given, but {type(self).__name__}.configure_model "
+                f"built the model with recompute={built!r}: build it with self.parallelize(model, plan) (or pass "
+                "recompute=self.recompute_policy to parallelize()).")
 
     def _parallel_model(self) -> ParallelModel:
         if not isinstance(self.model, ParallelModel):

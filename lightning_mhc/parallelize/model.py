@@ -86,8 +86,10 @@ class ParallelModel(nn.Module):
 
     def __init__(self, chunks: list[nn.Module], num_virtual_stages: int, hidden_size: int,
                  vocab_parallel_logits: bool, aliases: dict[str, str], report: MaterializedReport,
-                 forward_kwargs: dict[str, Any]) -> None:
+                 forward_kwargs: dict[str, Any], recompute: str = "none") -> None:
         super().__init__()
+        self.recompute = recompute
+        """The recompute policy the blocks were built with (``parallelize(recompute=...)``)."""
         self.chunks = nn.ModuleList(chunks)
         self.num_virtual_stages = num_virtual_stages
         self.hidden_size = hidden_size
@@ -320,7 +322,8 @@ def parallelize(
         chunks.append(skeleton)
         stage_ends.append((stage, local[start], local[end - 1]))
     report = MaterializedReport(_unique_numel(nn.ModuleList(chunks)), whole, tp, pp)
-    model_parallel = ParallelModel(chunks, pp * v, hidden, vocab_parallel, aliases, report, _forward_kwargs(model))
+    model_parallel = ParallelModel(chunks, pp * v, hidden, vocab_parallel, aliases, report, _forward_kwargs(model),
+                                   recompute)
     for chunk, (stage, first_block, last_block) in enumerate(stage_ends):
         if stage > 0:  # takes the previous stage's activations
             first_block.register_forward_pre_hook(functools.partial(model_parallel._take_input, chunk),
