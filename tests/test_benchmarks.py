@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -41,3 +42,16 @@ def test_mhc_sublayer(tmp_path):
     row = json.loads(out.read_text())["table"]["64"]
     assert set(row) == {"reference", "fused", "hyper-connections"}
     assert row["fused"]["saved_bytes_per_token"] < row["reference"]["saved_bytes_per_token"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
+def test_byom_vs_model_parallel(tmp_path):
+    out = tmp_path / "byom.json"
+    _run("byom_vs_model_parallel.py", "--steps", "3", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["median_step_seconds"]) == {"lightning", "ours"}
+    assert all(len(runs) == 1 and len(runs[0]) == 1 for runs in result["step_seconds"].values())
+    assert result["user_lines"]["ours"] < result["user_lines"]["lightning"]
+    assert result["ratios"]["step_time_ours_vs_lightning"] > 0
+    for losses in result["first_losses"].values():  # both trained a tiny Llama from scratch: about ln(vocab)
+        assert abs(losses[0] - math.log(result["model"]["vocab"])) < 0.5

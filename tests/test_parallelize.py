@@ -346,3 +346,27 @@ def test_recompute_callback_applies_its_policy_through_trainer_fit():
         fit(RecomputedLM(use_policy=False), MHCRecomputeCallback("full"))
     with pytest.raises(ConfigError, match=r"MHCRecomputeCallback\('mhc_block'\): a model split by parallelize\(\)"):
         fit(RecomputedLM(), MHCRecomputeCallback("mhc_block"))
+
+
+def test_example_runs_as_written(tmp_path):
+    """examples/hf_gpt2_parallel.py as a user runs it: GPT-2 on TP 2 x PP 2 (4 processes), full
+    recompute, a checkpoint, a Hugging Face export that from_pretrained reads."""
+    from transformers import GPT2LMHeadModel
+
+    from lightning_mhc.parallelize import load_checkpoint
+
+    example = pathlib.Path(__file__).parents[1] / "examples" / "hf_gpt2_parallel.py"
+    proc = subprocess.run([sys.executable, str(example)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "done: 6 steps" in proc.stdout and "exported to gpt2-export" in proc.stdout
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2-export").eval()
+    sys.path.insert(0, str(example.parent))
+    try:
+        from hf_gpt2_parallel import CONFIG
+    finally:
+        sys.path.remove(str(example.parent))
+    loaded = load_checkpoint(GPT2LMHeadModel(CONFIG), tmp_path / "checkpoints" / "gpt2-step=6.ckpt").eval()
+    ids = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, loaded(input_ids=ids).logits)
