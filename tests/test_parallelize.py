@@ -5,6 +5,9 @@ all of its cases).
 
 Compared per case: the per-step losses and the whole model's final weights by name (SGD with
 momentum, 4 steps) within 1e-5, and each rank's materialised parameters against the whole model.
+Also: the checkpoints (resharded through ``Trainer.fit(ckpt_path=...)``, loaded into the plain
+model, exported for ``from_pretrained``), the dropout masks against the randomizer's table,
+recompute, wrong plans refused, and ``examples/hf_gpt2_parallel.py``.
 """
 from __future__ import annotations
 
@@ -96,10 +99,12 @@ def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references):
         check_one_process_use(name, tmp_path / "ckpt" / name, tmp_path / "export" / name)
     from lightning_mhc.parallelize import load_checkpoint
 
-    with pytest.raises(ConfigError, match=r"lacks \d+ tensor\(s\) of LlamaForCausalLM, e.g. model\.model\.embed_tokens"):
+    another_model = r"lacks \d+ tensor\(s\) of LlamaForCausalLM, e.g. model\.model\.embed_tokens"
+    with pytest.raises(ConfigError, match=another_model):
         load_checkpoint(llama(), tmp_path / "ckpt" / "gpt2" / "final.ckpt")  # another model: refused, not half-loaded
     wider = PlainTransformer(width=128)
-    with pytest.raises(ConfigError, match=r"model.tok.weight has shape \(128, 64\), the model's tok.weight \(128, 128\)"):
+    another_size = r"model.tok.weight has shape \(128, 64\), the model's tok.weight \(128, 128\)"
+    with pytest.raises(ConfigError, match=another_size):
         load_checkpoint(wider, tmp_path / "ckpt" / "plain" / "final.ckpt")
 
 

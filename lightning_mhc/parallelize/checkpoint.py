@@ -104,4 +104,3 @@ def export_pretrained(path: str | Path, model: nn.Module, out: str | Path,
     files = sorted(p.name for p in out.iterdir())
     return dict(out=str(out), files=files, bytes=sum((out / f).stat().st_size for f in files),
                 tensors=len(model.state_dict()), seconds=time.perf_counter() - start)
-

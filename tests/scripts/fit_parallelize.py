@@ -196,9 +196,10 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None) -> dict:
         callbacks += [ModelCheckpoint(dirpath=checkpoints / model, filename="{step}", save_top_k=-1,
                                       every_n_train_steps=2),
                       FinalCheckpointAndLogits(checkpoints / model)]
+    saving = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
+                         enable_checkpointing=saving, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
     if layout_name == "single":
         module = ReferenceLM(model)
     elif variant.startswith("dropout"):
