@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -365,6 +366,9 @@ def test_example_runs_as_written(tmp_path):
                           env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "done: 6 steps" in proc.stdout and "exported to gpt2-export" in proc.stdout
+    shares = re.findall(r"rank (\d) \(tp \d, pp \d, dp 0\): ([\d,]+) of 830,208 parameters materialised", proc.stdout)
+    assert sorted(rank for rank, _ in shares) == ["0", "1", "2", "3"], proc.stdout[-3000:]  # printed by every rank
+    assert all(int(n.replace(",", "")) / 830_208 <= 1.25 / 4 for _, n in shares)
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2-export").eval()
     sys.path.insert(0, str(example.parent))
     try:

@@ -110,6 +110,13 @@ class ParallelLMModule(pl.LightningModule):
             return name
         return prefix + self._parallel_model().global_parameter_name(name[len(prefix):])
 
+    def on_fit_start(self) -> None:
+        """Every rank prints what it materialised against the whole model (about 1/(TP*PP))."""
+        layout = getattr(self.trainer.strategy, "layout", None)
+        where = (f" (tp {layout.tensor_model_parallel_rank}, pp {layout.pipeline_model_parallel_rank}, "
+                 f"dp {layout.data_parallel_rank})" if layout is not None else "")
+        print(f"rank {self.global_rank}{where}: {self._parallel_model().report}", flush=True)
+
     # ------------------------------------------------------------ steps
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         loss = self.trainer.strategy.forward_backward(self, batch)
