@@ -28,7 +28,8 @@ from lm_models import MODELS, PLAIN_PLAN, PlainTransformer, gpt2, llama  # noqa:
 from subprocess_env import child_env  # noqa: E402
 
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule  # noqa: E402
-from lightning_mhc.parallelize import GPT2, LLAMA, Column, build_recorded_module, check_plan, parallelize, record_module_init  # noqa: E402
+from lightning_mhc.parallelize import (  # noqa: E402
+    GPT2, LLAMA, Column, TPPlan, build_recorded_module, check_plan, parallelize, record_module_init)
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_parallelize.py"
 MODEL_NAMES = ("gpt2", "llama", "plain")
@@ -68,8 +69,10 @@ def check_case(case: str, result: dict, references: dict) -> None:
 
 
 def test_tp2_and_pp2(tmp_path, references):
-    """TP 2 and PP 2 (2 processes), and PP 2 with the interleaved schedule (v = 2) for GPT-2."""
-    cases = [f"{m}:{layout}" for m in MODEL_NAMES for layout in ("tp2", "pp2")] + ["gpt2:pp2v2"]
+    """TP 2 and PP 2 (2 processes), PP 2 with the interleaved schedule (v = 2) for GPT-2, and TP 2
+    with the logits gathered (``loss_parallel=False``) for GPT-2 (its head is tied) and the plain model."""
+    cases = ([f"{m}:{layout}" for m in MODEL_NAMES for layout in ("tp2", "pp2")]
+             + ["gpt2:pp2v2", "gpt2:tp2:gather", "plain:tp2:gather"])
     results = run_group(tmp_path, 2, cases)
     for case in cases:
         check_case(case, results[case], references)
@@ -197,6 +200,7 @@ def test_one_process_parallelize_is_the_recorded_model(name, model_parallel):
     model = parallelize(meta, plan, layout=model_parallel, seed=11).eval()
     mine = {model.global_parameter_name(k): v for k, v in model.state_dict().items()}
     theirs = reference.state_dict()
+    assert set(mine) == set(theirs) - set(model.aliases)  # every tensor; a tied one under its owner's name
     for key, value in mine.items():
         assert torch.equal(value, theirs[key]), key
     ids = torch.randint(0, 128, (2, 16))
@@ -243,6 +247,15 @@ def _meta(make, **kwargs):
     (PlainTransformer, {"blocks.*.attn.qkv": Column(stride=3)}, 3,
      r"blocks.0.attn.qkv \(Linear\) has 192 output features: 3 part\(s\) of 64 cannot be split across "
      r"tensor_model_parallel_size=3"),
+    (PlainTransformer, {"blocks.*.attn.qkv": Column(stride=3, gather_output=True)}, 2,
+     r"blocks.0.attn.qkv: Column\(stride=3, gather_output=True\) would gather the parts rank by rank, out of order"),
+    (gpt2, {"transformer.wte": "vocab"}, 2,  # the tied head left whole
+     r"transformer.wte and lm_head share one weight, but the plan splits it differently \(transformer.wte split on "
+     r"dim 0, lm_head whole\): give every holder a matching style"),
+    (PlainTransformer, TPPlan(layers={"head": "column"}, output="lm_head"), 2,
+     r"plan output 'lm_head' is not a module of PlainTransformer"),
+    (PlainTransformer, TPPlan(divide={"blocks.*.attn": ("cfg.heads",)}), 2,
+     r"plan divide names 'cfg.heads' of blocks.0.attn: divide takes the module's own attributes"),
 ])
 def test_wrong_plan_is_refused_naming_the_module(make, plan, tp, match):
     from lightning_mhc.parallelize.plan import resolve_plan
@@ -267,18 +280,86 @@ def test_wrong_plan_fails_in_trainer_fit_before_any_step():
     assert trainer.global_step == 0
 
 
+class _Misordered(torch.nn.Module):
+    """A transformer whose parts are registered on the wrong side of the blocks for their use."""
+
+    def __init__(self, head_first: bool) -> None:
+        super().__init__()
+        from lm_models import HEADS, VOCAB, WIDTH, Block
+
+        blocks = torch.nn.ModuleList(Block(WIDTH, HEADS, 0.0) for _ in range(2))
+        if head_first:  # the head registered before the blocks
+            self.head, self.tok, self.blocks = torch.nn.Linear(WIDTH, VOCAB), torch.nn.Embedding(VOCAB, WIDTH), blocks
+        else:  # the embedding registered after them
+            self.blocks, self.head, self.tok = blocks, torch.nn.Linear(WIDTH, VOCAB), torch.nn.Embedding(VOCAB, WIDTH)
+
+    def forward(self, input_ids):
+        x = self.tok(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("head_first, stage, match", [
+    (True, 1, r"head is registered before the block list, so it was placed on the first pipeline stage, but the "
+              r"model's forward runs it after its blocks: register it after the block list"),
+    (False, 0, r"tok is registered after the block list, so it was placed on the last pipeline stage, but the "
+               r"model's forward runs it before its blocks: register it before the block list"),
+])
+def test_parts_registered_on_the_wrong_side_of_the_blocks_are_refused(head_first, stage, match, model_parallel):
+    """Parts are placed by registration order; one the forward runs on the other side of the blocks is
+    refused when it runs, naming it (not zeros for logits)."""
+    import dataclasses
+
+    layout = dataclasses.replace(model_parallel, pipeline_model_parallel_size=2, pipeline_model_parallel_rank=stage)
+    model = parallelize(_meta(_Misordered, head_first=head_first), layout=layout, hidden_size=64)
+    model.set_input_tensor(torch.zeros(2, 16, 64))
+    with pytest.raises(ConfigError, match=match):
+        model.forward_step({"input_ids": torch.zeros(2, 16, dtype=torch.long)})
+
+
+def test_tensor_attributes_are_materialised(model_parallel):
+    """A tensor a constructor keeps as a plain attribute (not a buffer) is made again, not left on meta."""
+    class Scaled(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(width, width)
+            self.scale = torch.linspace(0, 1, width)
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = torch.nn.Embedding(128, 8)
+            self.blocks = torch.nn.ModuleList(Scaled(8) for _ in range(2))
+
+        def forward(self, input_ids):
+            x = self.tok(input_ids)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = parallelize(_meta(Model), layout=model_parallel)
+    assert torch.equal(model.chunks[0].blocks[1].scale, torch.linspace(0, 1, 8))
+    assert model(input_ids=torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 8)
+
+
 def test_unrecorded_model_and_bad_split_are_refused(model_parallel):
     with pytest.raises(ConfigError, match=r"construct PlainTransformer inside `with record_module_init\(\):`"):
         parallelize(PlainTransformer(), PLAIN_PLAN, layout=model_parallel)
     with pytest.raises(ConfigError, match=r"pipeline_split=\[3, 3\]: give 1 positive block counts summing to 4"):
         parallelize(_meta(PlainTransformer), PLAIN_PLAN, layout=model_parallel, pipeline_split=[3, 3])
+    with pytest.raises(ConfigError, match=r"pipeline_split='blocks.2': give a list"):
+        parallelize(_meta(PlainTransformer), PLAIN_PLAN, layout=model_parallel, pipeline_split="blocks.2")
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_recompute_policies_are_bit_exact_with_dropout(name, model_parallel):
     """``full`` (every block) and ``selective`` (the plan's modules) recompute give the losses and
     gradients of no recompute, bit for bit, with dropout 0.1 on the randomizer's streams (a replicated
-    region nested in a TP-split one included) and one block checkpoint per block forward."""
+    region nested in a TP-split one included)."""
     from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
 
     make, plan = MODELS[name]

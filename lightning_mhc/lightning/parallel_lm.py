@@ -31,7 +31,8 @@ class ParallelLMModule(pl.LightningModule):
     """A causal LM trained with ``MHCParallelStrategy`` on any TP x PP x DP layout.
 
     Batches are dicts with ``input_ids`` (or ``tokens``) and ``labels`` (``[batch, seq]``; the
-    label of a position is the next token, ``-100`` ignored), and optionally ``attention_mask``;
+    label of a position is the next token, already shifted, unlike Hugging Face's
+    ``labels=input_ids``; ``-100`` ignored), and optionally ``attention_mask``;
     :meth:`model_inputs` turns a microbatch into the model's keyword arguments. Override it, the
     loss (:meth:`loss_func`) or the optimizer as with any LightningModule.
 
@@ -68,8 +69,8 @@ class ParallelLMModule(pl.LightningModule):
         if self.recompute_policy is not None and built != self.recompute_policy:
             raise ConfigError(
                 f"MHCRecomputeCallback({self.recompute_policy!r}) is given, but {type(self).__name__}.configure_model "
-                f"built the model with recompute={built!r}: build it with self.parallelize(model, plan) (or pass "
-                "recompute=self.recompute_policy to parallelize()).")
+                f"built the model with recompute={built!r}: build it with self.parallelize(model, plan) and no "
+                "recompute= of its own (or pass recompute=self.recompute_policy to parallelize()).")
 
     def _parallel_model(self) -> ParallelModel:
         if not isinstance(self.model, ParallelModel):
@@ -104,7 +105,7 @@ class ParallelLMModule(pl.LightningModule):
 
     def global_parameter_name(self, name: str) -> str:
         """``model.<the whole model's name>``: checkpoints load on any layout and into the model
-        as written (``lightning_mhc.parallelize.export``)."""
+        as written (``lightning_mhc.parallelize.load_checkpoint``)."""
         prefix = "model."
         if not name.startswith(prefix) or self.model is None:
             return name

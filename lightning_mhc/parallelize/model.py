@@ -99,6 +99,7 @@ class ParallelModel(nn.Module):
         self.forward_kwargs = forward_kwargs
         self._inputs: list[Tensor | None] = [None] * len(chunks)
         self._running: int | None = None
+        self._blocks_ran = False
 
     # ------------------------------------------------------------------ contract
     def set_input_tensor(self, tensor: Tensor | None, chunk: int = 0) -> None:
@@ -107,7 +108,7 @@ class ParallelModel(nn.Module):
     def forward_step(self, inputs: Mapping[str, Any], chunk: int = 0) -> Tensor:
         """The stage's part of the model's forward on ``inputs`` (the model's keyword arguments):
         the activations for the next stage, or the logits on the last."""
-        self._running = chunk
+        self._running, self._blocks_ran = chunk, False
         try:
             with rng_fork("tensor"):  # replicated across TP, distinct per DP and PP rank
                 try:
@@ -133,7 +134,9 @@ class ParallelModel(nn.Module):
 
             per_token = vocab_parallel_cross_entropy(logits.float(), labels.masked_fill(~keep, 0))
             return (per_token * keep).sum() / keep.sum().clamp(min=1)
-        return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX)
+        per_token = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                    reduction="none")
+        return per_token.sum() / keep.sum().clamp(min=1)  # 0, not NaN, when every label is ignored (as above)
 
     def pipeline_tensor_shape(self, inputs: Mapping[str, Any]) -> tuple[int, ...]:
         """What crosses stages: the hidden states ``[batch, seq, hidden]``."""
@@ -151,6 +154,7 @@ class ParallelModel(nn.Module):
     def _take_input(self, chunk: int, module: nn.Module, args: tuple, kwargs: dict):
         if self._running != chunk:
             return None
+        self._blocks_ran = True
         received = self._inputs[chunk]
         if received is None:
             raise RuntimeError("no input tensor was set for a stage after the first (set_input_tensor)")
@@ -160,6 +164,13 @@ class ParallelModel(nn.Module):
             return args, {**kwargs, "hidden_states": received}
         raise RuntimeError(f"{type(module).__name__} was called without a positional or 'hidden_states' input: "
                            "the pipeline cannot hand it the previous stage's activations")
+
+    def _stub_called(self, stub: FirstStageStub, args: tuple) -> None:
+        if self._blocks_ran:
+            raise ConfigError(
+                f"{stub.part_name} is registered before the block list, so it was placed on the first pipeline stage, "
+                "but the model's forward runs it after its blocks: register it after the block list in the model's "
+                "__init__ (parts are placed by registration order).")
 
     def _stop(self, chunk: int, module: nn.Module, args: tuple, output: Any) -> None:
         if self._running == chunk:
@@ -171,6 +182,15 @@ def _logits(output: Any) -> Tensor:
         return output
     logits = getattr(output, "logits", None)
     return logits if isinstance(logits, Tensor) else output[0]
+
+
+def _output_layer(model: nn.Module, plan: TPPlan, name: str | None) -> str | None:
+    """The layer that produces the logits: ``name``, or the last layer inside it the plan styles
+    (a head that is a container, e.g. ``Sequential(norm, Linear)``)."""
+    if name is None:
+        return None
+    styled = [n for n, _ in model.get_submodule(name).named_modules(prefix=name) if plan.style_of(n) is not None]
+    return styled[-1] if styled else name
 
 
 def _hidden_size(model: nn.Module, parts: ModelParts, given: int | None) -> int:
@@ -263,12 +283,16 @@ def parallelize(
                + list(model.named_buffers(remove_duplicate=False))
                if materializer.owner_name(t) != name}
     ties = _tied_tensors(model)
-    output_name = plan.output or (parts.last[-1] if parts.last else None)
+    output_name = _output_layer(model, plan, plan.output or (parts.last[-1] if parts.last else None))
     output_style = plan.style_of(output_name) if output_name else None
-    vocab_parallel = bool(loss_parallel and tp > 1 and isinstance(output_style, Column)
-                          and not output_style.gather_output)
-    if not loss_parallel and isinstance(output_style, Column) and not output_style.gather_output:
-        plan = dataclasses.replace(plan, layers={output_name: Column(output_style.stride, True), **plan.layers})
+    split_logits = tp > 1 and isinstance(output_style, Column) and not output_style.gather_output
+    vocab_parallel = loss_parallel and split_logits
+    if split_logits and not loss_parallel:  # gather the logits: the output layer's style first (first match wins)
+        if output_style.stride > 1:
+            raise ConfigError(f"loss_parallel=False gathers {output_name}'s output, which is split with stride "
+                              f"{output_style.stride} (its parts would come out of order): keep loss_parallel=True.")
+        layers = {output_name: Column(1, True), **{k: v for k, v in plan.layers.items() if k != output_name}}
+        plan = dataclasses.replace(plan, layers=layers)
 
     def replace(old: Tensor, new: Tensor) -> Tensor:
         key = materializer.meta_id(old)
@@ -330,6 +354,10 @@ def parallelize(
                                                   with_kwargs=True)
         if stage < last_stage:  # the stage ends here
             last_block.register_forward_hook(functools.partial(model_parallel._stop, chunk))
+    for chunk in chunks:
+        for stub in chunk.modules():
+            if isinstance(stub, FirstStageStub):
+                stub.register_forward_pre_hook(model_parallel._stub_called)
     for meta_id in _tied_across_stages(ties, parts, ranges, last_stage):
         held = materializer.real.get(meta_id)
         if held is not None and any(p is held for p in model_parallel.parameters()):

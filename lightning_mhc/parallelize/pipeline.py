@@ -11,6 +11,9 @@ the block list; each of their other children is a *part* of the model:
   activations instead of what the stub produced);
 - parts registered after it (final norm, head) live on the last stage; earlier stages stop after
   their last block, so they never run them;
+- the order is the registration order (``__init__``), as in Hugging Face models; a part that runs
+  on the other side of the blocks than it is registered is refused when it runs (a stub called
+  after the blocks, a last-stage part called before them), naming it;
 - parts without parameters (dropout, rotary tables) live on every stage.
 
 A stage is the model's own root object (or a shallow copy of the containers, for the extra chunks
@@ -98,6 +101,9 @@ def split_blocks(num_blocks: int, num_stages: int, pipeline_split: list[int] | l
     """``[start, end)`` block ranges per (virtual) stage: balanced (earlier stages take the extra
     blocks), or ``pipeline_split`` as blocks per stage or as the names of the blocks that begin
     stages 1, 2, ..."""
+    if isinstance(pipeline_split, (str, int)):
+        raise ConfigError(f"pipeline_split={pipeline_split!r}: give a list, of blocks per stage or of the names of the "
+                          f"blocks that begin stages 1, 2, ... (e.g. ['{block_path}.2']).")
     if pipeline_split is None:
         if num_blocks < num_stages:
             raise ConfigError(f"{num_blocks} blocks cannot fill {num_stages} pipeline stages (PP x virtual "
@@ -163,9 +169,10 @@ class FirstStageStub(nn.Module):
             self.width = module.out_features
         else:
             raise ConfigError(
-                f"{name} ({type(module).__name__}) runs before the block list, so stages after the first need a "
-                "stand-in for it; only nn.Embedding and nn.Linear have one. Run with pipeline_model_parallel_size=1, "
-                "or move it into the first block.")
+                f"{name} ({type(module).__name__}) is registered before the block list, so it is placed on the first "
+                "stage and later stages need a stand-in for it; only nn.Embedding and nn.Linear have one. If it runs "
+                "after the blocks, register it after them in the model's __init__ (parts are placed by registration "
+                "order); else run with pipeline_model_parallel_size=1, or move it into the first block.")
         dtype = next(module.parameters()).dtype
         self.register_buffer("dtype_probe", torch.zeros(0, dtype=dtype), persistent=False)
 
@@ -182,7 +189,11 @@ class NotOnThisStage(nn.Module):
         self.part_name = name
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"{self.part_name} lives on the last pipeline stage; this stage stops after its last block")
+        # a stage before the last stops after its last block: a call here comes before the blocks
+        raise ConfigError(
+            f"{self.part_name} is registered after the block list, so it was placed on the last pipeline stage, but "
+            "the model's forward runs it before its blocks: register it before the block list in the model's "
+            "__init__ (parts are placed by registration order).")
 
 
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:

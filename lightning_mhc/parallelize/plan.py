@@ -182,16 +182,51 @@ def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None =
             raise ConfigError(f"plan random entry {pattern!r}: {region!r} is not a region; use 'parallel' (TP-split "
                               "activations: masks differ across TP) or 'replicated'.")
     modules = dict(model.named_modules())
+    if plan.output is not None and plan.output not in modules:
+        raise ConfigError(f"plan output {plan.output!r} is not a module of {model_name}: name the module that "
+                          "produces the logits (e.g. 'lm_head'), or leave output unset.")
     for name, module in modules.items():
         style = plan.style_of(name) if name else None
         if style is not None:
             _check_style(name, module, style, tp)
         for pattern, attrs in plan.divide.items():
             if name and fnmatch.fnmatchcase(name, pattern):
+                dotted = [a for a in attrs if "." in a]
+                if dotted:
+                    raise ConfigError(f"plan divide names {dotted[0]!r} of {name}: divide takes the module's own "
+                                      "attributes (a shared config would be divided once per module); list it under "
+                                      "divisible, and divide the attribute the forward reads.")
                 _check_divisible(name, module, attrs, tp, "divided by")
         for pattern, attrs in plan.divisible.items():
             if name and fnmatch.fnmatchcase(name, pattern):
                 _check_divisible(name, module, attrs, tp, "split across")
+    _check_ties(model, plan)
+
+
+def split_of(module: nn.Module, style: Style | None) -> tuple[int, int] | None:
+    """``(weight dimension, stride)`` a style splits the module's weight along; None: whole."""
+    if isinstance(style, VocabEmbedding):
+        return 0, 1
+    if isinstance(style, Column):
+        return linear_dims(module)[0], style.stride
+    if isinstance(style, Row):
+        return linear_dims(module)[1], 1
+    return None
+
+
+def _check_ties(model: nn.Module, plan: TPPlan) -> None:
+    """Every holder of a tied weight (an embedding and its head) must split it the same way."""
+    holders: dict[int, list[str]] = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if name.endswith(".weight"):
+            holders.setdefault(id(model.get_parameter(name)), []).append(name[: -len(".weight")])
+    for names in holders.values():
+        splits = {n: split_of(model.get_submodule(n), plan.style_of(n)) for n in names}
+        if len(set(splits.values())) > 1:
+            shown = ", ".join(f"{n} {'whole' if v is None else f'split on dim {v[0]}'}" for n, v in splits.items())
+            raise ConfigError(f"{' and '.join(names)} share one weight, but the plan splits it differently ({shown}): "
+                              "give every holder a matching style (e.g. 'vocab' for the embedding and 'column' for "
+                              "the head), or 'replicate' for all.")
 
 
 def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
@@ -206,6 +241,9 @@ def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
         out_dim, in_dim, out_attr, in_attr = dims
         if isinstance(style, Column):
             size, parts = getattr(module, out_attr), style.stride
+            if style.stride > 1 and style.gather_output and tp > 1:
+                raise ConfigError(f"{name}: Column(stride={style.stride}, gather_output=True) would gather the parts "
+                                  "rank by rank, out of order; keep gather_output=False for a strided output.")
             if style.stride < 1 or size % (parts * tp):
                 raise ConfigError(
                     f"{name} ({kind}) has {size} output features: {parts} part(s) of {size // max(parts, 1)} cannot be "
@@ -224,9 +262,9 @@ def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
                 f"{name} (nn.Embedding) has {module.num_embeddings} rows, not divisible by tensor_model_parallel_size="
                 f"{tp}. Pad the vocabulary to a multiple of {tp} (e.g. vocab_size={module.num_embeddings + (-module.num_embeddings) % tp}) "
                 f"or map {name} to 'replicate'.")
-        if module.max_norm is not None or module.sparse:
-            raise ConfigError(f"{name}: nn.Embedding with max_norm or sparse=True cannot be split by 'vocab'; map it to "
-                              "'replicate'.")
+        if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+            raise ConfigError(f"{name}: nn.Embedding with max_norm, sparse=True or scale_grad_by_freq=True cannot be "
+                              "split by 'vocab'; map it to 'replicate'.")
 
 
 def _check_divisible(name: str, module: nn.Module, attrs: tuple[str, ...], tp: int, verb: str) -> None:

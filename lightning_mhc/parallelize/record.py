@@ -48,7 +48,13 @@ def record_module_init() -> Iterator[None]:
 
     The arguments a module was called with are kept on it (the outermost constructor's, when
     constructors call their parents'); they must not be changed afterwards. Tensors a
-    constructor creates on another device explicitly are moved to the meta device."""
+    constructor creates on another device explicitly are moved to the meta device.
+
+    Each module is later made again from its own arguments, so what a constructor does to its
+    children's weights after building them (``nn.init.zeros_(self.head.weight)``, a scaled init
+    of some projections, ``self.apply(init)``) is not replayed: put such initialisation in the
+    ``init_fn`` given to ``parallelize`` (per module; Hugging Face models' ``_init_weights`` is
+    the default)."""
     patched: dict[type, Any] = {}
 
     def patch(cls: type) -> None:
@@ -186,6 +192,18 @@ class Materializer:
                 real = _like(tensor, value)
                 self.replace(key, real)
                 store[attr] = real
+        plain = [attr for attr, value in vars(module).items()
+                 if isinstance(value, torch.Tensor) and value.device.type == "meta"]
+        if plain:  # tensors the constructor stored as plain attributes (not parameters or buffers)
+            fresh = fresh if fresh is not None else self._rebuild(name, module)
+            for attr in plain:
+                value = vars(fresh).get(attr)
+                if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+                    raise ConfigError(
+                        f"{name}.{attr} is a tensor attribute that is not a parameter or buffer and cannot be made "
+                        f"again from {type(module).__name__}'s recorded arguments: register it in the constructor "
+                        f"with self.register_buffer({attr!r}, ..., persistent=False).")
+                module.__dict__[attr] = value
 
     def _rebuild(self, name: str, module: nn.Module) -> nn.Module:
         """``module`` constructed again from its recorded arguments, on the CPU, seeded by name."""

@@ -3,8 +3,8 @@
 Each split module keeps its class, its parameter names and its weight's orientation (a
 ``Conv1D`` weight stays ``[in, out]``); only its tensors become this rank's slices, its size
 attributes shrink, and its forward gains megatron-core's tensor-parallel mappings
-(``copy_to`` / ``reduce_from`` / ``gather_from_tensor_model_parallel_region`` over the layout's
-TP group). The slices carry megatron's ``tensor_model_parallel`` / ``partition_dim`` /
+(``copy_to`` / ``reduce_from_tensor_model_parallel_region``; an all-gather of our own for a
+gathered output) over the layout's TP group. The slices carry megatron's ``tensor_model_parallel`` / ``partition_dim`` /
 ``partition_stride`` attributes, which gradient reduction, the global gradient norm and the
 reshardable checkpoints read, as they do for the mHC GPT's megatron layers.
 
@@ -20,9 +20,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
 from torch import nn
@@ -75,13 +75,31 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
             module.register_forward_pre_hook(lambda _m, args: (copy_to_tensor_model_parallel_region(args[0], group),
                                                                *args[1:]))
             if style.gather_output:
-                module.register_forward_hook(lambda _m, _a, out: gather_from_tensor_model_parallel_region(out, group))
+                module.register_forward_hook(lambda _m, _a, out: _GatherLastDim.apply(out, group))
     elif isinstance(style, Row):
         _split(module, "weight", in_dim, 1, layout, replace)
         setattr(module, in_attr, getattr(module, in_attr) // tp)
         if tp > 1:  # the bias is added once, after the partial products are summed
             module.forward = types.MethodType(functools.partial(_row_forward, group=layout.tp_group,
                                                                 transposed=in_dim == 0), module)
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dimension over the TP group, on the input's device (megatron's
+    ``gather_from_tensor_model_parallel_region`` allocates on CUDA); backward keeps this rank's
+    slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        pieces = [torch.empty_like(input_) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, input_.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size = grad.shape[-1] // dist.get_world_size(ctx.group)
+        return grad.narrow(-1, dist.get_rank(ctx.group) * size, size).contiguous(), None
 
 
 def _split(module: nn.Module, attr: str, dim: int, stride: int, layout: ParallelLayout, replace) -> None:

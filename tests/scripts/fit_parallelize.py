@@ -14,6 +14,7 @@ With ``--checkpoints DIR`` a parallel case also saves ``DIR/<model>/step=2.ckpt`
 ``<model>:<layout>:resume`` continues from ``step=2.ckpt`` on its own layout (resharding).
 A case ``<model>:<layout>:dropout[-<tag>]`` trains with dropout 0.1 and records, per rank, a
 digest of each dropout module's mask in the first forward (``:dropout-full``: with full recompute).
+A case ``<model>:<layout>:gather`` gathers the logits over TP (``loss_parallel=False``).
 """
 from __future__ import annotations
 
@@ -46,16 +47,17 @@ LAYOUTS = {"single": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "pp
 
 
 class ParallelLM(ParallelLMModule):
-    def __init__(self, model: str, dropout: float = 0.0, recompute: str = "none") -> None:
+    def __init__(self, model: str, dropout: float = 0.0, recompute: str = "none", loss_parallel: bool = True) -> None:
         super().__init__()
-        self.model_name, self.dropout, self.recompute = model, dropout, recompute
+        self.model_name, self.dropout, self.recompute, self.loss_parallel = model, dropout, recompute, loss_parallel
 
     def configure_model(self) -> None:
         if self.model is None:
             make, plan = MODELS[self.model_name]
             with record_module_init():
                 model = make(dropout=self.dropout)
-            self.model = parallelize(model, plan, seed=SEED, recompute=self.recompute)
+            self.model = parallelize(model, plan, seed=SEED, recompute=self.recompute,
+                                     loss_parallel=self.loss_parallel)
 
     def configure_optimizers(self):
         return sgd(self.parameters())
@@ -204,8 +206,8 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None) -> dict:
         module = ReferenceLM(model)
     elif variant.startswith("dropout"):
         module = ParallelLM(model, dropout=0.1, recompute="full" if variant == "dropout-full" else "none")
-    else:
-        module = ParallelLM(model)
+    else:  # ":gather": the logits gathered over TP (loss_parallel=False)
+        module = ParallelLM(model, loss_parallel=variant != "gather")
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
