@@ -346,6 +346,40 @@ def test_tensor_attributes_are_materialised(model_parallel):
     assert model(input_ids=torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 8)
 
 
+class _RootPositions(torch.nn.Module):
+    """A transformer with a parameter on its root (learned positions), as many ViT-style models have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lm_models import HEADS, VOCAB, WIDTH, Block
+
+        self.positions = torch.nn.Parameter(torch.randn(16, WIDTH) * 0.02)
+        self.tok = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList(Block(WIDTH, HEADS, 0.0) for _ in range(2))
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.tok(input_ids) + self.positions[: input_ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_model_no_pipeline_can_split_still_runs_without_one(model_parallel):
+    """With PP = 1 a model needs no splittable block list: a parameter on the root is refused for
+    PP = 2 (no stage could own it) but parallelises whole for TP/DP, as the recorded model."""
+    import dataclasses
+
+    reference = build_recorded_module(_meta(_RootPositions), seed=2).eval()
+    model = parallelize(_meta(_RootPositions), {"blocks.*.fc1": "column", "blocks.*.fc2": "row"},
+                        layout=model_parallel, seed=2).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    assert torch.equal(model(input_ids=ids), reference(input_ids=ids))
+    assert torch.equal(model.chunks[0].positions, reference.positions)
+    with pytest.raises(ConfigError, match=r"the root \(_RootPositions\) holds tensors itself \(positions\)"):
+        parallelize(_meta(_RootPositions), layout=dataclasses.replace(model_parallel, pipeline_model_parallel_size=2))
+
+
 def test_unrecorded_model_and_bad_split_are_refused(model_parallel):
     with pytest.raises(ConfigError, match=r"construct PlainTransformer inside `with record_module_init\(\):`"):
         parallelize(PlainTransformer(), PLAIN_PLAN, layout=model_parallel)

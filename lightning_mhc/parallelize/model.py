@@ -270,20 +270,21 @@ def parallelize(
     tp, pp, v = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                  layout.virtual_pipeline_model_parallel_size)
     check_plan(model, plan, tp)
-    parts = find_parts(model, blocks)
-    ranges = split_blocks(len(parts.blocks), pp * v, pipeline_split, parts.block_path)
+    parts = _model_parts(model, blocks, pipelined=pp * v > 1 or recompute == "full")
+    ranges = split_blocks(len(parts.blocks), pp * v, pipeline_split, parts.block_path) if parts else [(0, 0)]
     if recompute == "selective" and not plan.selective:
         raise ConfigError("recompute='selective' needs the modules to checkpoint: pass recompute_modules=[patterns] "
                           "(e.g. ['*.mlp']) or use a plan with a selective list.")
     whole = _unique_numel(model)
-    hidden = _hidden_size(model, parts, hidden_size)
+    hidden = _hidden_size(model, parts, hidden_size) if parts else hidden_size or 0  # (crosses no stage)
     materializer = Materializer(model, seed, init_fn)
     aliases = {name: materializer.owner_name(t)
                for name, t in list(model.named_parameters(remove_duplicate=False))
                + list(model.named_buffers(remove_duplicate=False))
                if materializer.owner_name(t) != name}
     ties = _tied_tensors(model)
-    output_name = _output_layer(model, plan, plan.output or (parts.last[-1] if parts.last else None))
+    last_parts = parts.last if parts else [n for n, c in model.named_children() if any(True for _ in c.parameters())]
+    output_name = _output_layer(model, plan, plan.output or (last_parts[-1] if last_parts else None))
     output_style = plan.style_of(output_name) if output_name else None
     split_logits = tp > 1 and isinstance(output_style, Column) and not output_style.gather_output
     vocab_parallel = loss_parallel and split_logits
@@ -321,12 +322,56 @@ def parallelize(
                 _checkpointed(sub)
         return module
 
+    last_stage = pp * v - 1
+    chunks, stage_ends = [], []
+    if parts is None:  # TP and DP only, no block list to split: the whole model is the one stage
+        chunks.append(build("", model))
+    else:
+        _build_stages(model, parts, ranges, layout, build, recompute, chunks, stage_ends)
+    report = MaterializedReport(_unique_numel(nn.ModuleList(chunks)), whole, tp, pp)
+    model_parallel = ParallelModel(chunks, pp * v, hidden, vocab_parallel, aliases, report, _forward_kwargs(model),
+                                   recompute)
+    for chunk, (stage, first_block, last_block) in enumerate(stage_ends):
+        if stage > 0:  # takes the previous stage's activations
+            first_block.register_forward_pre_hook(functools.partial(model_parallel._take_input, chunk),
+                                                  with_kwargs=True)
+        if stage < last_stage:  # the stage ends here
+            last_block.register_forward_hook(functools.partial(model_parallel._stop, chunk))
+    for chunk in chunks:
+        for stub in chunk.modules():
+            if isinstance(stub, FirstStageStub):
+                stub.register_forward_pre_hook(model_parallel._stub_called)
+    for meta_id in _tied_across_stages(ties, parts, ranges, last_stage) if parts else ():
+        held = materializer.real.get(meta_id)
+        if held is not None and any(p is held for p in model_parallel.parameters()):
+            held.shared_embedding = True  # its gradient is summed between the first and the last stage
+    log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
+             layout.pipeline_model_parallel_rank, model_parallel.report)
+    return model_parallel
+
+
+def _model_parts(model: nn.Module, blocks: str | None, pipelined: bool) -> ModelParts | None:
+    """The block list and the parts around it; None when nothing needs them (no pipeline, no full
+    recompute, no ``blocks=`` given) and the model has no block list a pipeline could split."""
+    if pipelined or blocks is not None:
+        return find_parts(model, blocks)
+    try:
+        return find_parts(model, None)
+    except ConfigError:
+        return None
+
+
+def _build_stages(model: nn.Module, parts: ModelParts, ranges: list[tuple[int, int]], layout: ParallelLayout,
+                  build: Callable[[str, nn.Module], nn.Module], recompute: str, chunks: list[nn.Module],
+                  stage_ends: list[tuple[int, nn.Module, nn.Module]]) -> None:
+    """This rank's (virtual) stages of ``model``, built, into ``chunks``, and each one's
+    ``(stage, first block, last block)`` into ``stage_ends``."""
+    pp, v = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
     block_list = model.get_submodule(parts.block_path)
     skeletons = [model] + [chunk_skeleton(model, parts) for _ in range(v - 1)]
     part_modules = {name: model.get_submodule(name) for name in parts.first + parts.last + parts.everywhere}
     virtual_stages = [c * pp + layout.pipeline_model_parallel_rank for c in range(v)]
     last_stage = pp * v - 1
-    chunks, stage_ends = [], []
     for skeleton, stage in zip(skeletons, virtual_stages):
         start, end = ranges[stage]
         local = {i: parts.blocks[i] for i in range(start, end)}
@@ -345,26 +390,6 @@ def parallelize(
                 _checkpointed(block)
         chunks.append(skeleton)
         stage_ends.append((stage, local[start], local[end - 1]))
-    report = MaterializedReport(_unique_numel(nn.ModuleList(chunks)), whole, tp, pp)
-    model_parallel = ParallelModel(chunks, pp * v, hidden, vocab_parallel, aliases, report, _forward_kwargs(model),
-                                   recompute)
-    for chunk, (stage, first_block, last_block) in enumerate(stage_ends):
-        if stage > 0:  # takes the previous stage's activations
-            first_block.register_forward_pre_hook(functools.partial(model_parallel._take_input, chunk),
-                                                  with_kwargs=True)
-        if stage < last_stage:  # the stage ends here
-            last_block.register_forward_hook(functools.partial(model_parallel._stop, chunk))
-    for chunk in chunks:
-        for stub in chunk.modules():
-            if isinstance(stub, FirstStageStub):
-                stub.register_forward_pre_hook(model_parallel._stub_called)
-    for meta_id in _tied_across_stages(ties, parts, ranges, last_stage):
-        held = materializer.real.get(meta_id)
-        if held is not None and any(p is held for p in model_parallel.parameters()):
-            held.shared_embedding = True  # its gradient is summed between the first and the last stage
-    log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
-             layout.pipeline_model_parallel_rank, model_parallel.report)
-    return model_parallel
 
 
 def _tied_tensors(model: nn.Module) -> dict[int, list[str]]:
@@ -428,8 +453,11 @@ def build_recorded_module(model: nn.Module, seed: int = 0, init_fn: InitFn | Non
     if not is_meta(model):
         raise ConfigError(f"build_recorded_module() takes a model built inside `with record_module_init():`; "
                           f"this {type(model).__name__} is materialised already.")
-    parts = find_parts(model, blocks)
+    parts = _model_parts(model, blocks, pipelined=False)
     materializer = Materializer(model, seed, init_fn)
+    if parts is None:  # as parallelize() at TP = PP = 1
+        materializer.materialize("", model)
+        return model
     for name in parts.first + parts.last + parts.everywhere:
         materializer.materialize(name, model.get_submodule(name))
     for index, block in enumerate(parts.blocks):
