@@ -1,4 +1,4 @@
-"""The mHC math of HyperConnectionModule (DESIGN.md, eq. 7-9)."""
+"""The mHC math of HyperConnectionModule (the mHC paper, arXiv 2512.24880, eq. 7-9)."""
 from __future__ import annotations
 
 import math

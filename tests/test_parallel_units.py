@@ -65,7 +65,7 @@ def test_build_stage_materialises_only_its_layers(model_parallel, monkeypatch):
 
 
 def test_randomizer_seeds_follow_the_table_of_seed_002():
-    """8 ranks, TP = DP = PP = 2 (TP fastest, then DP, then PP): seed 002's table."""
+    """8 ranks, TP = DP = PP = 2 (TP fastest, then DP, then PP): the randomizer's table."""
     table = {(): [0, 1, 2, 3, 4, 5, 6, 7], ("tensor",): [8, 8, 10, 10, 12, 12, 14, 14],
              ("tensor", "data"): [24, 24, 24, 24, 28, 28, 28, 28],
              ("tensor", "data", "pipeline"): [56] * 8}

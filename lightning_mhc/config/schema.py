@@ -286,7 +286,7 @@ class TrainConfig:
             raise ConfigError(
                 f"recompute.policy=mhc_block cannot be combined with recompute.recompute_mlp={str(r.recompute_mlp).lower()}"
                 f" / recompute.recompute_modules={r.recompute_modules}: 'mlp' recompute conflicts with the "
-                "block recompute (seed 000). Set recompute.recompute_mlp=false and drop 'mlp' from "
+                "block recompute. Set recompute.recompute_mlp=false and drop 'mlp' from "
                 "recompute.recompute_modules, or use recompute=selective."
             )
 

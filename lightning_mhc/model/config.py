@@ -1,7 +1,7 @@
 """The model configuration: megatron-core's ``TransformerConfig`` plus mHC.
 
-Field names follow megatron-core and Megatron-LM's own mHC (seed 000,
-REFERENCES.md) so that a Megatron user can read them unchanged.
+Field names follow megatron-core and Megatron-LM's own mHC (``mhc_*``, arXiv
+2512.24880) so that a Megatron user can read them unchanged.
 """
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ class MHCTransformerConfig(TransformerConfig):
     Besides megatron's fields (``num_layers``, ``hidden_size``,
     ``num_attention_heads``, dropouts, ``recompute_*`` ...) it holds the GPT
     fields megatron keeps in its argument parser (vocabulary, sequence length,
-    position embedding, tying) and the mHC fields of seed 000.
+    position embedding, tying) and the mHC fields of the block-recompute design.
     """
 
     normalization: str = "RMSNorm"
     """Overrides megatron's default ('LayerNorm'): the model's norms are RMSNorm."""
 
-    # --- mHC (seed 000, arXiv 2512.24880) ---
+    # --- mHC (arXiv 2512.24880; block recompute) ---
     enable_hyper_connections: bool = True
     """Wrap each attention and MLP sub-layer in a manifold-constrained hyper-connection."""
     num_residual_streams: int = 4
@@ -51,7 +51,7 @@ class MHCTransformerConfig(TransformerConfig):
     """Initial value of the learnable scalars a_pre, a_post, a_res."""
     recompute_hyper_connections: bool = False
     """Discard hyper-connection and bias-dropout-add outputs after forward and recompute them
-    per block of ``mhc_recompute_layer_num`` layers in backward (seed 000)."""
+    per block of ``mhc_recompute_layer_num`` layers in backward (block recompute: one hook per block)."""
     mhc_recompute_layer_num: int | None = None
     """Layers per recompute block; None: max(1, int(sqrt(n*L/(n+2)))) with L the stage's layers
     (paper eq. 20). Megatron-LM has a field of the same name whose None means something else: the
@@ -216,7 +216,7 @@ class MHCTransformerConfig(TransformerConfig):
                 raise ConfigError(
                     f"{recompute} cannot be combined with 'mlp' in "
                     f"recompute_modules={modules} (recompute_mlp): the two "
-                    "checkpoint mechanisms conflict (seed 000, Megatron-LM refuses it too). Remove "
+                    "checkpoint mechanisms conflict (Megatron-LM refuses it too). Remove "
                     "'mlp' from recompute_modules."
                 )
             if getattr(self, "fine_grained_activation_offloading", False):

@@ -1,5 +1,5 @@
 """The decoder layers one pipeline stage holds, with stream expansion on the
-first stage and stream contraction plus the final norm on the last (seed 000)."""
+first stage and stream contraction plus the final norm on the last (as in Megatron-LM's mHC)."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -1,5 +1,5 @@
 """One transformer layer: attention and MLP sub-layers, each wrapped by its own
-hyper-connection and followed by a bias-dropout-add (seed 000's method split).
+hyper-connection and followed by a bias-dropout-add (the block-recompute design's method split).
 
 Without hyper-connections the layer is megatron's pre-norm layer::
 
@@ -8,7 +8,7 @@ Without hyper-connections the layer is megatron's pre-norm layer::
 With them, the hidden state is the ``[s, b, n*C]`` residual stream and each
 sub-layer computes ``H_res @ x + H_post^T * F(H_pre @ x)``.
 
-Recompute (megatron's selective granularity, and seed 000's block recompute):
+Recompute (megatron's selective granularity, and block recompute: one hook per block):
 
 - ``"core_attn"`` / ``"mlp"`` in ``recompute_modules``: SDPA / the MLP run under
   ``torch.utils.checkpoint`` (they are re-run in backward).

@@ -1,4 +1,4 @@
-"""Seeding per parallel dimension (seed 002), device-agnostic.
+"""Seeding per parallel dimension (the multi-dimensional parallel randomizer), device-agnostic.
 
 megatron-core's ``model_parallel_cuda_manual_seed`` needs CUDA; this installs
 a ``MultiDimParallelRandomizer`` over the ``tensor``, ``data`` and

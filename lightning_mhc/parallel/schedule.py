@@ -4,7 +4,7 @@ Follows megatron-core's ``forward_backward_pipelining_without_interleaving``:
 warm-up (``p - rank - 1`` forwards, at most ``m``), steady 1F1B, cool-down.
 After a non-last stage sends a microbatch's output, megatron's
 ``deallocate_output_tensor`` shrinks it to one element and its backward
-runs through ``custom_backward`` (seed 004). The loss is computed on the last
+runs through ``custom_backward`` (pipeline output deallocation). The loss is computed on the last
 stage; the mean over microbatches, averaged over DP, is returned on every rank.
 
 The model contract (megatron's): ``model.set_input_tensor(t)`` before each

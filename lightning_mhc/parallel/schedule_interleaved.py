@@ -9,7 +9,7 @@ first stage's chunk ``c + 1``. Microbatches run in groups of
 ``(microbatch, chunk)`` pairs, forward in table order and backward with the
 chunks reversed. Warm-up is ``2 (p - r - 1) + (v - 1) * group`` forwards, then
 steady 1F1B, then cool-down backwards. Stage outputs are deallocated after they
-are sent and their backward goes through ``custom_backward`` (seed 004).
+are sent and their backward goes through ``custom_backward`` (pipeline output deallocation).
 
 The microbatch count follows megatron's rule: ``p <= group <= m``, and the last
 group (``m mod group``) is empty or at least ``p`` long; with the default group

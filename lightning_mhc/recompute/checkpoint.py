@@ -1,5 +1,5 @@
 """``CheckpointWithoutOutput``: megatron-core's API and semantics, device-agnostic,
-plus seed 000's ``ckpt_manager``.
+plus block recompute's ``ckpt_manager``.
 
 ``checkpoint(run_function, *args)`` runs the function without building a
 graph, saves its (detached) inputs, and returns outputs that later ops may

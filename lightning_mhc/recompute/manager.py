@@ -1,4 +1,4 @@
-"""``MHCBlockRecomputeManager`` (seed 000): one per recompute block.
+"""``MHCBlockRecomputeManager`` (block recompute): one per recompute block.
 
 Every checkpoint made with ``CheckpointWithoutOutput(ckpt_manager=manager)``
 registers here. After the block's forward, the manager frees all their
@@ -7,7 +7,7 @@ not checkpointed. The hook recomputes every checkpoint in forward order, so
 each recompute finds its inputs already restored in place by the previous
 ones (checkpoint i's output storage is checkpoint i+1's saved input).
 
-The plan (seed 001's readable, validated plan, without its refill machinery)
+The plan (a readable, validated recompute plan, without its refill machinery)
 lists the checkpoints in order with the shapes and bytes each frees.
 """
 from __future__ import annotations

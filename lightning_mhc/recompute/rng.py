@@ -1,4 +1,4 @@
-"""RNG states: the multi-dimensional parallel randomizer (seed 002) and the
+"""RNG states: the multi-dimensional parallel randomizer and the
 capture/restore that recompute uses.
 
 ``MultiDimParallelRandomizer`` hands out a randomizer per set of parallel
@@ -91,7 +91,7 @@ class _Randomizer:
 
 
 class MultiDimParallelRandomizer:
-    """Randomizers keyed by the parallel dimensions that share a seed (seed 002).
+    """Randomizers keyed by the parallel dimensions that share a seed (the randomizer's table).
 
     ``ranks`` and ``sizes`` map dimension names (e.g. ``tensor``, ``data``,
     ``pipeline``) to this rank's index and the dimension's size. The seed of
