@@ -280,6 +280,29 @@ def test_wrong_plan_fails_in_trainer_fit_before_any_step():
     assert trainer.global_step == 0
 
 
+@pytest.mark.parametrize("batch, match", [
+    ({"input_ids": torch.zeros(2, 16, dtype=torch.long)}, r"with 'labels'; the DataLoader gave keys \['input_ids'\]"),
+    ({"ids": torch.zeros(2, 16, dtype=torch.long), "labels": torch.zeros(2, 16, dtype=torch.long)},
+     r"with 'input_ids' or 'tokens'; the DataLoader gave keys \['ids', 'labels'\]"),
+    ((torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long)), r"the DataLoader gave a (list|tuple)\. Yield"),
+])
+def test_malformed_batches_fail_in_trainer_fit_naming_what_came(batch, match):
+    from torch.utils.data import DataLoader
+
+    class LM(ParallelLMModule):
+        def configure_model(self):
+            if self.model is None:
+                with record_module_init():
+                    model = gpt2()
+                self.model = self.parallelize(model, plan="gpt2")
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ConfigError, match=match):
+        trainer.fit(LM(), train_dataloaders=DataLoader([batch], batch_size=None))
+    assert trainer.global_step == 0
+
+
 class _Misordered(torch.nn.Module):
     """A transformer whose parts are registered on the wrong side of the blocks for their use."""
 

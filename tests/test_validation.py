@@ -4,6 +4,7 @@ and no run directory; runs never share a directory; the final step is checkpoint
 checks every job first and tables the jobs that fail at runtime."""
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import datetime
 import json
@@ -91,8 +92,10 @@ def test_bad_input_is_refused_before_launch(tmp_path):
         (["model.mhc_init_gating_factor=-1"], "model.mhc_init_gating_factor=-1.0: the initial value of the gating "
                                               "scalars"),
     ]
-    for overrides, message in cases:
-        proc = run_train(tmp_path, *QUICK[:1], *overrides, timeout=120)
+    # two at a time (each is a fresh interpreter: imports dominate); none may leave a run directory
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(lambda case: run_train(tmp_path, *QUICK[:1], *case[0], timeout=120), cases))
+    for (overrides, message), proc in zip(cases, procs):
         _assert_refused(proc, message, tmp_path, overrides)
 
 

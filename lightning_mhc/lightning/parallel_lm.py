@@ -17,6 +17,7 @@ written; checkpoints use the model's own parameter names.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -82,8 +83,7 @@ class ParallelLMModule(pl.LightningModule):
     # ------------------------------------------------------------ the contract
     def model_inputs(self, microbatch: dict) -> dict[str, Any]:
         """The model's keyword arguments for a microbatch."""
-        ids = microbatch["input_ids"] if "input_ids" in microbatch else microbatch["tokens"]
-        inputs = {"input_ids": ids}
+        inputs = {"input_ids": _field(microbatch, "input_ids", "tokens")}
         if "attention_mask" in microbatch:
             inputs["attention_mask"] = microbatch["attention_mask"]
         return inputs
@@ -95,9 +95,13 @@ class ParallelLMModule(pl.LightningModule):
         return self._parallel_model().forward_step(self.model_inputs(microbatch), chunk)
 
     def loss_func(self, logits: Tensor, microbatch: dict) -> Tensor:
-        return self._parallel_model().loss(logits, microbatch["labels"])
+        return self._parallel_model().loss(logits, _field(microbatch, "labels"))
 
     def pipeline_tensor_shape(self, microbatch: dict) -> tuple[int, ...]:
+        # every rank calls this before the schedule: a batch without labels fails on all of them
+        # here, not on the last stage alone while the others wait for it
+        if type(self).loss_func is ParallelLMModule.loss_func:
+            _field(microbatch, "labels")
         return self._parallel_model().pipeline_tensor_shape(self.model_inputs(microbatch))
 
     def model_chunks(self) -> list[torch.nn.Module]:
@@ -131,3 +135,18 @@ class ParallelLMModule(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+
+
+def _field(microbatch: Any, *names: str) -> Tensor:
+    """The first of ``names`` in a dict microbatch; a clear error for any other batch."""
+    if isinstance(microbatch, Mapping):
+        for name in names:
+            if name in microbatch:
+                return microbatch[name]
+        found = f"keys {sorted(map(str, microbatch))}"
+    else:
+        found = f"a {type(microbatch).__name__}"
+    raise ConfigError(
+        f"ParallelLMModule needs dict batches with {' or '.join(repr(n) for n in names)}; the DataLoader gave {found}. "
+        "Yield {'input_ids': ..., 'labels': ...} (labels already shifted to the next token), or override "
+        "model_inputs()/loss_func() for another batch format.")
