@@ -70,12 +70,20 @@ def check_case(case: str, result: dict, references: dict) -> None:
 
 def test_tp2_and_pp2(tmp_path, references):
     """TP 2 and PP 2 (2 processes), PP 2 with the interleaved schedule (v = 2) for GPT-2, and TP 2
-    with the logits gathered (``loss_parallel=False``) for GPT-2 (its head is tied) and the plain model."""
+    with the logits gathered (``loss_parallel=False``) for GPT-2 (its head is tied) and the plain model;
+    on PP 2, batches without labels refused by both stages."""
     cases = ([f"{m}:{layout}" for m in MODEL_NAMES for layout in ("tp2", "pp2")]
              + ["gpt2:pp2v2", "gpt2:tp2:gather", "plain:tp2:gather"])
-    results = run_group(tmp_path, 2, cases)
+    results = run_group(tmp_path, 2, cases + ["gpt2:pp2:nolabels"])
     for case in cases:
         check_case(case, results[case], references)
+    # batches without labels: both stages refuse them before the schedule (the first stage does
+    # not wait for a loss that the last stage cannot compute)
+    refused = results["gpt2:pp2:nolabels"]
+    assert refused["steps"] == 0 and len(refused["refused"]) == 2, refused
+    for message in refused["refused"]:
+        assert message is not None and "needs dict batches with 'labels'; the DataLoader gave keys ['input_ids']" \
+            in message, refused
 
 
 RESUMED = ("gpt2:pp2:resume", "gpt2:tp2:resume", "llama:pp2:resume", "plain:tp2:resume")

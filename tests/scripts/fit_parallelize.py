@@ -15,10 +15,13 @@ With ``--checkpoints DIR`` a parallel case also saves ``DIR/<model>/step=2.ckpt`
 A case ``<model>:<layout>:dropout[-<tag>]`` trains with dropout 0.1 and records, per rank, a
 digest of each dropout module's mask in the first forward (``:dropout-full``: with full recompute).
 A case ``<model>:<layout>:gather`` gathers the logits over TP (``loss_parallel=False``).
+A case ``<model>:<layout>:nolabels`` fits batches without ``labels`` and records each rank's
+``ConfigError`` message (or ``None``): every rank must refuse them, before the schedule.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import pathlib
@@ -31,7 +34,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lm_models import MODELS, SEQ, VOCAB
-from lightning_mhc import MHCParallelStrategy, ParallelLMModule
+from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule
 from lightning_mhc.lightning.data import SyntheticTokens
 from lightning_mhc.parallelize import build_recorded_module, parallelize, record_module_init
 
@@ -186,8 +189,11 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None) -> dict:
     model, layout_name, variant = (case.split(":") + [""])[:3]
     tp, pp, v = LAYOUTS[layout_name]
     dp = devices // (tp * pp)
+    # ":nolabels": a stage left waiting for the other fails in a minute, not the default ten
+    deadline = dict(timeout=datetime.timedelta(minutes=1)) if variant == "nolabels" else {}
     strategy = MHCParallelStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                   virtual_pipeline_model_parallel_size=v, num_microbatches=2 if pp > 1 else 1)
+                                   virtual_pipeline_model_parallel_size=v, num_microbatches=2 if pp > 1 else 1,
+                                   **deadline)
     losses, masks = Losses(), DropoutMasks()
     callbacks, ckpt_path = [losses], None
     if variant.startswith("dropout"):
@@ -210,6 +216,14 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None) -> dict:
         module = ParallelLM(model, loss_parallel=variant != "gather")
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
+    if variant == "nolabels":
+        unlabelled = DataLoader([{"input_ids": batch["tokens"]} for batch in loader], batch_size=None)
+        try:
+            trainer.fit(module, train_dataloaders=unlabelled)
+            refused = None
+        except ConfigError as error:
+            refused = str(error)
+        return dict(refused=_gather(refused), steps=trainer.global_step)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     result = dict(losses=losses.losses, tp=tp, pp=pp, dp=dp, weights=whole_weights(module, strategy))
     if isinstance(module, ParallelLM):
