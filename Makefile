@@ -31,7 +31,7 @@ install-dev: $(VENV)/.torch
 	$(PIP) install -q -e ".[dev]"
 
 train: install
-	$(PY) -m lightning_mhc.train $(TRAIN_ARGS)
+	$(PY) -m lightning_mhc.cli.train $(TRAIN_ARGS)
 
 test: install-dev
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -145,7 +145,7 @@ def fit(variant: str, steps: int) -> dict:
     from torch.utils.data import DataLoader
 
     from lightning_mhc import MHCParallelStrategy
-    from lightning_mhc.lightning.data import SyntheticTokens
+    from lightning_mhc.data.sources import SyntheticTokens
 
     if variant == "lightning":
         from lightning.pytorch.strategies import ModelParallelStrategy

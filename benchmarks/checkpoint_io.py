@@ -44,7 +44,7 @@ def worker(args) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_mhc import MHCGPTModule, MHCParallelStrategy
-    from lightning_mhc.lightning.data import SyntheticTokens
+    from lightning_mhc.data.sources import SyntheticTokens
 
     tp, pp = args.tp, args.pp
     devices = tp * pp * args.dp
@@ -89,7 +89,7 @@ def one_process(path: pathlib.Path, workdir: pathlib.Path) -> dict:
     load_process = time.perf_counter() - start
     load_call = float(proc.stdout.strip().splitlines()[-1])
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "lightning_mhc.checkpoint.export", str(path), str(workdir / "export")],
+    subprocess.run([sys.executable, "-m", "lightning_mhc.cli.export", str(path), str(workdir / "export")],
                    capture_output=True, text=True, check=True)
     export_process = time.perf_counter() - start
     weights = workdir / "export" / "model.safetensors"

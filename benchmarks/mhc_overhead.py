@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "mhc_overhead.json")
     args = parser.parse_args()
 
-    from lightning_mhc.parallel.launch import spawn_ranks
+    from lightning_mhc.testing.launch import spawn_ranks
 
     result = spawn_ranks(_measure, 1, args, timeout_s=3600, threads_per_rank=os.cpu_count() or 1)[0]
     print(f"\n{LAYERS} layers, seq {SEQ}, micro-batch {MICRO_BATCH}, n = {N}, fp32, dropout 0, "

@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "mhc_sublayer.json")
     args = parser.parse_args()
 
-    from lightning_mhc.parallel.launch import spawn_ranks
+    from lightning_mhc.testing.launch import spawn_ranks
 
     result = spawn_ranks(_measure, 1, args, timeout_s=3600, threads_per_rank=os.cpu_count() or 1)[0]
     print(f"\nsub-layer fwd + bwd, {args.tokens} tokens, n = {N}, fp32, {result['threads']} threads, "

@@ -36,8 +36,8 @@ def _setup(pp: int, v: int):
 
     from lightning_mhc.model import MHCTransformerConfig
     from lightning_mhc.model.config import with_parallel_layout
-    from lightning_mhc.parallel.stages import build_gpt_chunks
-    from lightning_mhc.parallel.state import current_layout
+    from lightning_mhc.model.stages import build_gpt_chunks
+    from lightning_mhc.distributed.layout import current_layout
 
     layout = dataclasses.replace(current_layout(), virtual_pipeline_model_parallel_size=v)
     cfg = MHCTransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=4 * HIDDEN,
@@ -59,8 +59,8 @@ def _step(layout, chunks, optimizer, m: int, reducer=None):
     import torch.distributed as dist
 
     from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
-    from lightning_mhc.parallel.grads import finalize_model_grads
-    from lightning_mhc.parallel.schedule import forward_backward_pipelining
+    from lightning_mhc.distributed.grads import finalize_model_grads
+    from lightning_mhc.distributed.pipeline import forward_backward_pipelining
 
     def run() -> None:
         dist.barrier()
@@ -78,9 +78,9 @@ def _step(layout, chunks, optimizer, m: int, reducer=None):
 def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch
 
-    from lightning_mhc.parallel.grad_overlap import OverlappedGradReduction
-    from lightning_mhc.parallel.random import model_parallel_manual_seed
-    from lightning_mhc.parallel.state import destroy_parallel, initialize_parallel
+    from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
+    from lightning_mhc.distributed.random import model_parallel_manual_seed
+    from lightning_mhc.distributed.layout import destroy_parallel, initialize_parallel
 
     torch.set_num_threads(1)
     result = {}
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "parallel_runtime.json")
     args = parser.parse_args()
 
-    from lightning_mhc.parallel.launch import spawn_ranks
+    from lightning_mhc.testing.launch import spawn_ranks
 
     times = spawn_ranks(_run, 2, args, timeout_s=1800)[0]
     p = 2

@@ -35,11 +35,11 @@ def _stage_run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     from lightning_mhc.model import MHCTransformerConfig
     from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
-    from lightning_mhc.parallel.grads import finalize_model_grads
-    from lightning_mhc.parallel.random import model_parallel_manual_seed
-    from lightning_mhc.parallel.schedule import forward_backward_pipelining
-    from lightning_mhc.parallel.stages import build_gpt_stage
-    from lightning_mhc.parallel.state import initialize_parallel
+    from lightning_mhc.distributed.grads import finalize_model_grads
+    from lightning_mhc.distributed.random import model_parallel_manual_seed
+    from lightning_mhc.distributed.pipeline import forward_backward_pipelining
+    from lightning_mhc.model.stages import build_gpt_stage
+    from lightning_mhc.distributed.layout import initialize_parallel
     from lightning_mhc.recompute import ActivationMemoryMeter, attach_recompute, configure_recompute
 
     layout = initialize_parallel(1, world)
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "pipeline_schedule.json")
     args = parser.parse_args()
 
-    from lightning_mhc.parallel.launch import spawn_ranks
+    from lightning_mhc.testing.launch import spawn_ranks
 
     rows, memory = [], []
     for p in (2, 4):

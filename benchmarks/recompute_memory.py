@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "recompute_memory.json")
     args = parser.parse_args()
 
-    from lightning_mhc.parallel.launch import spawn_ranks
+    from lightning_mhc.testing.launch import spawn_ranks
 
     rows = spawn_ranks(_measure, 1, args, timeout_s=1800, threads_per_rank=os.cpu_count() or 1)[0]
     base = next(r for r in rows if r["label"] == "none")

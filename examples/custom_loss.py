@@ -12,7 +12,7 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from torch.utils.data import DataLoader
 
 from lightning_mhc import MHCGPTModule, MHCParallelStrategy
-from lightning_mhc.lightning.data import SyntheticTokens
+from lightning_mhc.data.sources import SyntheticTokens
 
 
 class SmoothedGPT(MHCGPTModule):

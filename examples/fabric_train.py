@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightning_mhc import MHCGPTModule
 from lightning_mhc.fabric import MHCParallelStrategy
-from lightning_mhc.lightning.data import SyntheticTokens
+from lightning_mhc.data.sources import SyntheticTokens
 
 SEQ, GLOBAL_BATCH, NUM_SAMPLES = 16, 8, 24
 LR, WARMUP_STEPS, MAX_GRAD_NORM = 1e-3, 2, 1.0

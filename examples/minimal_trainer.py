@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
 from lightning_mhc import MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
-from lightning_mhc.lightning.data import SyntheticTokens
+from lightning_mhc.data.sources import SyntheticTokens
 
 if __name__ == "__main__":
     model = MHCGPTModule(dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256,

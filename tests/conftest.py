@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from lightning_mhc.parallel.launch import free_port
+from lightning_mhc.testing.launch import free_port
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +26,7 @@ def single_rank_group():
 @pytest.fixture
 def model_parallel(single_rank_group):
     """TP = PP = 1 model-parallel state, torn down after the test; yields its ParallelLayout."""
-    from lightning_mhc.parallel.state import current_layout
+    from lightning_mhc.distributed.layout import current_layout
 
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(0)

@@ -6,13 +6,13 @@ import torch.distributed as dist
 
 from lightning_mhc.model.config import with_parallel_layout
 from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
-from lightning_mhc.parallel.grad_overlap import OverlappedGradReduction
-from lightning_mhc.parallel.grads import DEFAULT_BUCKET_BYTES, finalize_model_grads, global_grad_norm
-from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
-from lightning_mhc.parallel.schedule import forward_backward_pipelining
-from lightning_mhc.parallel.stages import build_gpt_chunks
-from lightning_mhc.parallel.state import destroy_parallel, initialize_parallel
-from lightning_mhc.parallel.tensor_parallel import gather_tensor_parallel
+from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
+from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES, finalize_model_grads, global_grad_norm
+from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
+from lightning_mhc.distributed.pipeline import forward_backward_pipelining
+from lightning_mhc.model.stages import build_gpt_chunks
+from lightning_mhc.distributed.layout import destroy_parallel, initialize_parallel
+from lightning_mhc.testing.tensor_parallel import gather_tensor_parallel
 from lightning_mhc.recompute import attach_recompute, configure_recompute
 from model_utils import tiny_config
 

@@ -45,7 +45,7 @@ def test_checkpoint_of_tp2_pp2_continues_on_other_layouts(tmp_path):
     # one-process use of the final (step 5) checkpoint, in fresh processes: lightning-mhc-export,
     # then load_exported / MHCGPTModule.load_from_checkpoint against the TP2 x PP2 logits
     final, export_dir = tmp_path / "save" / "final.ckpt", tmp_path / "export"
-    proc = subprocess.run([sys.executable, "-m", "lightning_mhc.checkpoint.export", str(final), str(export_dir)],
+    proc = subprocess.run([sys.executable, "-m", "lightning_mhc.cli.export", str(final), str(export_dir)],
                           capture_output=True, text=True, timeout=300, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in export_dir.iterdir()) == ["config.json", "model.safetensors"]
@@ -59,7 +59,7 @@ def test_checkpoint_of_tp2_pp2_continues_on_other_layouts(tmp_path):
     assert checked["shape"] == [4, 16, 256]
     assert checked["export_vs_training"] <= 1e-5 and checked["checkpoint_vs_training"] <= 1e-5, checked
     assert checked["generate_equals_argmax"]
-    proc = subprocess.run([sys.executable, "-m", "lightning_mhc.generate", f"ckpt_path={export_dir}", "prompt=ab",
+    proc = subprocess.run([sys.executable, "-m", "lightning_mhc.cli.generate", f"ckpt_path={export_dir}", "prompt=ab",
                            "max_new_tokens=5"], capture_output=True, text=True, timeout=300, env=child_env())
     assert proc.returncode == 0 and proc.stdout.startswith("ab"), proc.stderr[-3000:]
 
@@ -68,7 +68,7 @@ def test_data_position_is_by_global_sample_and_refuses_another_global_batch():
     from torch.utils.data import DataLoader
 
     from lightning_mhc import ConfigError
-    from lightning_mhc.lightning.resumable_loader import ResumableLoader
+    from lightning_mhc.data.resumable_loader import ResumableLoader
 
     def loader(batch: int, dp: int) -> ResumableLoader:
         return ResumableLoader(DataLoader(list(range(64)), batch_size=batch), lambda: (1, 3), dp)
@@ -82,7 +82,7 @@ def test_data_position_is_by_global_sample_and_refuses_another_global_batch():
 
 def test_export_refuses_missing_incomplete_and_earlier_format(tmp_path, capsys):
     from lightning_mhc.checkpoint import commit, legacy
-    from lightning_mhc.checkpoint.export import main
+    from lightning_mhc.cli.export import main
 
     old = tmp_path / "old.ckpt"
     old.mkdir()

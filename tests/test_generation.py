@@ -82,7 +82,7 @@ def test_trainer_predict_generates(single_rank_group):
                          enable_progress_bar=False, enable_model_summary=False)
     (out,) = trainer.predict(module, DataLoader(prompts, batch_size=2))
     assert out.shape == (2, 9) and torch.equal(out[:, :5], torch.stack([p["tokens"] for p in prompts]))
-    from lightning_mhc.parallel.state import destroy_parallel, single_process_layout
+    from lightning_mhc.distributed.layout import destroy_parallel, single_process_layout
 
     single_process_layout()  # the strategy's groups went with the Trainer
     try:

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from hydra.errors import ConfigCompositionException
 
 from lightning_mhc import ConfigError
-from lightning_mhc.config import TrainConfig
-from lightning_mhc.train import CONF_DIR
+from lightning_mhc.cli.schema import TrainConfig
+from lightning_mhc.cli.preflight import CONF_DIR
 from subprocess_env import child_env
 from train_cli import run_train as _train
 

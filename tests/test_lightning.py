@@ -18,8 +18,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
 from lightning_mhc.checkpoint import commit, legacy
 from lightning_mhc.checkpoint import format as checkpoint_format
-from lightning_mhc.parallel.contract import split_microbatches
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.distributed.pipeline.protocol import split_microbatches
+from lightning_mhc.distributed.layout import ParallelLayout
 from script_runs import SCRIPTS, fit_gpt, run_script
 from subprocess_env import child_env
 
@@ -175,7 +175,7 @@ def test_incomplete_or_mismatched_checkpoint(tmp_path):
 def _fit_in_process(module, precision="32-true", **strategy_kwargs) -> pl.Trainer:
     from torch.utils.data import DataLoader
 
-    from lightning_mhc.lightning.data import SyntheticTokens
+    from lightning_mhc.data.sources import SyntheticTokens
 
     data = DataLoader(SyntheticTokens(8, 8, vocab_size=64), batch_size=4)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(**strategy_kwargs),
@@ -198,7 +198,7 @@ def test_distributed_sampler_for_other_ranks_is_refused():
     """A user's DistributedSampler must split over the data-parallel group, not the world."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from lightning_mhc.lightning.data import SyntheticTokens
+    from lightning_mhc.data.sources import SyntheticTokens
 
     data = SyntheticTokens(8, 8, vocab_size=64)
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=1))
@@ -209,7 +209,7 @@ def test_distributed_sampler_for_other_ranks_is_refused():
 
 
 def test_throughput_meter_counts_whole_job_tokens_after_warmup():
-    from lightning_mhc.lightning.throughput import ThroughputMeter
+    from lightning_mhc.lightning.modules.throughput import ThroughputMeter
 
     meter = ThroughputMeter(warmup_steps=1)
     assert not meter.record(10.0, 100)  # warm-up

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCTransformerConfig
 from lightning_mhc.model.config import with_parallel_layout
 from lightning_mhc.model.config_dict import model_config_from_dict, model_config_to_dict
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.distributed.layout import ParallelLayout
 from subprocess_env import child_env
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64, max_sequence_length=8,
@@ -61,8 +61,11 @@ def test_lower_layers_do_not_import_lightning():
     imported afterwards (it imports lightning.pytorch) still gets the strategy registered."""
     proc = run_python(textwrap.dedent("""
         import sys
-        import lightning_mhc.model, lightning_mhc.recompute, lightning_mhc.parallel, lightning_mhc.checkpoint
-        import lightning_mhc.parallel.contract, lightning_mhc.checkpoint.export
+        import lightning_mhc.model, lightning_mhc.recompute, lightning_mhc.checkpoint
+        import lightning_mhc.distributed.layout, lightning_mhc.distributed.random, lightning_mhc.distributed.grads
+        import lightning_mhc.distributed.grad_overlap, lightning_mhc.distributed.pipeline
+        import lightning_mhc.distributed.pipeline.protocol, lightning_mhc.checkpoint.export, lightning_mhc.model.stages
+        import lightning_mhc.parallelize, lightning_mhc.testing.launch
         assert "lightning.pytorch" not in sys.modules
         loaded = [m for m in sys.modules
                   if m == "lightning" or m.startswith(("lightning.", "lightning_mhc.lightning"))]
@@ -178,7 +181,7 @@ def test_configure_model_takes_the_layout_from_the_strategy(model_parallel):
 def _fit_one_step(module: MHCGPTModule, tmp_path) -> pl.Trainer:
     from torch.utils.data import DataLoader
 
-    from lightning_mhc.lightning.data import SyntheticTokens
+    from lightning_mhc.data.sources import SyntheticTokens
 
     data = DataLoader(SyntheticTokens(8, 8, vocab_size=64), batch_size=4)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(), max_steps=1,

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_mhc import ConfigError
-from lightning_mhc.parallel.grads import clip_grad_norm_, global_grad_norm
-from lightning_mhc.parallel.launch import RankError, spawn_ranks
-from lightning_mhc.parallel.stages import build_gpt_stage, partition_layers
-from lightning_mhc.parallel.state import check_layout
+from lightning_mhc.distributed.grads import clip_grad_norm_, global_grad_norm
+from lightning_mhc.testing.launch import RankError, spawn_ranks
+from lightning_mhc.model.stages import build_gpt_stage, partition_layers
+from lightning_mhc.distributed.layout import check_layout
 from lightning_mhc.recompute.rng import MultiDimParallelRandomizer
 from model_utils import tiny_config
 
@@ -104,8 +104,8 @@ def test_failure_in_one_rank_ends_the_group_with_its_error():
 def _p2p_times_out(rank: int, world: int) -> str:
     import datetime
 
-    from lightning_mhc.parallel.p2p import PipelineP2P
-    from lightning_mhc.parallel.state import initialize_parallel
+    from lightning_mhc.distributed.pipeline.p2p import PipelineP2P
+    from lightning_mhc.distributed.layout import initialize_parallel
 
     layout = initialize_parallel(1, 2)
     if rank == 1:

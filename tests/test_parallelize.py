@@ -425,7 +425,7 @@ def test_recompute_policies_are_bit_exact_with_dropout(name, model_parallel):
     """``full`` (every block) and ``selective`` (the plan's modules) recompute give the losses and
     gradients of no recompute, bit for bit, with dropout 0.1 on the randomizer's streams (a replicated
     region nested in a TP-split one included)."""
-    from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
+    from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
 
     make, plan = MODELS[name]
     layout = model_parallel
@@ -459,7 +459,7 @@ def test_recompute_callback_applies_its_policy_through_trainer_fit():
     from torch.utils.data import DataLoader
 
     from lightning_mhc import MHCRecomputeCallback
-    from lightning_mhc.lightning.data import SyntheticTokens
+    from lightning_mhc.data.sources import SyntheticTokens
 
     class RecomputedLM(ParallelLMModule):
         def __init__(self, use_policy: bool = True) -> None:

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_mhc.parallel.launch import spawn_ranks
+from lightning_mhc.testing.launch import spawn_ranks
 from lightning_mhc.recompute import ActivationMemoryMeter
 from lightning_mhc.recompute.rng import rng_fork
-from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
-from lightning_mhc.parallel.state import destroy_parallel, initialize_parallel
+from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
+from lightning_mhc.distributed.layout import destroy_parallel, initialize_parallel
 from model_utils import tiny_config
 from pipeline_utils import MICRO_BATCH, train_layout
 
@@ -278,7 +278,7 @@ def test_interleaved_schedule_table_and_microbatch_rule():
     """megatron's order (each group of p microbatches through chunk 0, then chunk 1) and its rule
     on the microbatch count, with a message that says what to use."""
     from lightning_mhc.errors import ConfigError
-    from lightning_mhc.parallel.schedule_interleaved import check_interleaved_microbatches, schedule_table
+    from lightning_mhc.distributed.pipeline.interleaved import check_interleaved_microbatches, schedule_table
 
     assert schedule_table(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
     assert schedule_table(3, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]

@@ -13,8 +13,8 @@ from megatron.core import parallel_state
 
 from lightning_mhc import GPTModel
 from lightning_mhc.recompute import attach_recompute, configure_recompute
-from lightning_mhc.parallel.launch import spawn_ranks
-from lightning_mhc.parallel.tensor_parallel import gather_tensor_parallel
+from lightning_mhc.testing.launch import spawn_ranks
+from lightning_mhc.testing.tensor_parallel import gather_tensor_parallel
 from model_utils import tiny_config, train_steps
 
 STEPS = 3

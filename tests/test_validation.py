@@ -19,15 +19,15 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from lightning_mhc import ConfigError
-from lightning_mhc.config import run_dir
-from lightning_mhc.lightning.data import check_data
+from lightning_mhc.cli import run_dir
+from lightning_mhc.data.sources import check_data
 from lightning_mhc.model.config import (
     UNSUPPORTED_OPTIONS,
     MHCTransformerConfig,
     requested_parallel_layout,
     with_parallel_layout,
 )
-from lightning_mhc.preflight import CONF_DIR, PREFIX, to_train_config, warn_oversubscription
+from lightning_mhc.cli.preflight import CONF_DIR, PREFIX, to_train_config, warn_oversubscription
 from subprocess_env import child_env
 from train_cli import run_train
 

@@ -10,9 +10,7 @@ loading the export back without the strategy.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -26,7 +24,7 @@ from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import PARALLEL_LAYOUT_FIELDS, MHCTransformerConfig, with_parallel_layout
 from lightning_mhc.model.config_dict import model_config_from_dict, model_config_to_dict
 from lightning_mhc.model.gpt import GPTModel
-from lightning_mhc.parallel.state import single_process_layout
+from lightning_mhc.distributed.layout import single_process_layout
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -91,24 +89,3 @@ def load_exported(out: Path) -> GPTModel:
     model = GPTModel(whole_model_config(json.loads((out / CONFIG_FILE).read_text())))
     model.load_state_dict(load_file(str(out / WEIGHTS_FILE)), strict=True)
     return model.eval()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="lightning-mhc-export",
-        description="Write the whole model of a lightning_mhc checkpoint (any layout) as one safetensors file "
-                    "plus its config (JSON), loadable with lightning_mhc.load_exported(out) in one process.")
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint directory (e.g. <run>/checkpoints/step-000050.ckpt)")
-    parser.add_argument("out", type=Path, help="the directory to write model.safetensors and config.json into")
-    args = parser.parse_args(argv)
-    try:
-        written = export(args.checkpoint, args.out)
-    except (ConfigError, FileNotFoundError) as error:
-        print(f"lightning-mhc-export: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(f"lightning-mhc-export: {written['tensors']} tensors, {written['bytes']:,} bytes -> {written['weights']} "
-          f"(+ {written['config']}) in {written['seconds']:.2f} s")
-
-
-if __name__ == "__main__":
-    main()

@@ -33,7 +33,7 @@ from lightning_mhc.checkpoint.sharding import (
     parameter_keys,
 )
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.recompute.rng import get_all_rng_states, set_all_rng_states
 
 FORMAT = "lightning_mhc.dcp/1"

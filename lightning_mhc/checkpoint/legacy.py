@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.recompute.rng import set_all_rng_states
 
 FORMAT = "lightning_mhc.sharded/1"

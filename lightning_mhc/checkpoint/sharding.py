@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.distributed.layout import ParallelLayout
 
 @dataclass(frozen=True)
 class Placement:

@@ -43,10 +43,10 @@ from torch.optim import Optimizer
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.format import PARAM_GROUPS
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.fabric.core import MHCParallelCore
-from lightning_mhc.fabric.launcher import MHCFabricLauncher
-from lightning_mhc.parallel.contract import is_pipeline_module
-from lightning_mhc.parallel.grads import clip_grad_norm_
+from lightning_mhc.distributed.runtime import MHCParallelCore
+from lightning_mhc.distributed.launcher import MHCFabricLauncher
+from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
+from lightning_mhc.distributed.grads import clip_grad_norm_
 from lightning_mhc.recompute.policy import attach_recompute
 
 FABRIC_OBJECTS = "fabric_objects"
@@ -60,7 +60,7 @@ _TRAINER_OBJECTS = ("state_dict", "optimizer_states", PARAM_GROUPS, "lightning_m
 class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
     """Tensor, pipeline and data parallelism with megatron-core process groups, for Fabric.
 
-    Takes the arguments of :class:`~lightning_mhc.fabric.core.MHCParallelCore` (the same as the
+    Takes the arguments of :class:`~lightning_mhc.distributed.runtime.MHCParallelCore` (the same as the
     Trainer's ``MHCParallelStrategy`` without its preemption handling).
 
     - ``fabric.setup_module(model)`` builds this rank's stage (``model.configure_model()``, e.g.

@@ -5,11 +5,11 @@ Lightning's strategy registry.
 """
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_mhc.lightning.callback import MHCRecomputeCallback
-from lightning_mhc.lightning.module import MHCGPTModule
-from lightning_mhc.lightning.parallel_lm import ParallelLMModule
+from lightning_mhc.lightning.callbacks.recompute import MHCRecomputeCallback
+from lightning_mhc.lightning.modules.gpt import MHCGPTModule
+from lightning_mhc.lightning.modules.parallel_lm import ParallelLMModule
 from lightning_mhc.lightning.strategy import MHCParallelStrategy
-from lightning_mhc.parallel.contract import PipelineModule, is_pipeline_module
+from lightning_mhc.distributed.pipeline.protocol import PipelineModule, is_pipeline_module
 
 MHCParallelStrategy.register_strategies(StrategyRegistry)
 

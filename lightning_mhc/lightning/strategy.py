@@ -20,7 +20,7 @@
   parameter names (``lightning_mhc.checkpoint``): save on one layout, resume on any other.
 
 Launch, process groups, layout, RNG, the schedule, gradient reduction and checkpoints are
-``lightning_mhc.fabric.core.MHCParallelCore``, shared with the Fabric strategy; this class
+``lightning_mhc.distributed.runtime.MHCParallelCore``, shared with the Fabric strategy; this class
 maps the Trainer's hooks onto them.
 """
 from __future__ import annotations
@@ -41,18 +41,18 @@ from torch import Tensor
 
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.fabric.core import MHCParallelCore
+from lightning_mhc.distributed.runtime import MHCParallelCore
 from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
-from lightning_mhc.lightning.resumable_loader import ResumableLoader
-from lightning_mhc.parallel.contract import is_pipeline_module
-from lightning_mhc.parallel.grads import clip_grad_norm_, global_grad_norm
+from lightning_mhc.data.resumable_loader import ResumableLoader
+from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
+from lightning_mhc.distributed.grads import clip_grad_norm_, global_grad_norm
 
 
 class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
     """Tensor, pipeline and data parallelism with megatron-core process groups, for the Trainer.
 
-    Takes the arguments of :class:`~lightning_mhc.fabric.core.MHCParallelCore` (the layout:
+    Takes the arguments of :class:`~lightning_mhc.distributed.runtime.MHCParallelCore` (the layout:
     ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``sequence_parallel``,
     ``virtual_pipeline_model_parallel_size``, ``num_microbatches``; ``seed``, ``timeout``,
     ``overlap_grad_reduce``, ``gradient_bucket_bytes``, ``raise_on_nonfinite_loss``,

@@ -16,7 +16,7 @@ from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.parallel_linear import SPColumnParallelLinear, output_projection
 from lightning_mhc.model.rope import apply_rotary
-from lightning_mhc.recompute.checkpoint import checkpoint
+from lightning_mhc.recompute.without_output import checkpoint
 from lightning_mhc.recompute.rng import rng_fork
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from lightning_mhc.activations import ACTIVATIONS, activation_name
+from lightning_mhc.model.activations import ACTIVATIONS, activation_name
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import (
     MEGATRON_NAMES,
@@ -115,7 +115,7 @@ def model_config_to_dict(config: MHCTransformerConfig, strict: bool = True) -> d
     Left out: the parallel layout (``PARALLEL_LAYOUT_FIELDS``: the strategy sets it), the
     fields training sets (``SET_WHEN_BUILT_FIELDS``: recompute policy, hooks) and the ones
     ``__post_init__`` derives from the rest (``ffn_hidden_size = 4 * hidden_size``, ...). The
-    activation is recorded by name (``activation: swiglu``, see ``lightning_mhc.activations``),
+    activation is recorded by name (``activation: swiglu``, see ``lightning_mhc.model.activations``),
     or as ``activation_func: package.module.function``; dtypes by name (``bfloat16``), enums by
     member name. A value with no plain form raises ConfigError (``strict=False``: recorded by
     its repr, with a warning).
@@ -157,7 +157,7 @@ def model_config_to_dict(config: MHCTransformerConfig, strict: bool = True) -> d
 def model_config_from_dict(values: Mapping[str, Any]) -> MHCTransformerConfig:
     """An ``MHCTransformerConfig`` from a dict of its fields: the inverse of
     ``model_config_to_dict``. Besides the fields themselves it takes ``activation`` (a name in
-    ``lightning_mhc.activations.ACTIVATIONS``), ``activation_func`` as a dotted name, and dtypes
+    ``lightning_mhc.model.activations.ACTIVATIONS``), ``activation_func`` as a dotted name, and dtypes
     and enums by name."""
     kwargs = dict(values)
     if "activation" in kwargs:

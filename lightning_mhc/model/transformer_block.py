@@ -12,7 +12,7 @@ from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.norm import RMSNorm
 from lightning_mhc.model.transformer_layer import TransformerLayer
-from lightning_mhc.recompute.checkpoint import checkpoint
+from lightning_mhc.recompute.without_output import checkpoint
 
 
 class TransformerBlock(torch.nn.Module):

@@ -35,7 +35,7 @@ from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.mlp import MLP
 from lightning_mhc.ops import is_fused
 from lightning_mhc.model.norm import RMSNorm
-from lightning_mhc.recompute.checkpoint import CheckpointWithoutOutput, checkpoint
+from lightning_mhc.recompute.without_output import CheckpointWithoutOutput, checkpoint
 
 
 class TransformerLayer(torch.nn.Module):

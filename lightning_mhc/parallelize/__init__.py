@@ -17,7 +17,7 @@ PyTorch transformer with a list of repeated blocks), without rewriting it on meg
 
 No Lightning import: ``lightning_mhc.lightning.ParallelLMModule`` is the LightningModule side.
 """
-from lightning_mhc.parallelize.checkpoint import consolidated_state_dict, export_pretrained, load_checkpoint
+from lightning_mhc.parallelize.export import consolidated_state_dict, export_pretrained, load_checkpoint
 from lightning_mhc.parallelize.model import MaterializedReport, ParallelModel, build_recorded_module, parallelize
 from lightning_mhc.parallelize.plan import GPT2, LLAMA, PLANS, Column, Replicate, Row, TPPlan, VocabEmbedding, check_plan
 from lightning_mhc.parallelize.record import record_module_init

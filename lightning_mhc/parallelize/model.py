@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.parallel.state import ParallelLayout, active_layout
+from lightning_mhc.distributed.layout import ParallelLayout, active_layout
 from lightning_mhc.parallelize.pipeline import (
     FirstStageStub,
     ModelParts,
@@ -39,7 +39,7 @@ from lightning_mhc.parallelize.pipeline import (
 from lightning_mhc.parallelize.plan import Column, TPPlan, check_plan, resolve_plan
 from lightning_mhc.parallelize.record import InitFn, Materializer, is_meta
 from lightning_mhc.parallelize.tensor_parallel import apply_style, divide_attributes, random_region
-from lightning_mhc.recompute.checkpoint import checkpoint
+from lightning_mhc.recompute.without_output import checkpoint
 from lightning_mhc.recompute.rng import rng_fork
 
 log = logging.getLogger("lightning_mhc.parallelize")

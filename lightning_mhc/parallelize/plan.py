@@ -15,7 +15,7 @@ divided by the TP size (``divide``: head counts, split sizes), attributes that m
 divisible (``divisible``: e.g. ``config.num_key_value_heads``), and the random regions
 (``random``): modules whose dropout acts on TP-split activations (``"parallel"``: different masks
 on every TP rank) or, inside those, on replicated ones again (``"replicated"``). Everything else
-draws from the stream shared by the TP ranks (see ``lightning_mhc.parallel.random``).
+draws from the stream shared by the TP ranks (see ``lightning_mhc.distributed.random``).
 
 Every pattern must match a module, and a style must fit its module; a wrong plan is refused
 before anything is built, with the module and the fix (:func:`check_plan`).

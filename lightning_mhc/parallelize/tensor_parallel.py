@@ -27,7 +27,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from torch import nn
 
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.parallelize.plan import Column, Replicate, Row, Style, VocabEmbedding, linear_dims
 from lightning_mhc.recompute.rng import rng_fork
 

@@ -2,7 +2,7 @@
 
 Imports only torch (and the package's errors); the model imports from here.
 """
-from lightning_mhc.recompute.checkpoint import CheckpointWithoutOutput
+from lightning_mhc.recompute.without_output import CheckpointWithoutOutput
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager, PlanEntry
 from lightning_mhc.recompute.memory import ActivationMemory, ActivationMemoryMeter
 from lightning_mhc.recompute.policy import (

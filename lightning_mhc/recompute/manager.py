@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from lightning_mhc.recompute.checkpoint import CheckpointWithoutOutput
+from lightning_mhc.recompute.without_output import CheckpointWithoutOutput
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ from torch.utils.data import DataLoader
 from lightning_mhc import MHCGPTModule, MHCParallelStrategy
 from lightning_mhc.checkpoint import commit as checkpoint_commit
 from lightning_mhc.checkpoint import format as checkpoint_format
-from lightning_mhc.lightning.data import SyntheticTokens
-from lightning_mhc.parallel.launch import free_port
+from lightning_mhc.data.sources import SyntheticTokens
+from lightning_mhc.testing.launch import free_port
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from fit_gpt import model_config  # noqa: E402

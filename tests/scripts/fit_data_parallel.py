@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mhc import MHCGPTModule, MHCParallelStrategy
-from lightning_mhc.lightning.data import SyntheticTokens
+from lightning_mhc.data.sources import SyntheticTokens
 
 SEQ, GLOBAL_BATCH, STEPS_PER_EPOCH, STEPS = 16, 8, 3, 5
 LAYOUTS = {"single": (1, 1), "dp": (1, 1), "pp2": (1, 2), "tp2": (2, 1), "tp2pp2": (2, 2)}

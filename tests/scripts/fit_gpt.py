@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_mhc import MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
-from lightning_mhc.lightning.data import SyntheticTokens
+from lightning_mhc.data.sources import SyntheticTokens
 
 SEQ, GLOBAL_BATCH, STEPS_PER_EPOCH = 16, 8, 3
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from fit_gpt import GLOBAL_BATCH, SEQ, STEPS_PER_EPOCH, model_config
 from lightning_mhc import MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
-from lightning_mhc.lightning.data import SyntheticTokens
+from lightning_mhc.data.sources import SyntheticTokens
 
 
 class StepPrinter(Callback):

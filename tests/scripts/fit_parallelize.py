@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from lm_models import MODELS, SEQ, VOCAB
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule
-from lightning_mhc.lightning.data import SyntheticTokens
+from lightning_mhc.data.sources import SyntheticTokens
 from lightning_mhc.parallelize import build_recorded_module, parallelize, record_module_init
 
 GLOBAL_BATCH, STEPS, SEED, LR = 8, 4, 5, 0.5

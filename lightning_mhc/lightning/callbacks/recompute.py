@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.lightning.parallel_lm import ParallelLMModule
+from lightning_mhc.lightning.modules.parallel_lm import ParallelLMModule
 from lightning_mhc.recompute.policy import attach_recompute, configure_recompute, recompute_fields
 
 

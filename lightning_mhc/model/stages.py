@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.gpt import GPTModel
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.distributed.layout import ParallelLayout
 
 
 def partition_layers(

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.lightning.throughput import ThroughputMeter
+from lightning_mhc.lightning.modules.throughput import ThroughputMeter
 from lightning_mhc.model.config import (
     PARALLEL_LAYOUT_FIELDS,
     MHCTransformerConfig,
@@ -22,8 +22,8 @@ from lightning_mhc.model.config import (
 )
 from lightning_mhc.model.config_dict import is_plain, model_config_from_dict, model_config_to_dict
 from lightning_mhc.model.gpt import GPTModel, gpt_forward_step, gpt_loss_func
-from lightning_mhc.parallel.stages import build_gpt_chunks
-from lightning_mhc.parallel.state import ParallelLayout, current_layout
+from lightning_mhc.model.stages import build_gpt_chunks
+from lightning_mhc.distributed.layout import ParallelLayout, current_layout
 from lightning_mhc.recompute.policy import configure_recompute
 
 
@@ -195,7 +195,7 @@ class MHCGPTModule(pl.LightningModule):
 
         from lightning_mhc.checkpoint.commit import read_metadata
         from lightning_mhc.checkpoint.format import load_whole, read_trainer_state
-        from lightning_mhc.parallel.state import single_process_layout
+        from lightning_mhc.distributed.layout import single_process_layout
 
         path = Path(checkpoint_path)
         if not path.is_dir():
@@ -232,7 +232,7 @@ class MHCGPTModule(pl.LightningModule):
         self._log_throughput(batch)
 
     def _log_throughput(self, batch: dict) -> None:
-        """tokens/s of the whole job for this step (see ``lightning_mhc.lightning.throughput``)."""
+        """tokens/s of the whole job for this step (see ``lightning_mhc.lightning.modules.throughput``)."""
         if self._step_started is None:
             return
         step_end = getattr(self.trainer.strategy, "last_step_end", None)

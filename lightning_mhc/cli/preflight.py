@@ -4,7 +4,7 @@ and checkpoint.
 Every run the command line asks for (each job of a multirun, expanded as Hydra's basic sweeper
 expands them) is composed with Hydra's compose API and checked before Hydra makes a directory:
 Hydra's own errors (unknown key or option, wrong type, unparsable override), the dataclass
-schemas (``lightning_mhc.config``: keys, types, ranges, constraints across groups), the data
+schemas (``lightning_mhc.cli.schema``: keys, types, ranges, constraints across groups), the data
 (``check_data``: sizes and first bytes only), the GPUs asked for and the checkpoint to resume
 from. A problem is one line, ``lightning-mhc-train: invalid configuration: <key, value, fix>``,
 and exit status 2.
@@ -20,11 +20,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_mhc.config import TrainConfig, register_configs
-from lightning_mhc.config.schema import KEYS_HINT, check_known_keys, describe_type, field_type, unknown_keys
+from lightning_mhc.cli.config_store import register_configs
+from lightning_mhc.cli.schema import TrainConfig
+from lightning_mhc.cli.schema import KEYS_HINT, check_known_keys, describe_type, field_type, unknown_keys
 from lightning_mhc.errors import ConfigError
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 PREFIX = "lightning-mhc-train: invalid configuration: "
 register_configs()
 
@@ -53,7 +54,7 @@ def absolute_data_path(cfg: TrainConfig) -> TrainConfig:
 def check_machine(cfg: TrainConfig) -> None:
     """What the config asks of this machine: data that fills the batches (``check_data``, reading
     only file sizes and first bytes) and the GPUs for ``trainer.devices``."""
-    from lightning_mhc.lightning.data import check_data
+    from lightning_mhc.data.sources import check_data
 
     d, t = cfg.data, cfg.trainer
     check_data(source=d.source, path=d.path, seq_length=d.seq_length, val_fraction=d.val_fraction,

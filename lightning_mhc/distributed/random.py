@@ -13,7 +13,7 @@ a ``MultiDimParallelRandomizer`` over the ``tensor``, ``data`` and
 from __future__ import annotations
 
 import torch
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.recompute.rng import MultiDimParallelRandomizer, set_parallel_randomizer
 
 

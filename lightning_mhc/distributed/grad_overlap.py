@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_mhc.parallel.grads import DEFAULT_BUCKET_BYTES, buckets
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES, buckets
+from lightning_mhc.distributed.layout import ParallelLayout
 
 
 class _Bucket:

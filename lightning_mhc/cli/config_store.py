@@ -1,8 +1,8 @@
 """Hydra config schemas and their registration in Hydra's ConfigStore."""
 from hydra.core.config_store import ConfigStore
 
-from lightning_mhc.config.run_dir import register_resolver
-from lightning_mhc.config.schema import (
+from lightning_mhc.cli.run_dir import register_resolver
+from lightning_mhc.cli.schema import (
     DataConfig,
     LoggerConfig,
     ModelConfig,

@@ -41,13 +41,13 @@ from torch.utils.data import DistributedSampler
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.sharding import global_namer
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.fabric.launcher import watch_launcher
-from lightning_mhc.parallel.contract import ModuleChunk, has_model_chunks, is_pipeline_module, split_microbatches
-from lightning_mhc.parallel.grad_overlap import OverlappedGradReduction
-from lightning_mhc.parallel.grads import finalize_model_grads
-from lightning_mhc.parallel.random import clear_parallel_seed, model_parallel_manual_seed
-from lightning_mhc.parallel.schedule import forward_backward_pipelining
-from lightning_mhc.parallel.state import ParallelLayout, check_layout, destroy_parallel, initialize_parallel
+from lightning_mhc.distributed.launcher import watch_launcher
+from lightning_mhc.distributed.pipeline.protocol import ModuleChunk, has_model_chunks, is_pipeline_module, split_microbatches
+from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
+from lightning_mhc.distributed.grads import finalize_model_grads
+from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
+from lightning_mhc.distributed.pipeline import forward_backward_pipelining
+from lightning_mhc.distributed.layout import ParallelLayout, check_layout, destroy_parallel, initialize_parallel
 from lightning_mhc.recompute.memory import ActivationMemoryMeter
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)
@@ -220,7 +220,7 @@ class MHCParallelCore:
             raise ConfigError(
                 f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs a module "
                 f"with model_chunks() (see MHCGPTModule); {type(module).__name__} has none. Drop the virtual "
-                "pipeline or implement the chunked contract (lightning_mhc/parallel/contract.py)."
+                "pipeline or implement the chunked contract (lightning_mhc/distributed/pipeline/protocol.py)."
             )
 
     def _setup_parallel(self, module: Any = None) -> None:

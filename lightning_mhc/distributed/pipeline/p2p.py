@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mhc.parallel.state import ParallelLayout
+from lightning_mhc.distributed.layout import ParallelLayout
 
 _FORWARD_TAG = 1
 _BACKWARD_TAG = 2

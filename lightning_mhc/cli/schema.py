@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_mhc.activations import ACTIVATIONS
+from lightning_mhc.model.activations import ACTIVATIONS
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.ops import MHC_IMPLEMENTATIONS
 
@@ -437,8 +437,8 @@ def unknown_keys(values: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-KEYS_HINT = ("every key is a field of lightning_mhc.config.TrainConfig or of its groups "
-             "(python -m lightning_mhc.train --cfg job prints them)")
+KEYS_HINT = ("every key is a field of lightning_mhc.cli.schema.TrainConfig or of its groups "
+             "(lightning-mhc-train --cfg job prints them)")
 
 
 def check_known_keys(values: Mapping[str, Any]) -> None:

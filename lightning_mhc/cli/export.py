@@ -1,0 +1,30 @@
+"""``lightning-mhc-export``: a checkpoint of any layout as one safetensors file and its config."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lightning_mhc.checkpoint.export import export
+from lightning_mhc.errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-mhc-export",
+        description="Write the whole model of a lightning_mhc checkpoint (any layout) as one safetensors file "
+                    "plus its config (JSON), loadable with lightning_mhc.load_exported(out) in one process.")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint directory (e.g. <run>/checkpoints/step-000050.ckpt)")
+    parser.add_argument("out", type=Path, help="the directory to write model.safetensors and config.json into")
+    args = parser.parse_args(argv)
+    try:
+        written = export(args.checkpoint, args.out)
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"lightning-mhc-export: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"lightning-mhc-export: {written['tensors']} tensors, {written['bytes']:,} bytes -> {written['weights']} "
+          f"(+ {written['config']}) in {written['seconds']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

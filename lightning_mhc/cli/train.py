@@ -1,0 +1,275 @@
+"""The training entry point: ``lightning-mhc-train`` / ``python -m lightning_mhc.train``.
+
+    lightning-mhc-train                                   # tiny model, stdlib bytes, CPU, ~1 minute
+    lightning-mhc-train model=small parallel=tp2pp2 trainer.devices=4 recompute=mhc_block
+    lightning-mhc-train -m recompute=none,mhc_block parallel=single,tp2pp2 trainer.devices=4
+    lightning-mhc-train ... ckpt_path=outputs/<date>/<time>/checkpoints/<checkpoint>   # resume exactly
+    lightning-mhc-train ... hydra.run.dir=outputs/<date>/<time> ckpt_path=last          # newest one of that run
+    lightning-mhc-train ... mode=validate ckpt_path=<checkpoint>   # evaluate it (any layout; mode=test too)
+
+Everything checkable is checked before Hydra makes a directory or any process
+starts (``lightning_mhc.cli.preflight``): the command line's overrides (every job of a multirun), the config's
+keys, types and ranges (the dataclasses of ``lightning_mhc.cli.schema``), the data
+(``check_data``), the GPUs asked for and the checkpoint to resume from. An
+invalid run prints ``lightning-mhc-train: invalid configuration: <message>``
+(a multirun: one line per invalid job, and no job runs), exits with status 2
+and leaves no run directory. Each run directory (a fresh one per run) holds
+the resolved config (``.hydra/``), metrics (``metrics.csv`` or wandb),
+checkpoints (the final step's always) and ``summary.json``; a multirun also
+gets ``summary.csv`` / ``summary.json`` in its sweep directory, a row per job
+as each job ends (a failed job's row says so).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lightning_mhc.cli import preflight
+from lightning_mhc.cli.schema import TrainConfig
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.cli.preflight import (
+    CONF_DIR,
+    absolute_data_path,
+    check_command_line,
+    check_machine,
+    resolve_ckpt_path,
+    say_invalid,
+    to_train_config,
+    warn_oversubscription,
+)
+
+
+def build_logger(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any], resumed_step: int | None = None):
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    if cfg.logger.name == "none":
+        return False
+    if cfg.logger.name == "csv":
+        return CSVLogger(save_dir=str(output_dir), name="", version=_csv_version(output_dir, resumed_step))
+    if cfg.logger.name == "wandb":
+        return WandbLogger(project=cfg.logger.project, name=cfg.name, save_dir=str(output_dir),
+                           offline=cfg.logger.offline, config=resolved)
+    raise ConfigError(f"logger.name={cfg.logger.name!r}: choose csv, wandb or none.")
+
+
+def _csv_version(output_dir: Path, resumed_step: int | None) -> str:
+    """``metrics.csv`` in the run directory; a run resumed in a directory that has one already
+    (``ckpt_path=last``) writes to ``resumed_from_step_<N>/`` instead, because Lightning's
+    CSVLogger deletes an existing ``metrics.csv``."""
+    if not (output_dir / "metrics.csv").exists():
+        return ""
+    base = f"resumed_from_step_{resumed_step if resumed_step is not None else 0}"
+    version, n = base, 1
+    while (output_dir / version).exists():
+        n += 1
+        version = f"{base}_{n}"
+    return version
+
+
+def _checkpoint_step(ckpt_path: str | None) -> int | None:
+    from lightning_mhc.checkpoint import read_metadata
+
+    return read_metadata(Path(ckpt_path)).get("global_step") if ckpt_path else None
+
+
+def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = None,
+        ckpt_path: str | None = None) -> dict[str, Any]:
+    """Train one configuration (from ``ckpt_path`` if given); returns (and on rank 0 writes) the
+    run's summary."""
+    import lightning.pytorch as pl
+
+    from lightning_mhc.lightning import MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
+    from lightning_mhc.data.sources import TokenDataModule
+    from lightning_mhc.lightning.callbacks.final_step import FinalStepCheckpoint
+
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    launched_here = "LOCAL_RANK" not in os.environ
+    t, p, d = cfg.trainer, cfg.parallel, cfg.data
+    strategy = MHCParallelStrategy(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        num_microbatches=cfg.num_microbatches,
+        deallocate_pipeline_outputs=p.deallocate_pipeline_outputs,
+        timeout=datetime.timedelta(seconds=p.timeout_s),
+        seed=cfg.seed,
+        raise_on_nonfinite_loss=t.raise_on_nonfinite_loss,
+        measure_activation_memory=True,
+    )
+    recompute = MHCRecomputeCallback(
+        cfg.recompute.policy,
+        recompute_modules=cfg.recompute.modules(),
+        mhc_recompute_layer_num=cfg.recompute.mhc_recompute_layer_num,
+    )
+    # names without '=' (Lightning's default 'epoch=0-step=5'), so that ckpt_path=<path> needs no quoting in Hydra
+    checkpoints = FinalStepCheckpoint(
+        dirpath=str(output_dir / "checkpoints"), filename="step-{step:06d}", auto_insert_metric_name=False,
+        every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=1, save_last=False)
+    trainer = pl.Trainer(
+        accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision,
+        max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val, val_check_interval=t.val_check_interval,
+        check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.limit_val_batches,
+        limit_test_batches=t.limit_val_batches,  # mode=test: the held-out split, as validation reads it
+        log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
+        detect_anomaly=t.detect_anomaly,
+        logger=build_logger(cfg, output_dir, resolved or {}, _checkpoint_step(ckpt_path)),
+        callbacks=[recompute, checkpoints],
+        default_root_dir=str(output_dir),
+    )
+    module = MHCGPTModule(cfg.transformer_config(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                          warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio)
+    data = TokenDataModule(source=d.source, batch_size=d.global_batch_size // cfg.data_parallel_size,
+                           seq_length=d.seq_length, path=d.path, val_fraction=d.val_fraction, max_bytes=d.max_bytes,
+                           synthetic_samples=d.synthetic_samples, vocab_size=cfg.model.vocab_size,
+                           num_workers=d.num_workers)
+    if cfg.mode != "fit":
+        return _evaluate(cfg, trainer, module, data, ckpt_path, output_dir, launched_here)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    except BaseException as error:
+        if _is_preemption(error) and trainer.global_rank == 0:  # stopped by SIGTERM/SIGINT, checkpoint saved
+            _write_preempted_summary(output_dir, trainer, error)
+        try:
+            _end_job(trainer, launched_here, failed=True)
+        except Exception as cleanup:  # the run's own error is the one to report
+            print(f"lightning-mhc-train: cleaning up after the failed run: {cleanup!r}", file=sys.stderr)
+        raise
+    summary = dict(
+        name=cfg.name, policy=cfg.recompute.policy, devices=t.devices,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        data_parallel_size=cfg.data_parallel_size, steps=trainer.global_step,
+        final_train_loss=float(trainer.callback_metrics.get("train_loss", float("nan"))),
+        initial_val_loss=module.val_history[0][1] if module.val_history else None,
+        final_val_loss=module.val_history[-1][1] if module.val_history else None,
+        **module.throughput.summary(),
+        activation_bytes=strategy.activation_bytes,
+        resumed_from=ckpt_path,
+        last_checkpoint=checkpoints.last_saved,
+    )
+    if trainer.global_rank == 0:
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _end_job(trainer, launched_here, failed=False)
+    return summary
+
+
+def _evaluate(cfg: TrainConfig, trainer, module, data, ckpt_path: str | None, output_dir: Path,
+              launched_here: bool) -> dict[str, Any]:
+    """``mode=validate`` / ``mode=test``: the checkpoint's loss on the held-out split (any layout)."""
+    try:
+        (metrics,) = getattr(trainer, cfg.mode)(module, datamodule=data, ckpt_path=ckpt_path)
+    except BaseException:
+        _end_job(trainer, launched_here, failed=True)
+        raise
+    key = "val_loss" if cfg.mode == "validate" else "test_loss"
+    summary = dict(name=cfg.name, mode=cfg.mode, checkpoint=ckpt_path, devices=cfg.trainer.devices,
+                   tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+                   pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+                   data_parallel_size=cfg.data_parallel_size, **{key: float(metrics[key])})
+    if trainer.global_rank == 0:
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _end_job(trainer, launched_here, failed=False)
+    return summary
+
+
+def _is_preemption(error: BaseException) -> bool:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    return isinstance(error, SIGTERMException)
+
+
+def _write_preempted_summary(output_dir: Path, trainer, error: BaseException) -> None:
+    from lightning_mhc.lightning.preemption import preemption_checkpoint_path
+
+    checkpoint = preemption_checkpoint_path(trainer)
+    summary = dict(status="preempted", exit_code=error.code, steps=trainer.global_step,
+                   last_checkpoint=str(checkpoint) if checkpoint.exists() else None)
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"lightning-mhc-train: preempted at step {trainer.global_step}; resume with ckpt_path={checkpoint}",
+          file=sys.stderr)
+
+
+def _end_job(trainer, launched_here: bool, failed: bool) -> None:
+    """Leave nothing to the next job of a multirun (finished or failed): it builds its own process
+    group, launches its own processes and logs to its own wandb run."""
+    import torch.distributed as dist
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and trainer.global_rank == 0 and logger._experiment is not None:
+            logger.experiment.finish(exit_code=1 if failed else 0)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    launcher = trainer.strategy.launcher
+    if launched_here and launcher is not None and hasattr(launcher, "finish"):
+        launcher.finish()
+
+
+def _reject(error: BaseException) -> None:
+    """Print the configuration error, remove the run directory Hydra made for this call (never
+    one that holds an earlier run's files), exit 2."""
+    from hydra.core.hydra_config import HydraConfig
+
+    say_invalid(str(error))
+    if HydraConfig.initialized():
+        output_dir = Path(HydraConfig.get().runtime.output_dir)
+        original = Path(hydra.utils.get_original_cwd())
+        os.chdir(original)
+        if any(p.name != ".hydra" and p.suffix != ".log" for p in output_dir.iterdir()):
+            sys.exit(2)  # an existing run's directory (hydra.run.dir=...): keep everything in it
+        shutil.rmtree(output_dir, ignore_errors=True)
+        for parent in output_dir.parents:  # the empty date folders Hydra made for it
+            if parent == original or not parent.is_relative_to(original) or any(parent.iterdir()):
+                break
+            parent.rmdir()
+    sys.exit(2)
+
+
+# ------------------------------------------------------------------ the run, inside Hydra
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def hydra_main(cfg: DictConfig) -> float | None:
+    """One run (a job of a multirun): validate, then train in ``hydra.runtime.output_dir``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    launched_here = "LOCAL_RANK" not in os.environ
+    try:
+        train_cfg = absolute_data_path(to_train_config(cfg))
+        if launched_here and not preflight.checked:  # main checked it already; a launched child's parent did
+            check_machine(train_cfg)
+        ckpt_path = resolve_ckpt_path(train_cfg, output_dir)
+    except (ConfigError, OmegaConfBaseException, ValueError) as error:
+        _reject(error)
+    if launched_here:
+        warn_oversubscription(train_cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["data"]["path"] = train_cfg.data.path
+    summary = run(train_cfg, output_dir, resolved, ckpt_path=ckpt_path)
+    return summary.get("final_val_loss", summary.get("val_loss", summary.get("test_loss")))  # a sweep's objective
+
+
+def main() -> None:
+    """``lightning-mhc-train``: check the command line's run(s), then hand them to Hydra.
+
+    Processes launched for a run (``LOCAL_RANK`` set: Lightning's children, torchrun's ranks)
+    skip the check: their parent checked the same command line, or the launcher's ranks share it.
+    """
+    if "LOCAL_RANK" not in os.environ:
+        check_command_line(sys.argv[1:])
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()

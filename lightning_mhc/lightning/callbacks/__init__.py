@@ -1,0 +1,2 @@
+"""Callbacks: ``MHCRecomputeCallback`` (the recompute policy of a run) and ``FinalStepCheckpoint``
+(the checkpoint the CLI writes at the last step)."""

@@ -1,1 +1,0 @@
-"""The parallel runtime: process groups, launch, tensor-parallel helpers (no Lightning import)."""
