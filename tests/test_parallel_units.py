@@ -12,15 +12,16 @@ from lightning_mhc import ConfigError
 from lightning_mhc.distributed.grads import clip_grad_norm_, global_grad_norm
 from lightning_mhc.testing.launch import RankError, spawn_ranks
 from lightning_mhc.model.stages import build_gpt_stage, partition_layers
-from lightning_mhc.distributed.layout import check_layout
+from lightning_mhc.distributed.layout import ParallelDims
 from lightning_mhc.recompute.rng import MultiDimParallelRandomizer
 from model_utils import tiny_config
 
 
 def test_check_layout():
-    assert check_layout(8, 2, 2) == 2
-    with pytest.raises(ConfigError, match=r"2 \* 3 = 6 does not divide the world size 8"):
-        check_layout(8, 2, 3)
+    assert ParallelDims(2, 2, world_size=8).data_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 \* pipeline_model_parallel_size=3 = 6 "
+                                          r"does not divide the world size 8"):
+        ParallelDims(2, 3, world_size=8)
 
 
 @pytest.mark.parametrize(

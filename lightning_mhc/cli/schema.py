@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_mhc.model.activations import ACTIVATIONS
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.distributed.layout import ParallelDims
+from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.ops import MHC_IMPLEMENTATIONS
+from lightning_mhc.recompute.policy import POLICIES, check_policy
 
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "transformer-engine",
               "transformer-engine-float16", "32", "16", "bf16", "64")
 """Lightning's precision names (``Trainer(precision=...)``)."""
-RECOMPUTE_POLICIES = ("none", "selective", "mhc_block", "full")
 DATA_SOURCES = ("stdlib", "text", "synthetic")
 LOGGERS = ("csv", "wandb", "none")
 
@@ -39,6 +40,15 @@ def show(value: Any) -> str:
     if isinstance(value, str):
         return repr(value)
     return str(value)
+
+
+CONFIG_NAMES = KeyNames({
+    **{name: f"parallel.{name}" for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                             "virtual_pipeline_model_parallel_size", "sequence_parallel")},
+    **{name: f"model.{name}" for name in ("num_layers", "num_attention_heads", "hidden_size", "num_query_groups")},
+    "world_size": "trainer.devices", "seq_length": "data.seq_length",
+}, show=show)
+"""How the layout's rules name the config keys."""
 
 
 def _require(ok: bool, key: str, value: Any, rule: str, fix: str) -> None:
@@ -147,8 +157,7 @@ class RecomputeConfig:
     mhc_recompute_layer_num: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _one_of("recompute.policy", self.policy, RECOMPUTE_POLICIES,
-                f"Choose recompute={'|'.join(RECOMPUTE_POLICIES)}.")
+        _one_of("recompute.policy", self.policy, POLICIES, f"Choose recompute={'|'.join(POLICIES)}.")
 
     def modules(self) -> Optional[list[str]]:
         modules = list(self.recompute_modules) if self.recompute_modules is not None else None
@@ -273,75 +282,24 @@ class TrainConfig:
 
     # --------------------------------------------------------------- checks
     def _check_recompute(self) -> None:
-        r, m = self.recompute, self.model
-        if r.policy != "mhc_block":
-            return
-        if not m.enable_hyper_connections:
-            raise ConfigError(
-                "recompute.policy=mhc_block needs model.enable_hyper_connections=true (got false): it "
-                "recomputes hyper-connection activations. Set model.enable_hyper_connections=true or "
-                "choose recompute=selective / recompute=full."
-            )
-        if r.recompute_mlp or "mlp" in (r.recompute_modules or []):
-            raise ConfigError(
-                f"recompute.policy=mhc_block cannot be combined with recompute.recompute_mlp={str(r.recompute_mlp).lower()}"
-                f" / recompute.recompute_modules={r.recompute_modules}: 'mlp' recompute conflicts with the "
-                "block recompute. Set recompute.recompute_mlp=false and drop 'mlp' from "
-                "recompute.recompute_modules, or use recompute=selective."
-            )
+        r = self.recompute
+        names = KeyNames({
+            "policy": lambda policy: f"recompute.policy={policy}",
+            "enable_hyper_connections": "model.enable_hyper_connections",
+            "recompute_modules": lambda _: (f"recompute.recompute_modules={r.recompute_modules} / "
+                                            f"recompute.recompute_mlp={show(r.recompute_mlp)}"),
+        }, show=show, keys={"recompute_modules": "recompute.recompute_modules (and set recompute.recompute_mlp=false)"})
+        check_policy(r.policy, r.modules(), hyper_connections=self.model.enable_hyper_connections, names=names)
 
     def _check_layout(self) -> None:
-        p, devices, m = self.parallel, self.trainer.devices, self.model
-        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        if tp < 1 or pp < 1 or devices < 1:
-            raise ConfigError(
-                f"parallel.tensor_model_parallel_size={tp}, parallel.pipeline_model_parallel_size={pp}, "
-                f"trainer.devices={devices}: all must be >= 1."
-            )
-        if devices % (tp * pp):
-            raise ConfigError(
-                f"parallel.tensor_model_parallel_size={tp} * parallel.pipeline_model_parallel_size={pp} = "
-                f"{tp * pp} does not divide trainer.devices={devices}. Set trainer.devices to a multiple of "
-                f"{tp * pp} or choose another parallel layout."
-            )
-        if m.num_layers % pp:
-            raise ConfigError(
-                f"model.num_layers={m.num_layers} cannot be split evenly over "
-                f"parallel.pipeline_model_parallel_size={pp} stages. Use a number of layers divisible by {pp}."
-            )
-        v = p.virtual_pipeline_model_parallel_size
-        if v is not None and v != 1:
-            if v < 1 or pp < 2:
-                raise ConfigError(
-                    f"parallel.virtual_pipeline_model_parallel_size={v} needs a positive size and "
-                    f"parallel.pipeline_model_parallel_size >= 2 (it is {pp}): the interleaved schedule splits each "
-                    "stage into chunks. Set it to null, or use pipeline parallelism."
-                )
-            if m.num_layers % (pp * v):
-                raise ConfigError(
-                    f"model.num_layers={m.num_layers} cannot be split into parallel.pipeline_model_parallel_size={pp}"
-                    f" x parallel.virtual_pipeline_model_parallel_size={v} = {pp * v} equal chunks. Use a number of "
-                    f"layers divisible by {pp * v}, or another virtual pipeline size."
-                )
-        if p.sequence_parallel and tp < 2:
-            raise ConfigError(
-                f"parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size >= 2 (it is {tp}): the "
-                "sequence is split across the tensor-parallel ranks. Set parallel.sequence_parallel=false or raise "
-                "the TP size."
-            )
-        if p.sequence_parallel and self.data.seq_length % tp:
-            raise ConfigError(
-                f"parallel.sequence_parallel=true splits data.seq_length={self.data.seq_length} over "
-                f"parallel.tensor_model_parallel_size={tp} ranks: use a sequence length divisible by {tp}."
-            )
-        for key, value in (("model.num_attention_heads", m.num_attention_heads),
-                           ("model.hidden_size", m.hidden_size),
-                           ("model.num_query_groups", m.num_query_groups or m.num_attention_heads)):
-            if value % tp:
-                raise ConfigError(
-                    f"{key}={value} is not divisible by parallel.tensor_model_parallel_size={tp}. "
-                    f"Choose a tensor-parallel size that divides {value}."
-                )
+        p, m = self.parallel, self.model
+        ParallelDims(
+            p.tensor_model_parallel_size, p.pipeline_model_parallel_size, self.trainer.devices,
+            p.virtual_pipeline_model_parallel_size, p.sequence_parallel,
+            model={"num_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
+                   "hidden_size": m.hidden_size, "num_query_groups": m.num_query_groups or m.num_attention_heads},
+            seq_length=self.data.seq_length, names=CONFIG_NAMES,
+        )
 
     @property
     def data_parallel_size(self) -> int:

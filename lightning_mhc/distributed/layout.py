@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, KeyNames
 
 
 @dataclass(frozen=True)
@@ -107,40 +107,122 @@ class ParallelLayout:
         return self._groups().embedding
 
 
-def check_layout(
-    world_size: int,
-    tensor_model_parallel_size: int,
-    pipeline_model_parallel_size: int,
-    virtual_pipeline_model_parallel_size: int | None = None,
-    sequence_parallel: bool = False,
-) -> int:
-    """Returns the data-parallel size; raises ConfigError naming the numbers and the fix."""
-    tp, pp, vp = tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ConfigError(
-            f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}: both must be >= 1."
-        )
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"tensor_model_parallel_size * pipeline_model_parallel_size = {tp} * {pp} = {tp * pp} "
-            f"does not divide the world size {world_size}. Use a number of devices that is a "
-            f"multiple of {tp * pp}, or change the TP/PP sizes."
-        )
-    if vp is not None and vp != 1:
-        if vp < 1:
-            raise ConfigError(f"virtual_pipeline_model_parallel_size={vp}: must be >= 1 (or None).")
-        if pp < 2:
-            raise ConfigError(
-                f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size >= 2 "
-                f"(it is {pp}): the interleaved schedule splits each stage into chunks. Set "
-                "virtual_pipeline_model_parallel_size=None, or use pipeline parallelism."
+RUNTIME_NAMES = KeyNames({
+    "world_size": "the world size {}",
+    "padded_vocab_size": "padded vocabulary (vocab_size rounded up to make_vocab_size_divisible_by)",
+})
+"""How layout errors name values by default (a strategy's and the model's arguments)."""
+
+MODEL_SPLIT_BY_TP = ("num_attention_heads", "hidden_size", "num_query_groups", "ffn_hidden_size", "padded_vocab_size")
+"""The model sizes tensor parallelism divides, in the order they are checked."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of a TP x PP x DP layout and the model sizes it splits, checked when built: the
+    one place the layout rules live (torchtitan's ``ParallelDims.__post_init__``). The config
+    schema, both strategies, :func:`initialize_parallel` and the model's tensor-parallel layers
+    build one; each passes ``errors.KeyNames`` to have errors name its own keys.
+
+    ``world_size=None``: not known yet (a strategy before launch), so its divisibility is not
+    checked. ``model``: the sizes of ``MODEL_SPLIT_BY_TP`` and ``num_layers`` that are known
+    (each checked when given); ``seq_length``: checked under sequence parallelism when given.
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    world_size: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    model: Mapping[str, int | None] = field(default_factory=dict)
+    seq_length: int | None = None
+    names: KeyNames = field(default=RUNTIME_NAMES, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_degrees()
+        self._check_world()
+        self._check_layers()
+        self._check_sequence_parallel()
+        self._check_tensor_split()
+
+    @property
+    def data_parallel_size(self) -> int:
+        if self.world_size is None:
+            raise RuntimeError("the data-parallel size is known once the world size is")
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    @property
+    def virtual_size(self) -> int:
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    def _fail(self, message: str) -> None:
+        raise ConfigError(message)
+
+    def _check_degrees(self) -> None:
+        t = self.names.term
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                self._fail(f"{t(name, value)}: must be a positive integer.")
+        vp, pp = self.virtual_pipeline_model_parallel_size, self.pipeline_model_parallel_size
+        if vp is not None and (isinstance(vp, bool) or not isinstance(vp, int) or vp < 1):
+            self._fail(f"{t('virtual_pipeline_model_parallel_size', vp)}: must be a positive integer "
+                       f"(or {self.names.show(None)}).")
+        if vp is not None and vp > 1 and pp < 2:
+            self._fail(
+                f"{t('virtual_pipeline_model_parallel_size', vp)} needs a positive size and "
+                f"{self.names.key('pipeline_model_parallel_size')} >= 2 (it is {pp}): the interleaved schedule "
+                f"splits each stage into chunks. Set it to {self.names.show(None)}, or use pipeline parallelism."
             )
-    if sequence_parallel and tp < 2:
-        raise ConfigError(
-            f"sequence_parallel=True needs tensor_model_parallel_size >= 2 (it is {tp}): the sequence is "
-            "split across the tensor-parallel ranks. Set sequence_parallel=False, or raise the TP size."
-        )
-    return world_size // (tp * pp)
+
+    def _check_world(self) -> None:
+        tp, pp, world, t = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.world_size,
+                            self.names.term)
+        if world is not None and (world < 1 or world % (tp * pp)):
+            self._fail(
+                f"{t('tensor_model_parallel_size', tp)} * {t('pipeline_model_parallel_size', pp)} = {tp * pp} "
+                f"does not divide {t('world_size', world)}. Use a number of devices that is a multiple of "
+                f"{tp * pp}, or change the TP/PP sizes."
+            )
+
+    def _check_layers(self) -> None:
+        layers, pp, v, t = self.model.get("num_layers"), self.pipeline_model_parallel_size, self.virtual_size, \
+            self.names.term
+        if layers is None:
+            return
+        if layers % pp:
+            self._fail(f"{t('num_layers', layers)} cannot be split evenly over {t('pipeline_model_parallel_size', pp)} "
+                       f"stages. Use a number of layers divisible by {pp}.")
+        if layers % (pp * v):
+            self._fail(
+                f"{t('num_layers', layers)} cannot be split into {t('pipeline_model_parallel_size', pp)} x "
+                f"{t('virtual_pipeline_model_parallel_size', v)} = {pp * v} equal chunks. Use a number of layers "
+                f"divisible by {pp * v}, or another virtual pipeline size."
+            )
+
+    def _check_sequence_parallel(self) -> None:
+        tp, seq, t, key = self.tensor_model_parallel_size, self.seq_length, self.names.term, self.names.key
+        if not self.sequence_parallel:
+            return
+        if tp < 2:
+            self._fail(
+                f"{t('sequence_parallel', True)} needs {key('tensor_model_parallel_size')} >= 2 (it is {tp}): the "
+                f"sequence is split across the tensor-parallel ranks. Set {t('sequence_parallel', False)}, or raise "
+                "the TP size."
+            )
+        if seq is not None and seq % tp:
+            self._fail(f"{t('sequence_parallel', True)} splits {t('seq_length', seq)} over "
+                       f"{t('tensor_model_parallel_size', tp)} ranks: use a sequence length divisible by {tp}.")
+
+    def _check_tensor_split(self) -> None:
+        tp, t = self.tensor_model_parallel_size, self.names.term
+        for name in MODEL_SPLIT_BY_TP:
+            value = self.model.get(name)
+            if value is not None and value % tp:
+                self._fail(
+                    f"{t(name, value)} is not divisible by {t('tensor_model_parallel_size', tp)}. Choose a "
+                    f"tensor-parallel size that divides {value}, or change {self.names.key(name)}."
+                )
 
 
 def initialize_parallel(
@@ -156,8 +238,7 @@ def initialize_parallel(
             "torch.distributed is not initialised: call torch.distributed.init_process_group "
             "(or run under MHCParallelStrategy / torchrun) first."
         )
-    world = dist.get_world_size()
-    check_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size,
+    ParallelDims(tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size(),
                  virtual_pipeline_model_parallel_size, sequence_parallel)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -21,6 +21,7 @@ a Fabric loop calls ``fabric.backward`` / ``strategy.forward_backward`` (``fabri
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import math
 from pathlib import Path
@@ -47,7 +48,7 @@ from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import finalize_model_grads
 from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
 from lightning_mhc.distributed.pipeline import forward_backward_pipelining
-from lightning_mhc.distributed.layout import ParallelLayout, check_layout, destroy_parallel, initialize_parallel
+from lightning_mhc.distributed.layout import ParallelDims, ParallelLayout, destroy_parallel, initialize_parallel
 from lightning_mhc.recompute.memory import ActivationMemoryMeter
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)
@@ -106,18 +107,16 @@ class MHCParallelCore:
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        for name, value in (("tensor_model_parallel_size", tensor_model_parallel_size),
-                            ("pipeline_model_parallel_size", pipeline_model_parallel_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r}: must be a positive integer.")
+        vp = virtual_pipeline_model_parallel_size
+        self.dims = ParallelDims(tensor_model_parallel_size, pipeline_model_parallel_size,
+                                 virtual_pipeline_model_parallel_size=vp if vp != 1 else None,
+                                 sequence_parallel=bool(sequence_parallel))
+        """The layout's degrees, checked now; the world size is checked when the processes start."""
         if num_microbatches is not None and num_microbatches < 1:
             raise ConfigError(f"num_microbatches={num_microbatches}: must be at least 1 (or None for the PP size).")
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.pipeline_model_parallel_size = pipeline_model_parallel_size
         self.sequence_parallel = bool(sequence_parallel)
-        vp = virtual_pipeline_model_parallel_size
-        if vp is not None and (isinstance(vp, bool) or not isinstance(vp, int) or vp < 1):
-            raise ConfigError(f"virtual_pipeline_model_parallel_size={vp!r}: must be a positive integer (or None).")
         self.virtual_pipeline_model_parallel_size = vp if vp and vp > 1 else None
         self._num_microbatches = num_microbatches
         self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
@@ -229,8 +228,7 @@ class MHCParallelCore:
         reset_seed()
         self.set_world_ranks()
         self._check_contract(module)
-        check_layout(self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
-                     self.virtual_pipeline_model_parallel_size, self.sequence_parallel)
+        dataclasses.replace(self.dims, world_size=self.world_size)
         self._check_chunks(module)
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend

@@ -17,12 +17,58 @@ import dataclasses
 
 import torch
 
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 
 POLICIES = ("none", "selective", "mhc_block", "full")
+"""The one list of recompute policies; :func:`check_policy` is the one check against it."""
 SUPPORTED_MODULES = ("core_attn", "layernorm", "mlp")
 _DEFAULT_MODULES = {"selective": ["layernorm", "mlp"], "mhc_block": ["layernorm"]}
+POLICY_NAMES = KeyNames({"policy": "recompute policy {}", "recompute_modules": "recompute_modules",
+                         "enable_hyper_connections": "enable_hyper_connections"}, show=repr)
+"""How policy errors name values by default (the Python arguments)."""
+WITHOUT_HYPER_CONNECTIONS = KeyNames({"policy": "recompute={}", "enable_hyper_connections": lambda _: (
+    "a model with hyper-connections (MHCGPTModule; a model split by parallelize() has none)")}, show=repr)
+"""How policy errors name values for a model without hyper-connections (``parallelize``)."""
+
+
+def check_policy(
+    policy: str,
+    recompute_modules: list[str] | None = None,
+    *,
+    hyper_connections: bool | None = None,
+    names: KeyNames = POLICY_NAMES,
+) -> None:
+    """Every rule of a recompute policy, in one place: a known name, ``recompute_modules`` only
+    where the policy reads them and only modules the model has, no ``'mlp'`` under ``mhc_block``
+    (it would recompute the MLP inside the block recompute), and ``mhc_block`` only for a model
+    with hyper-connections (``hyper_connections=None``: not known here)."""
+    term, key = names.term, names.key
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown {term('policy', policy)}: choose one of {', '.join(POLICIES)}.")
+    if policy == "mhc_block" and hyper_connections is False:
+        raise ConfigError(
+            f"{term('policy', policy)} needs {term('enable_hyper_connections', True)}: it recomputes "
+            "hyper-connection activations, which this model does not have. Enable hyper-connections or choose "
+            "the 'selective' or 'full' policy."
+        )
+    if recompute_modules is None:
+        return
+    if policy not in _DEFAULT_MODULES:
+        raise ConfigError(
+            f"{term('recompute_modules', recompute_modules)} is only used by the 'selective' and "
+            f"'mhc_block' policies, not {policy!r}. Drop {key('recompute_modules')} or change the policy."
+        )
+    unknown = sorted(set(recompute_modules) - set(SUPPORTED_MODULES))
+    if unknown:
+        raise ConfigError(f"{term('recompute_modules', recompute_modules)}: {unknown} not supported by this model; "
+                          f"choose from {', '.join(SUPPORTED_MODULES)}.")
+    if policy == "mhc_block" and "mlp" in recompute_modules:
+        raise ConfigError(
+            f"{term('policy', policy)} with {term('recompute_modules', recompute_modules)}: 'mlp' (recompute_mlp) "
+            f"conflicts with the block recompute. Remove 'mlp' from {key('recompute_modules')}, or use policy "
+            "'selective'."
+        )
 
 
 def recompute_fields(
@@ -31,20 +77,8 @@ def recompute_fields(
     mhc_recompute_layer_num: int | None = None,
 ) -> dict:
     """The ``TransformerConfig`` fields that select ``policy``."""
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown recompute policy {policy!r}: choose one of {', '.join(POLICIES)}.")
-    if recompute_modules is not None:
-        if policy not in _DEFAULT_MODULES:
-            raise ConfigError(
-                f"recompute_modules={recompute_modules} is only used by the 'selective' and "
-                f"'mhc_block' policies, not {policy!r}. Drop recompute_modules or change the policy."
-            )
-        unknown = sorted(set(recompute_modules) - set(SUPPORTED_MODULES))
-        if unknown:
-            raise ConfigError(
-                f"recompute_modules={recompute_modules}: {unknown} not supported by this model; "
-                f"choose from {', '.join(SUPPORTED_MODULES)}."
-            )
+    modules = recompute_modules if recompute_modules is not None else _DEFAULT_MODULES.get(policy)
+    check_policy(policy, modules)
     fields = dict(
         recompute_granularity=None,
         recompute_method=None,
@@ -54,16 +88,9 @@ def recompute_fields(
         mhc_recompute_layer_num=mhc_recompute_layer_num,
     )
     if policy in _DEFAULT_MODULES:
-        modules = list(recompute_modules if recompute_modules is not None else _DEFAULT_MODULES[policy])
-        fields.update(recompute_granularity="selective", recompute_modules=modules)
+        fields.update(recompute_granularity="selective", recompute_modules=list(modules))
     if policy == "mhc_block":
         fields.update(recompute_hyper_connections=True)
-        if "mlp" in fields["recompute_modules"]:
-            raise ConfigError(
-                f"recompute policy 'mhc_block' with recompute_modules={fields['recompute_modules']}: "
-                "'mlp' (recompute_mlp) conflicts with the block recompute. Remove 'mlp' "
-                "from recompute_modules, or use policy 'selective'."
-            )
     if policy == "full":
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return fields
@@ -71,13 +98,8 @@ def recompute_fields(
 
 def configure_recompute(config, policy: str, **kwargs):
     """A copy of ``config`` with ``policy`` selected, validated (raises ConfigError)."""
+    check_policy(policy, hyper_connections=config.enable_hyper_connections)
     fields = recompute_fields(policy, **kwargs)
-    if policy == "mhc_block" and not config.enable_hyper_connections:
-        raise ConfigError(
-            "recompute policy 'mhc_block' needs enable_hyper_connections=True (got False): it "
-            "recomputes hyper-connection activations. Enable hyper-connections or choose the "
-            "'selective' or 'full' policy."
-        )
     return dataclasses.replace(config, **fields)
 
 

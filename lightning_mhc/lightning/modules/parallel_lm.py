@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.parallelize.model import RECOMPUTE_POLICIES, ParallelModel, parallelize
+from lightning_mhc.parallelize.model import ParallelModel, parallelize
+from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, check_policy
 
 
 class ParallelLMModule(pl.LightningModule):
@@ -59,9 +60,7 @@ class ParallelLMModule(pl.LightningModule):
 
     def configure_recompute(self, policy: str) -> None:
         """Called by ``MHCRecomputeCallback`` before ``configure_model``."""
-        if policy not in RECOMPUTE_POLICIES:
-            raise ConfigError(f"MHCRecomputeCallback({policy!r}): a model split by parallelize() takes "
-                              f"{', '.join(RECOMPUTE_POLICIES)} (mhc_block needs hyper-connections: MHCGPTModule).")
+        check_policy(policy, hyper_connections=False, names=WITHOUT_HYPER_CONNECTIONS)
         self.recompute_policy = policy
 
     def check_recompute(self) -> None:
