@@ -8,11 +8,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.lightning.modules.base import PipelinedLMModule
 from lightning_mhc.lightning.modules.throughput import ThroughputMeter
 from lightning_mhc.model.config import (
     PARALLEL_LAYOUT_FIELDS,
@@ -27,7 +27,7 @@ from lightning_mhc.distributed.layout import ParallelLayout, current_layout
 from lightning_mhc.recompute.policy import configure_recompute
 
 
-class MHCGPTModule(pl.LightningModule):
+class MHCGPTModule(PipelinedLMModule):
     """An mHC GPT trained with ``MHCParallelStrategy`` (any TP/PP/DP layout).
 
     Batches are dicts with ``tokens`` and ``labels`` (``[batch, seq]``, long) and
@@ -124,18 +124,12 @@ class MHCGPTModule(pl.LightningModule):
         """This rank's model chunks: its stage, or its virtual-pipeline chunks in order."""
         return list(self.model) if isinstance(self.model, torch.nn.ModuleList) else [self.model]
 
-    def global_parameter_name(self, name: str) -> str:
-        """A state-dict name of this rank's stage as the one-process module names it (the key
-        of checkpoints, which therefore load under any layout): ``model.<chunk>.decoder.layers.<i>``
-        becomes ``model.decoder.layers.<i + the chunk's first layer>``."""
-        prefix = "model."
-        if not name.startswith(prefix) or self.model is None:
-            return name
-        rest = name[len(prefix):]
+    def global_name_in_model(self, name: str) -> str:
+        """``<chunk>.decoder.layers.<i>`` becomes ``decoder.layers.<i + the chunk's first layer>``."""
         if isinstance(self.model, torch.nn.ModuleList):
-            index, rest = rest.split(".", 1)
-            return prefix + self.model[int(index)].global_parameter_name(rest)
-        return prefix + self.model.global_parameter_name(rest)
+            index, rest = name.split(".", 1)
+            return self.model[int(index)].global_parameter_name(rest)
+        return self.model.global_parameter_name(name)
 
     def _layout(self) -> ParallelLayout:
         """The strategy's layout (megatron's current groups without one)."""
@@ -157,16 +151,8 @@ class MHCGPTModule(pl.LightningModule):
         return self.model_chunks()[0].pipeline_tensor_shape(batch, seq)
 
     # ------------------------------------------------------------- steps
-    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        loss = self.trainer.strategy.forward_backward(self, batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
-        loss = self.trainer.strategy.forward_backward(self, batch, forward_only=True)
-        self.log("val_loss", loss, prog_bar=True)
+    def on_validation_loss(self, loss: Tensor) -> None:
         self._val_losses.append(loss.item())
-        return loss
 
     def on_validation_epoch_end(self) -> None:
         if self._val_losses:
@@ -210,11 +196,6 @@ class MHCGPTModule(pl.LightningModule):
         if map_location is not None:
             module.to(map_location)
         return module.eval()
-
-    def test_step(self, batch: dict, batch_idx: int) -> Tensor:
-        loss = self.trainer.strategy.forward_backward(self, batch, forward_only=True)
-        self.log("test_loss", loss)
-        return loss
 
     def on_train_start(self) -> None:
         self.throughput.start_fit()

@@ -20,16 +20,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.lightning.modules.base import PipelinedLMModule
 from lightning_mhc.parallelize.model import ParallelModel, parallelize
 from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, check_policy
 
 
-class ParallelLMModule(pl.LightningModule):
+class ParallelLMModule(PipelinedLMModule):
     """A causal LM trained with ``MHCParallelStrategy`` on any TP x PP x DP layout.
 
     Batches are dicts with ``input_ids`` (or ``tokens``) and ``labels`` (``[batch, seq]``; the
@@ -106,13 +106,10 @@ class ParallelLMModule(pl.LightningModule):
     def model_chunks(self) -> list[torch.nn.Module]:
         return list(self._parallel_model().chunks)
 
-    def global_parameter_name(self, name: str) -> str:
-        """``model.<the whole model's name>``: checkpoints load on any layout and into the model
-        as written (``lightning_mhc.parallelize.load_checkpoint``)."""
-        prefix = "model."
-        if not name.startswith(prefix) or self.model is None:
-            return name
-        return prefix + self._parallel_model().global_parameter_name(name[len(prefix):])
+    def global_name_in_model(self, name: str) -> str:
+        """The whole model's name: checkpoints load on any layout and into the model as written
+        (``lightning_mhc.parallelize.load_checkpoint``)."""
+        return self._parallel_model().global_parameter_name(name)
 
     def on_fit_start(self) -> None:
         """Every rank prints what it materialised against the whole model (about 1/(TP*PP))."""
@@ -120,17 +117,6 @@ class ParallelLMModule(pl.LightningModule):
         where = (f" (tp {layout.tensor_model_parallel_rank}, pp {layout.pipeline_model_parallel_rank}, "
                  f"dp {layout.data_parallel_rank})" if layout is not None else "")
         print(f"rank {self.global_rank}{where}: {self._parallel_model().report}", flush=True)
-
-    # ------------------------------------------------------------ steps
-    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        loss = self.trainer.strategy.forward_backward(self, batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
-        loss = self.trainer.strategy.forward_backward(self, batch, forward_only=True)
-        self.log("val_loss", loss, prog_bar=True)
-        return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
