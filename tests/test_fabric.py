@@ -41,19 +41,22 @@ def test_fabric_finds_the_strategy_by_name_and_class():
 
     import lightning_mhc  # noqa: F401  (registers with Fabric and the Trainer)
     from lightning_mhc.fabric import MHCParallelStrategy
-    from lightning_mhc.distributed.runtime import MHCParallelCore
+    from lightning_mhc.distributed.runtime import ParallelRuntime, StrategyProcesses
     from lightning_mhc.lightning import MHCParallelStrategy as TrainerStrategy
 
     assert STRATEGY_REGISTRY["mhc_parallel"]["strategy"] is MHCParallelStrategy
     assert type(Fabric(accelerator="cpu", devices=1, strategy="mhc_parallel").strategy) is MHCParallelStrategy
     strategy = MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_microbatches=4)
     assert Fabric(accelerator="cpu", devices=4, strategy=strategy).strategy is strategy
-    # one implementation of the shared parts: both strategies inherit them, neither overrides them
-    shared = ["_setup_parallel", "_run_schedule", "_reduce_gradients", "_save_distributed", "_load_distributed",
-              "_remove_gradient_hooks", "_destroy_parallel", "_check_module", "distributed_sampler_kwargs"]
+    # one implementation of the shared parts: both strategies hold the same runtime and inherit the
+    # processes' plumbing, neither overrides it
+    shared = ["_start_processes", "distributed_sampler_kwargs", "layout", "settings", "root_device",
+              "set_world_ranks", "barrier", "broadcast"]
     for cls in (MHCParallelStrategy, TrainerStrategy):
-        assert issubclass(cls, MHCParallelCore)
+        assert issubclass(cls, StrategyProcesses)
         assert all(name not in vars(cls) for name in shared), cls
+    assert type(strategy.runtime) is ParallelRuntime
+    assert type(TrainerStrategy(tensor_model_parallel_size=2).runtime) is ParallelRuntime
 
 
 def test_fabric_strategy_rejects_a_bad_layout_before_starting():

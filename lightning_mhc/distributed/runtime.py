@@ -1,21 +1,16 @@
-"""What the Fabric and the Trainer ``MHCParallelStrategy`` share: one copy of each.
+"""What the Fabric and the Trainer ``MHCParallelStrategy`` share, composed rather than inherited
+(as Lightning's own Trainer strategies reuse Fabric's helpers):
 
-:class:`MHCParallelCore` is mixed into both strategies, before their Lightning base class
-(``lightning.fabric.strategies.ParallelStrategy`` / ``lightning.pytorch.strategies.ParallelStrategy``,
-which provide the devices and the cluster environment). It holds
+- :class:`ParallelSettings`: the constructor arguments, checked when the strategy is made;
+- :class:`ParallelRuntime` (``strategy.runtime``): the run behind either strategy — megatron-core's
+  TP/PP/DP groups and the parallel randomizer, the data-parallel split and its check on a loader,
+  the 1F1B / interleaved schedule over a batch with the overlapped DP reduction started in the
+  last backward, gradient reduction, the reshardable checkpoint, and teardown;
+- :class:`StrategyProcesses`: the few members Lightning asks of any parallel strategy (devices,
+  ranks, launcher, registry, barrier, broadcast), identical for both, and the constructor that
+  builds the two objects above.
 
-- the settings (the parallel layout, the schedule, gradient reduction, RNG seed);
-- launch and process groups: the default group through the cluster environment, then
-  megatron-core's TP/PP/DP groups (``parallel.state``) and the parallel randomizer;
-- the data-parallel split (``distributed_sampler_kwargs``) and its check on a loader;
-- the 1F1B / interleaved schedule over a batch (``parallel.schedule*``), with the overlapped
-  DP reduction started during the last backward;
-- gradient reduction (DP average, SP parameters over TP, the tied embedding) and global-norm
-  clipping (``parallel.grads``);
-- the reshardable checkpoint (``lightning_mhc.checkpoint``);
-- teardown of all of the above.
-
-Only the way a loop drives them differs: the Trainer calls hooks (``lightning/strategy.py``),
+Only the way a loop drives the runtime differs: the Trainer calls hooks (``lightning/strategy.py``),
 a Fabric loop calls ``fabric.backward`` / ``strategy.forward_backward`` (``fabric/strategy.py``).
 """
 from __future__ import annotations
@@ -41,21 +36,27 @@ from torch.utils.data import DistributedSampler
 
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.sharding import global_namer
-from lightning_mhc.errors import ConfigError
-from lightning_mhc.distributed.launcher import watch_launcher
-from lightning_mhc.distributed.pipeline.protocol import ModuleChunk, has_model_chunks, is_pipeline_module, split_microbatches
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import finalize_model_grads
-from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
-from lightning_mhc.distributed.pipeline import forward_backward_pipelining
+from lightning_mhc.distributed.launcher import watch_launcher
 from lightning_mhc.distributed.layout import ParallelDims, ParallelLayout, destroy_parallel, initialize_parallel
+from lightning_mhc.distributed.pipeline import forward_backward_pipelining
+from lightning_mhc.distributed.pipeline.protocol import (
+    ModuleChunk,
+    has_model_chunks,
+    is_pipeline_module,
+    split_microbatches,
+)
+from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
+from lightning_mhc.errors import ConfigError
 from lightning_mhc.recompute.memory import ActivationMemoryMeter
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)
 
 
-class MHCParallelCore:
-    """Tensor, pipeline and data parallelism with megatron-core process groups (shared part).
+@dataclasses.dataclass
+class ParallelSettings:
+    """Tensor, pipeline and data parallelism with megatron-core process groups: the settings.
 
     Args:
         tensor_model_parallel_size: TP size.
@@ -87,87 +88,118 @@ class MHCParallelCore:
             ``activation_bytes`` (max over ranks).
     """
 
-    strategy_name = "mhc_parallel"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    virtual_pipeline_model_parallel_size: int | None = None
+    num_microbatches: int | None = None
+    deallocate_pipeline_outputs: bool = True
+    process_group_backend: str | None = None
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+    seed: int = 1234
+    gradient_bucket_bytes: int = 25 * 2**20
+    overlap_grad_reduce: bool = True
+    raise_on_nonfinite_loss: bool = True
+    measure_activation_memory: bool = False
 
-    def __init__(
-        self,
-        tensor_model_parallel_size: int = 1,
-        pipeline_model_parallel_size: int = 1,
-        sequence_parallel: bool = False,
-        virtual_pipeline_model_parallel_size: int | None = None,
-        num_microbatches: int | None = None,
-        deallocate_pipeline_outputs: bool = True,
-        process_group_backend: str | None = None,
-        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
-        seed: int = 1234,
-        gradient_bucket_bytes: int = 25 * 2**20,
-        overlap_grad_reduce: bool = True,
-        raise_on_nonfinite_loss: bool = True,
-        measure_activation_memory: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        vp = virtual_pipeline_model_parallel_size
-        self.dims = ParallelDims(tensor_model_parallel_size, pipeline_model_parallel_size,
+    def __post_init__(self) -> None:
+        vp = self.virtual_pipeline_model_parallel_size
+        self.dims = ParallelDims(self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                                  virtual_pipeline_model_parallel_size=vp if vp != 1 else None,
-                                 sequence_parallel=bool(sequence_parallel))
+                                 sequence_parallel=bool(self.sequence_parallel))
         """The layout's degrees, checked now; the world size is checked when the processes start."""
-        if num_microbatches is not None and num_microbatches < 1:
-            raise ConfigError(f"num_microbatches={num_microbatches}: must be at least 1 (or None for the PP size).")
-        self.tensor_model_parallel_size = tensor_model_parallel_size
-        self.pipeline_model_parallel_size = pipeline_model_parallel_size
-        self.sequence_parallel = bool(sequence_parallel)
+        if self.num_microbatches is not None and self.num_microbatches < 1:
+            raise ConfigError(f"num_microbatches={self.num_microbatches}: must be at least 1 (or None for the PP size).")
+        self.sequence_parallel = bool(self.sequence_parallel)
         self.virtual_pipeline_model_parallel_size = vp if vp and vp > 1 else None
-        self._num_microbatches = num_microbatches
-        self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self.seed = seed
-        self.gradient_bucket_bytes = gradient_bucket_bytes
-        self.overlap_grad_reduce = overlap_grad_reduce
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per training step of a pipelined module (default: the PP size)."""
+        return self.num_microbatches or self.pipeline_model_parallel_size
+
+
+class ParallelRuntime:
+    """The parallel run behind a strategy (``strategy.runtime``); see the module docstring."""
+
+    def __init__(self, settings: ParallelSettings) -> None:
+        self.settings = settings
+        self.layout: ParallelLayout | None = None
+        """The parallel layout (degrees, ranks, process groups), once the processes have started."""
+        self.device: torch.device | None = None
+        """This process's device, once the processes have started."""
+        self.activation_bytes: int | None = None
+        """With ``measure_activation_memory``: the peak activation bytes any stage retained in the
+        first training step (max over ranks)."""
         self._grad_reductions: dict[int, OverlappedGradReduction] = {}
         """The overlapped DP reduction of each trained module (by ``id``)."""
         self._overlapped: set[int] = set()
         """Modules whose overlapped reduction started in this step's last backward."""
-        self.raise_on_nonfinite_loss = raise_on_nonfinite_loss
-        self.measure_activation_memory = measure_activation_memory
-        self.activation_bytes: int | None = None
-        self._num_nodes = 1
-        self.layout: ParallelLayout | None = None
-        """The parallel layout (degrees, ranks, process groups), once the processes have started."""
-        self.last_grad_norm: float | None = None
-        """The global gradient norm of the last step (before clipping)."""
 
-    # ------------------------------------------------------------ registry
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="Tensor/pipeline/data parallelism for mHC transformers"
+    # ------------------------------------------------------------ processes
+    def check_module(self, module: Any) -> None:
+        """A module that cannot run on this layout is refused with what to change."""
+        self._check_contract(module)
+        self._check_chunks(module)
+
+    def _check_contract(self, module: Any) -> None:
+        s = self.settings
+        if module is not None and s.tensor_model_parallel_size * s.pipeline_model_parallel_size > 1 \
+                and not is_pipeline_module(module):
+            raise ConfigError(
+                f"{type(module).__name__} does not implement the pipeline contract (forward_step, "
+                "loss_func, set_input_tensor, pipeline_tensor_shape; see MHCGPTModule), so it can only "
+                f"run data parallel, but tensor_model_parallel_size={s.tensor_model_parallel_size} "
+                f"and pipeline_model_parallel_size={s.pipeline_model_parallel_size}. Use "
+                "MHCParallelStrategy() with TP = PP = 1, or subclass MHCGPTModule."
             )
 
-    # ----------------------------------------------------------- topology
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+    def _check_chunks(self, module: Any) -> None:
+        vp = self.settings.virtual_pipeline_model_parallel_size
+        if module is not None and vp and not has_model_chunks(module):
+            raise ConfigError(
+                f"virtual_pipeline_model_parallel_size={vp} needs a module "
+                f"with model_chunks() (see MHCGPTModule); {type(module).__name__} has none. Drop the virtual "
+                "pipeline or implement the chunked contract (lightning_mhc/distributed/pipeline/protocol.py)."
+            )
 
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
+    def start(self, world_size: int, cluster_environment: Any, root_device: torch.device, module: Any = None) -> None:
+        """In every process: the default process group, megatron's TP/PP/DP groups, the seeds
+        (``module``, when known already, is checked against the layout first)."""
+        s = self.settings
+        self._check_contract(module)
+        dataclasses.replace(s.dims, world_size=world_size)
+        self._check_chunks(module)
+        self.device = root_device
+        s.process_group_backend = s.process_group_backend or _get_default_process_group_backend_for_device(root_device)
+        watch_launcher()
+        if not dist.is_initialized():
+            # the rendezvous waits for every rank to start (imports, an oversubscribed CPU): not
+            # bounded by the collective timeout; the TP/PP/DP groups below get that one
+            kwargs: dict[str, Any] = {"timeout": max(s.timeout, RENDEZVOUS_TIMEOUT)}
+            if root_device.type != "cpu":
+                kwargs["device_id"] = root_device
+            _init_dist_connection(cluster_environment, s.process_group_backend, **kwargs)
+        self.layout = initialize_parallel(
+            s.tensor_model_parallel_size, s.pipeline_model_parallel_size, timeout=s.timeout,
+            sequence_parallel=s.sequence_parallel,
+            virtual_pipeline_model_parallel_size=s.virtual_pipeline_model_parallel_size,
+        )
+        model_parallel_manual_seed(s.seed, self.layout)
 
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
+    def remove_gradient_hooks(self) -> None:
+        for reduction in self._grad_reductions.values():
+            reduction.remove()
+        self._grad_reductions.clear()
+        self._overlapped.clear()
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+    def stop(self) -> None:
+        """Tear the groups and the parallel randomizer down (``layout`` stays readable: degrees and
+        ranks; its groups are gone)."""
+        destroy_parallel()
+        clear_parallel_seed()
 
-    @property
-    def num_microbatches(self) -> int:
-        return self._num_microbatches or self.pipeline_model_parallel_size
-
+    # ------------------------------------------------------------------ data
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Distinct data per DP rank; TP and PP peers of one DP rank see the same batches."""
@@ -176,113 +208,7 @@ class MHCParallelCore:
                                "(Trainer.fit / Fabric.launch)")
         return dict(num_replicas=self.layout.data_parallel_size, rank=self.layout.data_parallel_rank)
 
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    def _set_world_ranks(self) -> None:  # the name Fabric's connector calls
-        self.set_world_ranks()
-
-    launcher_class: type
-    """The subprocess launcher (Fabric's or the Trainer's, with ``launcher.JobLauncherMixin``)."""
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    # ------------------------------------------------------ process groups
-    def _check_module(self, module: Any) -> None:
-        """A module that cannot run on this layout is refused with what to change."""
-        self._check_contract(module)
-        self._check_chunks(module)
-
-    def _check_contract(self, module: Any) -> None:
-        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size > 1
-        if module is not None and model_parallel and not is_pipeline_module(module):
-            raise ConfigError(
-                f"{type(module).__name__} does not implement the pipeline contract (forward_step, "
-                "loss_func, set_input_tensor, pipeline_tensor_shape; see MHCGPTModule), so it can only "
-                f"run data parallel, but tensor_model_parallel_size={self.tensor_model_parallel_size} "
-                f"and pipeline_model_parallel_size={self.pipeline_model_parallel_size}. Use "
-                "MHCParallelStrategy() with TP = PP = 1, or subclass MHCGPTModule."
-            )
-
-    def _check_chunks(self, module: Any) -> None:
-        if module is not None and self.virtual_pipeline_model_parallel_size and not has_model_chunks(module):
-            raise ConfigError(
-                f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} needs a module "
-                f"with model_chunks() (see MHCGPTModule); {type(module).__name__} has none. Drop the virtual "
-                "pipeline or implement the chunked contract (lightning_mhc/distributed/pipeline/protocol.py)."
-            )
-
-    def _setup_parallel(self, module: Any = None) -> None:
-        """In every process: the default process group, megatron's TP/PP/DP groups, the seeds
-        (``module``, when known already, is checked against the layout first)."""
-        reset_seed()
-        self.set_world_ranks()
-        self._check_contract(module)
-        dataclasses.replace(self.dims, world_size=self.world_size)
-        self._check_chunks(module)
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        watch_launcher()
-        if not dist.is_initialized():
-            # the rendezvous waits for every rank to start (imports, an oversubscribed CPU): not
-            # bounded by the collective timeout; the TP/PP/DP groups below get that one
-            kwargs: dict[str, Any] = {"timeout": max(self._timeout, RENDEZVOUS_TIMEOUT)}
-            if self.root_device.type != "cpu":
-                kwargs["device_id"] = self.root_device
-            _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self.layout = initialize_parallel(
-            self.tensor_model_parallel_size, self.pipeline_model_parallel_size, timeout=self._timeout,
-            sequence_parallel=self.sequence_parallel,
-            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
-        )
-        model_parallel_manual_seed(self.seed, self.layout)
-
-    def _remove_gradient_hooks(self) -> None:
-        for reduction in self._grad_reductions.values():
-            reduction.remove()
-        self._grad_reductions.clear()
-        self._overlapped.clear()
-
-    def _destroy_parallel(self) -> None:
-        destroy_parallel()
-        clear_parallel_seed()  # self.layout stays readable (degrees and ranks); its groups are gone
-
-    @staticmethod
-    def _sync_replicas(module: torch.nn.Module) -> None:
-        """A plain module is initialised by each process: start every replica from rank 0's."""
-        with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(tensor.data, src=0)
-
-    # ------------------------------------------------------- collectives
-    def barrier(self, name: str | None = None) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    def _max_over_ranks(self, value: float) -> float:
-        tensor = torch.tensor(float(value), dtype=torch.float64, device=self.root_device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.item()
-
-    # --------------------------------------------------------------- data
-    def _check_data_parallel_sampler(self, dataloader: object, warn_unsplit: bool, fix: str) -> None:
+    def check_data_parallel_sampler(self, dataloader: object, warn_unsplit: bool, fix: str) -> None:
         """A loader's ``DistributedSampler`` must split by DP rank (``fix``: how to build it right);
         with ``warn_unsplit``, a loader without one warns when DP > 1."""
         assert self.layout is not None
@@ -304,8 +230,8 @@ class MHCParallelCore:
                 "data-parallel rank reads the same samples."
             )
 
-    # ------------------------------------------------------------ schedule
-    def _run_schedule(self, module: Any, batch: Any, forward_only: bool, accumulate: int, where: str,
+    # --------------------------------------------------------------- schedule
+    def run_schedule(self, module: Any, batch: Any, forward_only: bool, accumulate: int, where: str,
                       raise_on_nonfinite: bool | None = None, reduce_this_step: bool = True) -> Tensor:
         """The schedule over the microbatches of ``batch`` on this rank's stage: the mean loss
         over the microbatches and the DP replicas (the same detached scalar on every rank); with
@@ -314,13 +240,13 @@ class MHCParallelCore:
         ``where`` names the step in the message).
         ``reduce_this_step=False``: the gradients are not final after this call (accumulation),
         so no overlapped reduction starts."""
-        m = self.num_microbatches
+        m = self.settings.microbatches
         microbatches = split_microbatches(batch, m)
         loss_func: Callable = module.loss_func
         if accumulate > 1:
             loss_func = lambda output, mb: module.loss_func(output, mb) / accumulate  # noqa: E731
         forward_only = forward_only or not torch.is_grad_enabled()
-        measure = self.measure_activation_memory and not forward_only and self.activation_bytes is None
+        measure = self.settings.measure_activation_memory and not forward_only and self.activation_bytes is None
         meter = ActivationMemoryMeter(module) if measure else None
         peak = 0
 
@@ -337,15 +263,15 @@ class MHCParallelCore:
                 loss_func,
                 layout=self.layout,
                 tensor_shape=module.pipeline_tensor_shape(microbatches[0]),
-                dtype=_pipeline_dtype(module),
-                deallocate_pipeline_outputs=self.deallocate_pipeline_outputs,
+                dtype=pipeline_dtype(module),
+                deallocate_pipeline_outputs=self.settings.deallocate_pipeline_outputs,
                 forward_only=forward_only,
-                timeout=self._timeout,
+                timeout=self.settings.timeout,
                 probe=probe if measure else None,
                 on_last_backward=self._overlap(module, forward_only or not reduce_this_step, accumulate),
             )
         if measure:
-            self.activation_bytes = int(self._max_over_ranks(peak))
+            self.activation_bytes = int(self.max_over_ranks(peak, self.device))
         loss = result.loss * accumulate
         if not forward_only:
             self._check_finite(loss, where, raise_on_nonfinite)
@@ -354,13 +280,13 @@ class MHCParallelCore:
     def _overlap(self, module: Any, forward_only: bool, accumulate: int):
         """The schedule's hook that starts the overlapped DP reduction, or None (see
         ``overlap_grad_reduce``)."""
-        if forward_only or accumulate > 1 or not self.overlap_grad_reduce or self.layout.data_parallel_size == 1:
+        if forward_only or accumulate > 1 or not self.settings.overlap_grad_reduce or self.layout.data_parallel_size == 1:
             return None
         reduction = self._grad_reductions.get(id(module))
         if reduction is None:
             chunks = module.model_chunks() if has_model_chunks(module) else [module]
             reduction = self._grad_reductions[id(module)] = OverlappedGradReduction(
-                chunks, self.layout, self.gradient_bucket_bytes)
+                chunks, self.layout, self.settings.gradient_bucket_bytes)
         self._overlapped.add(id(module))
         return reduction.start
 
@@ -368,38 +294,187 @@ class MHCParallelCore:
         if math.isfinite(loss.item()):
             return
         message = f"non-finite training loss {loss.item()} at {where}"
-        if self.raise_on_nonfinite_loss if raise_ is None else raise_:
+        if self.settings.raise_on_nonfinite_loss if raise_ is None else raise_:
             raise FloatingPointError(message + " (raise_on_nonfinite_loss is on, or the Trainer's detect_anomaly)")
         rank_zero_warn(message)
 
-    # ----------------------------------------------------------- gradients
-    def _reduce_gradients(self, module: torch.nn.Module) -> None:
+    # -------------------------------------------------------------- gradients
+    def reduce_gradients(self, module: torch.nn.Module) -> None:
         """DP average (finishing the overlapped reduction when one ran), SP parameters summed
         over TP, the tied embedding reduced between the first and last stage."""
         overlapped = self._grad_reductions[id(module)] if id(module) in self._overlapped else None
         self._overlapped.discard(id(module))
-        finalize_model_grads(module, self.layout, self.gradient_bucket_bytes, overlapped=overlapped)
+        finalize_model_grads(module, self.layout, self.settings.gradient_bucket_bytes, overlapped=overlapped)
 
-    @staticmethod
-    def _with_grads(parameters: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-        return [p for p in parameters if p.grad is not None]
-
-    # ---------------------------------------------------------- checkpoints
-    def _save_distributed(self, checkpoint: dict[str, Any], path: Path, module: torch.nn.Module) -> None:
+    # ------------------------------------------------------------ checkpoints
+    def save(self, checkpoint: dict[str, Any], path: Path, module: torch.nn.Module, global_rank: int) -> None:
         """Every rank: write ``checkpoint`` (``state_dict`` / ``optimizer_states`` as pieces, see
         ``lightning_mhc.checkpoint.format``) crash-safely into the directory ``path``."""
         _, global_names = global_namer(module, self.layout)
-        dist_checkpoint.save(checkpoint, Path(path), self.layout, self.global_rank, global_names=global_names)
+        dist_checkpoint.save(checkpoint, Path(path), self.layout, global_rank, global_names=global_names)
 
-    def _load_distributed(self, path: Any, module: torch.nn.Module,
-                          optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    def load(self, path: Any, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+             global_rank: int) -> dict[str, Any]:
         """Every rank: read a checkpoint saved on any layout for this rank's ``module`` and
         ``optimizers`` (``state_dict`` in local names, ``optimizer_states`` in torch's form)."""
-        path = Path(self.broadcast(str(path)))
-        return dist_checkpoint.load(path, module, optimizers, self.layout, self.global_rank)
+        path = Path(broadcast_object(str(path)))
+        return dist_checkpoint.load(path, module, optimizers, self.layout, global_rank)
 
 
-def _pipeline_dtype(module: torch.nn.Module) -> torch.dtype:
+    def max_over_ranks(self, value: float, device: torch.device) -> float:
+        tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
+
+
+def pipeline_dtype(module: torch.nn.Module) -> torch.dtype:
     """What crosses stages: the parameters' dtype (megatron's ``pipeline_dtype`` is its
     ``params_dtype``): fp32 for fp32 and mixed precision, bf16 for ``bf16-true``."""
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+def with_grads(parameters: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    return [p for p in parameters if p.grad is not None]
+
+
+def sync_replicas(module: torch.nn.Module) -> None:
+    """A plain module is initialised by each process: start every replica from rank 0's."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor.data, src=0)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
+
+
+class StrategyProcesses:
+    """What Lightning asks of any parallel strategy, the same for the Trainer's and Fabric's
+    (mixed in before their Lightning base class, which provides the devices and the cluster
+    environment): the constructor (the :class:`ParallelSettings` arguments, building
+    ``self.runtime``), devices and ranks, the launcher, the registry name, barrier and broadcast.
+    Everything else of the parallel run is ``self.runtime``."""
+
+    strategy_name = "mhc_parallel"
+    launcher_class: type
+    """The subprocess launcher (Fabric's or the Trainer's, with ``launcher.JobLauncherMixin``)."""
+
+    def __init__(
+        self,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+        virtual_pipeline_model_parallel_size: int | None = None,
+        num_microbatches: int | None = None,
+        deallocate_pipeline_outputs: bool = True,
+        process_group_backend: str | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        seed: int = 1234,
+        gradient_bucket_bytes: int = 25 * 2**20,
+        overlap_grad_reduce: bool = True,
+        raise_on_nonfinite_loss: bool = True,
+        measure_activation_memory: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """The arguments: :class:`ParallelSettings`; ``kwargs`` go to Lightning's strategy."""
+        super().__init__(**kwargs)
+        self.runtime = ParallelRuntime(ParallelSettings(
+            tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
+            virtual_pipeline_model_parallel_size, num_microbatches, deallocate_pipeline_outputs,
+            process_group_backend, timeout, seed, gradient_bucket_bytes, overlap_grad_reduce,
+            raise_on_nonfinite_loss, measure_activation_memory,
+        ))
+        self._num_nodes = 1
+        self.last_grad_norm: float | None = None
+        """The global gradient norm of the last step (before clipping)."""
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="Tensor/pipeline/data parallelism for mHC transformers"
+            )
+
+    # --------------------------------------------- the settings, read through
+    @property
+    def settings(self) -> ParallelSettings:
+        return self.runtime.settings
+
+    @property
+    def tensor_model_parallel_size(self) -> int:
+        return self.settings.tensor_model_parallel_size
+
+    @property
+    def pipeline_model_parallel_size(self) -> int:
+        return self.settings.pipeline_model_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.settings.microbatches
+
+    @property
+    def layout(self) -> ParallelLayout | None:
+        """The parallel layout (degrees, ranks, process groups), once the processes have started."""
+        return self.runtime.layout
+
+    @property
+    def activation_bytes(self) -> int | None:
+        return self.runtime.activation_bytes
+
+    # ------------------------------------------------------ devices and ranks
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.runtime.distributed_sampler_kwargs
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self.settings.process_group_backend
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _set_world_ranks(self) -> None:  # the name Fabric's connector calls
+        self.set_world_ranks()
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _start_processes(self, module: Any = None) -> None:
+        """In every process, from ``setup_environment``: ranks, seeds, then the runtime's groups."""
+        reset_seed()
+        self.set_world_ranks()
+        self.runtime.start(self.world_size, self.cluster_environment, self.root_device, module)
+
+    # ------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src)

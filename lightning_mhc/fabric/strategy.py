@@ -18,7 +18,7 @@ A module without the pipeline contract (any ``nn.Module``) trains data parallel 
 averages the gradients over DP (not inside ``fabric.no_backward_sync(model)``).
 
 The parts shared with the Trainer strategy (process groups, layout, RNG, schedule, gradient
-reduction, checkpoints) are ``core.MHCParallelCore``; like Lightning's own
+reduction, checkpoints) are ``self.runtime`` (``lightning_mhc.distributed.runtime``); like Lightning's own
 ``lightning.fabric.strategies.ModelParallelStrategy``, checkpoints are directories written by
 every rank and restore the objects passed to ``fabric.load``.
 """
@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.format import PARAM_GROUPS
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.distributed.runtime import MHCParallelCore
+from lightning_mhc.distributed.runtime import StrategyProcesses, sync_replicas, with_grads
 from lightning_mhc.distributed.launcher import MHCFabricLauncher
 from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
 from lightning_mhc.distributed.grads import clip_grad_norm_
@@ -57,10 +57,10 @@ _TRAINER_OBJECTS = ("state_dict", "optimizer_states", PARAM_GROUPS, "lightning_m
 """Entries of a Trainer checkpoint that are not the user's: the model, the optimizers, our metadata."""
 
 
-class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
+class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     """Tensor, pipeline and data parallelism with megatron-core process groups, for Fabric.
 
-    Takes the arguments of :class:`~lightning_mhc.distributed.runtime.MHCParallelCore` (the same as the
+    Takes the arguments of :class:`~lightning_mhc.distributed.runtime.ParallelSettings` (the same as the
     Trainer's ``MHCParallelStrategy`` without its preemption handling).
 
     - ``fabric.setup_module(model)`` builds this rank's stage (``model.configure_model()``, e.g.
@@ -91,19 +91,19 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
     # -------------------------------------------------------- processes
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._setup_parallel()
+        self._start_processes()
 
     def teardown(self) -> None:
         """Remove the gradient hooks, destroy megatron's groups and the parallel randomizer (call it
         before making another Fabric in the same processes; the default process group stays)."""
-        self._remove_gradient_hooks()
+        self.runtime.remove_gradient_hooks()
         self._modules.clear()
         super().teardown()
-        self._destroy_parallel()
+        self.runtime.stop()
 
     # ---------------------------------------------------------- modules
     def setup_module(self, module: Module) -> Module:
-        self._check_module(module)
+        self.runtime.check_module(module)
         if callable(getattr(module, "configure_model", None)):
             with self.precision.module_init_context():
                 module.configure_model()  # this rank's stage, built for self.layout
@@ -111,7 +111,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         self.module_to_device(module)
         attach_recompute(module)
         if not is_pipeline_module(module):
-            self._sync_replicas(module)
+            sync_replicas(module)
         self._modules[module] = None
         return module
 
@@ -132,7 +132,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
 
     # ------------------------------------------------------------- data
     def process_dataloader(self, dataloader: Any) -> Any:
-        self._check_data_parallel_sampler(
+        self.runtime.check_data_parallel_sampler(
             dataloader, True,  # only a loader set up with use_distributed_sampler=False (or iterable) warns
             "Let fabric.setup_dataloaders insert the sampler (use_distributed_sampler=True, the default) or build "
             "it with **fabric.strategy.distributed_sampler_kwargs.")
@@ -165,11 +165,11 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         training = not forward_only and torch.is_grad_enabled()
         sync = self._backward_sync_control.syncs(module)
         with self.precision.forward_context():
-            loss = self._run_schedule(module, batch, not training, accumulate if training else 1,
+            loss = self.runtime.run_schedule(module, batch, not training, accumulate if training else 1,
                                       f"forward_backward call {self._calls} of this process", reduce_this_step=sync)
         if training:
             if sync:
-                self._reduce_gradients(module)
+                self.runtime.reduce_gradients(module)
             self._calls += 1
         return loss
 
@@ -187,7 +187,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         super().backward(tensor, module, *args, **kwargs)
         for m in modules:
             if self._backward_sync_control.syncs(m) and any(p.grad is not None for p in m.parameters()):
-                self._reduce_gradients(m)
+                self.runtime.reduce_gradients(m)
 
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Tensor:
@@ -199,7 +199,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         # the optimizer's parameters in the module's order: the same sums as the Trainer's clipping
         owned = {id(p): p for p in self.precision.main_params(optimizer)}
         ordered = [p for p in module.parameters() if owned.pop(id(p), None) is not None]
-        params = self._with_grads(ordered + list(owned.values()))
+        params = with_grads(ordered + list(owned.values()))
         norm = clip_grad_norm_(params, float(max_norm), self.layout)
         self.last_grad_norm = norm
         if error_if_nonfinite and not math.isfinite(norm):
@@ -240,7 +240,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
             FABRIC_STATE: rest,
             "global_step": step,
         }
-        self._save_distributed(checkpoint, Path(path), module)
+        self.runtime.save(checkpoint, Path(path), module, self.global_rank)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -261,7 +261,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
                                       "fabric.load(path, {'model': model, 'optimizer': optimizer})")
         path = Path(self.broadcast(str(path)))
         if isinstance(state, Module):
-            checkpoint = self._load_distributed(path, state, [])
+            checkpoint = self.runtime.load(path, state, [], self.global_rank)
             state.load_state_dict(checkpoint["state_dict"], strict=strict)
             return {}
         model_key, module = _the_model(state)
@@ -269,7 +269,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         saved_optimizers, saved_rest = _saved_entries(path, wanted)
         _validate_keys_for_strict_loading(state.keys(), {model_key, *saved_optimizers, *saved_rest}, strict=strict)
         optimizers = [state[k] if k in wanted else None for k in saved_optimizers]
-        checkpoint = self._load_distributed(path, module, optimizers)
+        checkpoint = self.runtime.load(path, module, optimizers, self.global_rank)
         module.load_state_dict(checkpoint["state_dict"])
         for key, loaded in zip(saved_optimizers, checkpoint["optimizer_states"]):
             if loaded is not None:

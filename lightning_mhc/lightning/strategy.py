@@ -20,7 +20,7 @@
   parameter names (``lightning_mhc.checkpoint``): save on one layout, resume on any other.
 
 Launch, process groups, layout, RNG, the schedule, gradient reduction and checkpoints are
-``lightning_mhc.distributed.runtime.MHCParallelCore``, shared with the Fabric strategy; this class
+``lightning_mhc.distributed.runtime`` (``self.runtime``), shared with the Fabric strategy; this class
 maps the Trainer's hooks onto them.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch import Tensor
 
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.distributed.runtime import MHCParallelCore
+from lightning_mhc.distributed.runtime import StrategyProcesses, sync_replicas, with_grads
 from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.data.resumable_loader import ResumableLoader
@@ -49,10 +49,10 @@ from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
 from lightning_mhc.distributed.grads import clip_grad_norm_, global_grad_norm
 
 
-class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
+class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     """Tensor, pipeline and data parallelism with megatron-core process groups, for the Trainer.
 
-    Takes the arguments of :class:`~lightning_mhc.distributed.runtime.MHCParallelCore` (the layout:
+    Takes the arguments of :class:`~lightning_mhc.distributed.runtime.ParallelSettings` (the layout:
     ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``sequence_parallel``,
     ``virtual_pipeline_model_parallel_size``, ``num_microbatches``; ``seed``, ``timeout``,
     ``overlap_grad_reduce``, ``gradient_bucket_bytes``, ``raise_on_nonfinite_loss``,
@@ -90,7 +90,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._setup_parallel(self.lightning_module)
+        self._start_processes(self.lightning_module)
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -101,7 +101,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         self.model_to_device()
         pipelined = is_pipeline_module(self.lightning_module)
         if not pipelined:
-            self._sync_replicas(self.model)
+            sync_replicas(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             if pipelined:
                 self._skip_lightning_backward(trainer)
@@ -139,7 +139,7 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Check the data-parallel split of a loader; make a training loader resumable mid-epoch."""
         trainer = self.lightning_module.trainer
-        self._check_data_parallel_sampler(
+        self.runtime.check_data_parallel_sampler(
             dataloader, trainer.training,
             "Leave the sampler to Lightning (use_distributed_sampler=True, the default) or build it with "
             "**trainer.strategy.distributed_sampler_kwargs.")
@@ -178,11 +178,11 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         """
         trainer = module.trainer
         accumulate = trainer.accumulate_grad_batches if not forward_only else 1
-        return self._run_schedule(module, batch, forward_only, accumulate, f"global step {trainer.global_step}",
+        return self.runtime.run_schedule(module, batch, forward_only, accumulate, f"global step {trainer.global_step}",
                                   raise_on_nonfinite=self._raise_on_nonfinite(trainer))
 
     def _raise_on_nonfinite(self, trainer: pl.Trainer) -> bool:
-        return self.raise_on_nonfinite_loss or getattr(trainer, "_detect_anomaly", False)
+        return self.settings.raise_on_nonfinite_loss or getattr(trainer, "_detect_anomaly", False)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_reduce():
@@ -200,8 +200,8 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         """Gradient reduction; global-norm clipping (Lightning's own clipping that follows sees a
         local norm no larger than the clipped global one and does nothing)."""
         module = self.lightning_module
-        self._reduce_gradients(module)
-        params = self._with_grads(module.parameters())
+        self.runtime.reduce_gradients(module)
+        params = with_grads(module.parameters())
         trainer = module.trainer
         clip = trainer.gradient_clip_val
         if clip is not None and clip > 0:
@@ -238,14 +238,14 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
         staging directory; rank 0 writes ``metadata.json`` last and renames it into place."""
         if storage_options is not None:
             raise TypeError("MHCParallelStrategy.save_checkpoint does not take storage_options")
-        self._save_distributed(checkpoint, Path(filepath), self.lightning_module)
+        self.runtime.save(checkpoint, Path(filepath), self.lightning_module, self.global_rank)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint saved on any layout into this rank's stage (and, when fitting, its
         optimizers' states)."""
         trainer = self.lightning_module.trainer
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if trainer.state.fn == TrainerFn.FITTING else []
-        return self._load_distributed(checkpoint_path, self.lightning_module, optimizers)
+        return self.runtime.load(checkpoint_path, self.lightning_module, optimizers, self.global_rank)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
@@ -256,9 +256,9 @@ class MHCParallelStrategy(MHCParallelCore, ParallelStrategy):
 
     # ------------------------------------------------------------ teardown
     def teardown(self) -> None:
-        self._remove_gradient_hooks()
+        self.runtime.remove_gradient_hooks()
         super().teardown()
-        self._destroy_parallel()
+        self.runtime.stop()
         if self.preemption.signum is not None and self.launcher is not None:
             self.preemption.wait_for(getattr(self.launcher, "procs", []))  # like torchrun: the launcher goes last
         self.preemption.cancel()  # stopped cleanly: nothing left for the watchdog
