@@ -1,12 +1,16 @@
 """lightning_mhc: train mHC transformers with TP/PP/DP from one line of Lightning.
 
-Layers, each importable without the ones after it: ``recompute`` (torch
-only) <- ``model`` (megatron-core) <- ``parallel`` <- ``checkpoint`` <- ``parallelize`` <- ``fabric``
-(Lightning Fabric; what both strategies share) <- ``lightning`` (the Trainer).
-Public names are loaded on first use, so importing one layer never imports the
-layers above it, with one deliberate exception: once Lightning itself is imported, the
-registration hook imports ``fabric`` and ``lightning`` to register ``"mhc_parallel"``.
-``MHCParallelStrategy`` here is the Trainer's; Fabric's is ``lightning_mhc.fabric.MHCParallelStrategy``.
+Rooms, each importable without the ones after it: ``ops`` (the hyper-connection math, torch only)
+<- ``recompute`` (activation recompute, torch only) <- ``distributed`` (the parallel runtime:
+layout, RNG, gradient reduction, ``pipeline/``; no model) <- ``model`` (the mHC GPT on megatron-core
+layers, and its stages) <- ``checkpoint`` <- ``parallelize`` (a user's model over TP x PP x DP)
+<- ``data`` <- ``fabric`` and ``lightning`` (the two strategies, thin adapters over
+``distributed.runtime``) <- ``cli`` (the entry points and their Hydra configs). ``testing`` holds
+helpers for tests and benchmarks.
+Public names are loaded on first use, so importing one room never imports the rooms above it,
+with one deliberate exception: once Lightning itself is imported, the registration hook imports
+``fabric`` and ``lightning`` to register ``"mhc_parallel"``. ``MHCParallelStrategy`` here is the
+Trainer's; Fabric's is ``lightning_mhc.fabric.MHCParallelStrategy``.
 """
 from __future__ import annotations
 
