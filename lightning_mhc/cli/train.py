@@ -87,14 +87,26 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
     run's summary."""
     import lightning.pytorch as pl
 
-    from lightning_mhc.lightning import MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
-    from lightning_mhc.data.sources import TokenDataModule
-    from lightning_mhc.lightning.callbacks.final_step import FinalStepCheckpoint
-
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     launched_here = "LOCAL_RANK" not in os.environ
-    t, p, d = cfg.trainer, cfg.parallel, cfg.data
-    strategy = MHCParallelStrategy(
+    strategy = _build_strategy(cfg)
+    trainer, checkpoints = _build_trainer(cfg, strategy, output_dir, resolved, ckpt_path)
+    module, data = _build_module_and_data(cfg)
+    if cfg.mode != "fit":
+        return _evaluate(cfg, trainer, module, data, ckpt_path, output_dir, launched_here)
+    _fit(trainer, module, data, ckpt_path, output_dir, launched_here)
+    summary = _fit_summary(cfg, trainer, module, strategy, checkpoints, ckpt_path)
+    if trainer.global_rank == 0:
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _end_job(trainer, launched_here, failed=False)
+    return summary
+
+
+def _build_strategy(cfg: TrainConfig):
+    from lightning_mhc.lightning import MHCParallelStrategy
+
+    p = cfg.parallel
+    return MHCParallelStrategy(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
@@ -103,9 +115,21 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
         deallocate_pipeline_outputs=p.deallocate_pipeline_outputs,
         timeout=datetime.timedelta(seconds=p.timeout_s),
         seed=cfg.seed,
-        raise_on_nonfinite_loss=t.raise_on_nonfinite_loss,
+        raise_on_nonfinite_loss=cfg.trainer.raise_on_nonfinite_loss,
         measure_activation_memory=True,
     )
+
+
+def _build_trainer(cfg: TrainConfig, strategy, output_dir: Path, resolved: dict[str, Any] | None,
+                   ckpt_path: str | None):
+    """The Trainer with the recompute callback and the checkpoint callback (also returned: the
+    summary names its last checkpoint)."""
+    import lightning.pytorch as pl
+
+    from lightning_mhc.lightning import MHCRecomputeCallback
+    from lightning_mhc.lightning.callbacks.final_step import FinalStepCheckpoint
+
+    t = cfg.trainer
     recompute = MHCRecomputeCallback(
         cfg.recompute.policy,
         recompute_modules=cfg.recompute.modules(),
@@ -126,14 +150,25 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
         callbacks=[recompute, checkpoints],
         default_root_dir=str(output_dir),
     )
+    return trainer, checkpoints
+
+
+def _build_module_and_data(cfg: TrainConfig):
+    from lightning_mhc.lightning import MHCGPTModule
+    from lightning_mhc.data.sources import TokenDataModule
+
+    d = cfg.data
     module = MHCGPTModule(cfg.transformer_config(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                           warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio)
     data = TokenDataModule(source=d.source, batch_size=d.global_batch_size // cfg.data_parallel_size,
                            seq_length=d.seq_length, path=d.path, val_fraction=d.val_fraction, max_bytes=d.max_bytes,
                            synthetic_samples=d.synthetic_samples, vocab_size=cfg.model.vocab_size,
                            num_workers=d.num_workers)
-    if cfg.mode != "fit":
-        return _evaluate(cfg, trainer, module, data, ckpt_path, output_dir, launched_here)
+    return module, data
+
+
+def _fit(trainer, module, data, ckpt_path: str | None, output_dir: Path, launched_here: bool) -> None:
+    """``trainer.fit``; a run that fails (or is preempted) ends its job and raises its own error."""
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     except BaseException as error:
@@ -144,8 +179,12 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
         except Exception as cleanup:  # the run's own error is the one to report
             print(f"lightning-mhc-train: cleaning up after the failed run: {cleanup!r}", file=sys.stderr)
         raise
-    summary = dict(
-        name=cfg.name, policy=cfg.recompute.policy, devices=t.devices,
+
+
+def _fit_summary(cfg: TrainConfig, trainer, module, strategy, checkpoints, ckpt_path: str | None) -> dict[str, Any]:
+    p = cfg.parallel
+    return dict(
+        name=cfg.name, policy=cfg.recompute.policy, devices=cfg.trainer.devices,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
@@ -159,10 +198,6 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
         resumed_from=ckpt_path,
         last_checkpoint=checkpoints.last_saved,
     )
-    if trainer.global_rank == 0:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    _end_job(trainer, launched_here, failed=False)
-    return summary
 
 
 def _evaluate(cfg: TrainConfig, trainer, module, data, ckpt_path: str | None, output_dir: Path,

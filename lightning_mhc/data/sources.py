@@ -101,27 +101,8 @@ def check_data(source: str = "stdlib", path: str | None = None, seq_length: int 
     readers as ``TokenDataModule.setup``. Returns the bytes used and the windows of each split;
     raises ConfigError naming the keys, their values and the fix."""
     if source == "synthetic":
-        n_train, n_val = synthetic_samples, _synthetic_val_samples(synthetic_samples, val_fraction)
-        counts = dict(bytes=0, train_windows=n_train, val_windows=n_val)
-        if n_train < global_batch_size or (validate and n_val < global_batch_size):
-            raise ConfigError(
-                f"data.synthetic_samples={synthetic_samples} gives {n_train} training and {n_val} validation samples "
-                f"(data.val_fraction={val_fraction}); each split needs at least one global batch "
-                f"(data.global_batch_size={global_batch_size}). Raise data.synthetic_samples (or data.val_fraction), "
-                "lower data.global_batch_size, or set trainer.limit_val_batches=0 to skip validation."
-            )
-        return counts
-    if source == "text":
-        try:
-            files = text_sources(path)
-        except FileNotFoundError:
-            raise ConfigError(
-                f"data.path={str(path)!r}: no such file, or a folder without files. Give an existing text file or "
-                "folder (a relative path is taken from the directory the command was started in)."
-            ) from None
-        what = f"data.path={str(path)!r}"
-    else:
-        files, what = stdlib_sources(), "data.source=stdlib (the standard library's sources)"
+        return _check_synthetic(synthetic_samples, val_fraction, global_batch_size, validate)
+    files, what = _byte_sources(source, path)
     used = used_bytes(files, max_bytes)
     if source == "text":
         for file, size in used:
@@ -133,6 +114,44 @@ def check_data(source: str = "stdlib", path: str | None = None, seq_length: int 
     if n_bytes == 0:
         raise ConfigError(f"{what} is empty (0 bytes{' in every file' if len(files) > 1 else ''}). "
                           "Point data.path at a file or folder with text.")
+    _check_split_windows(counts, split, what, seq_length, val_fraction, max_bytes, global_batch_size, validate)
+    return counts
+
+
+def _check_synthetic(synthetic_samples: int, val_fraction: float, global_batch_size: int,
+                     validate: bool) -> dict[str, int]:
+    """``check_data`` for ``source="synthetic"``: sample counts, no bytes."""
+    n_train, n_val = synthetic_samples, _synthetic_val_samples(synthetic_samples, val_fraction)
+    counts = dict(bytes=0, train_windows=n_train, val_windows=n_val)
+    if n_train < global_batch_size or (validate and n_val < global_batch_size):
+        raise ConfigError(
+            f"data.synthetic_samples={synthetic_samples} gives {n_train} training and {n_val} validation samples "
+            f"(data.val_fraction={val_fraction}); each split needs at least one global batch "
+            f"(data.global_batch_size={global_batch_size}). Raise data.synthetic_samples (or data.val_fraction), "
+            "lower data.global_batch_size, or set trainer.limit_val_batches=0 to skip validation."
+        )
+    return counts
+
+
+def _byte_sources(source: str, path: str | None) -> tuple[list[Path], str]:
+    """The files a byte-level source reads, and how the messages name the source."""
+    if source != "text":
+        return stdlib_sources(), "data.source=stdlib (the standard library's sources)"
+    try:
+        files = text_sources(path)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"data.path={str(path)!r}: no such file, or a folder without files. Give an existing text file or "
+            "folder (a relative path is taken from the directory the command was started in)."
+        ) from None
+    return files, f"data.path={str(path)!r}"
+
+
+def _check_split_windows(counts: dict[str, int], split: int, what: str, seq_length: int, val_fraction: float,
+                         max_bytes: int, global_batch_size: int, validate: bool) -> None:
+    """Refuse a training split (or, with ``validate``, a validation split) of fewer windows than
+    one global batch."""
+    n_bytes = counts["bytes"]
     window = f"window(s) of data.seq_length+1={seq_length + 1} bytes"
     read = f"{what} gives {n_bytes} bytes" + (f" (at most data.max_bytes={max_bytes})" if n_bytes == max_bytes else "")
     if counts["train_windows"] < global_batch_size:
@@ -149,7 +168,6 @@ def check_data(source: str = "stdlib", path: str | None = None, seq_length: int 
             f"{global_batch_size}), so validation would run no batch. Raise data.val_fraction, give more text, "
             "lower data.seq_length / data.global_batch_size, or set trainer.limit_val_batches=0 to skip validation."
         )
-    return counts
 
 
 def read_bytes(files: list[Path], max_bytes: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron.core.transformer import TransformerConfig
 
+from lightning_mhc.distributed.layout import ParallelDims
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.ops import MHC_IMPLEMENTATIONS
 from lightning_mhc.recompute.policy import SUPPORTED_MODULES
@@ -144,21 +145,16 @@ class MHCTransformerConfig(TransformerConfig):
     def _validate_mhc(self, megatron_names: Mapping[str, str] | None = None) -> None:
         """Our rules and Megatron-LM's for the mHC fields. ``megatron_names``: our field -> the
         Megatron-LM spelling the user gave (``_take_megatron_names``), named in the messages."""
-        spelled = dict(megatron_names or {})
+        names = _Spelling(megatron_names)
+        self._validate_mhc_values(names)
+        self._validate_mhc_recompute(names)
+        self._validate_mhc_companions(names)
 
-        def given(field: str, value: Any) -> str:  # 'field=value' as the user wrote it
-            if field in spelled:
-                return f"{spelled[field]}={value!r} (Megatron-LM's name for {field})"
-            return f"{field}={value!r}"
-
-        enable = spelled.get("enable_hyper_connections", "enable_hyper_connections")
-        streams = spelled.get("num_residual_streams", "num_residual_streams")
-        recompute = ("'mhc' in recompute_modules (Megatron-LM's switch for recompute_hyper_connections"
-                     "=True)" if "recompute_hyper_connections" in spelled else "recompute_hyper_connections=True")
-        modules = spelled.get("recompute_modules", repr(self.recompute_modules))  # as given, 'mhc' included
+    def _validate_mhc_values(self, names: _Spelling) -> None:
+        """Each mHC field's own range (and the stream count hyper-connections off allow)."""
         if self.num_residual_streams < 1:
             raise ConfigError(
-                f"{given('num_residual_streams', self.num_residual_streams)}: need at least 1 stream "
+                f"{names.given('num_residual_streams', self.num_residual_streams)}: need at least 1 stream "
                 "(the paper uses 4)."
             )
         if self.mhc_sinkhorn_iterations < 1:
@@ -168,9 +164,10 @@ class MHCTransformerConfig(TransformerConfig):
             )
         if not self.enable_hyper_connections and self.num_residual_streams != 1:
             raise ConfigError(
-                f"{given('enable_hyper_connections', False)} with "
-                f"{given('num_residual_streams', self.num_residual_streams)}: without hyper-connections "
-                f"there is one residual stream. Set {streams}=1 or {enable}=True."
+                f"{names.given('enable_hyper_connections', False)} with "
+                f"{names.given('num_residual_streams', self.num_residual_streams)}: without hyper-connections "
+                f"there is one residual stream. Set {names.name('num_residual_streams')}=1 or "
+                f"{names.name('enable_hyper_connections')}=True."
             )
         if self.mhc_implementation not in MHC_IMPLEMENTATIONS:
             raise ConfigError(
@@ -192,6 +189,10 @@ class MHCTransformerConfig(TransformerConfig):
                 "a_res must be a finite number >= 0 (Megatron-LM refuses negative values). Use e.g. 0.01, "
                 "the paper's value."
             )
+
+    def _validate_mhc_recompute(self, names: _Spelling) -> None:
+        """The selective recompute modules, and what the hyper-connection recompute needs."""
+        modules = names.recompute_modules(self.recompute_modules)
         if self.recompute_granularity == "selective":
             unsupported = sorted(set(self.recompute_modules or []) - set(SUPPORTED_MODULES))
             if unsupported:
@@ -200,46 +201,52 @@ class MHCTransformerConfig(TransformerConfig):
                     f"this model; choose from {', '.join(SUPPORTED_MODULES)} (or 'mhc', Megatron-LM's "
                     "name for recompute_hyper_connections=True)."
                 )
-        if self.recompute_hyper_connections:
-            if not self.enable_hyper_connections:
-                raise ConfigError(
-                    f"{recompute} needs {enable}=True (got {self.enable_hyper_connections}): there "
-                    "are no hyper-connection activations to recompute. Enable hyper-connections "
-                    "or turn the hyper-connection recompute off."
-                )
-            if self.recompute_granularity != "selective":
-                raise ConfigError(
-                    f"{recompute} needs recompute_granularity='selective' "
-                    f"(got {self.recompute_granularity!r}). Set recompute_granularity='selective'."
-                )
-            if "mlp" in (self.recompute_modules or []):
-                raise ConfigError(
-                    f"{recompute} cannot be combined with 'mlp' in "
-                    f"recompute_modules={modules} (recompute_mlp): the two "
-                    "checkpoint mechanisms conflict (Megatron-LM refuses it too). Remove "
-                    "'mlp' from recompute_modules."
-                )
-            if getattr(self, "fine_grained_activation_offloading", False):
-                raise ConfigError(
-                    f"{recompute} with fine_grained_activation_offloading=True: Megatron-LM does not "
-                    "support the two together (its mHC recompute hook fires before the offloading "
-                    "chunk exists) and this model does not offload. Set "
-                    "fine_grained_activation_offloading=False."
-                )
-        if self.enable_hyper_connections:
-            if getattr(self, "mtp_num_layers", None) is not None:
-                raise ConfigError(
-                    f"{given('enable_hyper_connections', True)} with mtp_num_layers="
-                    f"{self.mtp_num_layers}: Multi-Token Prediction does not combine with "
-                    "hyper-connections (Megatron-LM refuses it too) and this model has no MTP head. "
-                    "Leave mtp_num_layers=None."
-                )
-            if getattr(self, "inference_fuse_tp_communication", False):
-                raise ConfigError(
-                    f"{given('enable_hyper_connections', True)} with inference_fuse_tp_communication="
-                    "True: the fused inference tensor-parallel path assumes one residual stream "
-                    "(Megatron-LM refuses it too). Set inference_fuse_tp_communication=False."
-                )
+        if not self.recompute_hyper_connections:
+            return
+        recompute = names.recompute_switch()
+        if not self.enable_hyper_connections:
+            raise ConfigError(
+                f"{recompute} needs {names.name('enable_hyper_connections')}=True (got "
+                f"{self.enable_hyper_connections}): there are no hyper-connection activations to recompute. "
+                "Enable hyper-connections or turn the hyper-connection recompute off."
+            )
+        if self.recompute_granularity != "selective":
+            raise ConfigError(
+                f"{recompute} needs recompute_granularity='selective' "
+                f"(got {self.recompute_granularity!r}). Set recompute_granularity='selective'."
+            )
+        if "mlp" in (self.recompute_modules or []):
+            raise ConfigError(
+                f"{recompute} cannot be combined with 'mlp' in "
+                f"recompute_modules={modules} (recompute_mlp): the two "
+                "checkpoint mechanisms conflict (Megatron-LM refuses it too). Remove "
+                "'mlp' from recompute_modules."
+            )
+        if getattr(self, "fine_grained_activation_offloading", False):
+            raise ConfigError(
+                f"{recompute} with fine_grained_activation_offloading=True: Megatron-LM does not "
+                "support the two together (its mHC recompute hook fires before the offloading "
+                "chunk exists) and this model does not offload. Set "
+                "fine_grained_activation_offloading=False."
+            )
+
+    def _validate_mhc_companions(self, names: _Spelling) -> None:
+        """Megatron features that do not combine with hyper-connections."""
+        if not self.enable_hyper_connections:
+            return
+        if getattr(self, "mtp_num_layers", None) is not None:
+            raise ConfigError(
+                f"{names.given('enable_hyper_connections', True)} with mtp_num_layers="
+                f"{self.mtp_num_layers}: Multi-Token Prediction does not combine with "
+                "hyper-connections (Megatron-LM refuses it too) and this model has no MTP head. "
+                "Leave mtp_num_layers=None."
+            )
+        if getattr(self, "inference_fuse_tp_communication", False):
+            raise ConfigError(
+                f"{names.given('enable_hyper_connections', True)} with inference_fuse_tp_communication="
+                "True: the fused inference tensor-parallel path assumes one residual stream "
+                "(Megatron-LM refuses it too). Set inference_fuse_tp_communication=False."
+            )
 
     def _validate_gpt(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -260,20 +267,13 @@ class MHCTransformerConfig(TransformerConfig):
             )
 
     def validate_tensor_parallel(self, tp_size: int) -> None:
-        """Check every dimension that tensor parallelism splits; raise naming the fix."""
-        checks = [
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_query_groups", self.num_query_groups),
-            ("ffn_hidden_size", self.ffn_hidden_size),
-            ("padded vocabulary (vocab_size padded to make_vocab_size_divisible_by)",
-             self.padded_vocab_size),
-        ]
-        for name, value in checks:
-            if value % tp_size:
-                raise ConfigError(
-                    f"{name}={value} is not divisible by tensor_model_parallel_size={tp_size}. "
-                    f"Choose a tensor-parallel size that divides {value}, or change {name.split()[0]}."
-                )
+        """Check every dimension that tensor parallelism splits (the layout's rule); raise naming the fix."""
+        ParallelDims(tp_size, model=self.split_sizes())
+
+    def split_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits in this model (``ParallelDims(model=...)``)."""
+        return {name: getattr(self, name)
+                for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "padded_vocab_size")}
 
     # --------------------------------------------------------------- derived
     @property
@@ -292,6 +292,33 @@ class MHCTransformerConfig(TransformerConfig):
             return min(self.mhc_recompute_layer_num, stage_layers)
         n = self.num_residual_streams
         return max(1, int(math.sqrt(n * stage_layers / (n + 2))))
+
+
+class _Spelling:
+    """How the user spelled the mHC fields (``_take_megatron_names``: our field -> the Megatron-LM
+    spelling given), so that ``_validate_mhc``'s messages name what the user wrote."""
+
+    def __init__(self, megatron_names: Mapping[str, str] | None) -> None:
+        self.spelled = dict(megatron_names or {})
+
+    def name(self, field: str) -> str:
+        return self.spelled.get(field, field)
+
+    def given(self, field: str, value: Any) -> str:
+        """``field=value`` as the user wrote it."""
+        if field in self.spelled:
+            return f"{self.spelled[field]}={value!r} (Megatron-LM's name for {field})"
+        return f"{field}={value!r}"
+
+    def recompute_switch(self) -> str:
+        """The switch that turned the hyper-connection recompute on."""
+        if "recompute_hyper_connections" in self.spelled:
+            return "'mhc' in recompute_modules (Megatron-LM's switch for recompute_hyper_connections=True)"
+        return "recompute_hyper_connections=True"
+
+    def recompute_modules(self, value: Any) -> str:
+        """``recompute_modules`` as given ('mhc' included: ``value`` has it removed)."""
+        return self.spelled.get("recompute_modules", repr(value))
 
 
 # ------------------------------------------------------------ layout and unsupported options

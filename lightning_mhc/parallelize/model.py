@@ -18,7 +18,7 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +39,11 @@ from lightning_mhc.parallelize.pipeline import (
 from lightning_mhc.parallelize.plan import Column, TPPlan, check_plan, resolve_plan
 from lightning_mhc.parallelize.record import InitFn, Materializer, is_meta
 from lightning_mhc.parallelize.tensor_parallel import apply_style, divide_attributes, random_region
+from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, check_policy
 from lightning_mhc.recompute.without_output import checkpoint
 from lightning_mhc.recompute.rng import rng_fork
 
 log = logging.getLogger("lightning_mhc.parallelize")
-RECOMPUTE_POLICIES = ("none", "selective", "full")
 IGNORE_INDEX = -100
 
 
@@ -238,7 +238,7 @@ def parallelize(
     loss_parallel: bool = True,
 ) -> ParallelModel:
     """This rank's part of ``model`` (built under :func:`record_module_init`) on ``layout``
-    (default: the running strategy's, see ``parallel.state.active_layout``).
+    (default: the running strategy's, see ``distributed.layout.active_layout``).
 
     Args:
         plan: the TP plan: ``"gpt2"``, ``"llama"``, a ``{module-name pattern: style}`` dict or a
@@ -255,34 +255,86 @@ def parallelize(
             (the loss is then megatron's vocab-parallel cross entropy); False gathers them.
     """
     layout = layout if layout is not None else active_layout()
+    _check_arguments(model, layout, recompute)
+    plan, parts, ranges = _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute,
+                                                 recompute_modules)
+    tp, pp, v = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                 layout.virtual_pipeline_model_parallel_size)
+    whole = _unique_numel(model)
+    hidden = _hidden_size(model, parts, hidden_size) if parts else hidden_size or 0  # (crosses no stage)
+    materializer = Materializer(model, seed, init_fn)
+    aliases = _tied_aliases(model, materializer)
+    ties = _tied_tensors(model)  # of the recorded model: materialising replaces the tensors
+    plan, vocab_parallel = _output_plan(model, plan, parts, tp, loss_parallel)
+    build = _module_builder(materializer, plan, layout, recompute)
+    last_stage = pp * v - 1
+    chunks, stage_ends = _build_chunks(model, parts, ranges, layout, build, recompute)
+    report = MaterializedReport(_unique_numel(nn.ModuleList(chunks)), whole, tp, pp)
+    model_parallel = ParallelModel(chunks, pp * v, hidden, vocab_parallel, aliases, report, _forward_kwargs(model),
+                                   recompute)
+    _connect_stages(model_parallel, stage_ends, last_stage)
+    _mark_shared_embeddings(model_parallel, materializer,
+                            _tied_across_stages(ties, parts, ranges, last_stage) if parts else ())
+    log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
+             layout.pipeline_model_parallel_rank, model_parallel.report)
+    return model_parallel
+
+
+def _build_chunks(model: nn.Module, parts: ModelParts | None, ranges: list[tuple[int, int]], layout: ParallelLayout,
+                  build: Callable[[str, nn.Module], nn.Module], recompute: str,
+                  ) -> tuple[list[nn.Module], list[tuple[int, nn.Module, nn.Module]]]:
+    """This rank's chunks, built, and each one's ``(stage, first block, last block)`` (see ``_build_stages``)."""
+    chunks, stage_ends = [], []
+    if parts is None:  # TP and DP only, no block list to split: the whole model is the one stage
+        chunks.append(build("", model))
+    else:
+        _build_stages(model, parts, ranges, layout, build, recompute, chunks, stage_ends)
+    return chunks, stage_ends
+
+
+def _check_arguments(model: nn.Module, layout: ParallelLayout, recompute: str) -> None:
+    """What ``parallelize`` refuses before it looks at the plan."""
     if not is_meta(model):
         raise ConfigError(f"parallelize() takes a model built on the meta device with its constructor arguments "
                           f"recorded: construct {type(model).__name__} inside `with record_module_init():`.")
     if layout.sequence_parallel:
         raise ConfigError("sequence_parallel=True is not supported for a model split by parallelize(): its norms and "
                           "dropouts run on the whole sequence. Set sequence_parallel=False.")
-    if recompute not in RECOMPUTE_POLICIES:
-        raise ConfigError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE_POLICIES)} for a model split "
-                          "by parallelize() (mhc_block needs hyper-connections: MHCGPTModule).")
+    check_policy(recompute, hyper_connections=False, names=WITHOUT_HYPER_CONNECTIONS)
+
+
+def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] | None, layout: ParallelLayout,
+                           blocks: str | None, pipeline_split: list[int] | list[str] | None, recompute: str,
+                           recompute_modules: tuple[str, ...] | list[str] | None,
+                           ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
+    """The checked TP plan, the model's parts (None: no block list) and each (virtual) stage's
+    ``(start, end)`` block range (``[(0, 0)]`` without a block list)."""
     plan = resolve_plan(plan)
     if recompute_modules is not None:
         plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
-    tp, pp, v = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                 layout.virtual_pipeline_model_parallel_size)
-    check_plan(model, plan, tp)
-    parts = _model_parts(model, blocks, pipelined=pp * v > 1 or recompute == "full")
-    ranges = split_blocks(len(parts.blocks), pp * v, pipeline_split, parts.block_path) if parts else [(0, 0)]
+    stages = layout.pipeline_model_parallel_size * layout.virtual_pipeline_model_parallel_size
+    check_plan(model, plan, layout.tensor_model_parallel_size)
+    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute == "full")
+    ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
     if recompute == "selective" and not plan.selective:
         raise ConfigError("recompute='selective' needs the modules to checkpoint: pass recompute_modules=[patterns] "
                           "(e.g. ['*.mlp']) or use a plan with a selective list.")
-    whole = _unique_numel(model)
-    hidden = _hidden_size(model, parts, hidden_size) if parts else hidden_size or 0  # (crosses no stage)
-    materializer = Materializer(model, seed, init_fn)
-    aliases = {name: materializer.owner_name(t)
-               for name, t in list(model.named_parameters(remove_duplicate=False))
-               + list(model.named_buffers(remove_duplicate=False))
-               if materializer.owner_name(t) != name}
-    ties = _tied_tensors(model)
+    return plan, parts, ranges
+
+
+def _tied_aliases(model: nn.Module, materializer: Materializer) -> dict[str, str]:
+    """State-dict name -> its tensor's owner's name, for the names of tensors owned under another
+    name (tied): ``ParallelModel.global_parameter_name``."""
+    return {name: materializer.owner_name(t)
+            for name, t in list(model.named_parameters(remove_duplicate=False))
+            + list(model.named_buffers(remove_duplicate=False))
+            if materializer.owner_name(t) != name}
+
+
+def _output_plan(model: nn.Module, plan: TPPlan, parts: ModelParts | None, tp: int,
+                 loss_parallel: bool) -> tuple[TPPlan, bool]:
+    """The plan, with the output layer gathering its logits where the plan splits them over the
+    vocabulary but ``loss_parallel`` is off; and whether the logits stay split (vocab-parallel loss)."""
     last_parts = parts.last if parts else [n for n, c in model.named_children() if any(True for _ in c.parameters())]
     output_name = _output_layer(model, plan, plan.output or (last_parts[-1] if last_parts else None))
     output_style = plan.style_of(output_name) if output_name else None
@@ -294,6 +346,15 @@ def parallelize(
                               f"{output_style.stride} (its parts would come out of order): keep loss_parallel=True.")
         layers = {output_name: Column(1, True), **{k: v for k, v in plan.layers.items() if k != output_name}}
         plan = dataclasses.replace(plan, layers=layers)
+    return plan, vocab_parallel
+
+
+def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout,
+                    recompute: str) -> Callable[[str, nn.Module], nn.Module]:
+    """``build(name, module)``: materialise ``module`` under its whole-model ``name`` and apply the
+    plan to it and its submodules (TP styles, divided attributes, random regions, selective
+    recompute); a module met again (shared by several parts) is returned as it is."""
+    tp = layout.tensor_model_parallel_size
 
     def replace(old: Tensor, new: Tensor) -> Tensor:
         key = materializer.meta_id(old)
@@ -322,32 +383,34 @@ def parallelize(
                 _checkpointed(sub)
         return module
 
-    last_stage = pp * v - 1
-    chunks, stage_ends = [], []
-    if parts is None:  # TP and DP only, no block list to split: the whole model is the one stage
-        chunks.append(build("", model))
-    else:
-        _build_stages(model, parts, ranges, layout, build, recompute, chunks, stage_ends)
-    report = MaterializedReport(_unique_numel(nn.ModuleList(chunks)), whole, tp, pp)
-    model_parallel = ParallelModel(chunks, pp * v, hidden, vocab_parallel, aliases, report, _forward_kwargs(model),
-                                   recompute)
+    return build
+
+
+def _connect_stages(model_parallel: ParallelModel, stage_ends: list[tuple[int, nn.Module, nn.Module]],
+                    last_stage: int) -> None:
+    """The hooks of the pipeline contract: a stage's first block takes the previous stage's
+    activations, its last block ends the forward before the last stage, and a first-stage part
+    run after the blocks is refused (``FirstStageStub``)."""
     for chunk, (stage, first_block, last_block) in enumerate(stage_ends):
         if stage > 0:  # takes the previous stage's activations
             first_block.register_forward_pre_hook(functools.partial(model_parallel._take_input, chunk),
                                                   with_kwargs=True)
         if stage < last_stage:  # the stage ends here
             last_block.register_forward_hook(functools.partial(model_parallel._stop, chunk))
-    for chunk in chunks:
+    for chunk in model_parallel.chunks:
         for stub in chunk.modules():
             if isinstance(stub, FirstStageStub):
                 stub.register_forward_pre_hook(model_parallel._stub_called)
-    for meta_id in _tied_across_stages(ties, parts, ranges, last_stage) if parts else ():
+
+
+def _mark_shared_embeddings(model_parallel: ParallelModel, materializer: Materializer,
+                            tied_across: Iterable[int]) -> None:
+    """Mark the tensors of ``tied_across`` (meta ids) that this rank holds: their gradient is summed
+    between the first and the last stage."""
+    for meta_id in tied_across:
         held = materializer.real.get(meta_id)
         if held is not None and any(p is held for p in model_parallel.parameters()):
-            held.shared_embedding = True  # its gradient is summed between the first and the last stage
-    log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
-             layout.pipeline_model_parallel_rank, model_parallel.report)
-    return model_parallel
+            held.shared_embedding = True
 
 
 def _model_parts(model: nn.Module, blocks: str | None, pipelined: bool) -> ModelParts | None:

@@ -23,10 +23,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.lightning.modules.base import PipelinedLMModule
 from lightning_mhc.parallelize.model import ParallelModel, parallelize
-from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, check_policy
+from lightning_mhc.recompute.policy import check_policy
+
+
+_CALLBACK_NAMES = KeyNames({
+    "policy": lambda policy: (f"MHCRecomputeCallback({policy!r}): a model split by parallelize() has no "
+                              f"hyper-connections; policy {policy!r}"),
+    "enable_hyper_connections": lambda _: "them (MHCGPTModule has them)",
+}, show=repr)
+"""How the recompute policy's rules name the callback's choice for a model split by parallelize()."""
 
 
 class ParallelLMModule(PipelinedLMModule):
@@ -60,7 +68,7 @@ class ParallelLMModule(PipelinedLMModule):
 
     def configure_recompute(self, policy: str) -> None:
         """Called by ``MHCRecomputeCallback`` before ``configure_model``."""
-        check_policy(policy, hyper_connections=False, names=WITHOUT_HYPER_CONNECTIONS)
+        check_policy(policy, hyper_connections=False, names=_CALLBACK_NAMES)
         self.recompute_policy = policy
 
     def check_recompute(self) -> None:
