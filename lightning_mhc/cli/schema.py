@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_mhc.model.activations import ACTIVATIONS
-from lightning_mhc.distributed.layout import ParallelDims
+from lightning_mhc.distributed.layout import ParallelDims, check_interleaved_microbatches
 from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.ops import MHC_IMPLEMENTATIONS
 from lightning_mhc.recompute.policy import POLICIES, check_policy
@@ -47,7 +47,8 @@ CONFIG_NAMES = KeyNames({
                                              "virtual_pipeline_model_parallel_size", "sequence_parallel")},
     **{name: f"model.{name}" for name in ("num_layers", "num_attention_heads", "hidden_size", "num_query_groups")},
     "world_size": "trainer.devices", "seq_length": "data.seq_length",
-}, show=show)
+    "num_microbatches": "data.global_batch_size / (data.micro_batch_size x DP) = {}",
+}, show=show, keys={"num_microbatches": "data.global_batch_size"})
 """How the layout's rules name the config keys."""
 
 
@@ -321,13 +322,8 @@ class TrainConfig:
                 "(TP * PP)). Change data.global_batch_size or data.micro_batch_size."
             )
         v, pp = self.parallel.virtual_pipeline_model_parallel_size, self.parallel.pipeline_model_parallel_size
-        if v is not None and v > 1 and self.num_microbatches % pp:
-            raise ConfigError(
-                f"parallel.virtual_pipeline_model_parallel_size={v}: the interleaved schedule needs a number of "
-                f"microbatches (data.global_batch_size / (data.micro_batch_size x DP) = {self.num_microbatches}) "
-                f"that is a multiple of parallel.pipeline_model_parallel_size={pp} (megatron's rule). Change "
-                "data.global_batch_size."
-            )
+        if v is not None and v > 1:
+            check_interleaved_microbatches(self.num_microbatches, pp, names=CONFIG_NAMES)
         explicit = self.parallel.num_microbatches
         if explicit is not None and explicit != self.num_microbatches:
             raise ConfigError(

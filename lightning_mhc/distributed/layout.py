@@ -225,6 +225,28 @@ class ParallelDims:
                 )
 
 
+def check_interleaved_microbatches(num_microbatches: int, pipeline_size: int, group: int | None = None,
+                                   names: KeyNames = RUNTIME_NAMES) -> int:
+    """Megatron's rule for the interleaved schedule (virtual pipeline): microbatches run in groups
+    of ``group`` (default: the PP size) per model chunk, ``p <= group <= m``, and a last group
+    shorter than ``p`` would stall the pipeline. Returns the group size."""
+    m, p, t = num_microbatches, pipeline_size, names.term
+    group = group or p
+    multiple = t("pipeline_model_parallel_size", p) if group == p else f"the group size {group}"
+    needs = f"the interleaved schedule needs a number of microbatches ({t('num_microbatches', m)}) that is a " \
+            f"multiple of {multiple} (megatron's rule)"
+    fix = f"Change {names.key('num_microbatches')}, or drop the virtual pipeline."
+    if not p <= group <= m:
+        raise ConfigError(f"the interleaved pipeline schedule runs microbatches in groups of {group} per model chunk, "
+                          f"which must lie in [{t('pipeline_model_parallel_size', p)}, {t('num_microbatches', m)}]: "
+                          f"{needs}, at least {max(p, group)}. {fix}")
+    if 0 < m % group < p:
+        raise ConfigError(f"{t('num_microbatches', m)} leaves a last group of {m % group} microbatches for the "
+                          f"interleaved schedule (groups of {group}): it must be 0 or at least "
+                          f"{t('pipeline_model_parallel_size', p)}, else the pipeline stalls; {needs}. {fix}")
+    return group
+
+
 def initialize_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,

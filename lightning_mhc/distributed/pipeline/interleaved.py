@@ -34,26 +34,7 @@ from lightning_mhc.distributed.pipeline.common import (
     reduce_loss,
     set_input,
 )
-from lightning_mhc.distributed.layout import ParallelLayout
-
-
-def check_interleaved_microbatches(num_microbatches: int, pipeline_size: int, group: int | None = None) -> int:
-    """Megatron's rule for the interleaved schedule; returns the group size."""
-    m, p = num_microbatches, pipeline_size
-    group = group or p
-    if not p <= group <= m:
-        raise ConfigError(
-            f"the interleaved pipeline schedule runs microbatches in groups of {group} per model chunk, which "
-            f"must lie in [pipeline_model_parallel_size={p}, num_microbatches={m}]: use at least {max(p, group)} "
-            f"microbatches (a multiple of {p}), or no virtual pipeline."
-        )
-    if 0 < m % group < p:
-        raise ConfigError(
-            f"num_microbatches={m} leaves a last group of {m % group} microbatches for the interleaved schedule "
-            f"(groups of {group}); it must be 0 or at least pipeline_model_parallel_size={p} (megatron's rule, "
-            f"else the pipeline stalls): use a multiple of {group} microbatches."
-        )
-    return group
+from lightning_mhc.distributed.layout import ParallelLayout, check_interleaved_microbatches
 
 
 def schedule_table(num_microbatches: int, num_chunks: int, group: int) -> list[tuple[int, int]]:
