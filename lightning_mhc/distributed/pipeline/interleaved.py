@@ -24,7 +24,6 @@ import torch
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 from torch import Tensor
 
-from lightning_mhc.errors import ConfigError
 from lightning_mhc.distributed.pipeline.p2p import PipelineP2P
 from lightning_mhc.distributed.pipeline.common import (
     ForwardStep,
