@@ -15,6 +15,7 @@ a Fabric loop calls ``fabric.backward`` / ``strategy.forward_backward`` (``fabri
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -52,6 +53,18 @@ from lightning_mhc.errors import ConfigError
 from lightning_mhc.recompute.memory import ActivationMemoryMeter
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def destroy_default_group() -> None:
+    """At exit, while the interpreter is still whole: destroy the process group this strategy made.
+
+    Lightning leaves the default group alive after ``fit`` (so that ``save_checkpoint``, ``validate``
+    … can follow). Left to interpreter finalization, gloo's worker threads may still hold tensors
+    whose release needs the GIL, and the process dies with SIGABRT ("terminate called without an
+    active exception") after a run that succeeded — seen on our 2-rank ``Trainer.fit``."""
+    if dist.is_initialized():
+        destroy_parallel()
+        dist.destroy_process_group()
 
 
 @dataclasses.dataclass
@@ -180,6 +193,7 @@ class ParallelRuntime:
             if root_device.type != "cpu":
                 kwargs["device_id"] = root_device
             _init_dist_connection(cluster_environment, s.process_group_backend, **kwargs)
+            atexit.register(destroy_default_group)
         self.layout = initialize_parallel(
             s.tensor_model_parallel_size, s.pipeline_model_parallel_size, timeout=s.timeout,
             sequence_parallel=s.sequence_parallel,

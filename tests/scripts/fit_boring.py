@@ -1,6 +1,7 @@
 """Lightning's BoringModel (no pipeline contract) under MHCParallelStrategy(): data parallel."""
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 
@@ -20,8 +21,14 @@ class SeedPerRankBoring(BoringModel):
             self.layer.weight.add_(float(self.trainer.global_rank))
 
 
+def report_group_at_exit() -> None:
+    # registered before the strategy's own exit hook, so it runs after it
+    print(f"process group alive at exit: {dist.is_initialized()}", file=sys.stderr)
+
+
 def main() -> None:
     out = sys.argv[1]
+    atexit.register(report_group_at_exit)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MHCParallelStrategy(), max_steps=4,
                          limit_val_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
