@@ -74,7 +74,7 @@ def test_data_position_is_by_global_sample_and_refuses_another_global_batch():
         return ResumableLoader(DataLoader(list(range(64)), batch_size=batch), lambda: (1, 3), dp)
 
     state = loader(8, 1).state_dict()
-    assert state == dict(epoch=1, batches_completed=3, global_batch_size=8, global_sample_index=24)
+    assert state == dict(epoch=1, batches_completed=3, global_batch_size=8, consumed_samples=24)
     loader(4, 2).load_state_dict(state)  # DP 1 -> 2 with the same global batch: the same samples
     with pytest.raises(ConfigError, match=r"global batches of 8 .* this run's global batch is 16 \(8 x 2\)"):
         loader(8, 2).load_state_dict(state)

@@ -41,25 +41,19 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     return OmegaConf.to_object(cfg)
 
 
-def absolute_data_path(cfg: TrainConfig) -> TrainConfig:
-    """``data.path`` taken from the directory the command was started in (Hydra changes into the
-    run directory), with ``~`` expanded; the run reads this absolute path."""
-    from hydra.utils import to_absolute_path
-
-    if cfg.data.path:
-        cfg.data.path = to_absolute_path(os.path.expanduser(cfg.data.path))
-    return cfg
-
-
 def check_machine(cfg: TrainConfig) -> None:
     """What the config asks of this machine: data that fills the batches (``check_data``, reading
     only file sizes and first bytes) and the GPUs for ``trainer.devices``."""
+    from lightning_mhc.data.megatron import check_indexed_data, parse_blend
     from lightning_mhc.data.sources import check_data
 
     d, t = cfg.data, cfg.trainer
-    check_data(source=d.source, path=d.path, seq_length=d.seq_length, val_fraction=d.val_fraction,
-               max_bytes=d.max_bytes, synthetic_samples=d.synthetic_samples, global_batch_size=d.global_batch_size,
-               validate=t.limit_val_batches > 0)
+    if d.source == "megatron":
+        check_indexed_data(parse_blend(d.blend)[0], d.split, cfg.num_samples)
+    else:
+        check_data(source=d.source, path=d.path, seq_length=d.seq_length, val_fraction=d.val_fraction,
+                   max_bytes=d.max_bytes, synthetic_samples=d.synthetic_samples,
+                   global_batch_size=d.global_batch_size, validate=t.limit_val_batches > 0)
     if t.accelerator in ("gpu", "cuda"):
         import torch
 
@@ -178,7 +172,7 @@ def _check_job(config_name: str, overrides: list[str]) -> str | None:
     except (HydraException, OmegaConfBaseException) as error:
         return hydra_error_message(error, overrides)
     try:
-        train_cfg = absolute_data_path(to_train_config(cfg))
+        train_cfg = to_train_config(cfg)
         check_machine(train_cfg)
         if train_cfg.ckpt_path not in (None, "last"):  # 'last' needs the run directory: checked in the run
             resolve_ckpt_path(train_cfg, Path.cwd())

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "transformer-engine",
               "transformer-engine-float16", "32", "16", "bf16", "64")
 """Lightning's precision names (``Trainer(precision=...)``)."""
-DATA_SOURCES = ("stdlib", "text", "synthetic")
+DATA_SOURCES = ("stdlib", "text", "synthetic", "megatron")
+BYTE_VOCAB = 256
+"""The vocabulary of the byte-level sources (stdlib, text)."""
 LOGGERS = ("csv", "wandb", "none")
 
 
@@ -85,7 +88,10 @@ class ModelConfig:
     num_attention_heads: int = 4
     num_query_groups: Optional[int] = None
     ffn_hidden_size: Optional[int] = None
-    vocab_size: int = 256
+    vocab_size: Optional[int] = None
+    """null: from the data (256 for bytes, the tokenizer's for data=megatron)."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding and output layer are padded to a multiple of this; the padding never gets probability."""
     max_sequence_length: int = 128
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -104,9 +110,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"model.activation={self.activation!r}: choose one of {', '.join(ACTIVATIONS)}.")
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "max_sequence_length",
+                     "make_vocab_size_divisible_by"):
             _at_least(f"model.{name}", getattr(self, name), 1)
-        for name in ("num_query_groups", "ffn_hidden_size"):
+        for name in ("num_query_groups", "ffn_hidden_size", "vocab_size"):
             if getattr(self, name) is not None:
                 _at_least(f"model.{name}", getattr(self, name), 1,
                           f"Set model.{name} to a positive integer, or null for the default.")
@@ -170,8 +177,17 @@ class RecomputeConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    """'stdlib' (bytes of the Python standard library's sources), 'text' (data.path) or 'synthetic'."""
+    """'stdlib' (bytes of the Python standard library's sources), 'text' (data.path), 'synthetic', or
+    'megatron' (indexed datasets: data.blend, data.tokenizer, data.split)."""
     path: Optional[str] = None
+    blend: Any = None
+    """data=megatron: a prefix, or weights and prefixes as Megatron's --data-path: [0.7,PATH_A,0.3,PATH_B]."""
+    tokenizer: Optional[str] = None
+    """data=megatron: the tokenizer.json the data was preprocessed with (or its directory, 'byte', 'sample')."""
+    split: Any = "969,30,1"
+    """data=megatron: train, validation, test shares of each prefix's documents ('969,30,1' or [90,10,0])."""
+    cache_dir: Optional[str] = None
+    """data=megatron: where megatron writes its index caches (null: <run directory>/data_cache)."""
     seq_length: int = 64
     micro_batch_size: int = 4
     global_batch_size: int = 8
@@ -181,12 +197,53 @@ class DataConfig:
     num_workers: int = 0
 
     def __post_init__(self) -> None:
-        _one_of("data.source", self.source, DATA_SOURCES, "Choose data=stdlib|text|synthetic.")
+        _one_of("data.source", self.source, DATA_SOURCES, "Choose data=stdlib|text|synthetic|megatron.")
         for name in ("seq_length", "micro_batch_size", "global_batch_size", "max_bytes", "synthetic_samples"):
             _at_least(f"data.{name}", getattr(self, name), 1)
         _at_least("data.num_workers", self.num_workers, 0, "Set data.num_workers=0 (load in the main process) or more.")
         _require(_is_number(self.val_fraction) and 0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction,
                  "in (0, 1)", "Set data.val_fraction to the share of the data held out for validation, e.g. 0.05.")
+        if self.source == "megatron":
+            self._check_megatron()
+        self._absolute_paths()
+
+    def _check_megatron(self) -> None:
+        from lightning_mhc.data.megatron import check_split, parse_blend
+
+        if self.blend is None or not self.tokenizer:
+            raise ConfigError("data=megatron reads indexed datasets: give data.blend=<prefix> (or "
+                              "[0.7,PATH_A,0.3,PATH_B]) and data.tokenizer=<tokenizer.json> (lightning-mhc-preprocess "
+                              "writes the prefix <output-prefix>_text_document).")
+        prefixes, weights = parse_blend(self.blend)
+        self.blend = prefixes if weights is None else [x for pair in zip(weights, prefixes) for x in pair]
+        if isinstance(self.split, (list, tuple)):  # data.split=[90,10,0]: Hydra reads 90,10,0 unquoted as a sweep
+            self.split = ",".join(str(share) for share in self.split)
+        check_split(self.split)
+
+    def _absolute_paths(self) -> None:
+        """Paths from the directory the command was started in (Hydra changes into the run
+        directory), ``~`` expanded: the run reads these absolute paths."""
+        from hydra.utils import to_absolute_path
+
+        def absolute(path: str) -> str:
+            return to_absolute_path(os.path.expanduser(path))
+
+        if self.path:
+            self.path = absolute(self.path)
+        if self.cache_dir:
+            self.cache_dir = absolute(self.cache_dir)
+        if self.tokenizer and self.tokenizer not in ("byte", "sample"):
+            self.tokenizer = absolute(self.tokenizer)
+        if self.source == "megatron":
+            self.blend = [item if isinstance(item, float) else absolute(item) for item in self.blend]
+
+    def tokenizer_vocab_size(self) -> int:
+        """The vocabulary the data needs: the tokenizer's (data=megatron) or the bytes'."""
+        if self.source != "megatron":
+            return BYTE_VOCAB
+        from lightning_mhc.data.tokenizers import load_tokenizer
+
+        return load_tokenizer(self.tokenizer).vocab_size
 
 
 @dataclass
@@ -205,6 +262,8 @@ class TrainerConfig:
     """Stop the run at a NaN/inf loss (MHCParallelStrategy(raise_on_nonfinite_loss=...)); false: skip that step."""
     detect_anomaly: bool = False
     """Lightning's Trainer(detect_anomaly=...): torch's autograd anomaly detection (slow)."""
+    peak_tflops: Optional[float] = None
+    """One device's peak TFLOP/s for the logged mfu; null: the figure of a known GPU, none on CPU."""
 
     def __post_init__(self) -> None:
         _one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
@@ -213,6 +272,9 @@ class TrainerConfig:
         _at_least("trainer.max_steps", self.max_steps, 1, "Set trainer.max_steps to the optimizer steps to train, >= 1.")
         for name in ("val_check_interval", "log_every_n_steps", "checkpoint_every_n_steps"):
             _at_least(f"trainer.{name}", getattr(self, name), 1, f"Set trainer.{name} to a number of steps, >= 1.")
+        if self.peak_tflops is not None:
+            _positive("trainer.peak_tflops", self.peak_tflops, "Set trainer.peak_tflops to one device's peak "
+                      "TFLOP/s (e.g. 989 for an H100's bf16), or null for the known GPUs' figures.")
         _at_least("trainer.limit_val_batches", self.limit_val_batches, 0,
                   "Set trainer.limit_val_batches to the validation batches per check (0: no validation).")
         _require(_is_number(self.gradient_clip_val) and self.gradient_clip_val >= 0, "trainer.gradient_clip_val",
@@ -308,6 +370,21 @@ class TrainConfig:
         return self.trainer.devices // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
     @property
+    def vocab_size(self) -> int:
+        """``model.vocab_size``, or the data's when it is null (padded by the model)."""
+        return self.model.vocab_size or self.data.tokenizer_vocab_size()
+
+    @property
+    def num_samples(self) -> list[int | None]:
+        """data=megatron: the samples to build per split, as Megatron counts them (train: steps x
+        global batch; validation, or test with mode=test: the batches one evaluation reads; None:
+        megatron's one epoch, which may be empty)."""
+        batch = self.data.global_batch_size
+        held_out = self.trainer.limit_val_batches * batch or None
+        return [self.trainer.max_steps * batch, held_out if self.mode != "test" else None,
+                held_out if self.mode == "test" else None]
+
+    @property
     def num_microbatches(self) -> int:
         d = self.data
         return d.global_batch_size // (d.micro_batch_size * self.data_parallel_size)
@@ -333,9 +410,12 @@ class TrainConfig:
             )
         if d.source == "text" and not d.path:
             raise ConfigError("data.source=text needs data.path (a text file or a folder): add data.path=/path/to/text.")
-        if d.source != "synthetic" and self.model.vocab_size < 256:
+        needed, given = d.tokenizer_vocab_size(), self.model.vocab_size
+        if d.source != "synthetic" and given is not None and given < needed:
+            what = f"its tokenizer {d.tokenizer!r} has {needed} tokens" if d.source == "megatron" else "bytes need 256"
             raise ConfigError(
-                f"data.source={d.source} is byte-level and needs model.vocab_size >= 256 (got {self.model.vocab_size})."
+                f"model.vocab_size={given} is smaller than the data's vocabulary (data.source={d.source}: {what}). "
+                "Leave model.vocab_size=null to take the data's, or raise it."
             )
         if d.seq_length > self.model.max_sequence_length:
             raise ConfigError(
@@ -349,6 +429,7 @@ class TrainConfig:
         from lightning_mhc.recompute.policy import configure_recompute
 
         kwargs = self.model.transformer_kwargs()
+        kwargs["vocab_size"] = self.vocab_size
         kwargs["max_sequence_length"] = max(kwargs["max_sequence_length"], self.data.seq_length)
         config = MHCTransformerConfig(**kwargs)
         config.validate_tensor_parallel(self.parallel.tensor_model_parallel_size)

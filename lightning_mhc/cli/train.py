@@ -38,7 +38,6 @@ from lightning_mhc.cli.schema import TrainConfig
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.cli.preflight import (
     CONF_DIR,
-    absolute_data_path,
     check_command_line,
     check_machine,
     resolve_ckpt_path,
@@ -91,7 +90,7 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
     launched_here = "LOCAL_RANK" not in os.environ
     strategy = _build_strategy(cfg)
     trainer, checkpoints = _build_trainer(cfg, strategy, output_dir, resolved, ckpt_path)
-    module, data = _build_module_and_data(cfg)
+    module, data = _build_module_and_data(cfg, output_dir)
     if cfg.mode != "fit":
         return _evaluate(cfg, trainer, module, data, ckpt_path, output_dir, launched_here)
     _fit(trainer, module, data, ckpt_path, output_dir, launched_here)
@@ -153,18 +152,30 @@ def _build_trainer(cfg: TrainConfig, strategy, output_dir: Path, resolved: dict[
     return trainer, checkpoints
 
 
-def _build_module_and_data(cfg: TrainConfig):
+def _build_module_and_data(cfg: TrainConfig, output_dir: Path):
     from lightning_mhc.lightning import MHCGPTModule
+
+    module = MHCGPTModule(cfg.transformer_config(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                          warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
+                          peak_flops=cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else None)
+    return module, _build_data(cfg, output_dir)
+
+
+def _build_data(cfg: TrainConfig, output_dir: Path):
+    d = cfg.data
+    if d.source == "megatron":
+        from lightning_mhc.data.megatron import MegatronDataModule
+
+        return MegatronDataModule(
+            blend=d.blend, tokenizer=d.tokenizer, seq_length=d.seq_length, global_batch_size=d.global_batch_size,
+            split=d.split, seed=cfg.seed, cache_dir=d.cache_dir or str(output_dir / "data_cache"),
+            num_samples=cfg.num_samples, num_workers=d.num_workers)
     from lightning_mhc.data.sources import TokenDataModule
 
-    d = cfg.data
-    module = MHCGPTModule(cfg.transformer_config(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                          warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio)
-    data = TokenDataModule(source=d.source, batch_size=d.global_batch_size // cfg.data_parallel_size,
-                           seq_length=d.seq_length, path=d.path, val_fraction=d.val_fraction, max_bytes=d.max_bytes,
-                           synthetic_samples=d.synthetic_samples, vocab_size=cfg.model.vocab_size,
+    return TokenDataModule(source=d.source, global_batch_size=d.global_batch_size, seq_length=d.seq_length,
+                           path=d.path, val_fraction=d.val_fraction, max_bytes=d.max_bytes,
+                           synthetic_samples=d.synthetic_samples, vocab_size=cfg.vocab_size, seed=cfg.seed,
                            num_workers=d.num_workers)
-    return module, data
 
 
 def _fit(trainer, module, data, ckpt_path: str | None, output_dir: Path, launched_here: bool) -> None:
@@ -281,7 +292,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     launched_here = "LOCAL_RANK" not in os.environ
     try:
-        train_cfg = absolute_data_path(to_train_config(cfg))
+        train_cfg = to_train_config(cfg)
         if launched_here and not preflight.checked:  # main checked it already; a launched child's parent did
             check_machine(train_cfg)
         ckpt_path = resolve_ckpt_path(train_cfg, output_dir)

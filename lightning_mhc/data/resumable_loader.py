@@ -1,5 +1,9 @@
 """Mid-epoch resume for any training DataLoader: skip what the restored run already consumed.
 
+A loader whose sampler is a ``ConsumedSamplesSampler`` (our data modules') skips by position:
+the sampler starts at the restored ``consumed_samples`` and no earlier sample is read. Any other
+loader skips by reading, as described next.
+
 Lightning resumes a loader mid-epoch only if the loader is *stateful*
 (``state_dict`` / ``load_state_dict``); otherwise it restarts the epoch's
 iterator from the first batch while its counters continue, so a resumed run
@@ -12,8 +16,8 @@ prefetched). With a sampler seeded per epoch (the ``DistributedSampler``
 that ``MHCParallelStrategy`` makes Lightning insert) the resumed run then sees
 exactly the batches the uninterrupted run saw.
 
-The data position is also recorded by global sample index (batches completed x per-rank batch
-x data-parallel size). A checkpoint resumes on another data-parallel size when the global batch
+The data position is also recorded as ``consumed_samples`` (batches completed x per-rank batch
+x data-parallel size, Megatron's name). A checkpoint resumes on another data-parallel size when the global batch
 stays the same (``lightning-mhc-train`` keeps ``data.global_batch_size``): the
 ``DistributedSampler`` deals the epoch's permutation round-robin, so the first ``k`` global
 batches are the same samples under every DP size. A different global batch is refused.
@@ -37,6 +41,7 @@ from typing import Any, Callable, Iterator
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mhc.data.samplers import ConsumedSamplesSampler
 from lightning_mhc.errors import ConfigError
 
 _OWN = frozenset({"_loader", "_position", "_resuming", "_data_parallel_size"})
@@ -68,16 +73,15 @@ class ResumableLoader:
         checks that the global batch is the saving run's."""
         epoch, batches = self._position()
         state = {"epoch": int(epoch), "batches_completed": int(batches)}
-        if self.global_batch_size:
-            state.update(global_batch_size=self.global_batch_size,
-                         global_sample_index=int(batches) * self.global_batch_size)
+        if self.global_batch_size:  # consumed_samples: Megatron's name for the data position
+            state.update(global_batch_size=self.global_batch_size, consumed_samples=int(batches) * self.global_batch_size)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, current = state.get("global_batch_size"), self.global_batch_size
         if saved and current and saved != current:
             raise ConfigError(
-                f"the checkpoint's run read {state.get('global_sample_index')} samples of epoch {state.get('epoch')} "
+                f"the checkpoint's run read {state.get('consumed_samples')} samples of epoch {state.get('epoch')} "
                 f"in global batches of {saved} (per-rank batch x data-parallel size); this run's global batch is "
                 f"{current} ({getattr(self._loader, 'batch_size', None)} x {self._data_parallel_size}). Resume with "
                 f"a global batch of {saved}: per-rank batch_size = {saved} / data-parallel size "
@@ -123,8 +127,14 @@ class _LazySkippingIterator:
         if self._iterator is None:
             epoch, completed = self._position()
             _set_sampler_epoch(self._loader, epoch)
-            self._iterator = iter(self._loader)
             skip = completed if self._skip else 0
+            sampler = getattr(self._loader, "sampler", None)
+            if skip and isinstance(sampler, ConsumedSamplesSampler):
+                sampler.start_at(skip * sampler.global_batch_size)
+                rank_zero_info(f"resuming mid-epoch at consumed_samples={skip * sampler.global_batch_size} "
+                               f"(batch {skip} of epoch {epoch}): no earlier sample is read")
+                skip = 0
+            self._iterator = iter(self._loader)
             if skip:
                 rank_zero_info(f"resuming mid-epoch: skipping the {skip} batches this epoch already consumed")
                 for _ in range(skip):

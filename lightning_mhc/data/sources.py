@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_mhc.data.samplers import global_batch_loader
 from lightning_mhc.errors import ConfigError
 
 HEAD_BYTES = 1 << 16
@@ -199,21 +200,22 @@ class ByteWindows(Dataset):
 class TokenDataModule(pl.LightningDataModule):
     """Train/validation loaders for 'stdlib', 'text' or 'synthetic' data.
 
-    ``batch_size`` is the per-data-parallel-rank batch (global batch / DP); the
-    strategy's sampler gives each DP rank its own part of the data.
+    ``global_batch_size`` samples per optimizer step over all data-parallel ranks: each DP rank
+    reads its slice of every global batch (``ConsumedSamplesSampler``; the training order is a
+    permutation seeded by ``seed`` and the epoch), and a resumed run starts at its consumed samples.
     """
 
-    def __init__(self, source: str = "stdlib", batch_size: int = 8, seq_length: int = 64,
+    def __init__(self, source: str = "stdlib", global_batch_size: int = 8, seq_length: int = 64,
                  path: str | None = None, val_fraction: float = 0.05, max_bytes: int = 2_000_000,
-                 synthetic_samples: int = 512, vocab_size: int = 256, num_workers: int = 0) -> None:
+                 synthetic_samples: int = 512, vocab_size: int = 256, seed: int = 0, num_workers: int = 0) -> None:
         super().__init__()
         if source not in ("stdlib", "text", "synthetic"):
             raise ValueError(f"data.source={source!r}: choose stdlib, text or synthetic.")
         if source != "synthetic" and vocab_size < 256:
             raise ValueError(f"byte-level data needs model.vocab_size >= 256 (got {vocab_size}).")
-        self.source, self.batch_size, self.seq_length, self.path = source, batch_size, seq_length, path
+        self.source, self.global_batch_size, self.seq_length, self.path = source, global_batch_size, seq_length, path
         self.val_fraction, self.max_bytes, self.num_workers = val_fraction, max_bytes, num_workers
-        self.synthetic_samples, self.vocab_size = synthetic_samples, vocab_size
+        self.synthetic_samples, self.vocab_size, self.seed = synthetic_samples, vocab_size, seed
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -232,8 +234,8 @@ class TokenDataModule(pl.LightningDataModule):
         self.val_set = ByteWindows(data[split:], self.seq_length)
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=True,
-                          num_workers=self.num_workers)
+        return global_batch_loader(dataset, self.global_batch_size, self.trainer, shuffle=shuffle, seed=self.seed,
+                                   num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

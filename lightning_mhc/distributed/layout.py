@@ -338,13 +338,19 @@ def destroy_parallel() -> None:
             pass
 
 
+def ensure_default_group() -> None:
+    """A one-rank gloo default group when there is none: megatron-core's layers and dataset
+    builders call ``torch.distributed`` even in one process."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 def single_process_layout() -> ParallelLayout:
     """TP = PP = DP = 1 in this process, for using a whole model outside a parallel run (loading
     a checkpoint, generating): megatron's layers need an initialised default group and TP group,
     so a one-rank gloo group is made when there is none. In a process of a larger world, the
     current layout must already be TP = PP = 1."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ensure_default_group()
     if parallel_state.model_parallel_is_initialized():
         layout = current_layout()
         if layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size != 1:

@@ -8,7 +8,7 @@ A middle stage receives its input through :meth:`set_input_tensor`.
 from __future__ import annotations
 
 import torch
-from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron.core.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from megatron.core.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from torch import Tensor
 
@@ -196,10 +196,24 @@ class GPTModel(torch.nn.Module):
             return hidden_states
 
         logits, _ = self.output_layer(hidden_states, weight=self.output_weight())  # [s, b, V/tp]
+        logits = mask_vocab_padding(logits, self.config.vocab_size)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
         return loss.transpose(0, 1).contiguous()
+
+
+def mask_vocab_padding(logits: Tensor, vocab_size: int) -> Tensor:
+    """Vocab-parallel logits ``[..., V/tp]`` with the padding columns (global index >= ``vocab_size``)
+    at -inf: the padded rows of the output layer never receive probability, in the loss or in
+    sampling. The softmax's maximum is taken over all TP ranks, so a rank holding only padding
+    is safe."""
+    local = logits.shape[-1]
+    start = get_tensor_model_parallel_rank() * local
+    if start + local <= vocab_size:
+        return logits
+    padding = torch.arange(start, start + local, device=logits.device) >= vocab_size
+    return logits.masked_fill(padding, float("-inf"))
 
 
 def gpt_forward_step(model: GPTModel, microbatch: dict) -> Tensor:

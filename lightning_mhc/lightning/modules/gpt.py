@@ -21,6 +21,7 @@ from lightning_mhc.model.config import (
     with_parallel_layout,
 )
 from lightning_mhc.model.config_dict import is_plain, model_config_from_dict, model_config_to_dict
+from lightning_mhc.model.flops import device_peak_flops, training_flops_per_token
 from lightning_mhc.model.gpt import GPTModel, gpt_forward_step, gpt_loss_func
 from lightning_mhc.model.stages import build_gpt_chunks
 from lightning_mhc.distributed.layout import ParallelLayout, current_layout
@@ -34,7 +35,8 @@ class MHCGPTModule(PipelinedLMModule):
     optionally ``loss_mask``. ``configure_model`` builds only this rank's
     pipeline stage; the strategy runs the 1F1B schedule over the microbatches
     of each batch. Logged: ``train_loss``, ``val_loss``, ``lr``, ``grad_norm``,
-    ``tokens_per_sec`` and memory (``max_rss_mb``, ``max_cuda_mb`` on GPU).
+    ``tokens_per_sec``, ``tokens_consumed``, ``mfu`` (model FLOPs utilisation, where the device's
+    peak is known) and memory (``max_rss_mb``, ``max_cuda_mb`` on GPU).
 
     Subclass it to change the loss, the optimizer or the data::
 
@@ -63,6 +65,8 @@ class MHCGPTModule(PipelinedLMModule):
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr``
             at ``trainer.max_steps`` (constant after warm-up when max_steps is unset).
         recompute_policy / recompute_kwargs: set by ``MHCRecomputeCallback``.
+        peak_flops: one device's peak FLOP/s, for the logged ``mfu``; None: the figure of a known
+            GPU (``lightning_mhc.model.flops``), and no ``mfu`` on CPU or an unknown device.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class MHCGPTModule(PipelinedLMModule):
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
         recompute_policy: str = "none",
+        peak_flops: float | None = None,
     ) -> None:
         super().__init__()
         self._requested_layout = requested_parallel_layout(model_config)
@@ -93,6 +98,7 @@ class MHCGPTModule(PipelinedLMModule):
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.recompute_policy = recompute_policy
+        self.peak_flops = peak_flops
         self.recompute_kwargs: dict[str, Any] = {}
         self.model: GPTModel | torch.nn.ModuleList | None = None
         """This rank's stage (a ModuleList of its chunks with a virtual pipeline; see model_chunks)."""
@@ -222,9 +228,14 @@ class MHCGPTModule(PipelinedLMModule):
         seconds = step_end - self._step_started
         layout = getattr(self.trainer.strategy, "layout", None)
         tokens = batch["tokens"].numel() * (layout.data_parallel_size if layout is not None else 1)
+        self.log("tokens_consumed", float(self.trainer.global_step * tokens))
         if self.throughput.record(seconds, tokens):
             self.log("tokens_per_sec", tokens / seconds)
             self.log("step_time_ms", 1000 * seconds)
+            peak = self.peak_flops or device_peak_flops(self.device)
+            if peak:
+                per_token = training_flops_per_token(self.model_config, batch["tokens"].shape[-1])
+                self.log("mfu", per_token * tokens / seconds / (peak * self.trainer.world_size))
         self.log("max_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.log("max_cuda_mb", torch.cuda.max_memory_allocated() / 2**20)
