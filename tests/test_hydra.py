@@ -30,6 +30,7 @@ COMPANIONS = {
     ("parallel", "tp2sp"): ["trainer.devices=2"],
     ("parallel", "pp2v2"): ["trainer.devices=2"],
     ("data", "text"): [f"data.path={ROOT / 'README.md'}"],
+    ("data", "megatron"): ["data.blend=[corpus_text_document]", "data.tokenizer=sample"],  # files: checked at launch
     ("model", "gpt_125m"): ["data.seq_length=64"],
 }
 

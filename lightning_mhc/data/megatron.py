@@ -105,9 +105,9 @@ def check_indexed_data(prefixes: list[str], split: str, sizes: Sequence[int | No
                               "Preprocess the data again.") from None
         documents = len(index.document_indices) - 1
         for name, bounds, size in zip(SPLITS, matrix, sizes):
-            if bounds is None or not size:
+            if not size:
                 continue
-            beg, end = (int(round(b * documents)) for b in bounds)
+            beg, end = (int(round(b * documents)) for b in bounds or (0, 0))
             tokens = int(index.sequence_lengths[index.document_indices[beg]:index.document_indices[end]].sum()) \
                 if end > beg else 0
             if tokens == 0:
@@ -190,7 +190,9 @@ class MegatronDataModule(pl.LightningDataModule):
             if train is None:
                 raise ConfigError("a weighted data.blend needs the number of training samples: set "
                                   "Trainer(max_steps=...) or MegatronDataModule(num_samples=...).")
-            val, test = (n or EVAL_BATCHES * self.global_batch_size for n in (val, test))
+            shares = check_split(self.split)[1:]
+            val, test = (n if n is not None else EVAL_BATCHES * self.global_batch_size * (share > 0)
+                         for n, share in zip((val, test), shares))
         return [train, val, test]
 
     def setup(self, stage: str | None = None) -> None:

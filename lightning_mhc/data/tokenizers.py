@@ -118,4 +118,4 @@ def load_tokenizer(spec: str | Path) -> ByteTokenizer | HFTokenizer:
     from lightning_mhc.data.sample import resolve
 
     spec = resolve(spec, "tokenizer.json")
-    return _load(spec if spec == "byte" else str(Path(spec).expanduser().resolve()))
+    return _load(spec if spec == "byte" else str(tokenizer_file(spec).resolve()))

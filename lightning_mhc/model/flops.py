@@ -5,8 +5,9 @@ model's arithmetic once (forward + backward = 3 x forward; recomputation is not 
 hardware work, not model work, as in Megatron-LM's and PaLM's MFU). A matrix product of
 ``[m, k] x [k, n]`` is ``2 m k n`` FLOPs. Per token and layer, forward:
 
-- attention: QKV ``2 C (h + 2 g) d``, scores and weighted values ``2 x 2 s h d`` (the whole
-  ``s x s`` square, as Megatron counts it), output projection ``2 h d C``;
+- attention: QKV ``2 C (h + 2 g) d``, scores and weighted values ``2 x 2 s h d / 2`` (causal:
+  half the ``s x s`` square, as Megatron-LM's formula and torch's FLOP counter count it), output
+  projection ``2 h d C``;
 - MLP: ``2 C F`` up (twice with a gated unit) and ``2 F C`` down;
 - hyper-connections, for each of the two sub-layers: the mapping projection of the flattened
   stream ``2 nC (n^2 + 2n)``, Sinkhorn's ``iterations x 4 n^2``, the aggregation ``H_pre x``
@@ -34,19 +35,28 @@ def device_peak_flops(device: torch.device | None = None) -> float | None:
     return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
 
 
-def forward_flops_per_token(config: Any, seq_length: int) -> float:
-    """Forward model FLOPs per token of an ``MHCTransformerConfig`` (see the module docstring)."""
-    c, heads, d = config.hidden_size, config.num_attention_heads, config.kv_channels
+def forward_flops_terms(config: Any, seq_length: int) -> dict[str, float]:
+    """Forward model FLOPs per token of an ``MHCTransformerConfig``, term by term (see the module
+    docstring); their sum is ``forward_flops_per_token``."""
+    c, heads, d, layers = config.hidden_size, config.num_attention_heads, config.kv_channels, config.num_layers
     groups = config.num_query_groups or heads
-    ffn = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
-    attention = 2 * c * (heads + 2 * groups) * d + 4 * seq_length * heads * d + 2 * heads * d * c
-    mlp = 2 * c * ffn + 2 * config.ffn_hidden_size * c
+    ffn = config.ffn_hidden_size
     n = config.num_residual_streams if config.enable_hyper_connections else 0
-    mixing = 0
-    if n:
-        sinkhorn = config.mhc_sinkhorn_iterations * 4 * n * n
-        mixing = 2 * (2 * n * c * (n * n + 2 * n) + sinkhorn + 2 * n * c + 2 * n * n * c + 2 * n * c)
-    return config.num_layers * (attention + mlp + mixing) + 2 * c * config.padded_vocab_size
+    sublayers = 2 * layers
+    return dict(
+        attention_projections=layers * (2 * c * (heads + 2 * groups) * d + 2 * heads * d * c),
+        attention_scores=layers * 2 * seq_length * heads * d,  # causal: half of 2 x 2 s h d
+        mlp=layers * (2 * c * ffn * (2 if config.gated_linear_unit else 1) + 2 * ffn * c),
+        mhc_mappings=sublayers * 2 * n * c * (n * n + 2 * n),
+        sinkhorn=sublayers * config.mhc_sinkhorn_iterations * 4 * n * n,
+        mhc_residual_mix=sublayers * 2 * n * n * c,
+        mhc_pre_post=sublayers * (2 * n * c + 2 * n * c),
+        logits=2 * c * config.padded_vocab_size,
+    )
+
+
+def forward_flops_per_token(config: Any, seq_length: int) -> float:
+    return float(sum(forward_flops_terms(config, seq_length).values()))
 
 
 def training_flops_per_token(config: Any, seq_length: int) -> float:
