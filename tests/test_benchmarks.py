@@ -55,3 +55,11 @@ def test_byom_vs_model_parallel(tmp_path):
     assert result["ratios"]["step_time_ours_vs_lightning"] > 0
     for losses in result["first_losses"].values():  # both trained a tiny Llama from scratch: about ln(vocab)
         assert abs(losses[0] - math.log(result["model"]["vocab"])) < 0.5
+
+
+def test_preprocess_throughput(tmp_path):
+    out = tmp_path / "preprocess.json"
+    _run("preprocess_throughput.py", "--copies", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["median_tokens_per_sec"]) == {"workers=1", "workers=2", "encode_batch"}
+    assert result["corpus"]["tokens"] > 100_000 and all(v > 0 for v in result["median_tokens_per_sec"].values())

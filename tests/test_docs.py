@@ -274,11 +274,27 @@ def _tests_text() -> str:
     return "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_docs.py")
 
 
+def _megatron_data(args: list[str], scratch: pathlib.Path) -> None:
+    """The indexed datasets a ``data=megatron`` command names, as the documents' preprocess command
+    writes them (the sample corpus, ``<prefix>_text_document``): that command is checked on its own."""
+    from lightning_mhc.data.megatron import parse_blend
+    from lightning_mhc.data.preprocess import preprocess
+
+    blend = next((a.split("=", 1)[1] for a in args if a.startswith("data.blend=")), None)
+    if "data=megatron" not in args or blend is None:
+        return
+    for prefix in parse_blend(blend.strip("[]").split(","))[0]:
+        if prefix.endswith("_text_document") and not (scratch / f"{prefix}.idx").exists():
+            preprocess("sample", scratch / prefix.removesuffix("_text_document"), tokenizer="sample",
+                       append_eod=True, progress=False)
+
+
 def _check_train(command, scratch, monkeypatch, capsys):
     argv = command.argv
     if "trainer=gpu" in argv and not _cuda():
         pytest.skip("trainer=gpu needs the GPUs it asks for (the check refuses it on a machine without)")
     args = argv[3:] if argv[0] == "python" else argv[1:]
+    _megatron_data(args, scratch)
     if argv[0] == "python":
         assert importlib.util.find_spec(argv[2]) is not None, f"no module {argv[2]}"
     status, err = _check_command_line(_substitute(args, scratch), scratch, monkeypatch, capsys)
@@ -332,6 +348,19 @@ def _check_generate(command, scratch, monkeypatch, capsys):
     from lightning_mhc.cli.generate import parse_args
 
     parse_args(command.argv[1:])  # keys, types and required arguments (the model is loaded in the slow test)
+
+
+def _check_preprocess(command, scratch, monkeypatch, capsys):
+    """Run for real (the sample corpus takes seconds) in the scratch directory: it writes the pair."""
+    monkeypatch.chdir(scratch)
+    _entry_point("lightning-mhc-preprocess")([*command.argv[1:], "--no-progress"])
+    args = command.argv
+    prefix, keys = args[args.index("--output-prefix") + 1], ["text"]
+    if "--json-keys" in args:
+        keys = [a for a in args[args.index("--json-keys") + 1:] if not a.startswith("-")][:1]
+    for key in keys:
+        assert (scratch / f"{prefix}_{key}_document.bin").is_file() and (scratch / f"{prefix}_{key}_document.idx").is_file()
+    assert "documents" in capsys.readouterr().out
 
 
 def _check_pip(command, scratch, monkeypatch, capsys):
@@ -389,6 +418,7 @@ def _check_module(command, scratch, monkeypatch, capsys):
 
 
 CHECKS = {"train": _check_train, "script": _check_script, "lightning-mhc-export": _check_export,
+          "lightning-mhc-preprocess": _check_preprocess,
           "lightning-mhc-generate": _check_generate, "pip": _check_pip, "make": _check_make,
           "pytest": _check_pytest, "module": _check_module}
 
@@ -403,7 +433,8 @@ def _cuda() -> bool:
 def test_the_documents_hold_commands():
     """The extraction finds the commands (a parser that finds nothing would make every test pass)."""
     kinds = {_kind(c) for c in COMMANDS}
-    assert {"train", "script", "lightning-mhc-export", "lightning-mhc-generate", "pip", "make", "pytest"} <= kinds
+    assert {"train", "script", "lightning-mhc-export", "lightning-mhc-generate", "lightning-mhc-preprocess", "pip",
+            "make", "pytest"} <= kinds
     assert len(COMMANDS) >= 40, len(COMMANDS)
     assert any(c.output for c in COMMANDS), "no console transcript found"
     readme = (ROOT / "README.md").read_text().split("\n")
@@ -618,3 +649,22 @@ def test_checkpoint_commands_end_to_end(tmp_path, monkeypatch, capsys):
         proc = subprocess.run([sys.executable, "-c", source], cwd=tmp_path, capture_output=True, text=True,
                               timeout=300, env=child_env())
         assert proc.returncode == 0 and proc.stdout.startswith("MHCGPTModule"), proc.stderr[-5000:]
+
+
+@pytest.mark.slow
+def test_quick_start_on_real_data_lowers_the_validation_loss(tmp_path):
+    """The README's real-data quick start, both commands as written and for real: preprocess the
+    sample corpus with the sample BPE, then train the tiny model on it; the validation loss at the
+    end is below the one before training."""
+    readme = [c for c in COMMANDS if c.doc.name == "README.md"]
+    preprocess = next(c for c in readme if _kind(c) == "lightning-mhc-preprocess")
+    train = next(c for c in readme if _kind(c) == "train" and "data=megatron" in c.argv)
+    proc = _run_entry_point("lightning-mhc-preprocess", preprocess.argv[1:], tmp_path)
+    assert proc.returncode == 0 and "tokens/s, 2 workers" in proc.stdout, proc.stderr[-3000:]
+    proc = _run_entry_point("lightning-mhc-train", train.argv[1:], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(f"quick start on the sample corpus: val loss {summary['initial_val_loss']:.3f} -> "
+          f"{summary['final_val_loss']:.3f} in {summary['steps']} steps")
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5
