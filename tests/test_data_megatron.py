@@ -24,6 +24,7 @@ from lightning_mhc.data.sample import train_bpe
 from lightning_mhc.data.samplers import ConsumedSamplesSampler
 from lightning_mhc.data.tokenizers import load_tokenizer
 from subprocess_env import child_env
+from train_cli import check_before_launch
 
 WORDS_A = ["alpha", "amber", "anchor", "apple", "arrow", "atlas"]
 WORDS_B = ["bravo", "bronze", "bridge", "butter", "basket", "beacon"]
@@ -209,20 +210,6 @@ def test_blends_parse_as_megatrons_data_path():
 
 
 # ------------------------------------------------------------------ before launch
-def _check(tmp_path, monkeypatch, capsys, *overrides: str) -> tuple[int, str]:
-    capsys.readouterr()
-    GlobalHydra.instance().clear()
-    monkeypatch.chdir(tmp_path)
-    try:
-        preflight.check_command_line(["trainer=debug", *overrides])
-        return 0, ""
-    except SystemExit as exit:
-        return exit.code, capsys.readouterr().err
-    finally:
-        GlobalHydra.instance().clear()
-        preflight.checked = False
-
-
 def test_bad_data_is_refused_before_launch(corpus, tmp_path, monkeypatch, capsys):
     a, tokenizer = corpus["a"], corpus["tokenizer"]
     (tmp_path / "half.bin").write_bytes(b"\0" * 64)
@@ -243,10 +230,11 @@ def test_bad_data_is_refused_before_launch(corpus, tmp_path, monkeypatch, capsys
         (["data=megatron", f"data.blend=[{a}]"], "data=megatron reads indexed datasets: give data.blend"),
     ]
     for overrides, message in cases:
-        status, err = _check(tmp_path, monkeypatch, capsys, *overrides)
+        status, err = check_before_launch(["trainer=debug", *overrides], tmp_path, monkeypatch, capsys)
         lines = err.strip().splitlines()
         assert status == 2 and len(lines) == 1 and message in lines[0], (overrides, err)
-    status, err = _check(tmp_path, monkeypatch, capsys, *megatron, f"data.blend=[{a}]", "data.split=[90,10,0]")
+    status, err = check_before_launch(["trainer=debug", *megatron, f"data.blend=[{a}]", "data.split=[90,10,0]"], tmp_path,
+                                      monkeypatch, capsys)
     assert status == 0, err
 
 

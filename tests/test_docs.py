@@ -44,9 +44,9 @@ import sys
 import tomllib
 
 import pytest
-from hydra.core.global_hydra import GlobalHydra
 
 from subprocess_env import child_env
+from train_cli import check_before_launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md"]
@@ -210,24 +210,6 @@ def _needs_checkpoint(command: Command) -> bool:
 
 
 # ------------------------------------------------------------------ the checks
-def _check_command_line(argv: list[str], cwd: pathlib.Path, monkeypatch, capsys) -> tuple[int, str]:
-    """``lightning-mhc-train``'s check before launch, in this process: (exit status, stderr)."""
-    from lightning_mhc.cli import preflight
-
-    capsys.readouterr()
-    GlobalHydra.instance().clear()
-    monkeypatch.chdir(cwd)
-    try:
-        preflight.check_command_line(list(argv))
-        status = 0
-    except SystemExit as exit:
-        status = exit.code
-    finally:
-        GlobalHydra.instance().clear()
-        preflight.checked = False
-    return status, capsys.readouterr().err
-
-
 def _substitute(argv: list[str], scratch: pathlib.Path, checkpoint: pathlib.Path | None = None,
                 run_dir: pathlib.Path | None = None, run_overrides: tuple[str, ...] = ()) -> list[str]:
     """The placeholders of a documented command line, each replaced for a stated reason."""
@@ -297,7 +279,7 @@ def _check_train(command, scratch, monkeypatch, capsys):
     _megatron_data(args, scratch)
     if argv[0] == "python":
         assert importlib.util.find_spec(argv[2]) is not None, f"no module {argv[2]}"
-    status, err = _check_command_line(_substitute(args, scratch), scratch, monkeypatch, capsys)
+    status, err = check_before_launch(_substitute(args, scratch), scratch, monkeypatch, capsys)
     if command.output:  # a transcript: the command is refused with the message shown
         expected = " ".join(" ".join(command.output).split()).replace("/home/me/", f"{scratch}/")
         expected = expected.removesuffix("...").strip()
@@ -321,7 +303,7 @@ def _check_script(command, scratch, monkeypatch, capsys):
     if script.name == "sweep_recompute.py":
         source = script.read_text()
         assert all(repr(o).strip("'") in source for o in SWEEP_EXAMPLE_OVERRIDES[1:]), "the sweep's overrides moved"
-        status, err = _check_command_line([*SWEEP_EXAMPLE_OVERRIDES, *args], scratch, monkeypatch, capsys)
+        status, err = check_before_launch([*SWEEP_EXAMPLE_OVERRIDES, *args], scratch, monkeypatch, capsys)
         assert status == 0, err
         return
     unknown = {a.split("=")[0] for a in args if a.startswith("-")} - _argparse_options(script)
@@ -620,7 +602,7 @@ def test_checkpoint_commands_end_to_end(tmp_path, monkeypatch, capsys):
     for command in needing:
         argv = _substitute(command.argv, tmp_path, checkpoint, run_dir, run_overrides)
         if _kind(command) == "train":  # resume / validate: the CLI's check with the real checkpoint
-            status, err = _check_command_line(argv[1:], tmp_path, monkeypatch, capsys)
+            status, err = check_before_launch(argv[1:], tmp_path, monkeypatch, capsys)
             assert status == 0, f"{command.id}: {err}"
             if "mode=validate" in argv:  # and evaluating it for real
                 proc = _run_entry_point("lightning-mhc-train", argv[1:], tmp_path)

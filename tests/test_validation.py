@@ -29,7 +29,7 @@ from lightning_mhc.model.config import (
 )
 from lightning_mhc.cli.preflight import CONF_DIR, PREFIX, to_train_config, warn_oversubscription
 from subprocess_env import child_env
-from train_cli import run_train
+from train_cli import check_before_launch, run_train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICK = ["trainer=debug", "data=synthetic", "logger=none"]
@@ -57,10 +57,13 @@ def _assert_refused(proc, message: str, cwd: pathlib.Path, what) -> None:
 
 
 # ------------------------------------------------------------------ through the CLI
-def test_bad_input_is_refused_before_launch(tmp_path):
-    """Each bad input through ``python -m lightning_mhc.train``: exit 2, the message naming key,
-    value and fix, no traceback, no process group, no run directory. Relative data paths are
-    taken from the directory the command was started in (the message names the absolute path)."""
+def test_bad_input_is_refused_before_launch(tmp_path, monkeypatch, capsys):
+    """Each bad input: exit 2, one line naming key, value and fix, no traceback, no process group,
+    no run directory. Relative data paths are taken from the directory the command was started in
+    (the message names the absolute path). Three cases run as ``python -m lightning_mhc.train``
+    (a data error, an unknown key, Hydra's type error); the others through the same check in this
+    process (``check_before_launch``: what the entry point runs before Hydra), seconds each
+    instead of a fresh interpreter's."""
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "short.txt").write_text("far too short for one batch of 64-byte windows\n" * 4)
@@ -92,11 +95,16 @@ def test_bad_input_is_refused_before_launch(tmp_path):
         (["model.mhc_init_gating_factor=-1"], "model.mhc_init_gating_factor=-1.0: the initial value of the gating "
                                               "scalars"),
     ]
-    # two at a time (each is a fresh interpreter: imports dominate); none may leave a run directory
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        procs = list(pool.map(lambda case: run_train(tmp_path, *QUICK[:1], *case[0], timeout=120), cases))
-    for (overrides, message), proc in zip(cases, procs):
+    through_the_door = [cases[0], cases[11], cases[14]]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # each a fresh interpreter
+        procs = list(pool.map(lambda case: run_train(tmp_path, *QUICK[:1], *case[0], timeout=120), through_the_door))
+    for (overrides, message), proc in zip(through_the_door, procs):
         _assert_refused(proc, message, tmp_path, overrides)
+    for overrides, message in cases:
+        status, err = check_before_launch([*QUICK[:1], *overrides], tmp_path, monkeypatch, capsys)
+        (line,) = err.strip().splitlines()
+        assert status == 2 and line.startswith(PREFIX) and message in line, (overrides, err)
+        assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists(), overrides
 
 
 def test_relative_data_path_and_final_step_checkpoint(tmp_path):
