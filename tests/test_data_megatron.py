@@ -68,14 +68,12 @@ def test_a_tokenizer_trained_here_gives_the_model_its_padded_vocabulary(corpus):
     assert _compose().transformer_config().vocab_size == 256  # byte-level data
 
 
-def test_padding_rows_get_no_probability_and_no_gradient():
+def test_padding_rows_get_no_probability_and_no_gradient(model_parallel):
     """vocab 300 padded to 384: logits of ids >= 300 are -inf, the loss matches a softmax over the
     300 real ids, and the output layer's padding rows get no gradient."""
-    from lightning_mhc.distributed.layout import single_process_layout
     from lightning_mhc.model.config import MHCTransformerConfig
     from lightning_mhc.model.gpt import GPTModel
 
-    single_process_layout()
     config = MHCTransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=300,
                                   max_sequence_length=16, hidden_dropout=0.0, attention_dropout=0.0,
                                   share_embeddings_and_output_weights=False)
@@ -107,7 +105,7 @@ def test_preprocessed_data_reads_back_with_megatrons_own_class(corpus):
     assert result.documents == 300 and result.tokens > 0 and result.tokens_per_sec > 0
 
 
-def test_data_written_by_megatrons_builder_trains_here(corpus, tmp_path):
+def test_data_written_by_megatrons_builder_trains_here(corpus, tmp_path, single_rank_group):
     """A .bin/.idx written with megatron-core's IndexedDatasetBuilder as Megatron-LM's
     preprocess_data.py writes it (document by document, int32) is read by our data module:
     the samples are consecutive windows of the documents' token stream."""
@@ -163,7 +161,7 @@ def test_preprocess_command_and_its_refusals(corpus, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ blends and the sampler
-def test_a_blend_draws_in_its_ratio_over_an_epoch(corpus, tmp_path):
+def test_a_blend_draws_in_its_ratio_over_an_epoch(corpus, tmp_path, single_rank_group):
     """[0.7, A, 0.3, B]: the share of samples from A, told apart by their words, read through the
     training loader over one epoch, is 0.7 within 1%."""
     tok = load_tokenizer(corpus["tokenizer"])
@@ -238,7 +236,7 @@ def test_bad_data_is_refused_before_launch(corpus, tmp_path, monkeypatch, capsys
     assert status == 0, err
 
 
-def test_flops_per_token_match_torchs_count_of_the_matrix_products():
+def test_flops_per_token_match_torchs_count_of_the_matrix_products(model_parallel):
     """The MFU formula, term by term, against torch's FlopCounterMode on a forward pass, module by
     module: the projections, the MLP, the hyper-connection mappings and residual mix (``H_res x``,
     a batched product), the logits. Not comparable: attention scores (torch's counter has no rule
@@ -247,12 +245,10 @@ def test_flops_per_token_match_torchs_count_of_the_matrix_products():
     the reference implementation)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lightning_mhc.distributed.layout import single_process_layout
     from lightning_mhc.model.config import MHCTransformerConfig
     from lightning_mhc.model.flops import forward_flops_terms
     from lightning_mhc.model.gpt import GPTModel
 
-    single_process_layout()
     seq, batch = 32, 2
     for extra in (dict(), dict(activation_func=torch.nn.functional.silu, gated_linear_unit=True, num_query_groups=2),
                   dict(enable_hyper_connections=False, num_residual_streams=1)):
