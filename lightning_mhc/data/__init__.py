@@ -1,3 +1,5 @@
-"""Training data: byte-level sources (a text file or folder, the Python standard library's
-sources, random tokens) and their checks (``sources.py``), and a loader that resumes mid-epoch
-(``resumable_loader.py``)."""
+"""Training data: tokenizers (``tokenizers.py``), preprocessing text or JSONL into Megatron's
+indexed format (``preprocess.py``), Megatron datasets and blends (``megatron.py``), byte-level
+sources and their checks (``sources.py``), the consumed-samples sampler (``samplers.py``), a
+loader that resumes mid-epoch (``resumable_loader.py``) and the shipped sample corpus
+(``sample.py``)."""
