@@ -1,7 +1,13 @@
-"""Shared fixtures: a one-rank gloo group with megatron-core's model-parallel state."""
+"""Shared fixtures: a one-rank gloo group with megatron-core's model-parallel state.
+
+``TRITON_INTERPRET=1`` is set here, before anything imports Triton (megatron-core does, when it is
+installed): Triton reads it when its language module loads, and then runs the hyper-connection's
+kernels on CPU tensors (tests/test_triton_kernels.py). Without Triton it changes nothing."""
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -86,7 +86,7 @@ def test_mhc_implementation_reaches_the_model_config():
         (["parallel.num_microbatches=3"], ConfigError, "parallel.num_microbatches=3 disagrees"),
         (["data=text"], ConfigError, "data.source=text needs data.path"),
         (["model.mhc_implementation=fast"], ConfigError,
-         "model.mhc_implementation='fast': must be one of auto, fused, reference"),
+         "model.mhc_implementation='fast': must be one of auto, fused, reference, triton"),
         (["model.no_such_key=1"], ConfigCompositionException, "Could not override 'model.no_such_key'"),
         (["model.num_layers=abc"], ConfigCompositionException, "model.num_layers=abc"),
     ],

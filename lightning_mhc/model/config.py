@@ -172,8 +172,8 @@ class MHCTransformerConfig(TransformerConfig):
         if self.mhc_implementation not in MHC_IMPLEMENTATIONS:
             raise ConfigError(
                 f"mhc_implementation={self.mhc_implementation!r}: choose one of "
-                f"{', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused ops; 'reference' forces "
-                "the op-by-op path)."
+                f"{', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused ops, Triton's on CUDA; 'reference' "
+                "forces the op-by-op path)."
             )
         layer_num = self.mhc_recompute_layer_num
         if layer_num is not None and (isinstance(layer_num, bool) or not isinstance(layer_num, int) or layer_num < 1):

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
-from lightning_mhc.ops import is_fused
+from lightning_mhc.ops import fused_kernels, is_fused
 from lightning_mhc.ops.hyper_connection import (
     fused_pre_packed,
     reference_aggregate,
@@ -143,10 +143,12 @@ class HyperConnectionModule(MegatronModule):
         """``[s,b,n*C]`` -> ``(aggregated [s,b,C], H_res @ x [s,b,n*C], H_post [s,b,n])``.
 
         Mappings, aggregate and ``H_res @ x`` together: one fused autograd node
-        (``mhc_implementation`` 'auto'/'fused') or the reference ops. The layer
+        (``mhc_implementation`` 'auto'/'fused'/'triton', its kernels chosen by ``fused_kernels``)
+        or the reference ops. The layer
         checkpoints this call as one unit under block recompute.
         """
         if self.fused:
+            kernels = fused_kernels(self.config.mhc_implementation, hidden_states.device.type)
             return fused_pre_packed(hidden_states, self.phi, self.alpha, self.bias, self.n, self.eps,
-                                    self.sinkhorn_iterations)
+                                    self.sinkhorn_iterations, kernels)
         return reference_pre(hidden_states, self.params, self.n, self.eps, self.sinkhorn_iterations)

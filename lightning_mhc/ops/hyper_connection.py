@@ -87,30 +87,73 @@ def _expand_alpha(alpha: Tensor, n: int) -> Tensor:
     return torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)])
 
 
+class EagerKernels:
+    """The pieces of ``HyperConnectionPre`` in eager ops (the C++ kernels for fp32 CPU tensors).
+
+    A kernel set has five static methods, all on ``[T, ...]`` tensors, mappings in fp32:
+    ``project(x, phi, eps) -> (raw = x @ phi, r = 1/rms(x) [T])``;
+    ``mappings(raw, r, alpha, bias, n, iterations, eps) -> (H_pre, H_post, H_res)``;
+    ``mappings_dz(raw, r, alpha, bias, H_pre, H_post, dH_pre, dH_post, dH_res, n, iterations, eps)
+    -> dz`` (the gradient of the logits ``z = alpha * r * raw + bias``);
+    ``stream_mix(x, H_pre, H_res, n) -> (H_pre x, H_res x)`` and its ``stream_mix_backward``.
+    ``lightning_mhc.ops.triton_kernels.TritonKernels`` is the other set.
+    """
+
+    name = "eager"
+
+    @staticmethod
+    def project(x: Tensor, phi: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        xf = x.float()
+        # 1/rms from the norm: no [T, n*C] temporary
+        r = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).pow_(2).div_(x.shape[1]).add_(eps).rsqrt_()
+        return xf @ phi, r.view(-1)
+
+    @staticmethod
+    def mappings(raw, r, alpha, bias, n: int, iterations: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        z = torch.addcmul(bias, raw * r[:, None], _expand_alpha(alpha, n))
+        h_pre = torch.sigmoid(z[:, :n])
+        h_post = torch.sigmoid(z[:, n:2 * n]).mul_(2.0)
+        h_res = sinkhorn_forward(z[:, 2 * n:].reshape(raw.shape[0], n, n), iterations, eps)
+        return h_pre, h_post, h_res
+
+    @staticmethod
+    def mappings_dz(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_h_post, g_h_res, n: int, iterations: int,
+                    eps: float) -> Tensor:
+        a = _expand_alpha(alpha, n)
+        logits = torch.addcmul(bias[2 * n:], (raw * r[:, None])[:, 2 * n:], a[2 * n:]).view(raw.shape[0], n, n)
+        return torch.cat([
+            g_h_pre * h_pre * (1.0 - h_pre),
+            g_h_post * h_post * (1.0 - 0.5 * h_post),
+            sinkhorn_backward(logits, g_h_res, iterations, eps).view(raw.shape[0], n * n),
+        ], dim=1)
+
+    @staticmethod
+    def stream_mix(x: Tensor, h_pre: Tensor, h_res: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        return _stream_mix(x, h_pre, h_res, n)
+
+    @staticmethod
+    def stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        return _stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n)
+
+
 class HyperConnectionPre(torch.autograd.Function):
     """``x [T, n*C]`` -> ``(aggregated [T, C], mixed [T, n*C], H_post [T, n])`` in one node.
 
     Takes the packed parameters: ``phi = [phi_pre | phi_post | phi_res]`` ``[n*C, n^2+2n]``,
-    ``alpha = [a_pre, a_post, a_res]`` and ``bias = [b_pre | b_post | b_res]`` ``[n^2+2n]``.
-    Saves ``x``, the parameters, the raw projection ``x @ phi`` and ``r`` (``n^2+2n+1``
-    floats per token), ``H_pre``, ``H_post`` and ``H_res``. The Sinkhorn backward re-runs
-    its iterations from the logits, which are recomputed from the projection.
+    ``alpha = [a_pre, a_post, a_res]`` and ``bias = [b_pre | b_post | b_res]`` ``[n^2+2n]``, and
+    the kernel set that computes the pieces (``EagerKernels`` or Triton's). Saves ``x``, the
+    parameters, the raw projection ``x @ phi`` and ``r`` (``n^2+2n+1`` floats per token),
+    ``H_pre``, ``H_post`` and ``H_res``. The Sinkhorn backward re-runs its iterations from the
+    logits, which are recomputed from the projection.
     """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, n, eps, iterations):
-        tokens, width = x.shape
-        xf = x.float()
-        # 1/rms from the norm: no [T, n*C] temporary
-        r = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).pow_(2).div_(width).add_(eps).rsqrt_()
-        raw = xf @ phi
-        z = torch.addcmul(bias, raw * r, _expand_alpha(alpha, n))
-        h_pre = torch.sigmoid(z[:, :n])
-        h_post = torch.sigmoid(z[:, n:2 * n]).mul_(2.0)
-        h_res = sinkhorn_forward(z[:, 2 * n:].reshape(tokens, n, n), iterations, SINKHORN_EPS)
-        aggregated, mixed = _stream_mix(x, h_pre, h_res, n)
+    def forward(ctx, x, phi, alpha, bias, n, eps, iterations, kernels=EagerKernels):
+        raw, r = kernels.project(x, phi, eps)
+        h_pre, h_post, h_res = kernels.mappings(raw, r, alpha, bias, n, iterations, SINKHORN_EPS)
+        aggregated, mixed = kernels.stream_mix(x, h_pre, h_res, n)
         ctx.save_for_backward(x, phi, alpha, bias, raw, r, h_pre, h_post, h_res)
-        ctx.n, ctx.iterations = n, iterations
+        ctx.n, ctx.iterations, ctx.kernels = n, iterations, kernels
         return aggregated, mixed, h_post
 
     @staticmethod
@@ -123,24 +166,21 @@ class HyperConnectionPre(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, g_agg, g_mixed, g_post):
         x, phi, alpha, bias, raw, r, h_pre, h_post, h_res = ctx.saved_tensors
-        n, iterations = ctx.n, ctx.iterations
+        n, iterations, kernels = ctx.n, ctx.iterations, ctx.kernels
         tokens, width = x.shape
         g_mixed = _grad_or_zeros(g_mixed, (tokens, width), x)
         g_agg = _grad_or_zeros(g_agg, (tokens, width // n), x)
-        dx, g_h_pre, g_h_res = _stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n)
+        dx, g_h_pre, g_h_res = kernels.stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n)
+        g_post = g_post.float() if g_post is not None else torch.zeros_like(h_post)
         # mappings: z = alpha * (r * raw) + bias, then sigmoid / 2 sigmoid / Sinkhorn
-        a = _expand_alpha(alpha, n)
+        dz = kernels.mappings_dz(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_post, g_h_res, n, iterations,
+                                 SINKHORN_EPS)
+        r = r[:, None]
         proj = raw * r
-        logits = torch.addcmul(bias[2 * n:], proj[:, 2 * n:], a[2 * n:]).view(tokens, n, n)
-        dz = torch.cat([
-            g_h_pre * h_pre * (1.0 - h_pre),
-            g_post.float() * h_post * (1.0 - 0.5 * h_post) if g_post is not None else torch.zeros_like(h_post),
-            sinkhorn_backward(logits, g_h_res, iterations, SINKHORN_EPS).view(tokens, n * n),
-        ], dim=1)
         d_bias = dz.sum(0)
         per_column = (dz * proj).sum(0)
         d_alpha = torch.stack([per_column[:n].sum(), per_column[n:2 * n].sum(), per_column[2 * n:].sum()])
-        d_raw = dz.mul_(a).mul_(r)
+        d_raw = dz.mul_(_expand_alpha(alpha, n)).mul_(r)
         d_r = (d_raw * raw).sum(dim=-1, keepdim=True).div_(r)  # = sum(d_proj * raw)
         xf = x.float()
         d_phi = xf.t() @ d_raw
@@ -150,7 +190,7 @@ class HyperConnectionPre(torch.autograd.Function):
             dx.addmm_(d_raw, phi.t()).addcmul_(coef, xf)
         else:
             dx = (dx.float().addmm_(d_raw, phi.t()).addcmul_(coef, xf)).to(x.dtype)
-        return dx, d_phi, d_alpha, d_bias, None, None, None
+        return dx, d_phi, d_alpha, d_bias, None, None, None, None
 
 
 def _grad_or_zeros(grad: Tensor | None, shape, like: Tensor) -> Tensor:
@@ -185,22 +225,23 @@ def _stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n: int) -> tuple[Tenso
     return dx.view(tokens, width), g_h_pre, g_h_res
 
 
-def fused_pre_packed(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, n: int, eps: float, iterations: int):
+def fused_pre_packed(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, n: int, eps: float, iterations: int,
+                     kernels=EagerKernels):
     """``HyperConnectionPre`` on a ``[..., n*C]`` stream: ``(aggregated, mixed, H_post)``."""
     lead = x.shape[:-1]
     with _no_autocast(x.device.type):
         aggregated, mixed, h_post = HyperConnectionPre.apply(
-            x.reshape(-1, x.shape[-1]), phi.float(), alpha.float(), bias.float(), n, eps, iterations
+            x.reshape(-1, x.shape[-1]), phi.float(), alpha.float(), bias.float(), n, eps, iterations, kernels
         )
     return aggregated.view(*lead, -1), mixed.view(*lead, -1), h_post.view(*lead, n)
 
 
-def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int):
+def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int, kernels=EagerKernels):
     """``fused_pre_packed`` from the nine separate parameters (``reference_pre``'s signature)."""
     phi_pre, phi_post, phi_res, a_pre, a_post, a_res, b_pre, b_post, b_res = params
     return fused_pre_packed(
         x, torch.cat([phi_pre, phi_post, phi_res], dim=1), torch.stack([a_pre, a_post, a_res]),
-        torch.cat([b_pre, b_post, b_res.flatten()]), n, eps, iterations,
+        torch.cat([b_pre, b_post, b_res.flatten()]), n, eps, iterations, kernels,
     )
 
 
