@@ -172,7 +172,7 @@ class MHCTransformerConfig(TransformerConfig):
         if self.mhc_implementation not in MHC_IMPLEMENTATIONS:
             raise ConfigError(
                 f"mhc_implementation={self.mhc_implementation!r}: choose one of "
-                f"{', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused ops, Triton's on CUDA; 'reference' "
+                f"{', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused ops; 'reference' "
                 "forces the op-by-op path)."
             )
         layer_num = self.mhc_recompute_layer_num
