@@ -225,6 +225,8 @@ class DataConfig:
         directory), ``~`` expanded: the run reads these absolute paths."""
         from hydra.utils import to_absolute_path
 
+        from lightning_mhc.data.tokenizers import is_named
+
         def absolute(path: str) -> str:
             return to_absolute_path(os.path.expanduser(path))
 
@@ -232,7 +234,7 @@ class DataConfig:
             self.path = absolute(self.path)
         if self.cache_dir:
             self.cache_dir = absolute(self.cache_dir)
-        if self.tokenizer and self.tokenizer not in ("byte", "sample"):
+        if self.tokenizer and not is_named(self.tokenizer):
             self.tokenizer = absolute(self.tokenizer)
         if self.source == "megatron":
             self.blend = [item if isinstance(item, float) else absolute(item) for item in self.blend]
@@ -376,13 +378,15 @@ class TrainConfig:
 
     @property
     def num_samples(self) -> list[int | None]:
-        """data=megatron: the samples to build per split, as Megatron counts them (train: steps x
-        global batch; validation, or test with mode=test: the batches one evaluation reads; None:
-        megatron's one epoch, which may be empty)."""
-        batch = self.data.global_batch_size
-        held_out = self.trainer.limit_val_batches * batch or None
-        return [self.trainer.max_steps * batch, held_out if self.mode != "test" else None,
-                held_out if self.mode == "test" else None]
+        """data=megatron: the samples to build per split (``megatron_num_samples``: the run's steps,
+        and the batches one evaluation reads of the split this mode evaluates), as the blend needs
+        them; preflight checks these numbers and the data module builds them."""
+        from lightning_mhc.data.megatron import blend_num_samples, megatron_num_samples, parse_blend
+
+        d = self.data
+        sizes = megatron_num_samples(d.global_batch_size, self.trainer.max_steps, self.trainer.limit_val_batches,
+                                     evaluated=("test",) if self.mode == "test" else ("validation",))
+        return blend_num_samples(sizes, parse_blend(d.blend)[1] is not None, d.split, d.global_batch_size)
 
     @property
     def num_microbatches(self) -> int:

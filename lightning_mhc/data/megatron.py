@@ -16,7 +16,6 @@ at its ``consumed_samples`` without reading.
 """
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -88,14 +87,10 @@ def check_indexed_data(prefixes: list[str], split: str, sizes: Sequence[int | No
     is not 0 or None) holds documents with tokens: megatron's ``GPTDataset`` would loop forever
     on an empty one. Reads the indices only (megatron's ``IndexedDataset``), splitting documents
     as megatron's builder does."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
+    from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    check_split(split)
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(str(split)))
+    matrix = convert_split_vector_to_split_matrix(check_split(split))
     for prefix in prefixes:
         check_prefix(prefix, key)
         try:
@@ -129,6 +124,33 @@ def check_split(split: str, key: str = "data.split") -> list[float]:
                           "e.g. '969,30,1'.")
     shares += [0.0] * (3 - len(shares))
     return [s / sum(shares) for s in shares]
+
+
+def megatron_num_samples(global_batch_size: int, max_steps: int, limit_val_batches: Any,
+                         evaluated: tuple[str, ...] = ("validation", "test")) -> list[int | None]:
+    """Samples per split as Megatron counts them: ``max_steps x global batch`` to train and
+    ``limit_val_batches x global batch`` for each held-out split in ``evaluated``; None (megatron's
+    one epoch, which may be empty) where no number is set."""
+    train = max_steps * global_batch_size if max_steps and max_steps > 0 else None
+    evals = limit_val_batches if isinstance(limit_val_batches, int) and limit_val_batches > 0 else None
+    held_out = evals * global_batch_size if evals else None
+    return [train, *(held_out if name in evaluated else None for name in SPLITS[1:])]
+
+
+def blend_num_samples(sizes: Sequence[int | None], weighted: bool, split: str, global_batch_size: int
+                      ) -> list[int | None]:
+    """``sizes`` as megatron's builder takes them for this blend: a weighted blend is drawn to a
+    number of samples on every split, so a held-out split without one gets ``EVAL_BATCHES`` global
+    batches (0 where its share is 0); training must have a number."""
+    train, *held_out = sizes
+    if not weighted:
+        return [train, *held_out]
+    if train is None:
+        raise ConfigError("a weighted data.blend needs the number of training samples: set "
+                          "Trainer(max_steps=...) or MegatronDataModule(num_samples=...).")
+    shares = check_split(split)[1:]
+    return [train, *(n if n is not None else EVAL_BATCHES * global_batch_size * (share > 0)
+                     for n, share in zip(held_out, shares))]
 
 
 class GPTSamples(Dataset):
@@ -172,28 +194,20 @@ class MegatronDataModule(pl.LightningDataModule):
         self.num_samples = list(num_samples) if num_samples is not None else None
         self.datasets: dict[str, Dataset | None] = {}
 
-    @functools.cached_property
+    @property
     def tokenizer(self):
-        return load_tokenizer(self.tokenizer_spec)
+        return load_tokenizer(self.tokenizer_spec)  # loaded once per process
 
     def sizes(self) -> list[int | None]:
-        """Samples per split, as Megatron counts them: the steps the Trainer will run x the global batch."""
+        """Samples per split (``megatron_num_samples``): given, or from the Trainer's steps and
+        validation batches."""
         if self.num_samples is not None:
-            train, val, test = self.num_samples
+            sizes = self.num_samples
         else:
             trainer = self.trainer
-            steps = getattr(trainer, "max_steps", -1) if trainer else -1
-            evals = getattr(trainer, "limit_val_batches", None) if trainer else None
-            train = steps * self.global_batch_size if steps and steps > 0 else None
-            val = test = evals * self.global_batch_size if isinstance(evals, int) and evals > 0 else None
-        if self.weights is not None:  # megatron draws a weighted blend to a number of samples
-            if train is None:
-                raise ConfigError("a weighted data.blend needs the number of training samples: set "
-                                  "Trainer(max_steps=...) or MegatronDataModule(num_samples=...).")
-            shares = check_split(self.split)[1:]
-            val, test = (n if n is not None else EVAL_BATCHES * self.global_batch_size * (share > 0)
-                         for n, share in zip((val, test), shares))
-        return [train, val, test]
+            sizes = megatron_num_samples(self.global_batch_size, getattr(trainer, "max_steps", -1) if trainer else -1,
+                                         getattr(trainer, "limit_val_batches", None) if trainer else None)
+        return blend_num_samples(sizes, self.weights is not None, self.split, self.global_batch_size)
 
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:
