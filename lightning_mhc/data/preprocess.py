@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy
+from tqdm import tqdm
 
 from lightning_mhc.data.sample import resolve
+from lightning_mhc.data.text import text_problem
 from lightning_mhc.data.tokenizers import load_tokenizer
 from lightning_mhc.errors import ConfigError
 
@@ -80,12 +82,10 @@ def _records(files: list[Path], json_keys: list[str]) -> Iterator[tuple[str, str
 
 
 def _decode(raw: bytes, where: str) -> str:
-    if b"\0" in raw:
-        raise ConfigError(f"{where}: holds a NUL byte: binary, not text. Give UTF-8 text or JSON lines.")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{where}: not UTF-8 text (byte {error.start}: {error.reason}).") from None
+    problem = text_problem(raw)
+    if problem:
+        raise ConfigError(f"{where} {problem}. Give UTF-8 text or JSON lines.")
+    return raw.decode("utf-8")
 
 
 # ------------------------------------------------------------------ workers
@@ -96,18 +96,18 @@ def _init_worker(tokenizer: str, json_keys: list[str], append_eod: bool) -> None
     _WORKER.update(tokenizer=load_tokenizer(tokenizer), keys=json_keys, append_eod=append_eod)
 
 
-def _encode(record: tuple[str, str, bool]) -> tuple[str, dict[str, list[int]] | str]:
+def _encode(record: tuple[str, str, bool]) -> dict[str, list[int]] | str:
     """One document's ids per key, or an error message naming where it came from."""
     where, raw, is_json = record
     if is_json:
         try:
             obj = json.loads(raw)
         except ValueError as error:
-            return where, f"{where}: not a JSON object ({error}). JSONL input holds one JSON object per line."
+            return f"{where}: not a JSON object ({error}). JSONL input holds one JSON object per line."
         missing = [k for k in _WORKER["keys"] if not isinstance(obj, dict) or not isinstance(obj.get(k), str)]
         if missing:
-            return where, (f"{where}: has no text under {', '.join(map(repr, missing))}. Name the keys that hold "
-                           "the documents' text with --json-keys.")
+            return (f"{where}: has no text under {', '.join(map(repr, missing))}. Name the keys that hold "
+                    "the documents' text with --json-keys.")
         texts = {k: obj[k] for k in _WORKER["keys"]}
     else:
         texts = {TEXT_KEY: raw}
@@ -118,7 +118,7 @@ def _encode(record: tuple[str, str, bool]) -> tuple[str, dict[str, list[int]] | 
         if tokens and _WORKER["append_eod"]:
             tokens.append(tokenizer.eod)
         ids[key] = tokens
-    return where, ids
+    return ids
 
 
 # ------------------------------------------------------------------ the run
@@ -142,10 +142,10 @@ def preprocess(input: str | Path, output_prefix: str | Path, tokenizer: str = "b
     builders = {key: IndexedDatasetBuilder(prefix + ".bin.tmp", dtype=dtype) for key, prefix in final.items()}
     documents = tokens = skipped = 0
     start = time.perf_counter()
-    bar = _progress_bar(progress)
+    bar = tqdm(desc="preprocessing", unit=" docs", file=sys.stderr, dynamic_ncols=True, disable=not progress)
     try:
         with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer, json_keys, append_eod)) as pool:
-            for where, ids in pool.imap(_encode, _records(files, json_keys), chunksize=chunksize):
+            for ids in pool.imap(_encode, _records(files, json_keys), chunksize=chunksize):
                 if isinstance(ids, str):
                     raise ConfigError(ids)
                 for key, doc in ids.items():
@@ -155,15 +155,13 @@ def preprocess(input: str | Path, output_prefix: str | Path, tokenizer: str = "b
                     builders[key].add_document(numpy.asarray(doc, dtype=dtype), [len(doc)])
                     tokens += len(doc)
                 documents += 1
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(tokens_per_s=f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)
+                bar.update(1)
+                bar.set_postfix(tokens_per_s=f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)
     except BaseException:
         _discard(builders, final)
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     if documents == 0:
         _discard(builders, final)
         raise ConfigError(f"--input {str(input)!r}: no documents (empty files, or blank lines only).")
@@ -179,11 +177,3 @@ def _discard(builders: dict, final: dict[str, str]) -> None:
     for key, builder in builders.items():
         builder.data_file.close()
         Path(final[key] + ".bin.tmp").unlink(missing_ok=True)
-
-
-def _progress_bar(enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(desc="preprocessing", unit=" docs", file=sys.stderr, dynamic_ncols=True)

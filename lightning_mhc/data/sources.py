@@ -2,7 +2,6 @@
 ``check_data``: whether a data source can feed a run, decided before any process starts."""
 from __future__ import annotations
 
-import codecs
 import sysconfig
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mhc.data.samplers import global_batch_loader
+from lightning_mhc.data.text import text_problem
 from lightning_mhc.errors import ConfigError
 
 HEAD_BYTES = 1 << 16
@@ -83,13 +83,9 @@ def _check_text(file: Path, size: int) -> None:
     where = f"data.path: the file {str(file)!r}"
     fix = ("data=text trains on text: point data.path at a UTF-8 text file, or at a folder holding only text files "
            "(data=synthetic for random tokens).")
-    nul = head.find(b"\0")
-    if nul >= 0:
-        raise ConfigError(f"{where} holds a NUL byte (offset {nul}): it is binary, not text. {fix}")
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) == file.stat().st_size)
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{where} is not UTF-8 text (byte {error.start}: {error.reason}). {fix}") from None
+    problem = text_problem(head, final=len(head) == file.stat().st_size)
+    if problem:
+        raise ConfigError(f"{where} {problem}. {fix}")
 
 
 def check_data(source: str = "stdlib", path: str | None = None, seq_length: int = 64, val_fraction: float = 0.05,

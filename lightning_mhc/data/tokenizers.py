@@ -22,12 +22,20 @@ EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]", 
 """Tokens taken as the end-of-document token, in this order, when the tokenizer's directory has
 no ``tokenizer_config.json`` naming its ``eos_token`` (GPT-2, Llama, Mistral, Gemma, … spellings)."""
 PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
+BYTE = "byte"
+
+
+def is_named(spec: str | Path) -> bool:
+    """Whether ``spec`` names a tokenizer (``'byte'``, ``'sample'``) rather than a path."""
+    from lightning_mhc.data.sample import SAMPLE
+
+    return str(spec) in (BYTE, SAMPLE)
 
 
 class ByteTokenizer:
     """Bytes of UTF-8 text as tokens 0-255; 256 ends a document (so the vocabulary is 257)."""
 
-    name = "byte"
+    name = BYTE
     vocab_size = 257
     eod = 256
     unique_identifiers = {"class": "ByteTokenizer"}  # megatron's datasets name their index caches by it
@@ -109,7 +117,7 @@ def _config_token(directory: Path, key: str) -> str | None:
 
 @functools.cache
 def _load(spec: str) -> ByteTokenizer | HFTokenizer:
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+    return ByteTokenizer() if spec == BYTE else HFTokenizer(spec)
 
 
 def load_tokenizer(spec: str | Path) -> ByteTokenizer | HFTokenizer:
@@ -118,4 +126,4 @@ def load_tokenizer(spec: str | Path) -> ByteTokenizer | HFTokenizer:
     from lightning_mhc.data.sample import resolve
 
     spec = resolve(spec, "tokenizer.json")
-    return _load(spec if spec == "byte" else str(tokenizer_file(spec).resolve()))
+    return _load(spec if spec == BYTE else str(tokenizer_file(spec).resolve()))
