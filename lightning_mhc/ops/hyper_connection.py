@@ -87,6 +87,38 @@ def _expand_alpha(alpha: Tensor, n: int) -> Tensor:
     return torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)])
 
 
+def _grad_or_zeros(grad: Tensor | None, shape, like: Tensor) -> Tensor:
+    return grad if grad is not None else like.new_zeros(shape)
+
+
+def _stream_mix(x: Tensor, h_pre: Tensor, h_res: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """``(H_pre @ x [T, C], H_res @ x [T, n*C])`` for ``x [T, n*C]``: the CPU kernel for fp32,
+    else batched products."""
+    kernel = kernels_for(x)
+    if kernel is not None:
+        return tuple(kernel.stream_mix_forward(x.contiguous(), h_pre.contiguous(), h_res.contiguous()))
+    tokens, width = x.shape
+    streams = x.view(tokens, n, width // n)
+    aggregated = torch.bmm(h_pre.to(x.dtype).unsqueeze(1), streams).view(tokens, width // n)
+    return aggregated, torch.bmm(h_res.to(x.dtype), streams).view(tokens, width)
+
+
+def _stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``_stream_mix``: ``(dx, dH_pre (fp32), dH_res (fp32))``."""
+    kernel = kernels_for(x, g_agg, g_mixed)
+    if kernel is not None:
+        return tuple(kernel.stream_mix_backward(x.contiguous(), h_pre.contiguous(), h_res.contiguous(),
+                                                g_agg.contiguous(), g_mixed.contiguous()))
+    tokens, width = x.shape
+    streams = x.view(tokens, n, width // n)
+    g_streams = g_mixed.reshape(tokens, n, width // n)
+    g_h_res = torch.bmm(g_streams, streams.transpose(1, 2)).float()
+    g_h_pre = torch.bmm(streams, g_agg.unsqueeze(-1)).squeeze(-1).float()
+    dx = torch.bmm(h_res.to(x.dtype).transpose(1, 2), g_streams)
+    dx.addcmul_(h_pre.to(x.dtype).unsqueeze(-1), g_agg.unsqueeze(1))
+    return dx.view(tokens, width), g_h_pre, g_h_res
+
+
 class EagerKernels:
     """The pieces of ``HyperConnectionPre`` in eager ops (the C++ kernels for fp32 CPU tensors).
 
@@ -127,13 +159,8 @@ class EagerKernels:
             sinkhorn_backward(logits, g_h_res, iterations, eps).view(raw.shape[0], n * n),
         ], dim=1)
 
-    @staticmethod
-    def stream_mix(x: Tensor, h_pre: Tensor, h_res: Tensor, n: int) -> tuple[Tensor, Tensor]:
-        return _stream_mix(x, h_pre, h_res, n)
-
-    @staticmethod
-    def stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n: int) -> tuple[Tensor, Tensor, Tensor]:
-        return _stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n)
+    stream_mix = staticmethod(_stream_mix)
+    stream_mix_backward = staticmethod(_stream_mix_backward)
 
 
 class HyperConnectionPre(torch.autograd.Function):
@@ -191,38 +218,6 @@ class HyperConnectionPre(torch.autograd.Function):
         else:
             dx = (dx.float().addmm_(d_raw, phi.t()).addcmul_(coef, xf)).to(x.dtype)
         return dx, d_phi, d_alpha, d_bias, None, None, None, None
-
-
-def _grad_or_zeros(grad: Tensor | None, shape, like: Tensor) -> Tensor:
-    return grad if grad is not None else like.new_zeros(shape)
-
-
-def _stream_mix(x: Tensor, h_pre: Tensor, h_res: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """``(H_pre @ x [T, C], H_res @ x [T, n*C])`` for ``x [T, n*C]``: the CPU kernel for fp32,
-    else batched products."""
-    kernel = kernels_for(x)
-    if kernel is not None:
-        return tuple(kernel.stream_mix_forward(x.contiguous(), h_pre.contiguous(), h_res.contiguous()))
-    tokens, width = x.shape
-    streams = x.view(tokens, n, width // n)
-    aggregated = torch.bmm(h_pre.to(x.dtype).unsqueeze(1), streams).view(tokens, width // n)
-    return aggregated, torch.bmm(h_res.to(x.dtype), streams).view(tokens, width)
-
-
-def _stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``_stream_mix``: ``(dx, dH_pre (fp32), dH_res (fp32))``."""
-    kernel = kernels_for(x, g_agg, g_mixed)
-    if kernel is not None:
-        return tuple(kernel.stream_mix_backward(x.contiguous(), h_pre.contiguous(), h_res.contiguous(),
-                                                g_agg.contiguous(), g_mixed.contiguous()))
-    tokens, width = x.shape
-    streams = x.view(tokens, n, width // n)
-    g_streams = g_mixed.reshape(tokens, n, width // n)
-    g_h_res = torch.bmm(g_streams, streams.transpose(1, 2)).float()
-    g_h_pre = torch.bmm(streams, g_agg.unsqueeze(-1)).squeeze(-1).float()
-    dx = torch.bmm(h_res.to(x.dtype).transpose(1, 2), g_streams)
-    dx.addcmul_(h_pre.to(x.dtype).unsqueeze(-1), g_agg.unsqueeze(1))
-    return dx.view(tokens, width), g_h_pre, g_h_res
 
 
 def fused_pre_packed(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, n: int, eps: float, iterations: int,

@@ -35,6 +35,16 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def check_device(x: torch.Tensor) -> None:
+    """The kernels need a CUDA tensor, or Triton's interpreter for a CPU one."""
+    if x.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(
+            f"mhc_implementation='triton' on a {x.device.type} tensor: Triton compiles for CUDA GPUs. On CPU, "
+            "set TRITON_INTERPRET=1 before starting Python to run the kernels in Triton's interpreter (slow), "
+            "or use mhc_implementation='fused' (the C++ CPU kernels).")
+
+
+
 # ------------------------------------------------------------------ stream mixing
 @triton.jit
 def _stream_mix_fwd(x_ptr, hpre_ptr, hres_ptr, agg_ptr, mixed_ptr, C, N: tl.constexpr, NP: tl.constexpr,
@@ -85,6 +95,7 @@ def _stream_mix_bwd(x_ptr, hpre_ptr, hres_ptr, gagg_ptr, gmixed_ptr, dx_ptr, dhp
 
 
 def stream_mix(x: torch.Tensor, h_pre: torch.Tensor, h_res: torch.Tensor, n: int, block_c: int = 64):
+    x = x.contiguous()
     tokens, width = x.shape
     c = width // n
     agg, mixed = x.new_empty(tokens, c), torch.empty_like(x)
@@ -95,6 +106,7 @@ def stream_mix(x: torch.Tensor, h_pre: torch.Tensor, h_res: torch.Tensor, n: int
 
 
 def stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n: int, block_c: int = 64):
+    x = x.contiguous()
     tokens, width = x.shape
     dx = torch.empty_like(x)
     dh_pre = torch.empty(tokens, n, device=x.device, dtype=torch.float32)
@@ -129,6 +141,8 @@ def _projection_fwd(x_ptr, phi_ptr, raw_ptr, r_ptr, T, K, M, eps, MP: tl.constex
 
 def projection(x: torch.Tensor, phi: torch.Tensor, eps: float, block_t: int = 16, block_k: int = 32):
     """``(raw = x @ phi [T, M] fp32, r = 1/rms(x) [T] fp32)`` reading ``x`` once."""
+    check_device(x)
+    x = x.contiguous()
     tokens, width = x.shape
     m = phi.shape[1]
     mp = _pow2(max(m, 16))
@@ -267,38 +281,12 @@ def mappings_backward(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_h_post, g_h
     return dz
 
 
-
-def check_device(x: torch.Tensor) -> None:
-    """The kernels need a CUDA tensor, or Triton's interpreter for a CPU one."""
-    if x.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(
-            f"mhc_implementation='triton' on a {x.device.type} tensor: Triton compiles for CUDA GPUs. On CPU, "
-            "set TRITON_INTERPRET=1 before starting Python to run the kernels in Triton's interpreter (slow), "
-            "or use mhc_implementation='fused' (the C++ CPU kernels).")
-
-
 class TritonKernels:
     """The kernel set of ``HyperConnectionPre`` in Triton (see ``EagerKernels`` for the contract)."""
 
     name = "triton"
-
-    @staticmethod
-    def project(x, phi, eps):
-        check_device(x)
-        return projection(x.contiguous(), phi, eps)
-
-    @staticmethod
-    def mappings(raw, r, alpha, bias, n, iterations, eps):
-        return mappings(raw, r, alpha, bias, n, iterations, eps)
-
-    @staticmethod
-    def mappings_dz(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_h_post, g_h_res, n, iterations, eps):
-        return mappings_backward(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_h_post, g_h_res, n, iterations, eps)
-
-    @staticmethod
-    def stream_mix(x, h_pre, h_res, n):
-        return stream_mix(x.contiguous(), h_pre, h_res, n)
-
-    @staticmethod
-    def stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n):
-        return stream_mix_backward(x.contiguous(), h_pre, h_res, g_agg, g_mixed, n)
+    project = staticmethod(projection)
+    mappings = staticmethod(mappings)
+    mappings_dz = staticmethod(mappings_backward)
+    stream_mix = staticmethod(stream_mix)
+    stream_mix_backward = staticmethod(stream_mix_backward)
