@@ -17,8 +17,8 @@ that ``MHCParallelStrategy`` makes Lightning insert) the resumed run then sees
 exactly the batches the uninterrupted run saw.
 
 The data position is also recorded as ``consumed_samples`` (batches completed x per-rank batch
-x data-parallel size, Megatron's name). A checkpoint resumes on another data-parallel size when the global batch
-stays the same (``lightning-mhc-train`` keeps ``data.global_batch_size``): the
+x data-parallel size, Megatron's name). A checkpoint resumes on another data-parallel size when
+the global batch stays the same (``lightning-mhc-train`` keeps ``data.global_batch_size``): the
 ``DistributedSampler`` deals the epoch's permutation round-robin, so the first ``k`` global
 batches are the same samples under every DP size. A different global batch is refused.
 

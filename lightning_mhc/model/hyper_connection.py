@@ -144,8 +144,7 @@ class HyperConnectionModule(MegatronModule):
 
         Mappings, aggregate and ``H_res @ x`` together: one fused autograd node
         (``mhc_implementation`` 'auto'/'fused'/'triton', its kernels chosen by ``fused_kernels``)
-        or the reference ops. The layer
-        checkpoints this call as one unit under block recompute.
+        or the reference ops. The layer checkpoints this call as one unit under block recompute.
         """
         if self.fused:
             kernels = fused_kernels(self.config.mhc_implementation, hidden_states.device.type)
