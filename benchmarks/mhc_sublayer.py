@@ -35,7 +35,6 @@ def _ours(hidden: int, tokens: int, implementation: str):
     from lightning_mhc.model.bda import h_post_bias_dropout_add
     from lightning_mhc.model.hyper_connection import HyperConnectionModule
     from lightning_mhc.model.init import ParamInit
-    from lightning_mhc.ops import is_fused
 
     cfg = MHCTransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1, num_residual_streams=N,
                                mhc_implementation=implementation)
@@ -45,8 +44,7 @@ def _ours(hidden: int, tokens: int, implementation: str):
 
     def forward():
         aggregated, mixed, h_post = hc(x)
-        return h_post_bias_dropout_add((branch(aggregated), None), h_post, mixed, 0.0, True,
-                                       fused=is_fused(implementation))
+        return h_post_bias_dropout_add((branch(aggregated), None), h_post, mixed, 0.0, True, implementation)
 
     return forward, x, (hc, branch)
 

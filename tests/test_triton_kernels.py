@@ -106,26 +106,75 @@ def test_a_cpu_tensor_without_the_interpreter_is_refused_in_one_line(monkeypatch
         TritonKernels.project(torch.zeros(2, 8), torch.zeros(8, 8), 1e-6)
 
 
+def _bda_leaves(n: int, c: int, tokens: int, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [t.to(dtype).requires_grad_(True) for t in (torch.randn(tokens, n * c, generator=g),
+                                                        torch.rand(tokens, n, generator=g) * 2,
+                                                        torch.randn(tokens, c, generator=g), torch.randn(c, generator=g))]
+
+
+@pytest.mark.parametrize("prob", [0.0, 0.3])
+@pytest.mark.parametrize("n, c, tokens", [(4, 24, 7), (3, 70, 5)])
+def test_h_post_bias_dropout_add_kernel(n, c, tokens, prob):
+    """``mixed + dropout(H_post^T (out + bias))`` in one pass each way, against the same math in
+    eager ops with the kernel's mask (read off its output): the output and the gradients of
+    ``mixed``, ``H_post``, ``out`` and the bias within 1e-5; the same seed gives the same mask."""
+    from lightning_mhc.ops.triton_kernels import h_post_bda
+
+    mixed, h_post, out, bias = leaves = _bda_leaves(n, c, tokens)
+    torch.manual_seed(5)
+    y = h_post_bda(mixed, h_post, out, bias, prob)
+    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
+    grads = torch.autograd.grad(y, leaves, upstream)
+    spread = (h_post[:, :, None] * (out + bias)[:, None, :]).reshape(tokens, n * c)
+    keep = ((y - mixed) != 0).float().detach() if prob else torch.ones_like(spread)
+    expected = mixed + spread * keep / (1 - prob)
+    assert _relative(y, expected) < 1e-6
+    for name, ours, eager in zip(("mixed", "H_post", "out", "bias"), grads,
+                                 torch.autograd.grad(expected, leaves, upstream)):
+        assert _relative(ours, eager) < 1e-5, name
+    torch.manual_seed(5)
+    assert torch.equal(h_post_bda(mixed, h_post, out, bias, prob), y)
+
+
+def test_h_post_bias_dropout_add_kernel_drops_at_the_rate_asked_and_varies_by_seed():
+    from lightning_mhc.ops.triton_kernels import h_post_bda
+
+    mixed, h_post, out, bias = (t.detach() for t in _bda_leaves(4, 64, 64))
+    h_post = h_post + 0.1  # no zero spread entries: every zero of y - mixed is a dropped one
+    torch.manual_seed(0)
+    first = (h_post_bda(mixed, h_post, out, bias, 0.25) - mixed) == 0
+    second = (h_post_bda(mixed, h_post, out, bias, 0.25) - mixed) == 0
+    assert abs(first.float().mean().item() - 0.25) < 0.02  # 16,384 draws: 4.7 standard deviations
+    assert not torch.equal(first, second)
+    bf16 = h_post_bda(mixed.bfloat16(), h_post, out.bfloat16(), bias.bfloat16(), 0.0)
+    assert bf16.dtype == torch.bfloat16
+    assert _relative(bf16, mixed + (h_post[:, :, None] * (out + bias)[:, None, :]).reshape(mixed.shape)) < 2e-2
+
+
 def test_a_model_with_triton_kernels_trains_like_the_eager_one_and_recomputes_bit_exactly(model_parallel):
-    """A 2-layer mHC GPT with dropout, ``mhc_implementation='triton'``: three AdamW steps give the
-    eager fused path's losses (1e-5) and gradients (1e-3), and block recompute (``mhc_block``: the
-    kernels run again in backward) gives ``none``'s bit for bit."""
+    """A 2-layer mHC GPT, ``mhc_implementation='triton'``: three AdamW steps give the eager fused
+    path's losses (1e-5) and gradients (1e-3) without dropout (the kernel draws its own dropout
+    mask); with dropout 0.1, block recompute (``mhc_block``: the kernels and their dropout run
+    again in backward) gives ``none``'s losses and gradients bit for bit."""
     from lightning_mhc.model import GPTModel
     from lightning_mhc.recompute import attach_recompute, configure_recompute
     from model_utils import tiny_config, train_steps
 
-    def run(implementation: str, policy: str):
+    def run(implementation: str, policy: str, dropout: float):
         torch.manual_seed(0)
-        cfg = tiny_config(num_layers=2, hidden_size=32, ffn_hidden_size=64, hidden_dropout=0.1,
+        cfg = tiny_config(num_layers=2, hidden_size=32, ffn_hidden_size=64, hidden_dropout=dropout,
                           mhc_sinkhorn_iterations=5, mhc_implementation=implementation)
         model = GPTModel(configure_recompute(cfg, policy))
         attach_recompute(model)
         return train_steps(model, steps=3, batch=2, seq=8)
 
-    eager, triton, triton_block = run("fused", "none"), run("triton", "none"), run("triton", "mhc_block")
-    for (loss_e, grads_e), (loss_t, grads_t), (loss_b, grads_b) in zip(eager, triton, triton_block):
+    for (loss_e, grads_e), (loss_t, grads_t) in zip(run("fused", "none", 0.0), run("triton", "none", 0.0)):
         assert _relative(loss_t, loss_e) < 1e-5
         for name in grads_e:  # fp32 sums in another order, carried through AdamW steps: 1e-3, and atol for the
             # entries that are rounding-sized (after a step some phi gradients are ~1e-9)
             torch.testing.assert_close(grads_t[name], grads_e[name], rtol=1e-3, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    dropped, without = run("triton", "none", 0.1), run("triton", "none", 0.0)
+    assert not torch.equal(dropped[0][0], without[0][0])  # the dropout is real
+    for (loss_t, grads_t), (loss_b, grads_b) in zip(dropped, run("triton", "mhc_block", 0.1)):
         assert torch.equal(loss_b, loss_t) and all(torch.equal(grads_b[k], grads_t[k]) for k in grads_t)

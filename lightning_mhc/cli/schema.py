@@ -123,7 +123,8 @@ class ModelConfig:
                      f"Set model.{name} to a dropout probability, e.g. 0.1 (0 turns dropout off).")
         _positive("model.init_method_std", self.init_method_std, "Set model.init_method_std to e.g. 0.02.")
         _one_of("model.mhc_implementation", self.mhc_implementation, MHC_IMPLEMENTATIONS,
-                "Use 'auto' (the fused ops), 'fused', 'triton' (Triton's kernels) or 'reference' (the op-by-op math).")
+                "Use 'auto' (the fused ops), 'fused', 'triton' (Triton's kernels), 'compile' (torch.compile) "
+                "or 'reference' (the op-by-op math).")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="

@@ -16,7 +16,7 @@ from megatron.core.transformer import TransformerConfig
 
 from lightning_mhc.distributed.layout import ParallelDims
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.ops import MHC_IMPLEMENTATIONS
+from lightning_mhc.ops import MHC_IMPLEMENTATIONS, triton_available
 from lightning_mhc.recompute.policy import SUPPORTED_MODULES
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
@@ -175,6 +175,9 @@ class MHCTransformerConfig(TransformerConfig):
                 f"{', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused ops; 'reference' "
                 "forces the op-by-op path)."
             )
+        if self.mhc_implementation == "triton" and not triton_available():
+            raise ConfigError("mhc_implementation='triton' needs Triton, which does not import here: "
+                              "pip install 'lightning_mhc[triton]', or choose 'auto', 'fused' or 'compile'.")
         layer_num = self.mhc_recompute_layer_num
         if layer_num is not None and (isinstance(layer_num, bool) or not isinstance(layer_num, int) or layer_num < 1):
             raise ConfigError(

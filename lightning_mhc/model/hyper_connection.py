@@ -26,6 +26,7 @@ from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.ops import fused_kernels, is_fused
 from lightning_mhc.ops.hyper_connection import (
+    compiled_pre,
     fused_pre_packed,
     reference_aggregate,
     reference_apply_h_post,
@@ -144,10 +145,12 @@ class HyperConnectionModule(MegatronModule):
 
         Mappings, aggregate and ``H_res @ x`` together: one fused autograd node
         (``mhc_implementation`` 'auto'/'fused'/'triton', its kernels chosen by ``fused_kernels``)
-        or the reference ops. The layer checkpoints this call as one unit under block recompute.
+        or the reference ops, compiled by ``torch.compile`` under 'compile'. The layer checkpoints
+        this call as one unit under block recompute.
         """
         if self.fused:
             kernels = fused_kernels(self.config.mhc_implementation, hidden_states.device.type)
             return fused_pre_packed(hidden_states, self.phi, self.alpha, self.bias, self.n, self.eps,
                                     self.sinkhorn_iterations, kernels)
-        return reference_pre(hidden_states, self.params, self.n, self.eps, self.sinkhorn_iterations)
+        pre = compiled_pre() if self.config.mhc_implementation == "compile" else reference_pre
+        return pre(hidden_states, self.params, self.n, self.eps, self.sinkhorn_iterations)

@@ -33,7 +33,6 @@ from lightning_mhc.model.attention import SelfAttention
 from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.mlp import MLP
-from lightning_mhc.ops import is_fused
 from lightning_mhc.model.norm import RMSNorm
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput, checkpoint
 
@@ -101,7 +100,7 @@ class TransformerLayer(torch.nn.Module):
         if h_post is None:
             return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training, sp)
         return h_post_bias_dropout_add(x_with_bias, h_post, residual, self.hidden_dropout, self.training,
-                                       fused=is_fused(self.config.mhc_implementation), sequence_parallel=sp)
+                                       self.config.mhc_implementation, sequence_parallel=sp)
 
     def _checkpointed(self, manager, op: str, fn, *args):
         """``fn(*args)`` as a CheckpointWithoutOutput registered with ``manager``."""

@@ -4,23 +4,25 @@
 ``fused``: the same math as few autograd nodes with hand-written backwards that
 save O(n^2) values per token (``docs/fused_hyper_connection.md``), computed by a kernel set:
 eager ops with C++ kernels on CPU (``hyper_connection.EagerKernels``), or Triton's
-(``triton_kernels.TritonKernels``, ``mhc_implementation='triton'``).
+(``triton_kernels.TritonKernels``, ``mhc_implementation='triton'``, and 'auto' on CUDA).
+``compile``: the reference math compiled by ``torch.compile`` (fused code without Triton's kernels
+of our own; inductor itself generates Triton on CUDA and C++ on CPU).
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
 
-MHC_IMPLEMENTATIONS = ("auto", "fused", "reference", "triton")
-"""Values of ``mhc_implementation``: 'auto' and 'fused' pick the fused ops with the eager kernel set
-(C++ on CPU); 'triton' Triton's kernels (on CPU only under ``TRITON_INTERPRET=1``); 'reference'
-the op-by-op math. 'auto' is to pick Triton on CUDA once the kernels have passed the GPU test
-set on a GPU; until then they are checked only under Triton's interpreter, so they are opt-in."""
+MHC_IMPLEMENTATIONS = ("auto", "fused", "reference", "triton", "compile")
+"""Values of ``mhc_implementation``: 'fused' the fused ops with the eager kernel set (C++ on CPU);
+'triton' the fused ops with Triton's kernels (on CPU only under ``TRITON_INTERPRET=1``);
+'auto' Triton's on CUDA when Triton imports, else 'fused'; 'reference' the op-by-op math;
+'compile' the op-by-op math compiled by ``torch.compile``."""
 
 
 def is_fused(mhc_implementation: str) -> bool:
-    """Whether ``mhc_implementation`` runs the fused ops (every value but 'reference')."""
-    return mhc_implementation != "reference"
+    """Whether ``mhc_implementation`` runs the fused autograd nodes ('auto', 'fused', 'triton')."""
+    return mhc_implementation not in ("reference", "compile")
 
 
 @functools.cache
@@ -28,14 +30,15 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-AUTO_PICKS_TRITON = False
-"""Whether 'auto' runs Triton's kernels on CUDA (when Triton imports): off until they have run on a GPU."""
+def uses_triton(mhc_implementation: str, device_type: str) -> bool:
+    """Whether this implementation runs Triton's kernels on this device."""
+    return mhc_implementation == "triton" or (mhc_implementation == "auto" and device_type == "cuda"
+                                              and triton_available())
 
 
 def fused_kernels(mhc_implementation: str, device_type: str):
     """The kernel set of the fused hyper-connection for this implementation on this device."""
-    if mhc_implementation == "triton" or (AUTO_PICKS_TRITON and mhc_implementation == "auto"
-                                          and device_type == "cuda" and triton_available()):
+    if uses_triton(mhc_implementation, device_type):
         from lightning_mhc.ops.triton_kernels import TritonKernels
 
         return TritonKernels

@@ -27,6 +27,8 @@ stream's dtype. Two implementations of the same math:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -79,6 +81,16 @@ def reference_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, ite
     """Mappings, aggregate and ``H_res @ x`` op by op: ``(aggregated, mixed, H_post)``."""
     h_pre, h_post, h_res = reference_mappings(x, *params, n=n, eps=eps, iterations=iterations)
     return reference_aggregate(x, h_pre, n), reference_apply_h_res(h_res, x, n), h_post
+
+
+@functools.cache
+def compiled_pre():
+    """``reference_pre`` through ``torch.compile`` (``mhc_implementation='compile'``): inductor fuses
+    the norm, the gates, the unrolled Sinkhorn and the stream products, forward and backward
+    (Triton on CUDA, C++ on CPU). Compiled on first call; ``n``, ``eps`` and ``iterations`` are
+    constants of the graph, and a new shape recompiles. No random draws inside, so recompute
+    replays it exactly."""
+    return torch.compile(reference_pre, fullgraph=True)
 
 
 # ---------------------------------------------------------------------- fused path

@@ -16,6 +16,10 @@ may be any size: register tiles are padded to ``NP``, the next power of two, wit
 - ``stream_mix``: ``aggregated = H_pre x`` ``[T, C]`` and ``mixed = H_res x`` ``[T, n*C]`` in one
   read of ``x``; its backward reads ``x``, ``g_agg`` and ``g_mixed`` once and gives ``dx``,
   ``dH_pre`` and ``dH_res`` (the two reductions over ``C`` in registers).
+- ``h_post_bda``: the sub-layer's bias-dropout-add onto the streams,
+  ``mixed + dropout(H_post^T (out + bias))``, in one pass that reads ``mixed`` and ``out`` and writes
+  the new stream. Dropout draws its mask in the kernel (Philox, from a seed taken from torch's
+  generator), so no mask is stored: the backward draws it again from the same seed.
 
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 this module is imported): slow, for checking them without a GPU.
@@ -115,6 +119,112 @@ def stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n: int, block_c: int = 
                                g_mixed.contiguous(), dx, dh_pre, dh_res, width // n, N=n, NP=_pow2(n),
                                BLOCK_C=block_c)
     return dx, dh_pre, dh_res
+
+
+# ------------------------------------------------------------------ H_post bias-dropout-add
+@triton.jit
+def _keep(seed_ptr, offsets, p):
+    """The dropout mask, from the seed and each element's position in the ``[T, n*C]`` stream."""
+    return tl.rand(tl.load(seed_ptr), offsets) >= p
+
+
+@triton.jit
+def _h_post_bda_fwd(mixed_ptr, hpost_ptr, out_ptr, bias_ptr, seed_ptr, y_ptr, C, p, scale, N: tl.constexpr,
+                    NP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ns = tl.arange(0, NP)
+    cmask = offs < C
+    nmask = ns < N
+    xmask = nmask[:, None] & cmask[None, :]
+    out = tl.load(out_ptr + t * C + offs, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs, mask=cmask, other=0.0).to(tl.float32)
+    hpost = tl.load(hpost_ptr + t * N + ns, mask=nmask, other=0.0)
+    spread = hpost[:, None] * out[None, :]
+    ptrs = t * N * C + ns[:, None] * C + offs[None, :]
+    if DROPOUT:
+        spread = tl.where(_keep(seed_ptr, ptrs.to(tl.uint32), p), spread * scale, 0.0)
+    y = tl.load(mixed_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32) + spread
+    tl.store(y_ptr + ptrs, y.to(y_ptr.dtype.element_ty), mask=xmask)
+
+
+@triton.jit
+def _h_post_bda_bwd(g_ptr, hpost_ptr, out_ptr, bias_ptr, seed_ptr, dhpost_ptr, dout_ptr, C, p, scale,
+                    N: tl.constexpr, NP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    DROPOUT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    ns = tl.arange(0, NP)
+    nmask = ns < N
+    hpost = tl.load(hpost_ptr + t * N + ns, mask=nmask, other=0.0)
+    dhpost = tl.zeros([NP], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        offs = c0 + tl.arange(0, BLOCK_C)
+        cmask = offs < C
+        ptrs = t * N * C + ns[:, None] * C + offs[None, :]
+        g = tl.load(g_ptr + ptrs, mask=nmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        if DROPOUT:
+            g = tl.where(_keep(seed_ptr, ptrs.to(tl.uint32), p), g * scale, 0.0)
+        out = tl.load(out_ptr + t * C + offs, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs, mask=cmask, other=0.0).to(tl.float32)
+        dhpost += tl.sum(g * out[None, :], axis=1)
+        dout = tl.sum(hpost[:, None] * g, axis=0)
+        tl.store(dout_ptr + t * C + offs, dout.to(dout_ptr.dtype.element_ty), mask=cmask)
+    tl.store(dhpost_ptr + t * N + ns, dhpost, mask=nmask)
+
+
+def _dropout_seed(device: torch.device) -> torch.Tensor:
+    """A seed drawn from the device's generator (inside the caller's RNG fork, so a recompute that
+    restores the generator states draws it again), kept on the device: no host sync."""
+    return torch.randint(0, 2 ** 31 - 1, (1,), device=device, dtype=torch.int32)
+
+
+class HPostBiasDropoutAdd(torch.autograd.Function):
+    """``mixed + dropout(H_post^T (out + bias))``, ``[T, n*C]``, ``[T, n]``, ``[T, C]``, ``[C]`` ->
+    ``[T, n*C]``: one Triton pass each way. Saves ``H_post``, ``out``, the bias and the dropout
+    seed (not the mask); the gradient of ``mixed`` is the incoming one."""
+
+    @staticmethod
+    def forward(ctx, mixed, h_post, out, bias, prob: float, block_c: int = 64):
+        check_device(mixed)
+        mixed, out = mixed.contiguous(), out.contiguous()
+        tokens, width = mixed.shape
+        n = h_post.shape[1]
+        c = width // n
+        h_post = h_post.float().contiguous()
+        seed = _dropout_seed(mixed.device) if prob > 0 else h_post.new_zeros(1, dtype=torch.int32)
+        y = torch.empty_like(mixed)
+        _h_post_bda_fwd[(tokens, triton.cdiv(c, block_c))](
+            mixed, h_post, out, bias if bias is not None else out, seed, y, c, prob, 1.0 / (1.0 - prob) if prob < 1
+            else 0.0, N=n, NP=_pow2(n), BLOCK_C=block_c, HAS_BIAS=bias is not None, DROPOUT=prob > 0)
+        ctx.save_for_backward(h_post, out, bias, seed)
+        ctx.prob, ctx.block_c = prob, block_c
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        h_post, out, bias, seed = ctx.saved_tensors
+        grad = grad.contiguous()
+        tokens, width = grad.shape
+        n = h_post.shape[1]
+        c = width // n
+        d_h_post = torch.empty_like(h_post)
+        d_out = torch.empty_like(out)
+        prob = ctx.prob
+        _h_post_bda_bwd[(tokens,)](grad, h_post, out, bias if bias is not None else out, seed, d_h_post, d_out, c,
+                                   prob, 1.0 / (1.0 - prob) if prob < 1 else 0.0, N=n, NP=_pow2(n),
+                                   BLOCK_C=ctx.block_c, HAS_BIAS=bias is not None, DROPOUT=prob > 0)
+        d_bias = d_out.float().sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
+        return grad, d_h_post, d_out, d_bias, None, None
+
+
+def h_post_bda(mixed, h_post, out, bias, prob: float):
+    """``HPostBiasDropoutAdd`` on ``[..., n*C]`` streams (leading dimensions flattened)."""
+    lead = mixed.shape[:-1]
+    y = HPostBiasDropoutAdd.apply(mixed.reshape(-1, mixed.shape[-1]), h_post.reshape(-1, h_post.shape[-1]),
+                                  out.reshape(-1, out.shape[-1]), bias, prob)
+    return y.view(*lead, -1)
 
 
 # ------------------------------------------------------------------ projection: x @ phi and 1/rms(x)
