@@ -23,29 +23,45 @@ def interleaved_times(steps: dict[str, Callable[[], None]], rounds: int, warmup:
     return times
 
 
-def gpt_training_step(cfg, policy: str, tokens, labels) -> tuple[Callable[[], None], int]:
-    """A ``GPTModel`` of ``cfg`` under recompute ``policy`` with AdamW: ``(step, retained bytes)``,
-    where ``step()`` is forward + backward + optimizer step and the bytes are what one training
-    forward leaves for backward."""
+def gpt_training_step(cfg, policy: str, tokens, labels, autocast=None) -> tuple[Callable[[], None], int]:
+    """A ``GPTModel`` of ``cfg`` under recompute ``policy`` with AdamW, on the device of ``tokens``:
+    ``(step, retained bytes)``, where ``step()`` is forward + backward + optimizer step (waiting for
+    the GPU) and the bytes are what one training forward leaves for backward. ``autocast``: a dtype
+    to run the forward under (bf16-mixed), or None."""
     import torch
 
     from lightning_mhc.model import GPTModel
     from lightning_mhc.recompute import ActivationMemoryMeter, attach_recompute, configure_recompute
 
-    model = GPTModel(configure_recompute(cfg, policy))
+    model = GPTModel(configure_recompute(cfg, policy)).to(tokens.device)
     attach_recompute(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    device = tokens.device.type
+
+    def forward():
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            return model(tokens, labels=labels).float().mean()
+
     with ActivationMemoryMeter(model) as meter:
-        loss = model(tokens, labels=labels).mean()
+        loss = forward()
     loss.backward()
     optimizer.zero_grad(set_to_none=True)
 
     def step() -> None:
-        model(tokens, labels=labels).mean().backward()
+        forward().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        synchronize(tokens.device)
 
     return step, meter.result.retained_bytes
+
+
+def synchronize(device) -> None:
+    """Wait for the GPU's queued work (timings are of work done, not launched)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def median(values: list[float]) -> float:

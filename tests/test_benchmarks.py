@@ -63,3 +63,19 @@ def test_preprocess_throughput(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["median_tokens_per_sec"]) == {"workers=1", "workers=2", "encode_batch"}
     assert result["corpus"]["tokens"] > 100_000 and all(v > 0 for v in result["median_tokens_per_sec"].values())
+
+
+def test_gpu_mhc_runs_on_cpu_with_the_gpu_columns_absent(tmp_path):
+    """Without CUDA the GPU benchmark runs what runs on CPU and says why the rest is absent: Triton's
+    times, peak memory, the kernel's bandwidth, and (without a Megatron-LM checkout) Megatron's mHC."""
+    out = tmp_path / "gpu_mhc.json"
+    _run("gpu_mhc.py", "--hidden", "64", "--tokens", "64", "--model-hidden", "64", "--out", str(out))
+    result = json.loads(out.read_text())
+    rows = result["table"]["64"]["sublayer"]
+    assert set(rows) == {"no_hc", "reference", "compile", "fused", "triton", "megatron_eager", "megatron_compiled"}
+    for name in ("no_hc", "reference", "compile", "fused"):
+        assert rows[name]["median_s"] > 0 and rows[name]["peak_bytes"] is None
+    assert "needs CUDA" in rows["triton"]["absent"] and "needs CUDA" in result["table"]["64"]["mappings_bandwidth"]["absent"]
+    assert "--megatron-lm" in rows["megatron_eager"]["absent"]
+    assert rows["fused"]["saved_bytes_per_token"] < rows["reference"]["saved_bytes_per_token"]
+    assert result["model"]["hc_vs_no_hc"] > 0 and result["model"]["mhc_block_vs_none"] > 0
