@@ -32,7 +32,7 @@ def _ours(hidden: int, tokens: int, implementation: str):
     import torch
 
     from lightning_mhc.model import MHCTransformerConfig
-    from lightning_mhc.model.bda import h_post_bias_dropout_add
+    from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
     from lightning_mhc.model.hyper_connection import HyperConnectionModule
     from lightning_mhc.model.init import ParamInit
 
@@ -43,8 +43,8 @@ def _ours(hidden: int, tokens: int, implementation: str):
     x = torch.randn(tokens, 1, N * hidden, requires_grad=True)
 
     def forward():
-        aggregated, mixed, h_post = hc(x)
-        return h_post_bias_dropout_add((branch(aggregated), None), h_post, mixed, 0.0, True, implementation)
+        aggregated, h_res, h_post = hc(x)
+        return h_res_h_post_bias_dropout_add((branch(aggregated), None), x, h_res, h_post, 0.0, True, implementation)
 
     return forward, x, (hc, branch)
 

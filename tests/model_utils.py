@@ -102,3 +102,22 @@ def train_steps(model, steps: int = 3, batch: int = 2, seq: int = 16, lr: float 
         opt.step()
         opt.zero_grad(set_to_none=True)
     return history
+
+
+def hc_sublayer(x, phi, alpha, bias, weight, out_bias, n: int, implementation: str):
+    """One hyper-connected sub-layer with a linear branch, as a layer runs it: ``(next stream,
+    H_post)`` by the fused ops with Triton's kernels, or by the op-by-op reference."""
+    from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
+    from lightning_mhc.ops.hyper_connection import fused_pre_packed, reference_pre
+
+    if implementation == "triton":
+        from lightning_mhc.ops.triton_kernels import TritonKernels
+
+
+        aggregated, h_res, h_post = fused_pre_packed(x, phi, alpha, bias, n=n, eps=1e-6, iterations=8,
+                                                     kernels=TritonKernels)
+    else:
+        params = (*phi.split([n, n, n * n], dim=1), *alpha.unbind(), bias[:n], bias[n:2 * n], bias[2 * n:].view(n, n))
+        aggregated, h_res, h_post = reference_pre(x, params, n, 1e-6, 8)
+    branch = (aggregated @ weight.to(aggregated.dtype), out_bias.to(aggregated.dtype))
+    return h_res_h_post_bias_dropout_add(branch, x, h_res, h_post, 0.0, True, implementation), h_post

@@ -52,52 +52,63 @@ def _hc_inputs(dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 def test_triton_kernels_match_the_reference_at_real_shapes(dtype, tolerance):
-    """The fused node with Triton's kernels against ``reference_pre`` under autograd: outputs and
-    the gradients of the stream, phi, alpha and the bias (20 Sinkhorn iterations)."""
+    """One hyper-connected sub-layer (20 Sinkhorn iterations, a linear branch with a bias) with
+    Triton's kernels against the op-by-op reference in fp32 on the same values, under autograd:
+    the next stream, H_post and the gradients of the stream, phi, alpha, the bias, the branch's
+    weight and its bias."""
     pytest.importorskip("triton")
-    from lightning_mhc.ops.hyper_connection import fused_pre_packed, reference_pre
+    from model_utils import hc_sublayer
+
+    x, phi, alpha, bias = _hc_inputs(dtype)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    weight = torch.randn(C, C, generator=g, device=DEVICE) / C ** 0.5
+    out_bias = torch.randn(C, generator=g, device=DEVICE)
+    upstream = [torch.randn(TOKENS, N * C, generator=g, device=DEVICE), torch.randn(TOKENS, N, generator=g, device=DEVICE)]
+
+    def run(implementation: str, stream):
+        leaves = [t.clone().requires_grad_(True) for t in (stream, phi, alpha, bias, weight, out_bias)]
+        outs = hc_sublayer(*leaves, N, implementation)
+        return [*(o.detach() for o in outs),
+                *torch.autograd.grad(sum((o.float() * w).sum() for o, w in zip(outs, upstream)), leaves)]
+
+    names = ("next stream", "H_post", "dx", "dphi", "dalpha", "dbias", "dweight", "d out bias")
+    ours = run("triton", x)
+    assert ours[0].dtype == dtype and ours[2].dtype == dtype
+    for name, mine, reference in zip(names, ours, run("reference", x.float())):
+        assert _relative(mine, reference) < tolerance, (name, _relative(mine, reference))
+
+
+@pytest.mark.parametrize("prob", [0.0, 0.1])
+def test_res_post_kernel_at_real_shapes(prob):
+    """``H_res x + dropout(H_post^T (out + b))`` in bf16 against its fp32 math with the kernel's
+    mask (read off an fp32 run from the same generator state: the mask depends on the seed and
+    the position only): the output and the gradients of x, H_res, H_post, out and the bias
+    within 2e-2."""
+    pytest.importorskip("triton")
+    from lightning_mhc.ops.hyper_connection import fused_res_post, reference_apply_h_res
     from lightning_mhc.ops.triton_kernels import TritonKernels
 
-    x0, phi0, alpha0, bias0 = _hc_inputs(dtype)
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    weights = [torch.randn(shape, generator=g, device=DEVICE) for shape in ((TOKENS, C), (TOKENS, N * C), (TOKENS, N))]
-
-    def run(triton: bool):
-        x, phi, alpha, bias = (t.clone().requires_grad_(True) for t in (x0, phi0, alpha0, bias0))
-        if triton:
-            outs = fused_pre_packed(x, phi, alpha, bias, N, 1e-6, 20, TritonKernels)
-        else:
-            n = N
-            params = (phi[:, :n], phi[:, n:2 * n], phi[:, 2 * n:], alpha[0], alpha[1], alpha[2],
-                      bias[:n], bias[n:2 * n], bias[2 * n:].view(n, n))
-            outs = reference_pre(x, params, n, 1e-6, 20)
-        loss = sum((o.float() * w).sum() for o, w in zip(outs, weights))
-        return [*(o.detach() for o in outs), *torch.autograd.grad(loss, (x, phi, alpha, bias))]
-
-    names = ("aggregated", "mixed", "H_post", "dx", "dphi", "dalpha", "dbias")
-    for name, ours, reference in zip(names, run(True), run(False)):
-        assert ours.dtype == reference.dtype, name
-        assert _relative(ours, reference) < tolerance, (name, _relative(ours, reference))
-
-
-@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
-def test_h_post_bias_dropout_add_kernel_at_real_shapes(dtype, tolerance):
-    pytest.importorskip("triton")
-    from lightning_mhc.ops.triton_kernels import h_post_bda
-
     g = torch.Generator(device=DEVICE).manual_seed(2)
-    leaves = [t.to(dtype).requires_grad_(True) for t in (
-        torch.randn(TOKENS, N * C, generator=g, device=DEVICE), torch.rand(TOKENS, N, generator=g, device=DEVICE) * 2,
-        torch.randn(TOKENS, C, generator=g, device=DEVICE), torch.randn(C, generator=g, device=DEVICE))]
-    mixed, h_post, out, bias = leaves
-    upstream = torch.randn(TOKENS, N * C, generator=g, device=DEVICE).to(dtype)
-    y = h_post_bda(mixed, h_post, out, bias, 0.0)
-    ours = [y, *torch.autograd.grad(y, leaves, upstream)]
+    x = torch.randn(TOKENS, N * C, generator=g, device=DEVICE)
+    h_res = torch.softmax(torch.randn(TOKENS, N, N, generator=g, device=DEVICE), -1)
+    h_post = torch.rand(TOKENS, N, generator=g, device=DEVICE) * 2 + 0.1
+    out, bias = torch.randn(TOKENS, C, generator=g, device=DEVICE), torch.randn(C, generator=g, device=DEVICE)
+    upstream = torch.randn(TOKENS, N * C, generator=g, device=DEVICE)
+    leaves = [t.bfloat16().requires_grad_(True) if t is x or t is out or t is bias else t.requires_grad_(True)
+              for t in (x, h_res, h_post, out, bias)]
+    torch.manual_seed(3)
+    y = fused_res_post(*leaves, prob, TritonKernels)
+    ours = [y, *torch.autograd.grad(y, leaves, upstream.bfloat16())]
     f32 = [t.detach().float().requires_grad_(True) for t in leaves]
-    expected = f32[0] + (f32[1][:, :, None] * (f32[2] + f32[3])[:, None, :]).reshape(TOKENS, N * C)
-    reference = [expected, *torch.autograd.grad(expected, f32, upstream.float())]
-    for name, a, b in zip(("y", "dmixed", "dH_post", "dout", "dbias"), ours, reference):
-        assert _relative(a, b) < tolerance, (name, _relative(a, b))
+    mixed = reference_apply_h_res(f32[1], f32[0], N)
+    spread = (f32[2][:, :, None] * (f32[3] + f32[4])[:, None, :]).reshape(TOKENS, N * C)
+    torch.manual_seed(3)
+    y32 = fused_res_post(*(t.detach() for t in f32), prob, TritonKernels)
+    keep = ((y32 - mixed).abs() > 0.5 * spread.abs()).float() if prob else 1.0
+    expected = mixed + spread * keep / (1 - prob)
+    reference = [expected, *torch.autograd.grad(expected, f32, upstream)]
+    for name, a, b in zip(("y", "dx", "dH_res", "dH_post", "dout", "dbias"), ours, reference):
+        assert _relative(a, b) < 2e-2, (name, _relative(a, b))
 
 
 def _tiny_model(implementation: str, policy: str, dropout: float, hidden: int = 64):

@@ -109,7 +109,8 @@ def test_full_sublayer_matches_equations():
     x = torch.randn(5, 2, hc.n * hc.hidden_size, generator=g)
     w = torch.randn(hc.hidden_size, hc.hidden_size, generator=g) / 8
     branch = lambda h: torch.tanh(h @ w)
-    aggregated, mixed, h_post = hc(x)
+    aggregated, h_res, h_post = hc(x)
+    mixed = hc.apply_h_res(h_res, x)
     out, _ = hc.apply_h_post((branch(aggregated), None), h_post)
     torch.testing.assert_close(mixed + out, mhc_sublayer_reference(hc, x, branch))
     # H_res is applied: dropping it changes the result
@@ -141,8 +142,8 @@ def test_expand_contract_roundtrip():
 def test_gradients_flow_to_every_parameter():
     hc = randomize(make_hc())
     x = torch.randn(4, 2, hc.n * hc.hidden_size, requires_grad=True)
-    aggregated, mixed, h_post = hc(x)
+    aggregated, h_res, h_post = hc(x)
     out, _ = hc.apply_h_post((aggregated.sin(), None), h_post)
-    (mixed + out).square().sum().backward()
+    (hc.apply_h_res(h_res, x) + out).square().sum().backward()
     for name, p in hc.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name

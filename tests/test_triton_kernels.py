@@ -10,9 +10,10 @@ import torch
 # conftest.py sets TRITON_INTERPRET=1 before anything imports Triton: the kernels run on CPU tensors
 pytest.importorskip("triton", reason="the triton extra: pip install -e '.[triton]'")
 
-from lightning_mhc.ops.hyper_connection import EagerKernels, fused_pre_packed, reference_pre  # noqa: E402
+from lightning_mhc.ops.hyper_connection import EagerKernels  # noqa: E402
 from lightning_mhc.ops.sinkhorn import SINKHORN_EPS  # noqa: E402
 from lightning_mhc.ops.triton_kernels import TritonKernels  # noqa: E402
+from model_utils import hc_sublayer  # noqa: E402
 
 SHAPES = [(4, 24, 7), (3, 10, 5), (2, 8, 17), (5, 12, 3)]  # (n, C, tokens)
 
@@ -36,17 +37,21 @@ def test_each_kernel_matches_the_eager_one(n, c, tokens):
     x = torch.randn(tokens, n * c, generator=g)
     phi, alpha, bias = _params(n, c)
     iterations = 6
-    g_agg, g_mixed = torch.randn(tokens, c, generator=g), torch.randn(tokens, n * c, generator=g)
+    g_agg, grad = torch.randn(tokens, c, generator=g), torch.randn(tokens, n * c, generator=g)
+    out, out_bias = torch.randn(tokens, c, generator=g), torch.randn(c, generator=g)
     results = {}
     for kernels in (EagerKernels, TritonKernels):
         raw, r = kernels.project(x, phi, 1e-6)
         h = kernels.mappings(raw, r, alpha, bias, n, iterations, SINKHORN_EPS)
-        mix = kernels.stream_mix(x, h[0], h[2], n)
         grads = [torch.randn(t.shape, generator=torch.Generator().manual_seed(k)) for k, t in enumerate(h)]
         dz = kernels.mappings_dz(raw, r, alpha, bias, h[0], h[1], *grads, n, iterations, SINKHORN_EPS)
-        back = kernels.stream_mix_backward(x, h[0], h[2], g_agg, g_mixed, n)
-        results[kernels.name] = (raw, r, *h, *mix, dz, *back)
-    names = ("raw", "r", "H_pre", "H_post", "H_res", "aggregated", "mixed", "dz", "dx", "dH_pre", "dH_res")
+        aggregated = kernels.aggregate(x, h[0], n)
+        d_aggregate = kernels.aggregate_backward(x, h[0], g_agg, n)
+        y = kernels.res_post(x, h[2], h[1], out, out_bias, 0.0, None)
+        d_res_post = kernels.res_post_backward(x, h[2], h[1], out, out_bias, 0.0, None, grad)
+        results[kernels.name] = (raw, r, *h, dz, aggregated, *d_aggregate, y, *d_res_post)
+    names = ("raw", "r", "H_pre", "H_post", "H_res", "dz", "aggregated", "dx (aggregate)", "dH_pre", "next stream",
+             "dx (res_post)", "dH_res", "dH_post", "d out")
     for name, ours, eager in zip(names, results["triton"], results["eager"]):
         assert _relative(ours, eager) < 1e-5, (name, _relative(ours, eager))
 
@@ -71,31 +76,29 @@ def test_sinkhorn_backward_where_sums_clamp():
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("n, c, tokens", [(4, 24, 7), (3, 10, 5)])
-def test_the_hyper_connection_and_its_gradients_match_the_reference(n, c, tokens, dtype, tolerance):
-    """``fused_pre_packed`` with Triton's kernels against the op-by-op reference under autograd:
-    the three outputs and the gradients of the stream and of every parameter."""
+def test_the_sublayer_and_its_gradients_match_the_reference(n, c, tokens, dtype, tolerance):
+    """The hyper-connection with Triton's kernels (mappings, aggregate, then ``H_res x + H_post^T
+    (F + b)`` in one pass) against the op-by-op reference under autograd: the next stream, H_post
+    and the gradients of the stream, of every hyper-connection parameter, of the branch's weight
+    and of its bias. In bf16 the reference is its math in fp32 on the same bf16 values (the
+    op-by-op reference rounds every product to bf16, the kernels accumulate in fp32)."""
     phi, alpha, bias = _params(n, c, seed=1)
-    x = torch.randn(tokens, n * c, generator=torch.Generator().manual_seed(2)).to(dtype)
-    weights = [torch.randn(shape, generator=torch.Generator().manual_seed(3 + k))
-               for k, shape in enumerate([(tokens, c), (tokens, n * c), (tokens, n)])]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, n * c, generator=g).to(dtype)
+    weight, out_bias = torch.randn(c, c, generator=g) / c ** 0.5, torch.randn(c, generator=g)
+    upstream = [torch.randn(tokens, n * c, generator=g), torch.randn(tokens, n, generator=g)]
 
-    def run(triton: bool):
-        xs = x.clone().requires_grad_()
-        ps = [t.clone().requires_grad_() for t in (phi, alpha, bias)]
-        if triton:
-            outs = fused_pre_packed(xs, *ps, n=n, eps=1e-6, iterations=8, kernels=TritonKernels)
-        else:
-            p_phi, p_alpha, p_bias = ps
-            params = (*p_phi.split([n, n, n * n], dim=1), *p_alpha.unbind(), p_bias[:n], p_bias[n:2 * n],
-                      p_bias[2 * n:].view(n, n))
-            outs = reference_pre(xs, params, n, 1e-6, 8)
-        sum((o.float() * w).sum() for o, w in zip(outs, weights)).backward()
-        return [*outs, xs.grad, *(p.grad for p in ps)]
+    def run(implementation: str, stream):
+        leaves = [t.clone().requires_grad_() for t in (stream, phi, alpha, bias, weight, out_bias)]
+        outs = hc_sublayer(*leaves, n, implementation)
+        sum((o.float() * w).sum() for o, w in zip(outs, upstream)).backward()
+        return [*outs, *(t.grad for t in leaves)]
 
-    names = ("aggregated", "mixed", "H_post", "dx", "dphi", "dalpha", "dbias")
-    for name, ours, reference in zip(names, run(True), run(False)):
-        assert ours.dtype == reference.dtype, name
-        assert _relative(ours, reference) < tolerance, (name, _relative(ours, reference))
+    names = ("next stream", "H_post", "dx", "dphi", "dalpha", "dbias", "dweight", "d out bias")
+    ours = run("triton", x)
+    assert [t.dtype for t in ours[:3]] == [dtype, torch.float32, dtype]
+    for name, mine, reference in zip(names, ours, run("reference", x.float())):
+        assert _relative(mine, reference) < tolerance, (name, _relative(mine, reference))
 
 
 def test_a_cpu_tensor_without_the_interpreter_is_refused_in_one_line(monkeypatch):
@@ -106,50 +109,57 @@ def test_a_cpu_tensor_without_the_interpreter_is_refused_in_one_line(monkeypatch
         TritonKernels.project(torch.zeros(2, 8), torch.zeros(8, 8), 1e-6)
 
 
-def _bda_leaves(n: int, c: int, tokens: int, dtype=torch.float32, seed: int = 0):
+def _res_post_leaves(n: int, c: int, tokens: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return [t.to(dtype).requires_grad_(True) for t in (torch.randn(tokens, n * c, generator=g),
-                                                        torch.rand(tokens, n, generator=g) * 2,
-                                                        torch.randn(tokens, c, generator=g), torch.randn(c, generator=g))]
+    h_res = torch.softmax(torch.randn(tokens, n, n, generator=g), -1)
+    return [t.requires_grad_(True) for t in (torch.randn(tokens, n * c, generator=g), h_res,
+                                             torch.rand(tokens, n, generator=g) * 2 + 0.1,
+                                             torch.randn(tokens, c, generator=g), torch.randn(c, generator=g))]
 
 
 @pytest.mark.parametrize("prob", [0.0, 0.3])
 @pytest.mark.parametrize("n, c, tokens", [(4, 24, 7), (3, 70, 5)])
-def test_h_post_bias_dropout_add_kernel(n, c, tokens, prob):
-    """``mixed + dropout(H_post^T (out + bias))`` in one pass each way, against the same math in
-    eager ops with the kernel's mask (read off its output): the output and the gradients of
-    ``mixed``, ``H_post``, ``out`` and the bias within 1e-5; the same seed gives the same mask."""
-    from lightning_mhc.ops.triton_kernels import h_post_bda
+def test_res_post_bias_dropout_add_with_the_kernels_dropout(n, c, tokens, prob):
+    """``H_res x + dropout(H_post^T (out + bias))`` in one Triton pass each way, dropout drawn in the
+    kernel, against the same math in eager ops with the kernel's mask (read off its output: ``y -
+    H_res x`` is 0 where dropped, 1/(1-p) of the spread where kept): the output and the gradients of x, H_res, H_post, out and the bias
+    within 1e-5; the same generator state gives the same mask."""
+    from lightning_mhc.ops.hyper_connection import fused_res_post, reference_apply_h_res
 
-    mixed, h_post, out, bias = leaves = _bda_leaves(n, c, tokens)
+    x, h_res, h_post, out, bias = leaves = _res_post_leaves(n, c, tokens)
     torch.manual_seed(5)
-    y = h_post_bda(mixed, h_post, out, bias, prob)
+    y = fused_res_post(x, h_res, h_post, out, bias, prob, TritonKernels)
     upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
     grads = torch.autograd.grad(y, leaves, upstream)
+    mixed = reference_apply_h_res(h_res, x, n)
     spread = (h_post[:, :, None] * (out + bias)[:, None, :]).reshape(tokens, n * c)
-    keep = ((y - mixed) != 0).float().detach() if prob else torch.ones_like(spread)
+    keep = ((y - mixed).abs() > 0.5 * spread.abs()).float().detach() if prob else torch.ones_like(spread)
+    if prob:
+        assert 0 < (1 - keep).sum() < keep.numel(), "no element was dropped, or all were"
     expected = mixed + spread * keep / (1 - prob)
-    assert _relative(y, expected) < 1e-6
-    for name, ours, eager in zip(("mixed", "H_post", "out", "bias"), grads,
+    assert _relative(y, expected) < 1e-5
+    for name, ours, eager in zip(("x", "H_res", "H_post", "out", "bias"), grads,
                                  torch.autograd.grad(expected, leaves, upstream)):
         assert _relative(ours, eager) < 1e-5, name
     torch.manual_seed(5)
-    assert torch.equal(h_post_bda(mixed, h_post, out, bias, prob), y)
+    assert torch.equal(fused_res_post(x, h_res, h_post, out, bias, prob, TritonKernels), y)
 
 
-def test_h_post_bias_dropout_add_kernel_drops_at_the_rate_asked_and_varies_by_seed():
-    from lightning_mhc.ops.triton_kernels import h_post_bda
+def test_the_kernels_dropout_drops_at_the_rate_asked_and_varies_by_draw():
+    from lightning_mhc.ops.hyper_connection import fused_res_post, reference_apply_h_res, reference_res_post
 
-    mixed, h_post, out, bias = (t.detach() for t in _bda_leaves(4, 64, 64))
-    h_post = h_post + 0.1  # no zero spread entries: every zero of y - mixed is a dropped one
+    x, h_res, h_post, out, bias = (t.detach() for t in _res_post_leaves(4, 64, 64))
+    mixed = reference_apply_h_res(h_res, x, 4)
+    spread = (h_post[:, :, None] * (out + bias)[:, None, :]).reshape(mixed.shape)
     torch.manual_seed(0)
-    first = (h_post_bda(mixed, h_post, out, bias, 0.25) - mixed) == 0
-    second = (h_post_bda(mixed, h_post, out, bias, 0.25) - mixed) == 0
+    # y - H_res x is 0 where dropped and 4/3 of the spread where kept
+    first = (fused_res_post(x, h_res, h_post, out, bias, 0.25, TritonKernels) - mixed).abs() < 0.5 * spread.abs()
+    second = (fused_res_post(x, h_res, h_post, out, bias, 0.25, TritonKernels) - mixed).abs() < 0.5 * spread.abs()
     assert abs(first.float().mean().item() - 0.25) < 0.02  # 16,384 draws: 4.7 standard deviations
     assert not torch.equal(first, second)
-    bf16 = h_post_bda(mixed.bfloat16(), h_post, out.bfloat16(), bias.bfloat16(), 0.0)
+    bf16 = fused_res_post(x.bfloat16(), h_res, h_post, out.bfloat16(), bias.bfloat16(), 0.0, TritonKernels)
     assert bf16.dtype == torch.bfloat16
-    assert _relative(bf16, mixed + (h_post[:, :, None] * (out + bias)[:, None, :]).reshape(mixed.shape)) < 2e-2
+    assert _relative(bf16, reference_res_post(x, h_res, h_post, out + bias)) < 2e-2
 
 
 def test_a_model_with_triton_kernels_trains_like_the_eager_one_and_recomputes_bit_exactly(model_parallel):

@@ -1,14 +1,20 @@
 """Bias-dropout-add: ``residual + dropout(out + bias)``, and its hyper-connection form
-``mixed + dropout(H_post^T * (out + bias))`` (``H_post`` spreads the sub-layer output over
-the ``n`` streams; ``mixed = H_res @ x``)."""
+``H_res @ x + dropout(H_post^T * (out + bias))`` (``H_res`` mixes the ``n`` streams of ``x``,
+``H_post`` spreads the sub-layer output over them)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_mhc.ops import is_fused, uses_triton
-from lightning_mhc.ops.hyper_connection import HPostResidual, reference_apply_h_post
+from lightning_mhc.ops import fused_kernels, is_fused
+from lightning_mhc.ops.hyper_connection import (
+    compiled,
+    fused_res_post,
+    reference_apply_h_post,
+    reference_apply_h_res,
+    reference_res_post,
+)
 from lightning_mhc.recompute.rng import rng_fork
 
 
@@ -26,29 +32,33 @@ def bias_dropout_add(
     return residual + dropped
 
 
-def h_post_bias_dropout_add(
-    x_with_bias: tuple[Tensor, Tensor | None], h_post: Tensor, mixed: Tensor, prob: float, training: bool,
-    implementation: str = "fused", sequence_parallel: bool = False,
+def h_res_h_post_bias_dropout_add(
+    x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, h_res: Tensor, h_post: Tensor, prob: float,
+    training: bool, implementation: str = "fused", sequence_parallel: bool = False,
 ) -> Tensor:
-    """``mixed + dropout(H_post^T * (out + bias))``: ``[s,b,C]``, ``[s,b,n]``, ``[s,b,n*C]`` -> ``[s,b,n*C]``.
+    """``H_res @ residual + dropout(H_post^T (out + bias))``: ``[s,b,C]`` (+ ``[C]``), ``[s,b,n*C]``,
+    ``[s,b,n,n]``, ``[s,b,n]`` -> ``[s,b,n*C]``.
 
-    By ``implementation`` (``mhc_implementation``): with Triton's kernels, one pass each way,
-    dropout included (``triton_kernels.HPostBiasDropoutAdd``: its mask is drawn in the kernel from a
-    seed, so it differs from the reference's, and is not stored). Otherwise, the fused ops without
-    active dropout are ``HPostResidual``: one ``addcmul`` into a fresh tensor (no ``[s,b,n*C]``
-    temporaries, saves ``H_post`` and ``out + bias`` for backward); with dropout, or for the
-    reference, the spread output is formed and goes through :func:`bias_dropout_add`.
+    By ``implementation`` (``mhc_implementation``): the fused ops run
+    ``ResPostBiasDropoutAdd``, one pass each way that reads the stream and the sub-layer output and
+    writes the next stream. Triton's kernels draw the dropout mask inside (from a seed, so it
+    differs from the reference's, and is not stored); the eager kernels have no dropout, so with
+    active dropout they take the reference's ops, which draw the reference's mask. 'compile' runs
+    the reference's ops compiled when no dropout is active.
     """
     out, bias = x_with_bias
+    prob = prob if training else 0.0
     with torch.autocast(device_type=out.device.type, enabled=False):
-        if uses_triton(implementation, out.device.type):
-            from lightning_mhc.ops.triton_kernels import h_post_bda
-
-            with rng_fork(*(() if sequence_parallel else ("tensor",))):  # as bias_dropout_add
-                return h_post_bda(mixed, h_post, out, bias, prob if training else 0.0)
+        if is_fused(implementation):
+            kernels = fused_kernels(implementation, out.device.type)
+            if prob == 0 or kernels.DROPOUT:
+                with rng_fork(*(() if sequence_parallel else ("tensor",))):  # as bias_dropout_add
+                    return fused_res_post(residual, h_res, h_post, out, bias, prob, kernels)
         if bias is not None:
             out = out + bias
-        if is_fused(implementation) and (prob == 0 or not training):
-            return HPostResidual.apply(mixed, h_post.to(out.dtype), out)
+        if prob == 0:
+            res_post = compiled(reference_res_post) if implementation == "compile" else reference_res_post
+            return res_post(residual, h_res, h_post, out)
+        mixed = reference_apply_h_res(h_res, residual, h_post.shape[-1])
         return bias_dropout_add((reference_apply_h_post(out, h_post), None), mixed, prob, training,
                                 sequence_parallel)

@@ -26,7 +26,7 @@ from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.ops import fused_kernels, is_fused
 from lightning_mhc.ops.hyper_connection import (
-    compiled_pre,
+    compiled,
     fused_pre_packed,
     reference_aggregate,
     reference_apply_h_post,
@@ -141,16 +141,17 @@ class HyperConnectionModule(MegatronModule):
 
     # ------------------------------------------------------------ forward
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``[s,b,n*C]`` -> ``(aggregated [s,b,C], H_res @ x [s,b,n*C], H_post [s,b,n])``.
+        """``[s,b,n*C]`` -> ``(aggregated [s,b,C], H_res [s,b,n,n], H_post [s,b,n])`` (as Megatron-LM's).
 
-        Mappings, aggregate and ``H_res @ x`` together: one fused autograd node
-        (``mhc_implementation`` 'auto'/'fused'/'triton', its kernels chosen by ``fused_kernels``)
-        or the reference ops, compiled by ``torch.compile`` under 'compile'. The layer checkpoints
-        this call as one unit under block recompute.
+        Mappings and aggregate together: one fused autograd node (``mhc_implementation``
+        'auto'/'fused'/'triton', its kernels chosen by ``fused_kernels``) or the reference ops,
+        compiled by ``torch.compile`` under 'compile'. The layer checkpoints this call as one unit
+        under block recompute; ``H_res @ x`` is applied with ``H_post`` by the bias-dropout-add
+        (``lightning_mhc.model.bda.h_res_h_post_bias_dropout_add``).
         """
         if self.fused:
             kernels = fused_kernels(self.config.mhc_implementation, hidden_states.device.type)
             return fused_pre_packed(hidden_states, self.phi, self.alpha, self.bias, self.n, self.eps,
                                     self.sinkhorn_iterations, kernels)
-        pre = compiled_pre() if self.config.mhc_implementation == "compile" else reference_pre
+        pre = compiled(reference_pre) if self.config.mhc_implementation == "compile" else reference_pre
         return pre(hidden_states, self.params, self.n, self.eps, self.sinkhorn_iterations)

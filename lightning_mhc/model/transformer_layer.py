@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_mhc.model.bda import bias_dropout_add, h_post_bias_dropout_add
+from lightning_mhc.model.bda import bias_dropout_add, h_res_h_post_bias_dropout_add
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.attention import SelfAttention
 from lightning_mhc.model.hyper_connection import HyperConnectionModule
@@ -93,14 +93,15 @@ class TransformerLayer(torch.nn.Module):
         """Recompute only applies to training forwards that build a graph."""
         return self.training and torch.is_grad_enabled()
 
-    def _bda(self, x_with_bias, residual: Tensor, h_post: Tensor | None = None) -> Tensor:
-        """Bias-dropout-add; with hyper-connections ``residual`` is ``H_res @ x`` and ``H_post``
-        spreads the sub-layer output over the streams."""
+    def _bda(self, x_with_bias, residual: Tensor, mappings: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Bias-dropout-add; with hyper-connections ``mappings`` is ``(H_res, H_post)``: ``H_res``
+        mixes the streams of ``residual`` and ``H_post`` spreads the sub-layer output over them."""
         sp = self.config.sequence_parallel
-        if h_post is None:
+        if mappings is None:
             return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training, sp)
-        return h_post_bias_dropout_add(x_with_bias, h_post, residual, self.hidden_dropout, self.training,
-                                       self.config.mhc_implementation, sequence_parallel=sp)
+        h_res, h_post = mappings
+        return h_res_h_post_bias_dropout_add(x_with_bias, residual, h_res, h_post, self.hidden_dropout, self.training,
+                                             self.config.mhc_implementation, sequence_parallel=sp)
 
     def _checkpointed(self, manager, op: str, fn, *args):
         """``fn(*args)`` as a CheckpointWithoutOutput registered with ``manager``."""
@@ -108,30 +109,32 @@ class TransformerLayer(torch.nn.Module):
         return ckpt, ckpt.checkpoint(fn, *args)
 
     def _sublayer(self, hc, norm: RMSNorm, recompute_norm: bool, norm_name: str, run, hidden_states, manager):
-        """Hyper-connection, norm, sub-layer: returns ``(output_with_bias, residual, H_post)``.
+        """Hyper-connection, norm, sub-layer: returns ``(output_with_bias, residual, mappings)``.
 
-        With hyper-connections ``residual`` is ``H_res @ x``; with a manager the hyper-connection
-        (mappings, aggregate, ``H_res @ x``) is one checkpoint in it, together with the norm under
+        ``residual`` is the layer's stream; with hyper-connections ``mappings`` is ``(H_res,
+        H_post)`` for the bias-dropout-add, else None. With a manager the hyper-connection
+        (mappings, aggregate) is one checkpoint in it, together with the norm under
         ``recompute_norm``. Without a manager, ``recompute_norm`` discards the norm output by a
         checkpoint recomputed from a hook on the sub-layer output.
         """
-        residual, h_post = hidden_states, None
+        residual, mappings = hidden_states, None
         if hc is not None and manager is not None and recompute_norm:
             # one checkpoint for the hyper-connection and the norm (fewer, larger checkpoints:
             # each costs a nested backward and a copy back into the freed storage)
             def hyper_connection_and_norm(x):
-                aggregated, mixed, h_post = hc(x)
-                return norm(aggregated), mixed, h_post
+                aggregated, h_res, h_post = hc(x)
+                return norm(aggregated), h_res, h_post
 
-            normed, residual, h_post = manager.checkpoint(
+            normed, h_res, h_post = manager.checkpoint(
                 hyper_connection_and_norm, hidden_states, name=f"{hc.label}.pre+{norm_name}"
             )
-            return run(normed), residual, h_post
+            return run(normed), residual, (h_res, h_post)
         if hc is not None:
             if manager is not None:
-                hidden_states, residual, h_post = manager.checkpoint(hc, hidden_states, name=f"{hc.label}.pre")
+                hidden_states, h_res, h_post = manager.checkpoint(hc, hidden_states, name=f"{hc.label}.pre")
             else:
-                hidden_states, residual, h_post = hc(hidden_states)
+                hidden_states, h_res, h_post = hc(hidden_states)
+            mappings = (h_res, h_post)
         norm_ckpt = None
         if recompute_norm and self._recomputing():  # no manager here: the branch above took it
             norm_ckpt, normed = self._checkpointed(None, norm_name, norm, hidden_states)
@@ -140,12 +143,12 @@ class TransformerLayer(torch.nn.Module):
         output_with_bias = run(normed)
         if norm_ckpt is not None:
             norm_ckpt.discard_output_and_register_recompute(output_with_bias[0])
-        return output_with_bias, residual, h_post
+        return output_with_bias, residual, mappings
 
     def _forward_attention(
         self, hidden_states: Tensor, rotary_freqs: Tensor | None, mhc_recompute_manager=None
     ) -> Tensor:
-        attention_output_with_bias, residual, h_post = self._sublayer(
+        attention_output_with_bias, residual, mappings = self._sublayer(
             self.self_attention_hyper_connection, self.input_layernorm,
             self.recompute_input_layernorm, "input_layernorm",
             lambda normed: self.self_attention(normed, rotary_freqs),
@@ -153,21 +156,21 @@ class TransformerLayer(torch.nn.Module):
         )
         if mhc_recompute_manager is not None:
             _, out = self._checkpointed(
-                mhc_recompute_manager, "self_attn_bda", self._bda, attention_output_with_bias, residual, h_post
+                mhc_recompute_manager, "self_attn_bda", self._bda, attention_output_with_bias, residual, mappings
             )
             return out
-        return self._bda(attention_output_with_bias, residual, h_post)
+        return self._bda(attention_output_with_bias, residual, mappings)
 
     def _forward_mlp(
         self, hidden_states: Tensor, mhc_recompute_manager=None, is_last_layer_in_block: bool = False
     ) -> Tensor:
-        mlp_output_with_bias, residual, h_post = self._sublayer(
+        mlp_output_with_bias, residual, mappings = self._sublayer(
             self.mlp_hyper_connection, self.pre_mlp_layernorm,
             self.recompute_pre_mlp_layernorm, "pre_mlp_layernorm", self._run_mlp,
             hidden_states, mhc_recompute_manager,
         )
         return self._forward_post_mlp(
-            mlp_output_with_bias, residual, h_post, mhc_recompute_manager, is_last_layer_in_block
+            mlp_output_with_bias, residual, mappings, mhc_recompute_manager, is_last_layer_in_block
         )
 
     def _run_mlp(self, normed: Tensor):
@@ -179,14 +182,14 @@ class TransformerLayer(torch.nn.Module):
         self,
         mlp_output_with_bias: tuple[Tensor, Tensor | None],
         residual: Tensor,
-        h_post: Tensor | None = None,
+        mappings: tuple[Tensor, Tensor] | None = None,
         mhc_recompute_manager=None,
         is_last_layer_in_block: bool = False,
     ) -> Tensor:
         if mhc_recompute_manager is not None and not is_last_layer_in_block:
             _, out = self._checkpointed(
-                mhc_recompute_manager, "mlp_bda", self._bda, mlp_output_with_bias, residual, h_post
+                mhc_recompute_manager, "mlp_bda", self._bda, mlp_output_with_bias, residual, mappings
             )
             return out
         # No manager, or the block's last layer: this output is the manager's hook tensor.
-        return self._bda(mlp_output_with_bias, residual, h_post)
+        return self._bda(mlp_output_with_bias, residual, mappings)

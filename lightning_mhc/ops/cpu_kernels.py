@@ -1,7 +1,7 @@
 """C++ CPU kernels of the fused hyper-connection, built on first use.
 
 Eager PyTorch runs Sinkhorn as ~120 tiny ops forward and ~300 backward per call,
-and the stream mixing (``H_pre @ x``, ``H_res @ x`` and their gradients) as
+and the stream mixing (``H_pre @ x``, ``H_res @ x + H_post^T out`` and their gradients) as
 batched ``[n, n] x [n, C]`` products whose per-batch overhead dominates at these
 shapes. The kernels do one token per pass: all Sinkhorn iterations
 (``csrc/sinkhorn_cpu.cpp``) and all stream products (``csrc/stream_mix_cpu.cpp``).
@@ -32,8 +32,8 @@ _state: dict = {"tried": False, "module": None, "load_s": None, "error": None}
 
 
 def load_cpu_kernels():
-    """The compiled module (``sinkhorn_forward``/``_backward``, ``stream_mix_forward``/``_backward``,
-    ``h_post_backward``), or None."""
+    """The compiled module (``sinkhorn_forward``/``_backward``, ``aggregate_forward``/``_backward``,
+    ``res_post_forward``/``_backward``), or None."""
     if not _state["tried"]:
         _state["tried"] = True
         if os.environ.get("LIGHTNING_MHC_CPU_KERNELS", "1") == "0":

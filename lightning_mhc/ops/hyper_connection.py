@@ -8,7 +8,7 @@ With the stream ``x`` of ``n`` streams of width ``C`` stored as ``[..., n*C]``,
     H_post = 2 * sigmoid(a_post * proj_post + b_post)          # [..., n]
     H_res  = SinkhornKnopp(a_res * mat(proj_res) + b_res)      # [..., n, n]
     aggregated = H_pre @ x        (the sub-layer input, [..., C])
-    mixed      = H_res @ x        (stream i = sum_j H_res[i, j] x_j, [..., n*C])
+    x_next     = H_res @ x + dropout(H_post^T (F(aggregated) + bias))     ([..., n*C])
 
 Mappings are fp32 whatever the training dtype; the stream mixing runs in the
 stream's dtype. Two implementations of the same math:
@@ -17,13 +17,15 @@ stream's dtype. Two implementations of the same math:
   broadcast products), differentiated by autograd. Easy to read; saves the
   normalised ``[..., n*C]`` copy of the stream and about 80 Sinkhorn
   intermediates per token.
-- ``fused_pre``: ``HyperConnectionPre``, one autograd node for mappings,
-  aggregate and ``H_res @ x``, with a hand-written backward. It scales the
-  projection after the matmul (``r * (x @ phi)``), so the normalised stream is
-  never formed, and saves ``x`` (the stream the layer holds anyway) plus
-  O(n^2) floats per token. Its input has one consumer, so the gradient of ``x``
-  is one sum computed in a fixed order, inside or outside a recompute
-  checkpoint.
+- fused: two autograd nodes with hand-written backwards. ``HyperConnectionPre``
+  (mappings and aggregate) scales the projection after the matmul
+  (``r * (x @ phi)``), so the normalised stream is never formed, and saves ``x``
+  (the stream the layer holds anyway) plus O(n^2) floats per token.
+  ``ResPostBiasDropoutAdd`` writes the next stream in one pass that reads ``x``
+  and the sub-layer output (``(n+1) C`` floats read and ``n C`` written per
+  token, the paper's post/res fusion: ``H_res @ x`` is never stored on its own).
+  Each computes its pieces through a kernel set (``EagerKernels`` here,
+  ``triton_kernels.TritonKernels``).
 """
 from __future__ import annotations
 
@@ -78,19 +80,28 @@ def reference_apply_h_post(out: Tensor, h_post: Tensor) -> Tensor:
 
 
 def reference_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int):
-    """Mappings, aggregate and ``H_res @ x`` op by op: ``(aggregated, mixed, H_post)``."""
+    """Mappings and aggregate op by op: ``(aggregated, H_res, H_post)``."""
+    # One autograd consumer of x for all these ops (the view sums their gradients), as the fused
+    # node is: x's gradient is then this sum plus the bias-dropout-add's, added in the same
+    # grouping whether or not block recompute checkpoints the two apart (bit-exact recompute).
+    x = x.view_as(x)
     h_pre, h_post, h_res = reference_mappings(x, *params, n=n, eps=eps, iterations=iterations)
-    return reference_aggregate(x, h_pre, n), reference_apply_h_res(h_res, x, n), h_post
+    return reference_aggregate(x, h_pre, n), h_res, h_post
+
+
+def reference_res_post(x: Tensor, h_res: Tensor, h_post: Tensor, out: Tensor) -> Tensor:
+    """``H_res @ x + H_post^T out`` op by op (no dropout)."""
+    return reference_apply_h_res(h_res, x, h_post.shape[-1]) + reference_apply_h_post(out, h_post)
 
 
 @functools.cache
-def compiled_pre():
-    """``reference_pre`` through ``torch.compile`` (``mhc_implementation='compile'``): inductor fuses
-    the norm, the gates, the unrolled Sinkhorn and the stream products, forward and backward
-    (Triton on CUDA, C++ on CPU). Compiled on first call; ``n``, ``eps`` and ``iterations`` are
-    constants of the graph, and a new shape recompiles. No random draws inside, so recompute
-    replays it exactly."""
-    return torch.compile(reference_pre, fullgraph=True)
+def compiled(function):
+    """``function`` (``reference_pre``, ``reference_res_post``) through ``torch.compile``
+    (``mhc_implementation='compile'``): inductor fuses the norm, the gates, the unrolled Sinkhorn and
+    the stream products, forward and backward (Triton on CUDA, C++ on CPU). Compiled on first call;
+    ``n``, ``eps`` and ``iterations`` are constants of the graph, and a new shape recompiles. No
+    random draws inside, so recompute replays it exactly."""
+    return torch.compile(function, fullgraph=True)
 
 
 # ---------------------------------------------------------------------- fused path
@@ -103,47 +114,82 @@ def _grad_or_zeros(grad: Tensor | None, shape, like: Tensor) -> Tensor:
     return grad if grad is not None else like.new_zeros(shape)
 
 
-def _stream_mix(x: Tensor, h_pre: Tensor, h_res: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """``(H_pre @ x [T, C], H_res @ x [T, n*C])`` for ``x [T, n*C]``: the CPU kernel for fp32,
-    else batched products."""
+def _aggregate(x: Tensor, h_pre: Tensor, n: int) -> Tensor:
+    """``H_pre @ x`` ``[T, C]`` for ``x [T, n*C]``: the CPU kernel for fp32, else a batched product."""
     kernel = kernels_for(x)
     if kernel is not None:
-        return tuple(kernel.stream_mix_forward(x.contiguous(), h_pre.contiguous(), h_res.contiguous()))
+        return kernel.aggregate_forward(x.contiguous(), h_pre.contiguous())
     tokens, width = x.shape
-    streams = x.view(tokens, n, width // n)
-    aggregated = torch.bmm(h_pre.to(x.dtype).unsqueeze(1), streams).view(tokens, width // n)
-    return aggregated, torch.bmm(h_res.to(x.dtype), streams).view(tokens, width)
+    return torch.bmm(h_pre.to(x.dtype).unsqueeze(1), x.view(tokens, n, width // n)).view(tokens, width // n)
 
 
-def _stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``_stream_mix``: ``(dx, dH_pre (fp32), dH_res (fp32))``."""
-    kernel = kernels_for(x, g_agg, g_mixed)
+def _aggregate_backward(x: Tensor, h_pre: Tensor, g_agg: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Gradients of ``_aggregate``: ``(dx, dH_pre (fp32))``."""
+    kernel = kernels_for(x, g_agg)
     if kernel is not None:
-        return tuple(kernel.stream_mix_backward(x.contiguous(), h_pre.contiguous(), h_res.contiguous(),
-                                                g_agg.contiguous(), g_mixed.contiguous()))
+        return tuple(kernel.aggregate_backward(x.contiguous(), h_pre.contiguous(), g_agg.contiguous()))
     tokens, width = x.shape
-    streams = x.view(tokens, n, width // n)
-    g_streams = g_mixed.reshape(tokens, n, width // n)
-    g_h_res = torch.bmm(g_streams, streams.transpose(1, 2)).float()
-    g_h_pre = torch.bmm(streams, g_agg.unsqueeze(-1)).squeeze(-1).float()
-    dx = torch.bmm(h_res.to(x.dtype).transpose(1, 2), g_streams)
-    dx.addcmul_(h_pre.to(x.dtype).unsqueeze(-1), g_agg.unsqueeze(1))
-    return dx.view(tokens, width), g_h_pre, g_h_res
+    g_h_pre = torch.bmm(x.view(tokens, n, width // n), g_agg.unsqueeze(-1)).squeeze(-1).float()
+    return (h_pre.to(x.dtype).unsqueeze(-1) * g_agg.unsqueeze(1)).view(tokens, width), g_h_pre
+
+
+def _with_bias(out: Tensor, bias: Tensor | None) -> Tensor:
+    return out if bias is None else out + bias
+
+
+def _res_post(x: Tensor, h_res: Tensor, h_post: Tensor, out: Tensor, bias: Tensor | None, prob: float,
+              seed: Tensor | None) -> Tensor:
+    """``H_res @ x + H_post^T (out + bias)`` ``[T, n*C]`` in the stream's dtype: the CPU kernel for fp32,
+    else a batched product and an ``addcmul`` in place. No dropout (``prob`` must be 0)."""
+    assert prob == 0, "the eager kernel set has no dropout: the caller takes the reference's path"
+    out = _with_bias(out, bias)
+    kernel = kernels_for(x, out)
+    if kernel is not None:
+        return kernel.res_post_forward(x.contiguous(), h_res.contiguous(), h_post.contiguous(), out.contiguous())
+    tokens, width = x.shape
+    n = h_post.shape[1]
+    y = torch.bmm(h_res.to(x.dtype), x.view(tokens, n, width // n))
+    y.addcmul_(h_post.to(x.dtype).unsqueeze(-1), out.to(x.dtype).unsqueeze(1))
+    return y.view(tokens, width)
+
+
+def _res_post_backward(x, h_res, h_post, out, bias, prob: float, seed, grad) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``_res_post``: ``(dx, dH_res (fp32), dH_post (fp32), d out)``; the products with
+    ``out`` in its dtype (a bf16 sub-layer output on an fp32 stream, as autograd would)."""
+    out = _with_bias(out, bias)
+    kernel = kernels_for(x, out, grad)
+    if kernel is not None:
+        return tuple(kernel.res_post_backward(x.contiguous(), h_res.contiguous(), h_post.contiguous(),
+                                              out.contiguous(), grad.contiguous()))
+    tokens, width = x.shape
+    n = h_post.shape[1]
+    g = grad.reshape(tokens, n, width // n)
+    dx = torch.bmm(h_res.to(g.dtype).transpose(1, 2), g).view(tokens, width)
+    g_h_res = torch.bmm(g, x.view(tokens, n, width // n).transpose(1, 2)).float()
+    g = g.to(out.dtype)
+    g_h_post = torch.bmm(g, out.unsqueeze(-1)).squeeze(-1).float()
+    d_out = torch.bmm(h_post.to(out.dtype).unsqueeze(1), g).view(tokens, width // n)
+    return dx, g_h_res, g_h_post, d_out
 
 
 class EagerKernels:
-    """The pieces of ``HyperConnectionPre`` in eager ops (the C++ kernels for fp32 CPU tensors).
+    """The pieces of the fused hyper-connection in eager ops (the C++ kernels for fp32 CPU tensors).
 
-    A kernel set has five static methods, all on ``[T, ...]`` tensors, mappings in fp32:
+    A kernel set has these static methods, all on ``[T, ...]`` tensors, mappings in fp32:
     ``project(x, phi, eps) -> (raw = x @ phi, r = 1/rms(x) [T])``;
     ``mappings(raw, r, alpha, bias, n, iterations, eps) -> (H_pre, H_post, H_res)``;
     ``mappings_dz(raw, r, alpha, bias, H_pre, H_post, dH_pre, dH_post, dH_res, n, iterations, eps)
     -> dz`` (the gradient of the logits ``z = alpha * r * raw + bias``);
-    ``stream_mix(x, H_pre, H_res, n) -> (H_pre x, H_res x)`` and its ``stream_mix_backward``.
+    ``aggregate(x, H_pre, n) -> H_pre x`` and ``aggregate_backward(x, H_pre, g, n) -> (dx, dH_pre)``;
+    ``res_post(x, H_res, H_post, out, bias, prob, seed) -> H_res x + dropout(H_post^T (out + bias))``
+    and ``res_post_backward(..., grad) -> (dx, dH_res, dH_post, d out)``. ``DROPOUT``: whether
+    ``res_post`` draws dropout itself (from ``seed``); the eager set does not, so the layer runs the
+    reference's ops when dropout is active (the same mask as the reference).
     ``lightning_mhc.ops.triton_kernels.TritonKernels`` is the other set.
     """
 
     name = "eager"
+    DROPOUT = False
 
     @staticmethod
     def project(x: Tensor, phi: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -171,48 +217,52 @@ class EagerKernels:
             sinkhorn_backward(logits, g_h_res, iterations, eps).view(raw.shape[0], n * n),
         ], dim=1)
 
-    stream_mix = staticmethod(_stream_mix)
-    stream_mix_backward = staticmethod(_stream_mix_backward)
+    aggregate = staticmethod(_aggregate)
+    aggregate_backward = staticmethod(_aggregate_backward)
+    res_post = staticmethod(_res_post)
+    res_post_backward = staticmethod(_res_post_backward)
 
 
 class HyperConnectionPre(torch.autograd.Function):
-    """``x [T, n*C]`` -> ``(aggregated [T, C], mixed [T, n*C], H_post [T, n])`` in one node.
+    """``x [T, n*C]`` -> ``(aggregated [T, C], H_res [T, n, n], H_post [T, n])`` in one node.
 
     Takes the packed parameters: ``phi = [phi_pre | phi_post | phi_res]`` ``[n*C, n^2+2n]``,
     ``alpha = [a_pre, a_post, a_res]`` and ``bias = [b_pre | b_post | b_res]`` ``[n^2+2n]``, and
     the kernel set that computes the pieces (``EagerKernels`` or Triton's). Saves ``x``, the
     parameters, the raw projection ``x @ phi`` and ``r`` (``n^2+2n+1`` floats per token),
-    ``H_pre``, ``H_post`` and ``H_res``. The Sinkhorn backward re-runs its iterations from the
-    logits, which are recomputed from the projection.
+    ``H_pre`` and ``H_post``. The Sinkhorn backward re-runs its iterations from the logits,
+    which are recomputed from the projection.
     """
 
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, n, eps, iterations, kernels=EagerKernels):
         raw, r = kernels.project(x, phi, eps)
         h_pre, h_post, h_res = kernels.mappings(raw, r, alpha, bias, n, iterations, SINKHORN_EPS)
-        aggregated, mixed = kernels.stream_mix(x, h_pre, h_res, n)
-        ctx.save_for_backward(x, phi, alpha, bias, raw, r, h_pre, h_post, h_res)
+        aggregated = kernels.aggregate(x, h_pre, n)
+        ctx.save_for_backward(x, phi, alpha, bias, raw, r, h_pre, h_post)
         ctx.n, ctx.iterations, ctx.kernels = n, iterations, kernels
-        return aggregated, mixed, h_post
+        return aggregated, h_res, h_post
 
     @staticmethod
-    def backward(ctx, g_agg, g_mixed, g_post):
+    def backward(ctx, g_agg, g_res, g_post):
         # backward may run inside the caller's autocast region (e.g. a pipeline schedule under
-        # bf16-mixed); the forward ran without it, and so does this
-        with _no_autocast(g_post.device.type if g_post is not None else ctx.saved_tensors[0].device.type):
-            return HyperConnectionPre._backward(ctx, g_agg, g_mixed, g_post)
+        # bf16-mixed); the forward ran without it, and so does this (saved_tensors is read once:
+        # torch's checkpoint allows no second unpacking)
+        device = next(g for g in (g_agg, g_res, g_post) if g is not None).device
+        with _no_autocast(device.type):
+            return HyperConnectionPre._backward(ctx, g_agg, g_res, g_post)
 
     @staticmethod
-    def _backward(ctx, g_agg, g_mixed, g_post):
-        x, phi, alpha, bias, raw, r, h_pre, h_post, h_res = ctx.saved_tensors
+    def _backward(ctx, g_agg, g_res, g_post):
+        x, phi, alpha, bias, raw, r, h_pre, h_post = ctx.saved_tensors
         n, iterations, kernels = ctx.n, ctx.iterations, ctx.kernels
         tokens, width = x.shape
-        g_mixed = _grad_or_zeros(g_mixed, (tokens, width), x)
         g_agg = _grad_or_zeros(g_agg, (tokens, width // n), x)
-        dx, g_h_pre, g_h_res = kernels.stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n)
+        dx, g_h_pre = kernels.aggregate_backward(x, h_pre, g_agg, n)
+        g_res = g_res.float() if g_res is not None else h_post.new_zeros(tokens, n, n)
         g_post = g_post.float() if g_post is not None else torch.zeros_like(h_post)
         # mappings: z = alpha * (r * raw) + bias, then sigmoid / 2 sigmoid / Sinkhorn
-        dz = kernels.mappings_dz(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_post, g_h_res, n, iterations,
+        dz = kernels.mappings_dz(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_post, g_res, n, iterations,
                                  SINKHORN_EPS)
         r = r[:, None]
         proj = raw * r
@@ -234,13 +284,13 @@ class HyperConnectionPre(torch.autograd.Function):
 
 def fused_pre_packed(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, n: int, eps: float, iterations: int,
                      kernels=EagerKernels):
-    """``HyperConnectionPre`` on a ``[..., n*C]`` stream: ``(aggregated, mixed, H_post)``."""
+    """``HyperConnectionPre`` on a ``[..., n*C]`` stream: ``(aggregated, H_res, H_post)``."""
     lead = x.shape[:-1]
     with _no_autocast(x.device.type):
-        aggregated, mixed, h_post = HyperConnectionPre.apply(
+        aggregated, h_res, h_post = HyperConnectionPre.apply(
             x.reshape(-1, x.shape[-1]), phi.float(), alpha.float(), bias.float(), n, eps, iterations, kernels
         )
-    return aggregated.view(*lead, -1), mixed.view(*lead, -1), h_post.view(*lead, n)
+    return aggregated.view(*lead, -1), h_res.view(*lead, n, n), h_post.view(*lead, n)
 
 
 def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int, kernels=EagerKernels):
@@ -252,38 +302,53 @@ def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterati
     )
 
 
-class HPostResidual(torch.autograd.Function):
-    """``mixed + H_post^T out``: ``[..., n*C]``, ``[..., n]``, ``[..., C]`` -> a new ``[..., n*C]``.
+class ResPostBiasDropoutAdd(torch.autograd.Function):
+    """``H_res @ x + dropout(H_post^T (out + bias))``: ``x [T, n*C]``, ``H_res [T, n, n]``,
+    ``H_post [T, n]``, ``out [T, C]``, ``bias [C]`` or None -> a new ``[T, n*C]`` (not a view, so a
+    pipeline stage may free it as its output), in one pass of the kernel set each way.
 
-    One ``addcmul`` written into a fresh tensor of the stream's shape (not a view, so a
-    pipeline stage may free it as its output); saves ``H_post`` and ``out``. Backward:
-    ``d mixed = g``, ``d H_post[i] = <g_i, out>``, ``d out = sum_i H_post[i] g_i``.
+    Saves ``x`` (held by the layer anyway), ``H_res``, ``H_post``, ``out``, the bias and, with
+    dropout, the seed its kernel draws the mask from (not the mask). ``H_res @ x`` is never
+    stored on its own.
     """
 
     @staticmethod
-    def forward(ctx, mixed, h_post, out):
-        n, width = h_post.shape[-1], out.shape[-1]
-        result = torch.empty_like(mixed, memory_format=torch.contiguous_format)
-        torch.addcmul(mixed.unflatten(-1, (n, width)), h_post.unsqueeze(-1), out.unsqueeze(-2),
-                      out=result.view(*mixed.shape[:-1], n, width))
-        ctx.save_for_backward(h_post, out)
-        return result
+    def forward(ctx, x, h_res, h_post, out, bias, prob: float, kernels=EagerKernels, shape=None):
+        """``shape``: the output's shape (default ``x``'s), given here so that the output is no view."""
+        seed = dropout_seed(x.device) if prob > 0 else None
+        y = kernels.res_post(x, h_res, h_post, out, bias, prob, seed)
+        ctx.save_for_backward(x, h_res, h_post, out, bias, seed)
+        ctx.prob, ctx.kernels = prob, kernels
+        return y if shape is None else _not_a_view(y, shape)
 
     @staticmethod
     def backward(ctx, grad):
-        h_post, out = ctx.saved_tensors
-        n, width = h_post.shape[-1], out.shape[-1]
+        x, h_res, h_post, out, bias, seed = ctx.saved_tensors
         with _no_autocast(grad.device.type):  # as the forward (see HyperConnectionPre.backward)
-            # the stream may be fp32 with a bf16 sub-layer output (mixed precision): the product's
-            # gradients are taken in the output's dtype, as autograd does for the reference's spread
-            g = grad.reshape(-1, n * width).to(out.dtype)
-            kernel = kernels_for(g, h_post, out)
-            if kernel is not None:
-                d_h_post, d_out = kernel.h_post_backward(g.contiguous(), h_post.reshape(-1, n).contiguous(),
-                                                         out.reshape(-1, width).contiguous())
-            else:
-                g = g.view(-1, n, width)
-                d_h_post = torch.bmm(g, out.reshape(-1, width, 1))
-                d_out = torch.bmm(h_post.reshape(-1, 1, n).to(out.dtype), g)
-            d_h_post, d_out = d_h_post.view(h_post.shape).to(h_post.dtype), d_out.view(out.shape)
-        return grad, d_h_post, d_out
+            dx, d_h_res, d_h_post, d_out = ctx.kernels.res_post_backward(
+                x, h_res, h_post, out, bias, ctx.prob, seed, grad.reshape(x.shape).contiguous())
+        d_bias = d_out.float().sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[4] else None
+        return dx, d_h_res.to(h_res.dtype), d_h_post.to(h_post.dtype), d_out.to(out.dtype), d_bias, None, None, None
+
+
+def dropout_seed(device: torch.device) -> Tensor:
+    """A seed for a kernel's dropout, drawn from the device's generator (inside the caller's RNG
+    fork, so a recompute that restores the generator states draws it again) and kept on the
+    device: no host sync."""
+    return torch.randint(0, 2 ** 31 - 1, (1,), device=device, dtype=torch.int32)
+
+
+def fused_res_post(x: Tensor, h_res: Tensor, h_post: Tensor, out: Tensor, bias: Tensor | None, prob: float,
+                   kernels=EagerKernels) -> Tensor:
+    """``ResPostBiasDropoutAdd`` on ``[..., n*C]`` streams (leading dimensions flattened)."""
+    n, width = h_post.shape[-1], x.shape[-1]
+    with _no_autocast(x.device.type):
+        return ResPostBiasDropoutAdd.apply(x.reshape(-1, width), h_res.reshape(-1, n, n), h_post.reshape(-1, n),
+                                           out.reshape(-1, out.shape[-1]), bias, prob, kernels, x.shape)
+
+
+def _not_a_view(t: Tensor, shape) -> Tensor:
+    """``t`` (contiguous, used by nobody else) as ``shape``, on its storage but not a view of it: a
+    pipeline stage frees its output's storage, which megatron's ``deallocate_output_tensor``
+    refuses for a view (``_base`` set)."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), tuple(shape))

@@ -13,13 +13,12 @@ may be any size: register tiles are padded to ``NP``, the next power of two, wit
   registers. Its backward re-runs the iterations instead of storing them, walking the steps in
   reverse with each step's matrix recomputed from the start (iterations^2 small normalisations
   per token: arithmetic in registers, where the kernel's cost is reading memory).
-- ``stream_mix``: ``aggregated = H_pre x`` ``[T, C]`` and ``mixed = H_res x`` ``[T, n*C]`` in one
-  read of ``x``; its backward reads ``x``, ``g_agg`` and ``g_mixed`` once and gives ``dx``,
-  ``dH_pre`` and ``dH_res`` (the two reductions over ``C`` in registers).
-- ``h_post_bda``: the sub-layer's bias-dropout-add onto the streams,
-  ``mixed + dropout(H_post^T (out + bias))``, in one pass that reads ``mixed`` and ``out`` and writes
-  the new stream. Dropout draws its mask in the kernel (Philox, from a seed taken from torch's
-  generator), so no mask is stored: the backward draws it again from the same seed.
+- ``aggregate``: ``H_pre x`` ``[T, C]`` in one read of ``x``; its backward gives ``dx`` and ``dH_pre``.
+- ``res_post``: the next stream ``H_res x + dropout(H_post^T (out + bias))`` in one pass that reads
+  ``x`` and ``out`` and writes ``n C`` per token (the paper's post/res kernel); its backward reads
+  ``x``, ``out`` and the gradient once and gives ``dx``, ``dH_res``, ``dH_post`` and ``d out`` (the
+  reductions over ``C`` in registers). Dropout draws its mask in the kernel (Philox, from a seed
+  taken from torch's generator), so no mask is stored: the backward draws it again from the seed.
 
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 this module is imported): slow, for checking them without a GPU.
@@ -49,79 +48,62 @@ def check_device(x: torch.Tensor) -> None:
 
 
 
-# ------------------------------------------------------------------ stream mixing
+# ------------------------------------------------------------------ aggregate: H_pre x
 @triton.jit
-def _stream_mix_fwd(x_ptr, hpre_ptr, hres_ptr, agg_ptr, mixed_ptr, C, N: tl.constexpr, NP: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
+def _aggregate_fwd(x_ptr, hpre_ptr, agg_ptr, C, N: tl.constexpr, NP: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ns = tl.arange(0, NP)
     cmask = offs < C
     nmask = ns < N
-    xmask = nmask[:, None] & cmask[None, :]
-    base = t * N * C
-    x = tl.load(x_ptr + base + ns[:, None] * C + offs[None, :], mask=xmask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t * N * C + ns[:, None] * C + offs[None, :], mask=nmask[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
     hpre = tl.load(hpre_ptr + t * N + ns, mask=nmask, other=0.0)
-    agg = tl.sum(hpre[:, None] * x, axis=0)
-    tl.store(agg_ptr + t * C + offs, agg.to(agg_ptr.dtype.element_ty), mask=cmask)
-    hres = tl.load(hres_ptr + t * N * N + ns[:, None] * N + ns[None, :], mask=nmask[:, None] & nmask[None, :],
-                   other=0.0)
-    mixed = tl.sum(hres[:, :, None] * x[None, :, :], axis=1)
-    tl.store(mixed_ptr + base + ns[:, None] * C + offs[None, :], mixed.to(mixed_ptr.dtype.element_ty), mask=xmask)
+    tl.store(agg_ptr + t * C + offs, tl.sum(hpre[:, None] * x, axis=0).to(agg_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
-def _stream_mix_bwd(x_ptr, hpre_ptr, hres_ptr, gagg_ptr, gmixed_ptr, dx_ptr, dhpre_ptr, dhres_ptr, C,
-                    N: tl.constexpr, NP: tl.constexpr, BLOCK_C: tl.constexpr):
+def _aggregate_bwd(x_ptr, hpre_ptr, gagg_ptr, dx_ptr, dhpre_ptr, C, N: tl.constexpr, NP: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     ns = tl.arange(0, NP)
     nmask = ns < N
-    nnmask = nmask[:, None] & nmask[None, :]
-    base = t * N * C
     hpre = tl.load(hpre_ptr + t * N + ns, mask=nmask, other=0.0)
-    hres = tl.load(hres_ptr + t * N * N + ns[:, None] * N + ns[None, :], mask=nnmask, other=0.0)
     dhpre = tl.zeros([NP], dtype=tl.float32)
-    dhres = tl.zeros([NP, NP], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         offs = c0 + tl.arange(0, BLOCK_C)
         cmask = offs < C
         xmask = nmask[:, None] & cmask[None, :]
-        ptrs = base + ns[:, None] * C + offs[None, :]
+        ptrs = t * N * C + ns[:, None] * C + offs[None, :]
         x = tl.load(x_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32)
-        gm = tl.load(gmixed_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32)
         ga = tl.load(gagg_ptr + t * C + offs, mask=cmask, other=0.0).to(tl.float32)
         dhpre += tl.sum(x * ga[None, :], axis=1)
-        dhres += tl.sum(gm[:, None, :] * x[None, :, :], axis=2)  # [i, j] = <g_i, x_j>
-        dx = tl.sum(hres[:, :, None] * gm[:, None, :], axis=0) + hpre[:, None] * ga[None, :]  # H_res^T g
-        tl.store(dx_ptr + ptrs, dx.to(dx_ptr.dtype.element_ty), mask=xmask)
+        tl.store(dx_ptr + ptrs, (hpre[:, None] * ga[None, :]).to(dx_ptr.dtype.element_ty), mask=xmask)
     tl.store(dhpre_ptr + t * N + ns, dhpre, mask=nmask)
-    tl.store(dhres_ptr + t * N * N + ns[:, None] * N + ns[None, :], dhres, mask=nnmask)
 
 
-def stream_mix(x: torch.Tensor, h_pre: torch.Tensor, h_res: torch.Tensor, n: int, block_c: int = 64):
+def aggregate(x: torch.Tensor, h_pre: torch.Tensor, n: int, block_c: int = 64) -> torch.Tensor:
+    check_device(x)
     x = x.contiguous()
     tokens, width = x.shape
     c = width // n
-    agg, mixed = x.new_empty(tokens, c), torch.empty_like(x)
-    grid = (tokens, triton.cdiv(c, block_c))
-    _stream_mix_fwd[grid](x, h_pre.float().contiguous(), h_res.float().contiguous(), agg, mixed, c, N=n, NP=_pow2(n),
-                          BLOCK_C=block_c)
-    return agg, mixed
+    agg = x.new_empty(tokens, c)
+    _aggregate_fwd[(tokens, triton.cdiv(c, block_c))](x, h_pre.float().contiguous(), agg, c, N=n, NP=_pow2(n),
+                                                      BLOCK_C=block_c)
+    return agg
 
 
-def stream_mix_backward(x, h_pre, h_res, g_agg, g_mixed, n: int, block_c: int = 64):
+def aggregate_backward(x, h_pre, g_agg, n: int, block_c: int = 64):
     x = x.contiguous()
     tokens, width = x.shape
     dx = torch.empty_like(x)
     dh_pre = torch.empty(tokens, n, device=x.device, dtype=torch.float32)
-    dh_res = torch.empty(tokens, n, n, device=x.device, dtype=torch.float32)
-    _stream_mix_bwd[(tokens,)](x, h_pre.float().contiguous(), h_res.float().contiguous(), g_agg.contiguous(),
-                               g_mixed.contiguous(), dx, dh_pre, dh_res, width // n, N=n, NP=_pow2(n),
-                               BLOCK_C=block_c)
-    return dx, dh_pre, dh_res
+    _aggregate_bwd[(tokens,)](x, h_pre.float().contiguous(), g_agg.contiguous(), dx, dh_pre, width // n, N=n,
+                              NP=_pow2(n), BLOCK_C=block_c)
+    return dx, dh_pre
 
 
-# ------------------------------------------------------------------ H_post bias-dropout-add
+# ------------------------------------------------------------------ res_post: H_res x + dropout(H_post^T (out + b))
 @triton.jit
 def _keep(seed_ptr, offsets, p):
     """The dropout mask, from the seed and each element's position in the ``[T, n*C]`` stream."""
@@ -129,102 +111,102 @@ def _keep(seed_ptr, offsets, p):
 
 
 @triton.jit
-def _h_post_bda_fwd(mixed_ptr, hpost_ptr, out_ptr, bias_ptr, seed_ptr, y_ptr, C, p, scale, N: tl.constexpr,
-                    NP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
+def _load_out(out_ptr, bias_ptr, t, C, offs, cmask, HAS_BIAS: tl.constexpr):
+    out = tl.load(out_ptr + t * C + offs, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs, mask=cmask, other=0.0).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _res_post_fwd(x_ptr, hres_ptr, hpost_ptr, out_ptr, bias_ptr, seed_ptr, y_ptr, C, p, scale, N: tl.constexpr,
+                  NP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ns = tl.arange(0, NP)
     cmask = offs < C
     nmask = ns < N
     xmask = nmask[:, None] & cmask[None, :]
-    out = tl.load(out_ptr + t * C + offs, mask=cmask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs, mask=cmask, other=0.0).to(tl.float32)
-    hpost = tl.load(hpost_ptr + t * N + ns, mask=nmask, other=0.0)
-    spread = hpost[:, None] * out[None, :]
     ptrs = t * N * C + ns[:, None] * C + offs[None, :]
+    x = tl.load(x_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32)
+    hres = tl.load(hres_ptr + t * N * N + ns[:, None] * N + ns[None, :], mask=nmask[:, None] & nmask[None, :],
+                   other=0.0)
+    mixed = tl.sum(hres[:, :, None] * x[None, :, :], axis=1)
+    hpost = tl.load(hpost_ptr + t * N + ns, mask=nmask, other=0.0)
+    spread = hpost[:, None] * _load_out(out_ptr, bias_ptr, t, C, offs, cmask, HAS_BIAS)[None, :]
     if DROPOUT:
         spread = tl.where(_keep(seed_ptr, ptrs.to(tl.uint32), p), spread * scale, 0.0)
-    y = tl.load(mixed_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32) + spread
-    tl.store(y_ptr + ptrs, y.to(y_ptr.dtype.element_ty), mask=xmask)
+    tl.store(y_ptr + ptrs, (mixed + spread).to(y_ptr.dtype.element_ty), mask=xmask)
 
 
 @triton.jit
-def _h_post_bda_bwd(g_ptr, hpost_ptr, out_ptr, bias_ptr, seed_ptr, dhpost_ptr, dout_ptr, C, p, scale,
-                    N: tl.constexpr, NP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    DROPOUT: tl.constexpr):
+def _res_post_bwd(x_ptr, hres_ptr, hpost_ptr, out_ptr, bias_ptr, seed_ptr, g_ptr, dx_ptr, dhres_ptr, dhpost_ptr,
+                  dout_ptr, C, p, scale, N: tl.constexpr, NP: tl.constexpr, BLOCK_C: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     ns = tl.arange(0, NP)
     nmask = ns < N
+    nnmask = nmask[:, None] & nmask[None, :]
+    hres = tl.load(hres_ptr + t * N * N + ns[:, None] * N + ns[None, :], mask=nnmask, other=0.0)
     hpost = tl.load(hpost_ptr + t * N + ns, mask=nmask, other=0.0)
+    dhres = tl.zeros([NP, NP], dtype=tl.float32)
     dhpost = tl.zeros([NP], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         offs = c0 + tl.arange(0, BLOCK_C)
         cmask = offs < C
+        xmask = nmask[:, None] & cmask[None, :]
         ptrs = t * N * C + ns[:, None] * C + offs[None, :]
-        g = tl.load(g_ptr + ptrs, mask=nmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32)
+        dhres += tl.sum(g[:, None, :] * x[None, :, :], axis=2)  # [i, j] = <g_i, x_j>
+        tl.store(dx_ptr + ptrs, tl.sum(hres[:, :, None] * g[:, None, :], axis=0).to(dx_ptr.dtype.element_ty),
+                 mask=xmask)  # H_res^T g
         if DROPOUT:
             g = tl.where(_keep(seed_ptr, ptrs.to(tl.uint32), p), g * scale, 0.0)
-        out = tl.load(out_ptr + t * C + offs, mask=cmask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + offs, mask=cmask, other=0.0).to(tl.float32)
+        out = _load_out(out_ptr, bias_ptr, t, C, offs, cmask, HAS_BIAS)
         dhpost += tl.sum(g * out[None, :], axis=1)
-        dout = tl.sum(hpost[:, None] * g, axis=0)
-        tl.store(dout_ptr + t * C + offs, dout.to(dout_ptr.dtype.element_ty), mask=cmask)
+        tl.store(dout_ptr + t * C + offs, tl.sum(hpost[:, None] * g, axis=0).to(dout_ptr.dtype.element_ty),
+                 mask=cmask)
+    tl.store(dhres_ptr + t * N * N + ns[:, None] * N + ns[None, :], dhres, mask=nnmask)
     tl.store(dhpost_ptr + t * N + ns, dhpost, mask=nmask)
 
 
-def _dropout_seed(device: torch.device) -> torch.Tensor:
-    """A seed drawn from the device's generator (inside the caller's RNG fork, so a recompute that
-    restores the generator states draws it again), kept on the device: no host sync."""
-    return torch.randint(0, 2 ** 31 - 1, (1,), device=device, dtype=torch.int32)
+def _dropout_args(prob: float, seed, like: torch.Tensor):
+    """``(seed, p, 1/(1-p))`` as the kernels take them (a dummy seed without dropout)."""
+    seed = seed if seed is not None else like.new_zeros(1, dtype=torch.int32)
+    return seed, prob, 1.0 / (1.0 - prob) if prob < 1 else 0.0
 
 
-class HPostBiasDropoutAdd(torch.autograd.Function):
-    """``mixed + dropout(H_post^T (out + bias))``, ``[T, n*C]``, ``[T, n]``, ``[T, C]``, ``[C]`` ->
-    ``[T, n*C]``: one Triton pass each way. Saves ``H_post``, ``out``, the bias and the dropout
-    seed (not the mask); the gradient of ``mixed`` is the incoming one."""
-
-    @staticmethod
-    def forward(ctx, mixed, h_post, out, bias, prob: float, block_c: int = 64):
-        check_device(mixed)
-        mixed, out = mixed.contiguous(), out.contiguous()
-        tokens, width = mixed.shape
-        n = h_post.shape[1]
-        c = width // n
-        h_post = h_post.float().contiguous()
-        seed = _dropout_seed(mixed.device) if prob > 0 else h_post.new_zeros(1, dtype=torch.int32)
-        y = torch.empty_like(mixed)
-        _h_post_bda_fwd[(tokens, triton.cdiv(c, block_c))](
-            mixed, h_post, out, bias if bias is not None else out, seed, y, c, prob, 1.0 / (1.0 - prob) if prob < 1
-            else 0.0, N=n, NP=_pow2(n), BLOCK_C=block_c, HAS_BIAS=bias is not None, DROPOUT=prob > 0)
-        ctx.save_for_backward(h_post, out, bias, seed)
-        ctx.prob, ctx.block_c = prob, block_c
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        h_post, out, bias, seed = ctx.saved_tensors
-        grad = grad.contiguous()
-        tokens, width = grad.shape
-        n = h_post.shape[1]
-        c = width // n
-        d_h_post = torch.empty_like(h_post)
-        d_out = torch.empty_like(out)
-        prob = ctx.prob
-        _h_post_bda_bwd[(tokens,)](grad, h_post, out, bias if bias is not None else out, seed, d_h_post, d_out, c,
-                                   prob, 1.0 / (1.0 - prob) if prob < 1 else 0.0, N=n, NP=_pow2(n),
-                                   BLOCK_C=ctx.block_c, HAS_BIAS=bias is not None, DROPOUT=prob > 0)
-        d_bias = d_out.float().sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
-        return grad, d_h_post, d_out, d_bias, None, None
+def res_post(x, h_res, h_post, out, bias, prob: float, seed, block_c: int = 64) -> torch.Tensor:
+    """``H_res x + dropout(H_post^T (out + bias))`` ``[T, n*C]`` in ``x``'s dtype, in one pass."""
+    check_device(x)
+    x, out = x.contiguous(), out.contiguous()
+    tokens, width = x.shape
+    n = h_post.shape[1]
+    c = width // n
+    y = torch.empty_like(x)
+    seed, p, scale = _dropout_args(prob, seed, x)
+    _res_post_fwd[(tokens, triton.cdiv(c, block_c))](
+        x, h_res.float().contiguous(), h_post.float().contiguous(), out, bias if bias is not None else out, seed, y,
+        c, p, scale, N=n, NP=_pow2(n), BLOCK_C=block_c, HAS_BIAS=bias is not None, DROPOUT=prob > 0)
+    return y
 
 
-def h_post_bda(mixed, h_post, out, bias, prob: float):
-    """``HPostBiasDropoutAdd`` on ``[..., n*C]`` streams (leading dimensions flattened)."""
-    lead = mixed.shape[:-1]
-    y = HPostBiasDropoutAdd.apply(mixed.reshape(-1, mixed.shape[-1]), h_post.reshape(-1, h_post.shape[-1]),
-                                  out.reshape(-1, out.shape[-1]), bias, prob)
-    return y.view(*lead, -1)
+def res_post_backward(x, h_res, h_post, out, bias, prob: float, seed, grad, block_c: int = 64):
+    """Gradients of ``res_post``: ``(dx, dH_res (fp32), dH_post (fp32), d out)``, in one pass."""
+    x, out = x.contiguous(), out.contiguous()
+    tokens, width = x.shape
+    n = h_post.shape[1]
+    dx = torch.empty_like(x)
+    dh_res = torch.empty(tokens, n, n, device=x.device, dtype=torch.float32)
+    dh_post = torch.empty(tokens, n, device=x.device, dtype=torch.float32)
+    d_out = torch.empty_like(out)
+    seed, p, scale = _dropout_args(prob, seed, x)
+    _res_post_bwd[(tokens,)](x, h_res.float().contiguous(), h_post.float().contiguous(), out,
+                             bias if bias is not None else out, seed, grad.contiguous(), dx, dh_res, dh_post, d_out,
+                             width // n, p, scale, N=n, NP=_pow2(n), BLOCK_C=block_c, HAS_BIAS=bias is not None,
+                             DROPOUT=prob > 0)
+    return dx, dh_res, dh_post, d_out
 
 
 # ------------------------------------------------------------------ projection: x @ phi and 1/rms(x)
@@ -392,11 +374,14 @@ def mappings_backward(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_h_post, g_h
 
 
 class TritonKernels:
-    """The kernel set of ``HyperConnectionPre`` in Triton (see ``EagerKernels`` for the contract)."""
+    """The kernel set of the fused hyper-connection in Triton (see ``EagerKernels`` for the contract)."""
 
     name = "triton"
+    DROPOUT = True
     project = staticmethod(projection)
     mappings = staticmethod(mappings)
     mappings_dz = staticmethod(mappings_backward)
-    stream_mix = staticmethod(stream_mix)
-    stream_mix_backward = staticmethod(stream_mix_backward)
+    aggregate = staticmethod(aggregate)
+    aggregate_backward = staticmethod(aggregate_backward)
+    res_post = staticmethod(res_post)
+    res_post_backward = staticmethod(res_post_backward)

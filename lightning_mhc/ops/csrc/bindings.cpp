@@ -5,15 +5,17 @@
 
 at::Tensor sinkhorn_forward(at::Tensor logits, int64_t iterations, double eps);
 at::Tensor sinkhorn_backward(at::Tensor logits, at::Tensor grad, int64_t iterations, double eps);
-std::vector<at::Tensor> stream_mix_forward(at::Tensor x, at::Tensor h_pre, at::Tensor h_res);
-std::vector<at::Tensor> stream_mix_backward(at::Tensor x, at::Tensor h_pre, at::Tensor h_res, at::Tensor g_agg,
-                                            at::Tensor g_mixed);
-std::vector<at::Tensor> h_post_backward(at::Tensor grad, at::Tensor h_post, at::Tensor out);
+at::Tensor aggregate_forward(at::Tensor x, at::Tensor h_pre);
+std::vector<at::Tensor> aggregate_backward(at::Tensor x, at::Tensor h_pre, at::Tensor g_agg);
+at::Tensor res_post_forward(at::Tensor x, at::Tensor h_res, at::Tensor h_post, at::Tensor out);
+std::vector<at::Tensor> res_post_backward(at::Tensor x, at::Tensor h_res, at::Tensor h_post, at::Tensor out,
+                                          at::Tensor grad);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sinkhorn_forward", &sinkhorn_forward, "Sinkhorn-Knopp forward, [T, n, n] fp32 CPU");
   m.def("sinkhorn_backward", &sinkhorn_backward, "Sinkhorn-Knopp backward (re-runs the iterations)");
-  m.def("stream_mix_forward", &stream_mix_forward, "(H_pre @ x, H_res @ x) per token, fp32 CPU");
-  m.def("stream_mix_backward", &stream_mix_backward, "gradients of stream_mix_forward: (dx, dH_pre, dH_res)");
-  m.def("h_post_backward", &h_post_backward, "gradients of mixed + H_post^T out: (dH_post, d out)");
+  m.def("aggregate_forward", &aggregate_forward, "H_pre @ x per token, fp32 CPU");
+  m.def("aggregate_backward", &aggregate_backward, "gradients of aggregate_forward: (dx, dH_pre)");
+  m.def("res_post_forward", &res_post_forward, "H_res @ x + H_post^T out per token, fp32 CPU");
+  m.def("res_post_backward", &res_post_backward, "gradients of res_post_forward: (dx, dH_res, dH_post, d out)");
 }

@@ -1,10 +1,10 @@
 // The stream mixing of one hyper-connection on CPU, fp32: per token one pass over the n streams
 // of width C (the token's n*C floats stay in L1), tokens split across threads (at::parallel_for).
 // Same math as lightning_mhc/ops/hyper_connection.py:
-//   forward   aggregated = sum_j H_pre[j] x_j,  mixed_i = sum_j H_res[i, j] x_j
-//   backward  dx_j = sum_i H_res[i, j] g_mixed_i + H_pre[j] g_agg,
-//             dH_res[i, j] = <g_mixed_i, x_j>,  dH_pre[j] = <g_agg, x_j>
-//   H_post    result_i = mixed_i + H_post[i] out;  dH_post[i] = <g_i, out>, d out = sum_i H_post[i] g_i
+//   aggregate  a = sum_j H_pre[j] x_j;              da: dx_j = H_pre[j] g_a, dH_pre[j] = <g_a, x_j>
+//   res_post   y_i = sum_j H_res[i, j] x_j + H_post[i] out
+//              dx_j = sum_i H_res[i, j] g_i, dH_res[i, j] = <g_i, x_j>, dH_post[i] = <g_i, out>,
+//              d out = sum_i H_post[i] g_i
 // Eager PyTorch runs these as batched matrix products of [n, n] x [n, C] per token, whose
 // per-batch overhead dominates at these shapes. Dot products keep 8 partial sums (vectorised)
 // added in a fixed order, so a result does not depend on the thread count.
@@ -40,32 +40,6 @@ __attribute__((always_inline)) inline float dot(const float* __restrict a, const
   return total;
 }
 
-// Tokens [begin, end): aggregated = sum_j H_pre[j] x_j, mixed_i = sum_j H_res[i, j] x_j; one read of
-// each x_j[c] feeds all n + 1 outputs. N > 0: n known at compile time (unrolled); N == 0: runtime n.
-template <int N>
-__attribute__((always_inline)) inline void forward_range(const float* __restrict X, const float* __restrict HP,
-                                                         const float* __restrict HR, float* __restrict A,
-                                                         float* __restrict M, int64_t n_, int64_t C, int64_t begin,
-                                                         int64_t end) {
-  const int64_t n = N > 0 ? N : n_;
-  for (int64_t t = begin; t < end; ++t) {
-    const float* xs = X + t * n * C;
-    const float *hp = HP + t * n, *hr = HR + t * n * n;
-    float *a = A + t * C, *m = M + t * n * C;
-    for (int64_t c = 0; c < C; ++c) {
-      float acc = 0.f;
-      for (int64_t j = 0; j < n; ++j) acc += hp[j] * xs[j * C + c];
-      a[c] = acc;
-    }
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t c = 0; c < C; ++c) {
-        float acc = 0.f;
-        for (int64_t j = 0; j < n; ++j) acc += hr[i * n + j] * xs[j * C + c];
-        m[i * C + c] = acc;
-      }
-  }
-}
-
 // Sums over c of a[c] * b[c] for K pairs, kept as 8 lanes (vectorised) and added in a fixed order.
 template <int K>
 struct LaneSums {
@@ -77,190 +51,224 @@ struct LaneSums {
   }
 };
 
-// dx_j = sum_i H_res[i, j] g_mixed_i + H_pre[j] g_agg, dH_res[i, j] = <g_mixed_i, x_j>, dH_pre[j] = <g_agg, x_j>:
-// n known at compile time, all in one pass over the token's floats.
+// Tokens [begin, end): a = sum_j H_pre[j] x_j. N > 0: n known at compile time (unrolled); N == 0: runtime n.
 template <int N>
-__attribute__((always_inline)) inline void backward_range(const float* __restrict X, const float* __restrict HP,
-                                                          const float* __restrict HR, const float* __restrict GA,
-                                                          const float* __restrict GM, float* __restrict DX,
-                                                          float* __restrict DHP, float* __restrict DHR, int64_t C,
-                                                          int64_t begin, int64_t end) {
+__attribute__((always_inline)) inline void aggregate_range(const float* __restrict X, const float* __restrict HP,
+                                                           float* __restrict A, int64_t n_, int64_t C, int64_t begin,
+                                                           int64_t end) {
+  const int64_t n = N > 0 ? N : n_;
   for (int64_t t = begin; t < end; ++t) {
-    const float *xs = X + t * N * C, *gm = GM + t * N * C, *ga = GA + t * C;
-    const float *hp = HP + t * N, *hr = HR + t * N * N;
-    float* dx = DX + t * N * C;
-    LaneSums<N * N> res;
-    LaneSums<N> pre;
-    int64_t c = 0;
-    for (; c + kLanes <= C; c += kLanes)
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const int64_t k = c + l;
-        for (int j = 0; j < N; ++j) {
-          pre.lanes[j][l] += ga[k] * xs[j * C + k];
-          float v = hp[j] * ga[k];
-          for (int i = 0; i < N; ++i) {
-            res.lanes[i * N + j][l] += gm[i * C + k] * xs[j * C + k];
-            v += hr[i * N + j] * gm[i * C + k];
-          }
-          dx[j * C + k] = v;
-        }
-      }
-    float tail_res[N * N] = {}, tail_pre[N] = {};
-    for (; c < C; ++c)
-      for (int j = 0; j < N; ++j) {
-        tail_pre[j] += ga[c] * xs[j * C + c];
-        float v = hp[j] * ga[c];
-        for (int i = 0; i < N; ++i) {
-          tail_res[i * N + j] += gm[i * C + c] * xs[j * C + c];
-          v += hr[i * N + j] * gm[i * C + c];
-        }
-        dx[j * C + c] = v;
-      }
-    for (int j = 0; j < N; ++j) {
-      DHP[t * N + j] = pre.total(j) + tail_pre[j];
-      for (int i = 0; i < N; ++i) DHR[(t * N + i) * N + j] = res.total(i * N + j) + tail_res[i * N + j];
+    const float *xs = X + t * n * C, *hp = HP + t * n;
+    float* a = A + t * C;
+    for (int64_t c = 0; c < C; ++c) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < n; ++j) acc += hp[j] * xs[j * C + c];
+      a[c] = acc;
     }
   }
 }
 
-// the same for any n: a dot product per (i, j), then dx
-inline void backward_range_any(const float* X, const float* HP, const float* HR, const float* GA, const float* GM,
-                               float* DX, float* DHP, float* DHR, int64_t n, int64_t C, int64_t begin, int64_t end) {
+// dx_j = H_pre[j] g_a, dH_pre[j] = <g_a, x_j>, any n
+inline void aggregate_backward_range(const float* X, const float* HP, const float* GA, float* DX, float* DHP,
+                                     int64_t n, int64_t C, int64_t begin, int64_t end) {
   for (int64_t t = begin; t < end; ++t) {
-    const float *xs = X + t * n * C, *gm = GM + t * n * C, *ga = GA + t * C;
-    const float *hp = HP + t * n, *hr = HR + t * n * n;
+    const float *xs = X + t * n * C, *ga = GA + t * C, *hp = HP + t * n;
     float* dx = DX + t * n * C;
     for (int64_t j = 0; j < n; ++j) {
       DHP[t * n + j] = dot(ga, xs + j * C, C);
-      for (int64_t i = 0; i < n; ++i) DHR[(t * n + i) * n + j] = dot(gm + i * C, xs + j * C, C);
+      for (int64_t c = 0; c < C; ++c) dx[j * C + c] = hp[j] * ga[c];
+    }
+  }
+}
+
+// y_i = sum_j H_res[i, j] x_j + H_post[i] out
+template <int N>
+__attribute__((always_inline)) inline void res_post_range(const float* __restrict X, const float* __restrict HR,
+                                                          const float* __restrict HQ, const float* __restrict O,
+                                                          float* __restrict Y, int64_t n_, int64_t C, int64_t begin,
+                                                          int64_t end) {
+  const int64_t n = N > 0 ? N : n_;
+  for (int64_t t = begin; t < end; ++t) {
+    const float *xs = X + t * n * C, *hr = HR + t * n * n, *hq = HQ + t * n, *o = O + t * C;
+    float* y = Y + t * n * C;
+    for (int64_t i = 0; i < n; ++i)
       for (int64_t c = 0; c < C; ++c) {
-        float v = hp[j] * ga[c];
-        for (int64_t i = 0; i < n; ++i) v += hr[i * n + j] * gm[i * C + c];
+        float acc = hq[i] * o[c];
+        for (int64_t j = 0; j < n; ++j) acc += hr[i * n + j] * xs[j * C + c];
+        y[i * C + c] = acc;
+      }
+  }
+}
+
+// One channel c of res_post's backward: dx_j[c] and d out[c], and the products of the reductions added
+// to accumulators (res[(i*N + j) * stride], post[i * stride]: a vector lane, or the tail's sums).
+template <int N>
+__attribute__((always_inline)) inline void res_post_backward_at(
+    int64_t c, int64_t C, const float* __restrict xs, const float* __restrict g, const float* __restrict o,
+    const float* __restrict hr, const float* __restrict hq, float* __restrict dx, float* __restrict d_out,
+    float* __restrict res, float* __restrict post, int64_t stride) {
+  float v_out = 0.f;
+  for (int i = 0; i < N; ++i) {
+    post[i * stride] += g[i * C + c] * o[c];
+    v_out += hq[i] * g[i * C + c];
+  }
+  d_out[c] = v_out;
+  for (int j = 0; j < N; ++j) {
+    float v = 0.f;
+    for (int i = 0; i < N; ++i) {
+      res[(i * N + j) * stride] += g[i * C + c] * xs[j * C + c];
+      v += hr[i * N + j] * g[i * C + c];
+    }
+    dx[j * C + c] = v;
+  }
+}
+
+// dx_j = sum_i H_res[i, j] g_i, dH_res[i, j] = <g_i, x_j>, dH_post[i] = <g_i, out>, d out = sum_i H_post[i] g_i:
+// n known at compile time, all in one pass over the token's floats.
+template <int N>
+__attribute__((always_inline)) inline void res_post_backward_range(
+    const float* __restrict X, const float* __restrict HR, const float* __restrict HQ, const float* __restrict O,
+    const float* __restrict G, float* __restrict DX, float* __restrict DHR, float* __restrict DHQ,
+    float* __restrict DO, int64_t C, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const float *xs = X + t * N * C, *g = G + t * N * C, *o = O + t * C;
+    const float *hr = HR + t * N * N, *hq = HQ + t * N;
+    float *dx = DX + t * N * C, *d_out = DO + t * C;
+    LaneSums<N * N> res;
+    LaneSums<N> post;
+    int64_t c = 0;
+    for (; c + kLanes <= C; c += kLanes)
+      for (int64_t l = 0; l < kLanes; ++l)
+        res_post_backward_at<N>(c + l, C, xs, g, o, hr, hq, dx, d_out, &res.lanes[0][l], &post.lanes[0][l], kLanes);
+    float tail_res[N * N] = {}, tail_post[N] = {};
+    for (; c < C; ++c) res_post_backward_at<N>(c, C, xs, g, o, hr, hq, dx, d_out, tail_res, tail_post, 1);
+    for (int i = 0; i < N; ++i) {
+      DHQ[t * N + i] = post.total(i) + tail_post[i];
+      for (int j = 0; j < N; ++j) DHR[(t * N + i) * N + j] = res.total(i * N + j) + tail_res[i * N + j];
+    }
+  }
+}
+
+// the same for any n: a dot product per pair, then dx and d out
+inline void res_post_backward_range_any(const float* X, const float* HR, const float* HQ, const float* O,
+                                        const float* G, float* DX, float* DHR, float* DHQ, float* DO, int64_t n,
+                                        int64_t C, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const float *xs = X + t * n * C, *g = G + t * n * C, *o = O + t * C;
+    const float *hr = HR + t * n * n, *hq = HQ + t * n;
+    float *dx = DX + t * n * C, *d_out = DO + t * C;
+    for (int64_t i = 0; i < n; ++i) {
+      DHQ[t * n + i] = dot(g + i * C, o, C);
+      for (int64_t j = 0; j < n; ++j) DHR[(t * n + i) * n + j] = dot(g + i * C, xs + j * C, C);
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      float v_out = 0.f;
+      for (int64_t i = 0; i < n; ++i) v_out += hq[i] * g[i * C + c];
+      d_out[c] = v_out;
+      for (int64_t j = 0; j < n; ++j) {
+        float v = 0.f;
+        for (int64_t i = 0; i < n; ++i) v += hr[i * n + j] * g[i * C + c];
         dx[j * C + c] = v;
       }
     }
   }
 }
 
-// dH_post[i] = <g_i, out>, d out = sum_i H_post[i] g_i, in one pass (n known at compile time)
-template <int N>
-__attribute__((always_inline)) inline void h_post_range(const float* __restrict G, const float* __restrict HP,
-                                                        const float* __restrict O, float* __restrict DHP,
-                                                        float* __restrict DO, int64_t C, int64_t begin, int64_t end) {
-  for (int64_t t = begin; t < end; ++t) {
-    const float *g = G + t * N * C, *hp = HP + t * N, *o = O + t * C;
-    float* d = DO + t * C;
-    LaneSums<N> post;
-    int64_t c = 0;
-    for (; c + kLanes <= C; c += kLanes)
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const int64_t k = c + l;
-        float v = 0.f;
-        for (int i = 0; i < N; ++i) {
-          post.lanes[i][l] += g[i * C + k] * o[k];
-          v += hp[i] * g[i * C + k];
-        }
-        d[k] = v;
-      }
-    float tail[N] = {};
-    for (; c < C; ++c) {
-      float v = 0.f;
-      for (int i = 0; i < N; ++i) {
-        tail[i] += g[i * C + c] * o[c];
-        v += hp[i] * g[i * C + c];
-      }
-      d[c] = v;
-    }
-    for (int i = 0; i < N; ++i) DHP[t * N + i] = post.total(i) + tail[i];
-  }
-}
-
-inline void h_post_range_any(const float* G, const float* HP, const float* O, float* DHP, float* DO, int64_t n,
-                             int64_t C, int64_t begin, int64_t end) {
-  for (int64_t t = begin; t < end; ++t) {
-    const float *g = G + t * n * C, *hp = HP + t * n;
-    for (int64_t i = 0; i < n; ++i) DHP[t * n + i] = dot(g + i * C, O + t * C, C);
-    float* d = DO + t * C;
-    for (int64_t c = 0; c < C; ++c) {
-      float v = 0.f;
-      for (int64_t i = 0; i < n; ++i) v += hp[i] * g[i * C + c];
-      d[c] = v;
-    }
-  }
-}
-
-LMHC_VECTOR_CLONES void forward_chunk(const float* X, const float* HP, const float* HR, float* A, float* M,
-                                      int64_t n, int64_t C, int64_t begin, int64_t end) {
+LMHC_VECTOR_CLONES void aggregate_chunk(const float* X, const float* HP, float* A, int64_t n, int64_t C,
+                                        int64_t begin, int64_t end) {
   if (n == 4)
-    forward_range<4>(X, HP, HR, A, M, n, C, begin, end);
+    aggregate_range<4>(X, HP, A, n, C, begin, end);
   else
-    forward_range<0>(X, HP, HR, A, M, n, C, begin, end);
+    aggregate_range<0>(X, HP, A, n, C, begin, end);
 }
 
-LMHC_VECTOR_CLONES void backward_chunk(const float* X, const float* HP, const float* HR, const float* GA,
-                                       const float* GM, float* DX, float* DHP, float* DHR, int64_t n, int64_t C,
-                                       int64_t begin, int64_t end) {
-  if (n == 4)
-    backward_range<4>(X, HP, HR, GA, GM, DX, DHP, DHR, C, begin, end);
-  else
-    backward_range_any(X, HP, HR, GA, GM, DX, DHP, DHR, n, C, begin, end);
+LMHC_VECTOR_CLONES void aggregate_backward_chunk(const float* X, const float* HP, const float* GA, float* DX,
+                                                 float* DHP, int64_t n, int64_t C, int64_t begin, int64_t end) {
+  aggregate_backward_range(X, HP, GA, DX, DHP, n, C, begin, end);
 }
 
-LMHC_VECTOR_CLONES void h_post_chunk(const float* G, const float* HP, const float* O, float* DHP, float* DO,
-                                     int64_t n, int64_t C, int64_t begin, int64_t end) {
+LMHC_VECTOR_CLONES void res_post_chunk(const float* X, const float* HR, const float* HQ, const float* O, float* Y,
+                                       int64_t n, int64_t C, int64_t begin, int64_t end) {
   if (n == 4)
-    h_post_range<4>(G, HP, O, DHP, DO, C, begin, end);
+    res_post_range<4>(X, HR, HQ, O, Y, n, C, begin, end);
   else
-    h_post_range_any(G, HP, O, DHP, DO, n, C, begin, end);
+    res_post_range<0>(X, HR, HQ, O, Y, n, C, begin, end);
+}
+
+LMHC_VECTOR_CLONES void res_post_backward_chunk(const float* X, const float* HR, const float* HQ, const float* O,
+                                                const float* G, float* DX, float* DHR, float* DHQ, float* DO,
+                                                int64_t n, int64_t C, int64_t begin, int64_t end) {
+  if (n == 4)
+    res_post_backward_range<4>(X, HR, HQ, O, G, DX, DHR, DHQ, DO, C, begin, end);
+  else
+    res_post_backward_range_any(X, HR, HQ, O, G, DX, DHR, DHQ, DO, n, C, begin, end);
 }
 
 }  // namespace
 
-std::vector<at::Tensor> stream_mix_forward(at::Tensor x, at::Tensor h_pre, at::Tensor h_res) {
+at::Tensor aggregate_forward(at::Tensor x, at::Tensor h_pre) {
   check(x, "x", 2);
   check(h_pre, "h_pre", 2);
-  check(h_res, "h_res", 3);
   const int64_t T = x.size(0), n = h_pre.size(1), C = x.size(1) / n;
-  TORCH_CHECK(x.size(1) == n * C && h_res.size(1) == n && h_res.size(2) == n, "shapes of x, h_pre, h_res differ");
+  TORCH_CHECK(x.size(1) == n * C && h_pre.size(0) == T, "shapes of x and h_pre differ");
   auto aggregated = at::empty({T, C}, x.options());
-  auto mixed = at::empty_like(x);
-  const float *X = x.data_ptr<float>(), *HP = h_pre.data_ptr<float>(), *HR = h_res.data_ptr<float>();
-  float *A = aggregated.data_ptr<float>(), *M = mixed.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) { forward_chunk(X, HP, HR, A, M, n, C, begin, end); });
-  return {aggregated, mixed};
+  const float *X = x.data_ptr<float>(), *HP = h_pre.data_ptr<float>();
+  float* A = aggregated.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) { aggregate_chunk(X, HP, A, n, C, begin, end); });
+  return aggregated;
 }
 
-std::vector<at::Tensor> stream_mix_backward(at::Tensor x, at::Tensor h_pre, at::Tensor h_res, at::Tensor g_agg,
-                                            at::Tensor g_mixed) {
+std::vector<at::Tensor> aggregate_backward(at::Tensor x, at::Tensor h_pre, at::Tensor g_agg) {
   check(x, "x", 2);
   check(h_pre, "h_pre", 2);
-  check(h_res, "h_res", 3);
   check(g_agg, "g_agg", 2);
-  check(g_mixed, "g_mixed", 2);
   const int64_t T = x.size(0), n = h_pre.size(1), C = x.size(1) / n;
-  TORCH_CHECK(g_mixed.sizes() == x.sizes() && g_agg.size(0) == T && g_agg.size(1) == C, "gradient shapes differ");
+  TORCH_CHECK(g_agg.size(0) == T && g_agg.size(1) == C, "gradient shape differs");
   auto dx = at::empty_like(x);
   auto d_h_pre = at::empty({T, n}, x.options());
-  auto d_h_res = at::empty({T, n, n}, x.options());
-  const float *X = x.data_ptr<float>(), *HP = h_pre.data_ptr<float>(), *HR = h_res.data_ptr<float>();
-  const float *GA = g_agg.data_ptr<float>(), *GM = g_mixed.data_ptr<float>();
-  float *DX = dx.data_ptr<float>(), *DHP = d_h_pre.data_ptr<float>(), *DHR = d_h_res.data_ptr<float>();
+  const float *X = x.data_ptr<float>(), *HP = h_pre.data_ptr<float>(), *GA = g_agg.data_ptr<float>();
+  float *DX = dx.data_ptr<float>(), *DHP = d_h_pre.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    backward_chunk(X, HP, HR, GA, GM, DX, DHP, DHR, n, C, begin, end);
+    aggregate_backward_chunk(X, HP, GA, DX, DHP, n, C, begin, end);
   });
-  return {dx, d_h_pre, d_h_res};
+  return {dx, d_h_pre};
 }
 
-std::vector<at::Tensor> h_post_backward(at::Tensor grad, at::Tensor h_post, at::Tensor out) {
-  check(grad, "grad", 2);
+at::Tensor res_post_forward(at::Tensor x, at::Tensor h_res, at::Tensor h_post, at::Tensor out) {
+  check(x, "x", 2);
+  check(h_res, "h_res", 3);
   check(h_post, "h_post", 2);
   check(out, "out", 2);
-  const int64_t T = grad.size(0), n = h_post.size(1), C = out.size(1);
-  TORCH_CHECK(grad.size(1) == n * C && out.size(0) == T && h_post.size(0) == T, "shapes of grad, h_post, out differ");
-  auto d_h_post = at::empty({T, n}, grad.options());
-  auto d_out = at::empty({T, C}, grad.options());
-  const float *G = grad.data_ptr<float>(), *HP = h_post.data_ptr<float>(), *O = out.data_ptr<float>();
-  float *DHP = d_h_post.data_ptr<float>(), *DO = d_out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) { h_post_chunk(G, HP, O, DHP, DO, n, C, begin, end); });
-  return {d_h_post, d_out};
+  const int64_t T = x.size(0), n = h_post.size(1), C = out.size(1);
+  TORCH_CHECK(x.size(1) == n * C && h_res.size(1) == n && h_res.size(2) == n && out.size(0) == T,
+              "shapes of x, h_res, h_post, out differ");
+  auto y = at::empty_like(x);
+  const float *X = x.data_ptr<float>(), *HR = h_res.data_ptr<float>(), *HQ = h_post.data_ptr<float>();
+  const float* O = out.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) { res_post_chunk(X, HR, HQ, O, Y, n, C, begin, end); });
+  return y;
+}
+
+std::vector<at::Tensor> res_post_backward(at::Tensor x, at::Tensor h_res, at::Tensor h_post, at::Tensor out,
+                                          at::Tensor grad) {
+  check(x, "x", 2);
+  check(h_res, "h_res", 3);
+  check(h_post, "h_post", 2);
+  check(out, "out", 2);
+  check(grad, "grad", 2);
+  const int64_t T = x.size(0), n = h_post.size(1), C = out.size(1);
+  TORCH_CHECK(grad.sizes() == x.sizes() && x.size(1) == n * C, "shapes of x, grad, h_post, out differ");
+  auto dx = at::empty_like(x);
+  auto d_h_res = at::empty({T, n, n}, x.options());
+  auto d_h_post = at::empty({T, n}, x.options());
+  auto d_out = at::empty({T, C}, x.options());
+  const float *X = x.data_ptr<float>(), *HR = h_res.data_ptr<float>(), *HQ = h_post.data_ptr<float>();
+  const float *O = out.data_ptr<float>(), *G = grad.data_ptr<float>();
+  float *DX = dx.data_ptr<float>(), *DHR = d_h_res.data_ptr<float>(), *DHQ = d_h_post.data_ptr<float>();
+  float* DO = d_out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    res_post_backward_chunk(X, HR, HQ, O, G, DX, DHR, DHQ, DO, n, C, begin, end);
+  });
+  return {dx, d_h_res, d_h_post, d_out};
 }
