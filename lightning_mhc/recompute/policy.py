@@ -4,7 +4,7 @@
 |-------------|--------------------------------------------------------------------------|
 | ``none``      | nothing                                                                  |
 | ``selective`` | megatron's selective recompute: ``recompute_modules`` (default ``layernorm``, ``mlp``); each checkpoint has its own hook |
-| ``mhc_block`` | block recompute: per sub-layer the hyper-connection (with the norm under ``layernorm``) and the bias-dropout-add with ``H_post``, one checkpoint each, block by block from one hook per block of ``L_r`` layers |
+| ``mhc_block`` | block recompute: per sub-layer the hyper-connection (with the norm under ``layernorm``) and the bias-dropout-add with ``H_res`` and ``H_post``, one checkpoint each, block by block from one hook per block of ``L_r`` layers |
 | ``full``      | every layer under ``torch.utils.checkpoint`` (the classic reference)       |
 
 ``configure_recompute(config, policy)`` returns a validated config;
