@@ -277,14 +277,37 @@ def _sinkhorn_start(z_res, m3):
     return tl.where(m3, tl.exp(logits - top[:, None, None]), 0.0)
 
 
+# Column and row steps are separate functions, each with a fixed shape of sums: a step picked by
+# a runtime branch would give the two branches results of different shapes, which compiled
+# Triton refuses (the interpreter would not notice).
 @triton.jit
-def _sinkhorn_step(p, step, eps):
-    """Step ``step``: even normalises columns (sums over rows, axis 1), odd rows (axis 2)."""
-    if step % 2 == 0:
-        raw = tl.sum(p, axis=1)[:, None, :]
-    else:
-        raw = tl.sum(p, axis=2)[:, :, None]
-    return p / tl.maximum(raw, eps), raw
+def _normalise_columns(p, eps):
+    """Divide by the column sums (over rows, axis 1); returns (p, the raw sums [BT, 1, NP])."""
+    sums = tl.sum(p, axis=1)[:, None, :]
+    return p / tl.maximum(sums, eps), sums
+
+
+@triton.jit
+def _normalise_rows(p, eps):
+    """Divide by the row sums (over columns, axis 2); returns (p, the raw sums [BT, NP, 1])."""
+    sums = tl.sum(p, axis=2)[:, :, None]
+    return p / tl.maximum(sums, eps), sums
+
+
+@triton.jit
+def _sinkhorn_iterations(p, count, eps):
+    """``count`` iterations of columns, then rows (the paper's order)."""
+    for _ in range(0, count):
+        p, col_sums = _normalise_columns(p, eps)
+        p, row_sums = _normalise_rows(p, eps)
+    return p
+
+
+@triton.jit
+def _any_clamped(sums, valid, eps):
+    """Per token, 1 where a real row or column (``valid``, not padding) had its sum clamped."""
+    low = tl.where(valid & (sums < eps), 1, 0)
+    return tl.max(tl.max(low, axis=2), axis=1)
 
 
 @triton.jit
@@ -297,9 +320,7 @@ def _mappings_fwd(raw_ptr, r_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres
     out2 = rows[:, None].to(tl.int64) * N + ns[None, :]
     tl.store(hpre_ptr + out2, tl.sigmoid(z_pre), mask=m2)
     tl.store(hpost_ptr + out2, 2.0 * tl.sigmoid(z_post), mask=m2)
-    p = _sinkhorn_start(z_res, m3)
-    for step in range(0, 2 * iterations):
-        p, _ = _sinkhorn_step(p, step, eps)
+    p = _sinkhorn_iterations(_sinkhorn_start(z_res, m3), iterations, eps)
     ij = ns[:, None] * N + ns[None, :]
     tl.store(hres_ptr + rows[:, None, None].to(tl.int64) * N * N + ij[None, :, :], p, mask=m3)
 
@@ -313,6 +334,7 @@ def _mappings_bwd(raw_ptr, r_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, ghpr
     tmask = rows < T
     z_pre, z_post, z_res, m2, m3 = _load_z(raw_ptr, r_ptr, alpha_ptr, bias_ptr, rows, tmask, M, N, NP)
     ns = tl.arange(0, NP)
+    nmask = ns < N
     in2 = rows[:, None].to(tl.int64) * N + ns[None, :]
     hpre = tl.load(hpre_ptr + in2, mask=m2, other=0.0)
     hpost = tl.load(hpost_ptr + in2, mask=m2, other=0.0)
@@ -325,23 +347,20 @@ def _mappings_bwd(raw_ptr, r_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, ghpr
     start = _sinkhorn_start(z_res, m3)
     p = start
     clamped = tl.zeros([BLOCK_T], dtype=tl.int32)
-    for step in range(0, 2 * iterations):
-        p, raw = _sinkhorn_step(p, step, eps)
-        low = tl.where(raw < eps, 1, 0)
-        clamped = tl.maximum(clamped, tl.max(tl.max(low, axis=2), axis=1))
+    real_columns, real_rows = nmask[None, None, :], nmask[None, :, None]
+    for _ in range(0, iterations):
+        p, col_sums = _normalise_columns(p, eps)
+        clamped = tl.maximum(clamped, _any_clamped(col_sums, real_columns, eps))
+        p, row_sums = _normalise_rows(p, eps)
+        clamped = tl.maximum(clamped, _any_clamped(row_sums, real_rows, eps))
     g = tl.load(ghres_ptr + rows[:, None, None].to(tl.int64) * N * N + ij[None, :, :], mask=m3, other=0.0) * p
-    for back in range(0, 2 * iterations):
-        step = 2 * iterations - 1 - back
-        q = start
-        for s in range(0, step):
-            q, _ = _sinkhorn_step(q, s, eps)
-        q, raw = _sinkhorn_step(q, step, eps)
-        keep = tl.where(raw >= eps, 1.0, 0.0)
-        if step % 2 == 0:
-            total = tl.sum(g, axis=1)[:, None, :] * keep
-        else:
-            total = tl.sum(g, axis=2)[:, :, None] * keep
-        g = g - q * total
+    # iteration k in reverse: its row step, then its column step, each matrix recomputed from the start
+    for back in range(0, iterations):
+        q = _sinkhorn_iterations(start, iterations - 1 - back, eps)
+        q_col, col_sums = _normalise_columns(q, eps)
+        q_row, row_sums = _normalise_rows(q_col, eps)
+        g = g - q_row * (tl.sum(g, axis=2)[:, :, None] * tl.where(row_sums >= eps, 1.0, 0.0))
+        g = g - q_col * (tl.sum(g, axis=1)[:, None, :] * tl.where(col_sums >= eps, 1.0, 0.0))
     # where a sum was clamped, the maximum logit gets a gradient too (shift invariance is broken)
     logits = tl.where(m3, z_res, float("-inf"))
     top = tl.max(tl.max(logits, axis=2), axis=1)
