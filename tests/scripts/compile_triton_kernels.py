@@ -1,0 +1,73 @@
+"""Compile every Triton kernel of lightning_mhc ahead of time for an H100 (sm_90), on a machine without
+a GPU: Triton's frontend, MLIR, LLVM, PTX and ptxas, for fp32 and bf16 streams and n = 4 and 3.
+
+It catches what Triton's interpreter does not: a branch whose two sides give tensors of different
+shapes, a dot of unsupported shape, a type the compiler refuses. Run without ``TRITON_INTERPRET``
+(under it the kernels are Python functions). Prints one line per kernel; exit 1 when one fails.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lightning_mhc.ops import triton_kernels as tk
+
+TARGET = GPUTarget("cuda", 90, 32)
+F32, I32 = "*fp32", "*i32"
+
+
+def _cases():
+    """``(kernel, pointer and scalar types by argument name, constexprs)`` for every kernel."""
+    for stream in ("*fp32", "*bf16"):
+        for n in (4, 3):
+            shape = dict(N=n, NP=triton.next_power_of_2(n))
+            stream_mix = dict(**shape, BLOCK_C=64)
+            dropout = dict(**stream_mix, HAS_BIAS=True, DROPOUT=True)
+            yield tk._aggregate_fwd, dict(x_ptr=stream, hpre_ptr=F32, agg_ptr=stream, C="i32"), stream_mix
+            yield tk._aggregate_bwd, dict(x_ptr=stream, hpre_ptr=F32, gagg_ptr=stream, dx_ptr=stream, dhpre_ptr=F32,
+                                          C="i32"), stream_mix
+            yield tk._res_post_fwd, dict(x_ptr=stream, hres_ptr=F32, hpost_ptr=F32, out_ptr=stream, bias_ptr=stream,
+                                         seed_ptr=I32, y_ptr=stream, C="i32", p="fp32", scale="fp32"), dropout
+            yield tk._res_post_bwd, dict(x_ptr=stream, hres_ptr=F32, hpost_ptr=F32, out_ptr=stream, bias_ptr=stream,
+                                         seed_ptr=I32, g_ptr=stream, dx_ptr=stream, dhres_ptr=F32, dhpost_ptr=F32,
+                                         dout_ptr=stream, C="i32", p="fp32", scale="fp32"), dropout
+            if stream == "*fp32":  # the mappings are fp32 whatever the stream
+                mappings = dict(raw_ptr=F32, r_ptr=F32, alpha_ptr=F32, bias_ptr=F32, T="i32", M="i32",
+                                iterations="i32", eps="fp32")
+                yield tk._mappings_fwd, dict(**mappings, hpre_ptr=F32, hpost_ptr=F32, hres_ptr=F32), \
+                    dict(**shape, BLOCK_T=16)
+                yield tk._mappings_bwd, dict(**mappings, hpre_ptr=F32, hpost_ptr=F32, ghpre_ptr=F32, ghpost_ptr=F32,
+                                             ghres_ptr=F32, dz_ptr=F32), dict(**shape, BLOCK_T=16)
+        yield tk._projection_fwd, dict(x_ptr=stream, phi_ptr=F32, raw_ptr=F32, r_ptr=F32, T="i32", K="i32", M="i32",
+                                       eps="fp32"), dict(MP=32, BLOCK_T=16, BLOCK_K=32)
+
+
+def _source(kernel, types: dict, constexprs: dict) -> ASTSource:
+    names = kernel.arg_names
+    signature = {name: types.get(name, "constexpr") for name in names}
+    return ASTSource(fn=kernel, signature=signature,
+                     constexprs={(names.index(name),): value for name, value in constexprs.items()})
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: under the interpreter nothing is compiled")
+        return 2
+    failed = 0
+    for kernel, types, constexprs in _cases():
+        label = f"{kernel.__name__} {next(iter(types.values()))} {constexprs}"
+        try:
+            triton.compile(_source(kernel, types, constexprs), target=TARGET)
+            print(f"ok   {label}")
+        except Exception as error:  # report every kernel, then fail
+            failed += 1
+            print(f"FAIL {label}: {type(error).__name__}: {str(error)[:2000]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
