@@ -101,12 +101,19 @@ def test_the_sublayer_and_its_gradients_match_the_reference(n, c, tokens, dtype,
         assert _relative(mine, reference) < tolerance, (name, _relative(mine, reference))
 
 
-def test_a_cpu_tensor_without_the_interpreter_is_refused_in_one_line(monkeypatch):
-    from lightning_mhc.ops import triton_kernels
+def test_a_cpu_tensor_without_the_interpreter_is_refused_in_one_line(monkeypatch, tmp_path, capsys):
+    """At run time (a CPU tensor reaches a kernel) and before launch (``lightning-mhc-train`` with
+    ``model.mhc_implementation=triton`` on ``trainer=cpu``): one line that says to set
+    ``TRITON_INTERPRET=1`` or use the C++ kernels."""
+    from train_cli import check_before_launch
 
-    monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
+    monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
         TritonKernels.project(torch.zeros(2, 8), torch.zeros(8, 8), 1e-6)
+    status, err = check_before_launch(["trainer=debug", "data=synthetic", "model.mhc_implementation=triton"], tmp_path,
+                                      monkeypatch, capsys)
+    assert status == 2 and "model.mhc_implementation=triton with trainer.accelerator=cpu" in err, err
+    assert "TRITON_INTERPRET=1" in err and len(err.strip().splitlines()) == 1, err
 
 
 def _res_post_leaves(n: int, c: int, tokens: int, seed: int = 0):

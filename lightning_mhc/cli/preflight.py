@@ -24,6 +24,7 @@ from lightning_mhc.cli.config_store import register_configs
 from lightning_mhc.cli.schema import TrainConfig
 from lightning_mhc.cli.schema import KEYS_HINT, check_known_keys, describe_type, field_type, unknown_keys
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.ops import TRITON_NOT_HERE, triton_runs_on
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 PREFIX = "lightning-mhc-train: invalid configuration: "
@@ -54,6 +55,9 @@ def check_machine(cfg: TrainConfig) -> None:
         check_data(source=d.source, path=d.path, seq_length=d.seq_length, val_fraction=d.val_fraction,
                    max_bytes=d.max_bytes, synthetic_samples=d.synthetic_samples,
                    global_batch_size=d.global_batch_size, validate=t.limit_val_batches > 0)
+    device_type = "cuda" if t.accelerator in ("gpu", "cuda") else t.accelerator
+    if cfg.model.mhc_implementation == "triton" and not triton_runs_on(device_type):
+        raise ConfigError(f"model.mhc_implementation=triton with trainer.accelerator={t.accelerator}: {TRITON_NOT_HERE}")
     if t.accelerator in ("gpu", "cuda"):
         import torch
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 MHC_IMPLEMENTATIONS = ("auto", "fused", "reference", "triton", "compile")
 """Values of ``mhc_implementation``: 'fused' the fused ops with the eager kernel set (C++ on CPU);
@@ -28,6 +29,18 @@ def is_fused(mhc_implementation: str) -> bool:
 @functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_runs_on(device_type: str) -> bool:
+    """Whether Triton's kernels run on this device type: CUDA, or the CPU under Triton's interpreter
+    (``TRITON_INTERPRET=1`` set before Python starts)."""
+    return device_type == "cuda" or (device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+TRITON_NOT_HERE = ("Triton compiles for CUDA GPUs. On CPU, set TRITON_INTERPRET=1 before starting Python to run the "
+                   "kernels in Triton's interpreter (slow, for checking), or use mhc_implementation='fused' (the C++ "
+                   "CPU kernels).")
+"""Why ``mhc_implementation='triton'`` cannot run on a device where ``triton_runs_on`` is False."""
 
 
 def uses_triton(mhc_implementation: str, device_type: str) -> bool:

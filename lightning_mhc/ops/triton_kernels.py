@@ -25,13 +25,11 @@ this module is imported): slow, for checking them without a GPU.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from lightning_mhc.ops import TRITON_NOT_HERE, triton_runs_on
 
 
 def _pow2(n: int) -> int:
@@ -40,11 +38,8 @@ def _pow2(n: int) -> int:
 
 def check_device(x: torch.Tensor) -> None:
     """The kernels need a CUDA tensor, or Triton's interpreter for a CPU one."""
-    if x.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(
-            f"mhc_implementation='triton' on a {x.device.type} tensor: Triton compiles for CUDA GPUs. On CPU, "
-            "set TRITON_INTERPRET=1 before starting Python to run the kernels in Triton's interpreter (slow), "
-            "or use mhc_implementation='fused' (the C++ CPU kernels).")
+    if not triton_runs_on(x.device.type):
+        raise RuntimeError(f"mhc_implementation='triton' on a {x.device.type} tensor: {TRITON_NOT_HERE}")
 
 
 
