@@ -449,9 +449,10 @@ def test_res_post_bda_fused_matches_unfused_without_dropout(prob, training):
 
 
 def test_res_post_bda_dropout_same_mask():
-    """p=0.1 in training: the fused ops (eager kernels, which take the reference's ops when dropout
-    is active) and the reference draw the same mask (bit-identical outputs and gradients under the
-    same seed); the mask is real (differs from no dropout, and by seed)."""
+    """p=0.1 in training: the fused ops route active dropout to the reference's ops (the eager
+    kernel set has none of its own), so both draw the same mask: bit-identical outputs and
+    gradients under the same seed (this guards the routing); the mask is real (differs from no
+    dropout, and by seed)."""
     y_fused, g_fused = _bda(True, 0.1, True, seed=3)
     y_plain, g_plain = _bda(False, 0.1, True, seed=3)
     assert torch.equal(y_fused, y_plain)

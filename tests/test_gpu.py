@@ -150,7 +150,7 @@ def deterministic():
     torch.use_deterministic_algorithms(False)
 
 
-@pytest.mark.parametrize("implementation", ["auto", "fused"])
+@pytest.mark.parametrize("implementation", ["auto", "fused", "compile"])
 def test_block_recompute_is_bit_exact_with_dropout(model_parallel, deterministic, implementation):
     """Dropout 0.1 (hidden and attention): ``mhc_block`` gives ``none``'s losses and gradients bit for
     bit over 3 AdamW steps (the recompute replays the CUDA generators); two ``none`` runs agree too."""

@@ -55,8 +55,7 @@ def check_machine(cfg: TrainConfig) -> None:
         check_data(source=d.source, path=d.path, seq_length=d.seq_length, val_fraction=d.val_fraction,
                    max_bytes=d.max_bytes, synthetic_samples=d.synthetic_samples,
                    global_batch_size=d.global_batch_size, validate=t.limit_val_batches > 0)
-    device_type = "cuda" if t.accelerator in ("gpu", "cuda") else t.accelerator
-    if cfg.model.mhc_implementation == "triton" and not triton_runs_on(device_type):
+    if cfg.model.mhc_implementation == "triton" and not triton_runs_on(_device_type(t.accelerator)):
         raise ConfigError(f"model.mhc_implementation=triton with trainer.accelerator={t.accelerator}: {TRITON_NOT_HERE}")
     if t.accelerator in ("gpu", "cuda"):
         import torch
@@ -68,6 +67,15 @@ def check_machine(cfg: TrainConfig) -> None:
                 f"visible here (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Lower "
                 "trainer.devices, or run on the CPU: trainer=cpu (trainer.accelerator=cpu)."
             )
+
+
+def _device_type(accelerator: str) -> str:
+    """The torch device type a ``trainer.accelerator`` runs on (``auto``: CUDA when there is one)."""
+    if accelerator == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if accelerator in ("gpu", "cuda") else accelerator
 
 
 def warn_oversubscription(cfg: TrainConfig) -> None:

@@ -51,8 +51,10 @@ def h_res_h_post_bias_dropout_add(
     with torch.autocast(device_type=out.device.type, enabled=False):
         if is_fused(implementation):
             kernels = fused_kernels(implementation, out.device.type)
-            if prob == 0 or kernels.DROPOUT:
-                with rng_fork(*(() if sequence_parallel else ("tensor",))):  # as bias_dropout_add
+            if prob == 0:
+                return fused_res_post(residual, h_res, h_post, out, bias, prob, kernels)
+            if kernels.DROPOUT:
+                with rng_fork(*(() if sequence_parallel else ("tensor",))):  # the seed, as bias_dropout_add's mask
                     return fused_res_post(residual, h_res, h_post, out, bias, prob, kernels)
         if bias is not None:
             out = out + bias

@@ -59,9 +59,11 @@ class MHCTransformerConfig(TransformerConfig):
     whole transformer block (one pipeline stage) is one recompute block. For Megatron's None set
     mhc_recompute_layer_num=num_layers here (a block never crosses a stage)."""
     mhc_implementation: str = "auto"
-    """How the hyper-connection ops run: 'fused' (one autograd op for the mappings and stream
-    mixing, analytic backward, O(n^2) bytes saved per token), 'reference' (the readable
-    op-by-op math, autograd through every op), or 'auto' (fused)."""
+    """How the hyper-connection ops run: 'fused' (two autograd nodes with analytic backwards, the
+    mappings + aggregate and H_res x + H_post^T F + bias-dropout-add, O(n^2) floats saved per token
+    besides the stream; C++ kernels on CPU), 'triton' (the same nodes with Triton's kernels),
+    'auto' ('triton' on CUDA when Triton imports, else 'fused'), 'compile' (the op-by-op math
+    through torch.compile) or 'reference' (the readable op-by-op math, autograd through every op)."""
 
     # --- Megatron-LM main's names for the mHC fields (d98e8a64), so its config dicts run unchanged.
     # None: not given. __post_init__ moves a given value onto our field and resets the alias to None

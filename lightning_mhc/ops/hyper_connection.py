@@ -100,7 +100,9 @@ def compiled(function):
     (``mhc_implementation='compile'``): inductor fuses the norm, the gates, the unrolled Sinkhorn and
     the stream products, forward and backward (Triton on CUDA, C++ on CPU). Compiled on first call;
     ``n``, ``eps`` and ``iterations`` are constants of the graph, and a new shape recompiles. No
-    random draws inside, so recompute replays it exactly."""
+    random draws inside. Under block recompute the forward (no grad) and the recompute (grad) run
+    two compiled graphs; they gave the same bits on CPU (tests/test_fused_ops.py), the GPU test set
+    checks CUDA."""
     return torch.compile(function, fullgraph=True)
 
 
@@ -141,7 +143,9 @@ def _res_post(x: Tensor, h_res: Tensor, h_post: Tensor, out: Tensor, bias: Tenso
               seed: Tensor | None) -> Tensor:
     """``H_res @ x + H_post^T (out + bias)`` ``[T, n*C]`` in the stream's dtype: the CPU kernel for fp32,
     else a batched product and an ``addcmul`` in place. No dropout (``prob`` must be 0)."""
-    assert prob == 0, "the eager kernel set has no dropout: the caller takes the reference's path"
+    if prob:
+        raise ValueError("the eager kernel set has no dropout (EagerKernels.DROPOUT is False): with dropout "
+                         "active, run the reference's ops, as h_res_h_post_bias_dropout_add does")
     out = _with_bias(out, bias)
     kernel = kernels_for(x, out)
     if kernel is not None:

@@ -26,15 +26,18 @@ def _cases():
         for n in (4, 3):
             shape = dict(N=n, NP=triton.next_power_of_2(n))
             stream_mix = dict(**shape, BLOCK_C=64)
-            dropout = dict(**stream_mix, HAS_BIAS=True, DROPOUT=True)
+            variants = [dict(**stream_mix, HAS_BIAS=bias, DROPOUT=drop) for bias in (True, False) for drop in (True, False)]
             yield tk._aggregate_fwd, dict(x_ptr=stream, hpre_ptr=F32, agg_ptr=stream, C="i32"), stream_mix
             yield tk._aggregate_bwd, dict(x_ptr=stream, hpre_ptr=F32, gagg_ptr=stream, dx_ptr=stream, dhpre_ptr=F32,
                                           C="i32"), stream_mix
-            yield tk._res_post_fwd, dict(x_ptr=stream, hres_ptr=F32, hpost_ptr=F32, out_ptr=stream, bias_ptr=stream,
-                                         seed_ptr=I32, y_ptr=stream, C="i32", p="fp32", scale="fp32"), dropout
-            yield tk._res_post_bwd, dict(x_ptr=stream, hres_ptr=F32, hpost_ptr=F32, out_ptr=stream, bias_ptr=stream,
-                                         seed_ptr=I32, g_ptr=stream, dx_ptr=stream, dhres_ptr=F32, dhpost_ptr=F32,
-                                         dout_ptr=stream, C="i32", p="fp32", scale="fp32"), dropout
+            for variant in variants:
+                yield tk._res_post_fwd, dict(x_ptr=stream, hres_ptr=F32, hpost_ptr=F32, out_ptr=stream,
+                                             bias_ptr=stream, seed_ptr=I32, y_ptr=stream, C="i32", p="fp32",
+                                             scale="fp32"), variant
+                yield tk._res_post_bwd, dict(x_ptr=stream, hres_ptr=F32, hpost_ptr=F32, out_ptr=stream,
+                                             bias_ptr=stream, seed_ptr=I32, g_ptr=stream, dx_ptr=stream,
+                                             dhres_ptr=F32, dhpost_ptr=F32, dout_ptr=stream, C="i32", p="fp32",
+                                             scale="fp32"), variant
             if stream == "*fp32":  # the mappings are fp32 whatever the stream
                 mappings = dict(raw_ptr=F32, r_ptr=F32, alpha_ptr=F32, bias_ptr=F32, T="i32", M="i32",
                                 iterations="i32", eps="fp32")

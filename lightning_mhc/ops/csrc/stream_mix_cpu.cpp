@@ -218,8 +218,9 @@ LMHC_VECTOR_CLONES void res_post_backward_chunk(const float* X, const float* HR,
 at::Tensor aggregate_forward(at::Tensor x, at::Tensor h_pre) {
   check(x, "x", 2);
   check(h_pre, "h_pre", 2);
-  const int64_t T = x.size(0), n = h_pre.size(1), C = x.size(1) / n;
-  TORCH_CHECK(x.size(1) == n * C && h_pre.size(0) == T, "shapes of x and h_pre differ");
+  const int64_t T = x.size(0), n = h_pre.size(1);
+  TORCH_CHECK(n > 0 && x.size(1) % n == 0 && h_pre.size(0) == T, "shapes of x and h_pre differ");
+  const int64_t C = x.size(1) / n;
   auto aggregated = at::empty({T, C}, x.options());
   const float *X = x.data_ptr<float>(), *HP = h_pre.data_ptr<float>();
   float* A = aggregated.data_ptr<float>();
@@ -231,7 +232,9 @@ std::vector<at::Tensor> aggregate_backward(at::Tensor x, at::Tensor h_pre, at::T
   check(x, "x", 2);
   check(h_pre, "h_pre", 2);
   check(g_agg, "g_agg", 2);
-  const int64_t T = x.size(0), n = h_pre.size(1), C = x.size(1) / n;
+  const int64_t T = x.size(0), n = h_pre.size(1);
+  TORCH_CHECK(n > 0 && x.size(1) % n == 0 && h_pre.size(0) == T, "shapes of x and h_pre differ");
+  const int64_t C = x.size(1) / n;
   TORCH_CHECK(g_agg.size(0) == T && g_agg.size(1) == C, "gradient shape differs");
   auto dx = at::empty_like(x);
   auto d_h_pre = at::empty({T, n}, x.options());
@@ -249,7 +252,8 @@ at::Tensor res_post_forward(at::Tensor x, at::Tensor h_res, at::Tensor h_post, a
   check(h_post, "h_post", 2);
   check(out, "out", 2);
   const int64_t T = x.size(0), n = h_post.size(1), C = out.size(1);
-  TORCH_CHECK(x.size(1) == n * C && h_res.size(1) == n && h_res.size(2) == n && out.size(0) == T,
+  TORCH_CHECK(n > 0 && x.size(1) == n * C && h_post.size(0) == T && h_res.size(0) == T && h_res.size(1) == n &&
+                  h_res.size(2) == n && out.size(0) == T,
               "shapes of x, h_res, h_post, out differ");
   auto y = at::empty_like(x);
   const float *X = x.data_ptr<float>(), *HR = h_res.data_ptr<float>(), *HQ = h_post.data_ptr<float>();
@@ -267,7 +271,9 @@ std::vector<at::Tensor> res_post_backward(at::Tensor x, at::Tensor h_res, at::Te
   check(out, "out", 2);
   check(grad, "grad", 2);
   const int64_t T = x.size(0), n = h_post.size(1), C = out.size(1);
-  TORCH_CHECK(grad.sizes() == x.sizes() && x.size(1) == n * C, "shapes of x, grad, h_post, out differ");
+  TORCH_CHECK(n > 0 && grad.sizes() == x.sizes() && x.size(1) == n * C && h_post.size(0) == T && h_res.size(0) == T &&
+                  h_res.size(1) == n && h_res.size(2) == n && out.size(0) == T,
+              "shapes of x, grad, h_res, h_post, out differ");
   auto dx = at::empty_like(x);
   auto d_h_res = at::empty({T, n, n}, x.options());
   auto d_h_post = at::empty({T, n}, x.options());
