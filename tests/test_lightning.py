@@ -145,6 +145,20 @@ def test_mhc_block_without_hyper_connections_fails_before_training():
     assert trainer.global_step == 0
 
 
+def test_a_gradient_scaler_is_refused_before_training():
+    """``16-mixed`` scales the loss on CUDA, but the pipeline schedule runs the backward itself,
+    unscaled: the Trainer refuses it before any step, as Fabric's ``forward_backward`` does. (On CPU
+    Lightning's 16-mixed has no scaler, so the plugin is given one here, as CUDA's would be.)"""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaling = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, plugins=[scaling])
+    with pytest.raises(ConfigError, match="without a gradient scaler: use precision='bf16-mixed'"):
+        trainer.fit(_tiny_module())
+    assert trainer.global_step == 0
+
+
 def test_strategy_registered_by_name():
     from lightning.pytorch.strategies import StrategyRegistry
 

@@ -94,6 +94,9 @@ def test_bad_input_is_refused_before_launch(tmp_path, monkeypatch, capsys):
         (["model=huge"], "model=huge: the model group has no option 'huge'. Choose one of gpt_125m, small, tiny"),
         (["model.mhc_init_gating_factor=-1"], "model.mhc_init_gating_factor=-1.0: the initial value of the gating "
                                               "scalars"),
+        (["trainer=gpu", "trainer.precision=16-mixed"], "trainer.precision=16-mixed with trainer.accelerator=gpu: the "
+                                                        "pipeline schedule runs its own backward without a gradient "
+                                                        "scaler"),
     ]
     through_the_door = [cases[0], cases[11], cases[14]]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # each a fresh interpreter

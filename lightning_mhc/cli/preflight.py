@@ -47,6 +47,7 @@ def check_machine(cfg: TrainConfig) -> None:
     only file sizes and first bytes) and the GPUs for ``trainer.devices``."""
     from lightning_mhc.data.megatron import check_indexed_data, parse_blend
     from lightning_mhc.data.sources import check_data
+    from lightning_mhc.distributed.runtime import NO_GRADIENT_SCALER
 
     d, t = cfg.data, cfg.trainer
     if d.source == "megatron":
@@ -55,6 +56,8 @@ def check_machine(cfg: TrainConfig) -> None:
         check_data(source=d.source, path=d.path, seq_length=d.seq_length, val_fraction=d.val_fraction,
                    max_bytes=d.max_bytes, synthetic_samples=d.synthetic_samples,
                    global_batch_size=d.global_batch_size, validate=t.limit_val_batches > 0)
+    if t.precision == "16-mixed" and _device_type(t.accelerator) == "cuda":  # Lightning scales only on CUDA
+        raise ConfigError(f"trainer.precision=16-mixed with trainer.accelerator={t.accelerator}: {NO_GRADIENT_SCALER}")
     if cfg.model.mhc_implementation == "triton" and not triton_runs_on(_device_type(t.accelerator)):
         raise ConfigError(f"model.mhc_implementation=triton with trainer.accelerator={t.accelerator}: {TRITON_NOT_HERE}")
     if t.accelerator in ("gpu", "cuda"):

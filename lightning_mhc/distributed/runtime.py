@@ -347,6 +347,17 @@ def pipeline_dtype(module: torch.nn.Module) -> torch.dtype:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
 
 
+NO_GRADIENT_SCALER = ("the pipeline schedule runs its own backward without a gradient scaler: use "
+                      "precision='bf16-mixed', 'bf16-true' or '32-true', not '16-mixed'.")
+
+
+def refuse_gradient_scaler(precision_plugin: Any) -> None:
+    """The pipeline schedule runs its own backward, without a precision plugin's gradient scaler:
+    ``16-mixed`` on CUDA (which scales) would step on gradients the scaler never multiplied."""
+    if getattr(precision_plugin, "scaler", None) is not None:
+        raise ConfigError(NO_GRADIENT_SCALER)
+
+
 def with_grads(parameters: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     return [p for p in parameters if p.grad is not None]
 

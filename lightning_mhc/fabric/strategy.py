@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.format import PARAM_GROUPS
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.distributed.runtime import StrategyProcesses, sync_replicas, with_grads
+from lightning_mhc.distributed.runtime import StrategyProcesses, refuse_gradient_scaler, sync_replicas, with_grads
 from lightning_mhc.distributed.launcher import MHCFabricLauncher
 from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
 from lightning_mhc.distributed.grads import clip_grad_norm_
@@ -157,9 +157,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
                 f"loss_func, set_input_tensor, pipeline_tensor_shape); {type(module).__name__} has none. Train a "
                 "plain module with loss = model(batch); fabric.backward(loss)."
             )
-        if getattr(self.precision, "scaler", None) is not None:
-            raise ConfigError("the pipeline schedule runs its own backward without a gradient scaler: use "
-                              "precision='bf16-mixed', 'bf16-true' or '32-true', not '16-mixed'.")
+        refuse_gradient_scaler(self.precision)
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ConfigError(f"accumulate={accumulate!r}: must be a positive integer.")
         training = not forward_only and torch.is_grad_enabled()

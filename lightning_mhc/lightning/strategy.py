@@ -41,7 +41,7 @@ from torch import Tensor
 
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.distributed.runtime import StrategyProcesses, sync_replicas, with_grads
+from lightning_mhc.distributed.runtime import StrategyProcesses, refuse_gradient_scaler, sync_replicas, with_grads
 from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.data.resumable_loader import ResumableLoader
@@ -104,6 +104,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
             sync_replicas(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             if pipelined:
+                refuse_gradient_scaler(self.precision_plugin)
                 self._skip_lightning_backward(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
