@@ -43,15 +43,10 @@ TRITON_NOT_HERE = ("Triton compiles for CUDA GPUs. On CPU, set TRITON_INTERPRET=
 """Why ``mhc_implementation='triton'`` cannot run on a device where ``triton_runs_on`` is False."""
 
 
-def uses_triton(mhc_implementation: str, device_type: str) -> bool:
-    """Whether this implementation runs Triton's kernels on this device."""
-    return mhc_implementation == "triton" or (mhc_implementation == "auto" and device_type == "cuda"
-                                              and triton_available())
-
-
 def fused_kernels(mhc_implementation: str, device_type: str):
     """The kernel set of the fused hyper-connection for this implementation on this device."""
-    if uses_triton(mhc_implementation, device_type):
+    if mhc_implementation == "triton" or (mhc_implementation == "auto" and device_type == "cuda"
+                                          and triton_available()):
         from lightning_mhc.ops.triton_kernels import TritonKernels
 
         return TritonKernels
