@@ -112,10 +112,6 @@ def _expand_alpha(alpha: Tensor, n: int) -> Tensor:
     return torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)])
 
 
-def _grad_or_zeros(grad: Tensor | None, shape, like: Tensor) -> Tensor:
-    return grad if grad is not None else like.new_zeros(shape)
-
-
 def _aggregate(x: Tensor, h_pre: Tensor, n: int) -> Tensor:
     """``H_pre @ x`` ``[T, C]`` for ``x [T, n*C]``: the CPU kernel for fp32, else a batched product."""
     kernel = kernels_for(x)
@@ -250,21 +246,17 @@ class HyperConnectionPre(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_agg, g_res, g_post):
         # backward may run inside the caller's autocast region (e.g. a pipeline schedule under
-        # bf16-mixed); the forward ran without it, and so does this (saved_tensors is read once:
-        # torch's checkpoint allows no second unpacking)
-        device = next(g for g in (g_agg, g_res, g_post) if g is not None).device
-        with _no_autocast(device.type):
-            return HyperConnectionPre._backward(ctx, g_agg, g_res, g_post)
+        # bf16-mixed); the forward ran without it, and so does this. An output without a gradient
+        # arrives as zeros (autograd materialises them: ctx.set_materialize_grads defaults to True).
+        with _no_autocast(g_agg.device.type):
+            return HyperConnectionPre._backward(ctx, g_agg, g_res.float(), g_post.float())
 
     @staticmethod
     def _backward(ctx, g_agg, g_res, g_post):
         x, phi, alpha, bias, raw, r, h_pre, h_post = ctx.saved_tensors
         n, iterations, kernels = ctx.n, ctx.iterations, ctx.kernels
-        tokens, width = x.shape
-        g_agg = _grad_or_zeros(g_agg, (tokens, width // n), x)
+        width = x.shape[1]
         dx, g_h_pre = kernels.aggregate_backward(x, h_pre, g_agg, n)
-        g_res = g_res.float() if g_res is not None else h_post.new_zeros(tokens, n, n)
-        g_post = g_post.float() if g_post is not None else torch.zeros_like(h_post)
         # mappings: z = alpha * (r * raw) + bias, then sigmoid / 2 sigmoid / Sinkhorn
         dz = kernels.mappings_dz(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_post, g_res, n, iterations,
                                  SINKHORN_EPS)
