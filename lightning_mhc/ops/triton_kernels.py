@@ -43,17 +43,41 @@ def check_device(x: torch.Tensor) -> None:
 
 
 
+# ------------------------------------------------------------------ the tiles the stream kernels share
+@triton.jit
+def _stream_tile(t, c0, C, N: tl.constexpr, NP: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Channels ``c0 .. c0 + BLOCK_C`` of token ``t``'s ``n`` streams in ``[T, n*C]``: the channel
+    offsets and their mask, and the ``[NP, BLOCK_C]`` element offsets and mask (padded streams and
+    the channel tail masked)."""
+    ns = tl.arange(0, NP)
+    offs = c0 + tl.arange(0, BLOCK_C)
+    cmask = offs < C
+    return offs, cmask, t * N * C + ns[:, None] * C + offs[None, :], (ns < N)[:, None] & cmask[None, :]
+
+
+@triton.jit
+def _load_per_token(ptr, t, N: tl.constexpr, NP: tl.constexpr):
+    """Token ``t``'s ``[n]`` coefficients (H_pre or H_post), padded to ``NP`` with zeros."""
+    ns = tl.arange(0, NP)
+    return tl.load(ptr + t * N + ns, mask=ns < N, other=0.0)
+
+
+@triton.jit
+def _load_h_res(hres_ptr, t, N: tl.constexpr, NP: tl.constexpr):
+    """Token ``t``'s ``[n, n]`` H_res, padded to ``[NP, NP]`` with zeros."""
+    ns = tl.arange(0, NP)
+    nmask = ns < N
+    return tl.load(hres_ptr + t * N * N + ns[:, None] * N + ns[None, :], mask=nmask[:, None] & nmask[None, :],
+                   other=0.0)
+
+
 # ------------------------------------------------------------------ aggregate: H_pre x
 @triton.jit
 def _aggregate_fwd(x_ptr, hpre_ptr, agg_ptr, C, N: tl.constexpr, NP: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ns = tl.arange(0, NP)
-    cmask = offs < C
-    nmask = ns < N
-    x = tl.load(x_ptr + t * N * C + ns[:, None] * C + offs[None, :], mask=nmask[:, None] & cmask[None, :],
-                other=0.0).to(tl.float32)
-    hpre = tl.load(hpre_ptr + t * N + ns, mask=nmask, other=0.0)
+    offs, cmask, ptrs, xmask = _stream_tile(t, tl.program_id(1) * BLOCK_C, C, N, NP, BLOCK_C)
+    x = tl.load(x_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32)
+    hpre = _load_per_token(hpre_ptr, t, N, NP)
     tl.store(agg_ptr + t * C + offs, tl.sum(hpre[:, None] * x, axis=0).to(agg_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -62,19 +86,15 @@ def _aggregate_bwd(x_ptr, hpre_ptr, gagg_ptr, dx_ptr, dhpre_ptr, C, N: tl.conste
                    BLOCK_C: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     ns = tl.arange(0, NP)
-    nmask = ns < N
-    hpre = tl.load(hpre_ptr + t * N + ns, mask=nmask, other=0.0)
+    hpre = _load_per_token(hpre_ptr, t, N, NP)
     dhpre = tl.zeros([NP], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
-        offs = c0 + tl.arange(0, BLOCK_C)
-        cmask = offs < C
-        xmask = nmask[:, None] & cmask[None, :]
-        ptrs = t * N * C + ns[:, None] * C + offs[None, :]
+        offs, cmask, ptrs, xmask = _stream_tile(t, c0, C, N, NP, BLOCK_C)
         x = tl.load(x_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32)
         ga = tl.load(gagg_ptr + t * C + offs, mask=cmask, other=0.0).to(tl.float32)
         dhpre += tl.sum(x * ga[None, :], axis=1)
         tl.store(dx_ptr + ptrs, (hpre[:, None] * ga[None, :]).to(dx_ptr.dtype.element_ty), mask=xmask)
-    tl.store(dhpre_ptr + t * N + ns, dhpre, mask=nmask)
+    tl.store(dhpre_ptr + t * N + ns, dhpre, mask=ns < N)
 
 
 def aggregate(x: torch.Tensor, h_pre: torch.Tensor, n: int, block_c: int = 64) -> torch.Tensor:
@@ -117,17 +137,10 @@ def _load_out(out_ptr, bias_ptr, t, C, offs, cmask, HAS_BIAS: tl.constexpr):
 def _res_post_fwd(x_ptr, hres_ptr, hpost_ptr, out_ptr, bias_ptr, seed_ptr, y_ptr, C, p, scale, N: tl.constexpr,
                   NP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ns = tl.arange(0, NP)
-    cmask = offs < C
-    nmask = ns < N
-    xmask = nmask[:, None] & cmask[None, :]
-    ptrs = t * N * C + ns[:, None] * C + offs[None, :]
+    offs, cmask, ptrs, xmask = _stream_tile(t, tl.program_id(1) * BLOCK_C, C, N, NP, BLOCK_C)
     x = tl.load(x_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32)
-    hres = tl.load(hres_ptr + t * N * N + ns[:, None] * N + ns[None, :], mask=nmask[:, None] & nmask[None, :],
-                   other=0.0)
-    mixed = tl.sum(hres[:, :, None] * x[None, :, :], axis=1)
-    hpost = tl.load(hpost_ptr + t * N + ns, mask=nmask, other=0.0)
+    mixed = tl.sum(_load_h_res(hres_ptr, t, N, NP)[:, :, None] * x[None, :, :], axis=1)
+    hpost = _load_per_token(hpost_ptr, t, N, NP)
     spread = hpost[:, None] * _load_out(out_ptr, bias_ptr, t, C, offs, cmask, HAS_BIAS)[None, :]
     if DROPOUT:
         spread = tl.where(_keep(seed_ptr, ptrs.to(tl.uint32), p), spread * scale, 0.0)
@@ -141,16 +154,12 @@ def _res_post_bwd(x_ptr, hres_ptr, hpost_ptr, out_ptr, bias_ptr, seed_ptr, g_ptr
     t = tl.program_id(0).to(tl.int64)
     ns = tl.arange(0, NP)
     nmask = ns < N
-    nnmask = nmask[:, None] & nmask[None, :]
-    hres = tl.load(hres_ptr + t * N * N + ns[:, None] * N + ns[None, :], mask=nnmask, other=0.0)
-    hpost = tl.load(hpost_ptr + t * N + ns, mask=nmask, other=0.0)
+    hres = _load_h_res(hres_ptr, t, N, NP)
+    hpost = _load_per_token(hpost_ptr, t, N, NP)
     dhres = tl.zeros([NP, NP], dtype=tl.float32)
     dhpost = tl.zeros([NP], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
-        offs = c0 + tl.arange(0, BLOCK_C)
-        cmask = offs < C
-        xmask = nmask[:, None] & cmask[None, :]
-        ptrs = t * N * C + ns[:, None] * C + offs[None, :]
+        offs, cmask, ptrs, xmask = _stream_tile(t, c0, C, N, NP, BLOCK_C)
         x = tl.load(x_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + ptrs, mask=xmask, other=0.0).to(tl.float32)
         dhres += tl.sum(g[:, None, :] * x[None, :, :], axis=2)  # [i, j] = <g_i, x_j>
@@ -162,7 +171,7 @@ def _res_post_bwd(x_ptr, hres_ptr, hpost_ptr, out_ptr, bias_ptr, seed_ptr, g_ptr
         dhpost += tl.sum(g * out[None, :], axis=1)
         tl.store(dout_ptr + t * C + offs, tl.sum(hpost[:, None] * g, axis=0).to(dout_ptr.dtype.element_ty),
                  mask=cmask)
-    tl.store(dhres_ptr + t * N * N + ns[:, None] * N + ns[None, :], dhres, mask=nnmask)
+    tl.store(dhres_ptr + t * N * N + ns[:, None] * N + ns[None, :], dhres, mask=nmask[:, None] & nmask[None, :])
     tl.store(dhpost_ptr + t * N + ns, dhpost, mask=nmask)
 
 
