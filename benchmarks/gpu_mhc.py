@@ -49,6 +49,14 @@ class Absent(Exception):
     """A variant that cannot run here; its message is the reason the results give."""
 
 
+def _check_triton_runs(device) -> None:
+    """Triton's timings need CUDA and Triton (the interpreter's times on CPU mean nothing)."""
+    from lightning_mhc.ops import triton_available
+
+    if device.type != "cuda" or not triton_available():
+        raise Absent("needs CUDA and Triton (the interpreter's times on CPU mean nothing)")
+
+
 # ------------------------------------------------------------------ the variants of one sub-layer
 def _ours(hidden: int, tokens: int, implementation: str, device, dtype):
     import torch
@@ -57,10 +65,9 @@ def _ours(hidden: int, tokens: int, implementation: str, device, dtype):
     from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
     from lightning_mhc.model.hyper_connection import HyperConnectionModule
     from lightning_mhc.model.init import ParamInit
-    from lightning_mhc.ops import triton_available
 
-    if implementation == "triton" and (device.type != "cuda" or not triton_available()):
-        raise Absent("needs CUDA and Triton (the interpreter's times on CPU mean nothing)")
+    if implementation == "triton":
+        _check_triton_runs(device)
     cfg = MHCTransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1, num_residual_streams=N,
                                mhc_implementation=implementation)
     hc = HyperConnectionModule(cfg, ParamInit(0, "hc")).to(device)  # the mappings' parameters stay fp32
@@ -186,10 +193,10 @@ def _sublayer(hidden: int, args, device, dtype) -> dict:
 def _bandwidth(hidden: int, args, device, dtype) -> dict:
     import torch
 
-    from lightning_mhc.ops import triton_available
-
-    if device.type != "cuda" or not triton_available():
-        return dict(absent="needs CUDA and Triton")
+    try:
+        _check_triton_runs(device)
+    except Absent as why:
+        return dict(absent=str(why))
     from lightning_mhc.ops.triton_kernels import projection
 
     x = torch.randn(args.tokens, N * hidden, device=device, dtype=dtype)
