@@ -9,6 +9,13 @@ import torch.nn.functional as F
 from lightning_mhc.model import MHCTransformerConfig
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor, scale: float | None = None) -> float:
+    """``max|a - b|`` over ``scale`` (default ``max|b|``), in fp32."""
+    a, b = a.float(), b.float()
+    denom = b.abs().max().item() if scale is None else scale
+    return (a - b).abs().max().item() / denom
+
+
 def tiny_config(**overrides) -> MHCTransformerConfig:
     kwargs = dict(
         num_layers=4,

@@ -28,7 +28,7 @@ from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
 from lightning_mhc.ops.cpu_kernels import load_cpu_kernels
 from lightning_mhc.ops.hyper_connection import fused_pre, reference_mappings, reference_pre
 from lightning_mhc.recompute import ActivationMemoryMeter
-from model_utils import tiny_config, train_steps
+from model_utils import rel_err, tiny_config, train_steps
 from subprocess_env import child_env
 from test_hyper_connection import make_hc, randomize
 
@@ -44,13 +44,6 @@ def _keep_global_rng():
     (test_hyper_connection.py::test_full_sublayer_matches_equations fails for ~13% of states)."""
     with torch.random.fork_rng(devices=[]):
         yield
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor, scale: float | None = None) -> float:
-    """``max|a - b|`` over ``scale`` (default ``max|b|``), in fp32."""
-    a, b = a.float(), b.float()
-    denom = b.abs().max().item() if scale is None else scale
-    return (a - b).abs().max().item() / denom
 
 
 # ------------------------------------------------------------------ Sinkhorn implementations

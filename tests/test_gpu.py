@@ -22,6 +22,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from model_utils import rel_err  # noqa: E402
 
 if torch.cuda.is_available():
     DEVICE = "cuda"
@@ -34,10 +35,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE is None, reason="needs 
 cuda_only = pytest.mark.skipif(not ON_GPU, reason="a CUDA allocator or NCCL check")
 N = 4
 C, TOKENS = (4096, 8192) if ON_GPU else (40, 9)  # the dry run: a C that is no multiple of the block
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
 def _hc_inputs(dtype: torch.dtype):
@@ -75,7 +72,7 @@ def test_triton_kernels_match_the_reference_at_real_shapes(dtype, tolerance):
     ours = run("triton", x)
     assert ours[0].dtype == dtype and ours[2].dtype == dtype
     for name, mine, reference in zip(names, ours, run("reference", x.float())):
-        assert _relative(mine, reference) < tolerance, (name, _relative(mine, reference))
+        assert rel_err(mine, reference) < tolerance, (name, rel_err(mine, reference))
 
 
 @pytest.mark.parametrize("prob", [0.0, 0.1])
@@ -108,7 +105,7 @@ def test_res_post_kernel_at_real_shapes(prob):
     expected = mixed + spread * keep / (1 - prob)
     reference = [expected, *torch.autograd.grad(expected, f32, upstream)]
     for name, a, b in zip(("y", "dx", "dH_res", "dH_post", "dout", "dbias"), ours, reference):
-        assert _relative(a, b) < 2e-2, (name, _relative(a, b))
+        assert rel_err(a, b) < 2e-2, (name, rel_err(a, b))
 
 
 def _tiny_model(implementation: str, policy: str, dropout: float, hidden: int = 64):
@@ -192,7 +189,7 @@ def test_compile_of_a_model_with_recompute_hooks(model_parallel):
     model = _tiny_model("auto", "mhc_block", 0.0)
     compiled = _steps(torch.compile(model), steps=2)
     for (loss_e, grads_e), (loss_c, grads_c) in zip(eager, compiled):
-        assert _relative(loss_c, loss_e) < 1e-5
+        assert rel_err(loss_c, loss_e) < 1e-5
         for name in grads_e:
             key = name if name in grads_c else f"_orig_mod.{name}"
             torch.testing.assert_close(grads_c[key], grads_e[name], rtol=1e-4, atol=1e-6)

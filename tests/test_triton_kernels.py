@@ -13,13 +13,9 @@ pytest.importorskip("triton", reason="the triton extra: pip install -e '.[triton
 from lightning_mhc.ops.hyper_connection import EagerKernels  # noqa: E402
 from lightning_mhc.ops.sinkhorn import SINKHORN_EPS  # noqa: E402
 from lightning_mhc.ops.triton_kernels import TritonKernels  # noqa: E402
-from model_utils import hc_sublayer  # noqa: E402
+from model_utils import hc_sublayer, rel_err  # noqa: E402
 
 SHAPES = [(4, 24, 7), (3, 10, 5), (2, 8, 17), (5, 12, 3)]  # (n, C, tokens)
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
 def _params(n: int, c: int, seed: int = 0):
@@ -53,7 +49,7 @@ def test_each_kernel_matches_the_eager_one(n, c, tokens):
     names = ("raw", "r", "H_pre", "H_post", "H_res", "dz", "aggregated", "dx (aggregate)", "dH_pre", "next stream",
              "dx (res_post)", "dH_res", "dH_post", "d out")
     for name, ours, eager in zip(names, results["triton"], results["eager"]):
-        assert _relative(ours, eager) < 1e-5, (name, _relative(ours, eager))
+        assert rel_err(ours, eager) < 1e-5, (name, rel_err(ours, eager))
 
 
 def test_sinkhorn_backward_where_sums_clamp():
@@ -71,7 +67,7 @@ def test_sinkhorn_backward_where_sums_clamp():
     dz = {k.name: k.mappings_dz(raw, r, alpha, bias, *h[k.name][:2], *grads, n, iterations, SINKHORN_EPS)
           for k in (EagerKernels, TritonKernels)}
     assert torch.isfinite(dz["triton"]).all()
-    assert _relative(h["triton"][2], h["eager"][2]) < 1e-5 and _relative(dz["triton"], dz["eager"]) < 1e-5
+    assert rel_err(h["triton"][2], h["eager"][2]) < 1e-5 and rel_err(dz["triton"], dz["eager"]) < 1e-5
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -98,7 +94,7 @@ def test_the_sublayer_and_its_gradients_match_the_reference(n, c, tokens, dtype,
     ours = run("triton", x)
     assert [t.dtype for t in ours[:3]] == [dtype, torch.float32, dtype]
     for name, mine, reference in zip(names, ours, run("reference", x.float())):
-        assert _relative(mine, reference) < tolerance, (name, _relative(mine, reference))
+        assert rel_err(mine, reference) < tolerance, (name, rel_err(mine, reference))
 
 
 def test_a_cpu_tensor_without_the_interpreter_is_refused_in_one_line(monkeypatch, tmp_path, capsys):
@@ -144,10 +140,10 @@ def test_res_post_bias_dropout_add_with_the_kernels_dropout(n, c, tokens, prob):
     if prob:
         assert 0 < (1 - keep).sum() < keep.numel(), "no element was dropped, or all were"
     expected = mixed + spread * keep / (1 - prob)
-    assert _relative(y, expected) < 1e-5
+    assert rel_err(y, expected) < 1e-5
     for name, ours, eager in zip(("x", "H_res", "H_post", "out", "bias"), grads,
                                  torch.autograd.grad(expected, leaves, upstream)):
-        assert _relative(ours, eager) < 1e-5, name
+        assert rel_err(ours, eager) < 1e-5, name
     torch.manual_seed(5)
     assert torch.equal(fused_res_post(x, h_res, h_post, out, bias, prob, TritonKernels), y)
 
@@ -166,7 +162,7 @@ def test_the_kernels_dropout_drops_at_the_rate_asked_and_varies_by_draw():
     assert not torch.equal(first, second)
     bf16 = fused_res_post(x.bfloat16(), h_res, h_post, out.bfloat16(), bias.bfloat16(), 0.0, TritonKernels)
     assert bf16.dtype == torch.bfloat16
-    assert _relative(bf16, reference_res_post(x, h_res, h_post, out + bias)) < 2e-2
+    assert rel_err(bf16, reference_res_post(x, h_res, h_post, out + bias)) < 2e-2
 
 
 def test_a_model_with_triton_kernels_trains_like_the_eager_one_and_recomputes_bit_exactly(model_parallel):
@@ -187,7 +183,7 @@ def test_a_model_with_triton_kernels_trains_like_the_eager_one_and_recomputes_bi
         return train_steps(model, steps=3, batch=2, seq=8)
 
     for (loss_e, grads_e), (loss_t, grads_t) in zip(run("fused", "none", 0.0), run("triton", "none", 0.0)):
-        assert _relative(loss_t, loss_e) < 1e-5
+        assert rel_err(loss_t, loss_e) < 1e-5
         for name in grads_e:  # fp32 sums in another order, carried through AdamW steps: 1e-3, and atol for the
             # entries that are rounding-sized (after a step some phi gradients are ~1e-9)
             torch.testing.assert_close(grads_t[name], grads_e[name], rtol=1e-3, atol=1e-7, msg=lambda m: f"{name}: {m}")
