@@ -3,6 +3,8 @@
 ``H_post`` spreads the sub-layer output over them)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -18,6 +20,12 @@ from lightning_mhc.ops.hyper_connection import (
 from lightning_mhc.recompute.rng import rng_fork
 
 
+def _dropout_fork(sequence_parallel: bool):
+    """The random stream of a dropout on the residual stream: the same on every TP rank (the
+    stream is replicated across TP), or each rank's own under sequence parallelism (split)."""
+    return rng_fork(*(() if sequence_parallel else ("tensor",)))
+
+
 def bias_dropout_add(
     x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float, training: bool,
     sequence_parallel: bool = False,
@@ -27,7 +35,7 @@ def bias_dropout_add(
     out, bias = x_with_bias
     if bias is not None:
         out = out + bias
-    with rng_fork(*(() if sequence_parallel else ("tensor",))):
+    with _dropout_fork(sequence_parallel):
         dropped = F.dropout(out, p=prob, training=training)
     return residual + dropped
 
@@ -51,10 +59,8 @@ def h_res_h_post_bias_dropout_add(
     with torch.autocast(device_type=out.device.type, enabled=False):
         if is_fused(implementation):
             kernels = fused_kernels(implementation, out.device.type)
-            if prob == 0:
-                return fused_res_post(residual, h_res, h_post, out, bias, prob, kernels)
-            if kernels.DROPOUT:
-                with rng_fork(*(() if sequence_parallel else ("tensor",))):  # the seed, as bias_dropout_add's mask
+            if prob == 0 or kernels.DROPOUT:  # the kernels draw their seed where bias_dropout_add draws its mask
+                with _dropout_fork(sequence_parallel) if prob else contextlib.nullcontext():
                     return fused_res_post(residual, h_res, h_post, out, bias, prob, kernels)
         if bias is not None:
             out = out + bias
