@@ -209,3 +209,31 @@ def test_every_kernel_compiles_for_an_h100_ahead_of_time(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.stdout.count("ok   ") == 46, proc.stdout
+
+
+def test_lightning_mhc_train_with_triton_and_compile_matches_the_eager_paths(tmp_path):
+    """Through the public door: ``lightning-mhc-train`` (Trainer.fit on the synthetic DataLoader) with
+    ``model.mhc_implementation=triton`` (its kernels under the interpreter the child inherits) gives
+    ``fused``'s per-step losses, and ``compile`` gives ``reference``'s, within 1e-5 (3 steps, dropout
+    off: Triton's dropout draws its own mask)."""
+    import concurrent.futures
+
+    from train_cli import run_train, train_losses
+
+    def losses(implementation: str) -> dict[int, float]:
+        cwd = tmp_path / implementation
+        cwd.mkdir()
+        proc = run_train(cwd, "trainer=debug", "data=synthetic", "trainer.max_steps=3", "trainer.limit_val_batches=0",
+                         "model.num_layers=2", "model.hidden_dropout=0", "model.attention_dropout=0",
+                         f"model.mhc_implementation={implementation}", timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        (metrics,) = (cwd / "outputs").glob("*/*/metrics.csv")
+        return train_losses(metrics)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        runs = dict(zip(("fused", "triton", "reference", "compile"),
+                        pool.map(losses, ("fused", "triton", "reference", "compile"))))
+    for ours, eager in (("triton", "fused"), ("compile", "reference")):
+        assert runs[ours].keys() == runs[eager].keys() and len(runs[eager]) == 3, runs
+        for step, loss in runs[eager].items():
+            assert abs(runs[ours][step] - loss) <= 1e-5 * abs(loss), (ours, step, runs[ours][step], loss)
