@@ -17,7 +17,7 @@ Checkpoints of the earlier per-(tp, pp) format load through ``legacy.py``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -62,10 +62,11 @@ def model_state(module: torch.nn.Module, layout: ParallelLayout | None) -> dict[
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
-                    layout: ParallelLayout | None) -> dict[str, Any]:
+                    layout: ParallelLayout | None, pieces: Iterable[tuple] = ()) -> dict[str, Any]:
     """``{"state": pieces by "<global parameter name>.<state name>", "param_groups": settings}``:
-    one entry of Lightning's ``optimizer_states``."""
-    state, groups = optimizer_shards(optimizer, parameter_keys(module, layout), Sharder(layout))
+    one entry of Lightning's ``optimizer_states``. ``pieces``: the distributed optimizer's
+    ``(piece, parameter, flat range)`` that ``optimizer`` steps instead of whole parameters."""
+    state, groups = optimizer_shards(optimizer, parameter_keys(module, layout, pieces), Sharder(layout))
     return dict(state=state, param_groups=groups)
 
 
@@ -110,18 +111,18 @@ def write(checkpoint: dict[str, Any], directory: Path, global_rank: int) -> None
 
 # ----------------------------------------------------------------------------- loading
 def load(path: Path, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-         layout: ParallelLayout | None, global_rank: int) -> dict[str, Any]:
+         layout: ParallelLayout | None, global_rank: int, pieces: Iterable[tuple] = ()) -> dict[str, Any]:
     """Every rank: Lightning's checkpoint dict for this rank's module on this layout, with
     ``state_dict`` (local names) and ``optimizer_states`` (``optimizer.load_state_dict``'s
     form, one per optimizer given; ``None`` in ``optimizers`` skips the saved optimizer of that
-    index) read from whatever layout saved ``path``. Restores the RNG
-    states when the layout is the saving one."""
+    index) read from whatever layout saved ``path`` (``pieces``: as :func:`optimizer_state`).
+    Restores the RNG states when the layout is the saving one."""
     path = Path(path)
     meta = commit.read_metadata(path)
     if legacy.is_legacy(meta):
         checkpoint = legacy.read(path, meta, layout, global_rank)
     else:
-        checkpoint = _load(path, meta, module, optimizers, layout, global_rank)
+        checkpoint = _load(path, meta, module, optimizers, layout, global_rank, pieces)
     checkpoint["lightning_mhc_metadata"] = meta
     return checkpoint
 
@@ -177,7 +178,7 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def _load(path: Path, meta: dict[str, Any], module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-          layout: ParallelLayout | None, global_rank: int) -> dict[str, Any]:
+          layout: ParallelLayout | None, global_rank: int, pieces: Iterable[tuple]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     if meta.get("format") != FORMAT:
@@ -199,7 +200,7 @@ def _load(path: Path, meta: dict[str, Any], module: torch.nn.Module, optimizers:
     model, local = model_targets(module, layout, sharder)
     targets = {f"{MODEL}.{k}": v for k, v in model.items()}
     _check_model_shapes(path, targets, saved)
-    keys = parameter_keys(module, layout)
+    keys = parameter_keys(module, layout, pieces)
     assemblers = []
     for i, optimizer in enumerate(optimizers):
         if optimizer is None:  # the caller skips the saved optimizer i

@@ -14,13 +14,18 @@ pieces back (resharding):
 - any other tensor is stored whole; copies held by several ranks (DP replicas, TP peers, the
   tied embedding on the first and last stage) are written once (DCP deduplicates them);
 - optimizer states shaped like their parameter (AdamW's moments) are sharded like it; the
-  others (AdamW's ``step``) are stored whole.
+  others (AdamW's ``step``) are stored whole;
+- the distributed optimizer's states cover a flat range of a parameter (a *piece*,
+  ``lightning_mhc.distributed.optimizer``): the range is stored as the rectangles of the global
+  tensor it covers (a ``ShardedTensor`` with one shard per rectangle), so the state is written
+  without a gather and reads back onto any layout, with or without the distributed optimizer.
 
 Every tensor handed to DCP is a view of this rank's storage: a save copies nothing, a load
 writes into the given buffers.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -39,6 +44,17 @@ class Placement:
 
 
 REPLICATED = Placement()
+
+
+@dataclass(frozen=True)
+class StateKey:
+    """Where a tensor an optimizer steps sits in the whole model: the parameter's global name
+    and TP placement; for a piece of it, the local parameter's shape and the piece's flat range."""
+
+    name: str
+    placement: Placement
+    shape: tuple[int, ...] | None = None
+    flat_range: slice | None = None
 
 
 def tp_placement(tensor: Tensor) -> Placement:
@@ -88,6 +104,38 @@ class Sharder:
         return DTensor.from_local(view, self._mesh(local.device), [Shard(dim)], run_check=False,
                                   shape=shape, stride=_contiguous_strides(shape))
 
+    def shard_piece(self, flat: Tensor, key: StateKey) -> Any:
+        """``flat`` (the values of ``key.flat_range`` of a local parameter) as the rectangles of the
+        global tensor it covers (views of ``flat``: no copy)."""
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+        view, dim = self._view(torch.empty(key.shape, device="meta"), key.placement)
+        local_shape, numel = tuple(view.shape), view.numel()
+        lo, hi = key.flat_range.start, key.flat_range.stop
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        mine, elsewhere = f"rank:{rank}/{flat.device}", f"rank:{(rank + 1) % world}/{flat.device}"
+
+        def placed(offsets: list[int], tp_rank: int) -> list[int]:
+            if dim is not None:
+                offsets[dim] += tp_rank * local_shape[dim]
+            return offsets
+
+        shards = [Shard(flat.detach()[start - lo:start - lo + math.prod(sizes)].view(sizes),
+                        ShardMetadata(placed(offsets, self.tp_rank), sizes, mine))
+                  for offsets, sizes, start in _rectangles(lo, hi, local_shape)]
+        # ShardedTensor wants metadata that covers the whole tensor; DCP reads only the local
+        # shards, so the rest (the other ranks' ranges, the other TP blocks) is named as elsewhere
+        rest = [ShardMetadata(placed(offsets, self.tp_rank), sizes, elsewhere)
+                for a, b in ((0, lo), (hi, numel)) if a < b for offsets, sizes, _ in _rectangles(a, b, local_shape)]
+        if dim is not None:
+            rest += [ShardMetadata(placed([0] * len(local_shape), t), list(local_shape), elsewhere)
+                     for t in range(self.tp) if t != self.tp_rank]
+        meta = ShardedTensorMetadata([s.metadata for s in shards] + rest,
+                                     self.global_shape(key.shape, key.placement), TensorProperties(dtype=flat.dtype))
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+
     def _mesh(self, device: torch.device):
         if device.type not in self._meshes:
             from torch.distributed.device_mesh import DeviceMesh
@@ -97,6 +145,32 @@ class Sharder:
                 raise RuntimeError(f"the TP mesh puts this rank at {mesh.get_local_rank()}, megatron at {self.tp_rank}")
             self._meshes[device.type] = mesh
         return self._meshes[device.type]
+
+
+def _rectangles(lo: int, hi: int, shape: tuple[int, ...]) -> Iterable[tuple[list[int], list[int], int]]:
+    """The flat range ``[lo, hi)`` of a row-major tensor of ``shape`` as rectangles
+    ``(offsets, sizes, flat start)``, each a contiguous run: a partial first row, whole rows, a
+    partial last row (recursively)."""
+    if not shape:
+        yield [], [], lo
+        return
+    if len(shape) == 1:
+        yield [lo], [hi - lo], lo
+        return
+    inner = math.prod(shape[1:])
+    row, last = lo // inner, hi // inner
+    if lo % inner:
+        stop = min(hi, (row + 1) * inner)
+        for offsets, sizes, start in _rectangles(lo - row * inner, stop - row * inner, shape[1:]):
+            yield [row, *offsets], [1, *sizes], start + row * inner
+        if stop == hi:
+            return
+        row += 1
+    if last > row:
+        yield [row] + [0] * (len(shape) - 1), [last - row, *shape[1:]], row * inner
+    if hi % inner:
+        for offsets, sizes, start in _rectangles(0, hi - last * inner, shape[1:]):
+            yield [last, *offsets], [1, *sizes], start + last * inner
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -156,17 +230,28 @@ def model_targets(module: torch.nn.Module, layout: ParallelLayout | None,
     return targets, local
 
 
-def parameter_keys(module: torch.nn.Module, layout: ParallelLayout | None) -> dict[int, tuple[str, Placement]]:
-    """``{id(parameter): (global name, placement)}`` for the optimizer states."""
+def parameter_keys(module: torch.nn.Module, layout: ParallelLayout | None,
+                   pieces: Iterable[tuple[Tensor, Tensor, slice]] = ()) -> dict[int, StateKey]:
+    """``{id(tensor an optimizer steps): its StateKey}`` for the optimizer states: the parameters,
+    and the distributed optimizer's ``pieces`` (``(piece, its parameter, its flat range)``)."""
     namer, _ = global_namer(module, layout)
-    return {id(p): (namer(name), tp_placement(p)) for name, p in module.named_parameters()}
+    keys = {id(p): StateKey(namer(name), tp_placement(p)) for name, p in module.named_parameters()}
+    for piece, param, flat_range in pieces:
+        whole = keys[id(param)]
+        keys[id(piece)] = StateKey(whole.name, whole.placement, tuple(param.shape), flat_range)
+    return keys
 
 
 def _ordered_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def optimizer_shards(optimizer: torch.optim.Optimizer, keys: dict[int, tuple[str, Placement]],
+def _stored(value: Tensor, key: StateKey, sharder: Sharder) -> Any:
+    """An optimizer state shaped like what it belongs to, as the piece of the global one."""
+    return sharder.shard(value, key.placement) if key.flat_range is None else sharder.shard_piece(value, key)
+
+
+def optimizer_shards(optimizer: torch.optim.Optimizer, keys: dict[int, StateKey],
                      sharder: Sharder) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``(its per-parameter states as ``{"<global parameter name>.<state name>": piece}``, its param
     groups without "params")``."""
@@ -175,16 +260,15 @@ def optimizer_shards(optimizer: torch.optim.Optimizer, keys: dict[int, tuple[str
     shards: dict[str, Any] = {}
     for position, values in state["state"].items():
         param = params[position]
-        name, placement = keys[id(param)]
+        key = keys[id(param)]
         for state_name, value in values.items():
             sharded = isinstance(value, Tensor) and value.shape == param.shape
-            shards[f"{name}.{state_name}"] = (
-                sharder.shard(value, placement) if sharded else value)
+            shards[f"{key.name}.{state_name}"] = _stored(value, key, sharder) if sharded else value
     groups = [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
     return shards, groups
 
 
-def optimizer_targets(optimizer: torch.optim.Optimizer, prefix: str, keys: dict[int, tuple[str, Placement]],
+def optimizer_targets(optimizer: torch.optim.Optimizer, prefix: str, keys: dict[int, StateKey],
                       sharder: Sharder, saved: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], dict]]:
     """Fresh buffers for the saved states of the optimizer's parameters: ``(DCP targets, a
     function that, after the load, returns the torch ``state`` for ``optimizer.load_state_dict``)``.
@@ -200,15 +284,15 @@ def optimizer_targets(optimizer: torch.optim.Optimizer, prefix: str, keys: dict[
     targets: dict[str, Any] = {}
     slots: list[tuple[int, str, str, Tensor | None]] = []
     for position, param in enumerate(_ordered_params(optimizer)):
-        name, placement = keys[id(param)]
-        for key, state_name in by_param.get(name, ()):
+        param_key = keys[id(param)]
+        for key, state_name in by_param.get(param_key.name, ()):
             meta = saved[key]
             buffer = None
             if not isinstance(meta, TensorStorageMetadata):
                 targets[key] = None  # a non-tensor state: DCP puts the saved object in its place
-            elif meta.size == sharder.global_shape(param.shape, placement):
+            elif meta.size == sharder.global_shape(param_key.shape or param.shape, param_key.placement):
                 buffer = torch.empty(param.shape, dtype=meta.properties.dtype, device=param.device)
-                targets[key] = sharder.shard(buffer, placement)
+                targets[key] = _stored(buffer, param_key, sharder)
             else:
                 buffer = torch.empty(meta.size, dtype=meta.properties.dtype, device=_state_device(state_name, param))
                 targets[key] = buffer

@@ -1,15 +1,17 @@
 """Data-parallel gradient reduction overlapped with backward (megatron's ``overlap_grad_reduce``).
 
-The parameters of each model chunk are cut into the same buckets as the
-post-backward reduction (reverse parameter order, up to ``bucket_bytes``). The
-schedule calls :meth:`OverlappedGradReduction.start` right before a chunk's last
-backward of the step; from then on a ``post_accumulate_grad`` hook counts the
-gradients that are final, and a bucket whose gradients are all final starts its
-asynchronous all-reduce at once, while backward goes on through the earlier
-layers. :meth:`finish` (before the optimizer step) starts what is left (buckets
-with parameters that got no gradient), waits for every bucket and writes the
-averages back. The sums are the post-backward reduction's, bucket by bucket:
-the same numbers.
+The parameters of each model chunk are cut into buckets (reverse parameter order, up to
+``bucket_bytes``). The schedule calls :meth:`OverlappedGradReduction.start` right before a
+chunk's last backward of the step; from then on a ``post_accumulate_grad`` hook counts the
+gradients that are final, and a bucket whose gradients are all final starts its asynchronous
+reduction at once, while backward goes on through the earlier layers. :meth:`finish` (before the
+optimizer step) starts what is left, waits for every bucket and completes it.
+
+A bucket decides what its reduction is: :class:`AllReduceBucket` averages the gradients over DP
+and writes them back into ``.grad`` (the same sums as the post-backward reduction, bucket by
+bucket); the distributed optimizer's buckets reduce-scatter them instead
+(``lightning_mhc.distributed.optimizer``). Without :meth:`start`, :meth:`finish` alone is the
+post-backward reduction over the same buckets.
 """
 from __future__ import annotations
 
@@ -23,33 +25,54 @@ from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES, buckets
 from lightning_mhc.distributed.layout import ParallelLayout
 
 
-class _Bucket:
+class AllReduceBucket:
+    """Gradients averaged over DP in place: one flat all-reduce."""
+
     def __init__(self, params: list[torch.nn.Parameter], chunk: int) -> None:
         self.params, self.chunk = params, chunk
         self.ready: set[int] = set()
-        self.grads: list[torch.Tensor] = []
-        self.flat: torch.Tensor | None = None
         self.work = None
+        self._grads: list[torch.Tensor] = []
+        self._flat: torch.Tensor | None = None
+
+    def has_grads(self) -> bool:
+        return any(p.grad is not None for p in self.params)
+
+    def launch(self, group) -> None:
+        self._grads = [p.grad for p in self.params if p.grad is not None]
+        self._flat = _flatten_dense_tensors(self._grads)
+        self.work = dist.all_reduce(self._flat, group=group, async_op=True)
+
+    def complete(self, world: int) -> None:
+        self.work.wait()
+        self._flat /= world
+        for grad, reduced in zip(self._grads, _unflatten_dense_tensors(self._flat, self._grads)):
+            grad.copy_(reduced)
+        self._grads, self._flat = [], None
+
+    def reset(self) -> None:
+        self.ready, self.work = set(), None
+
+
+def all_reduce_buckets(chunks: Sequence[torch.nn.Module], bucket_bytes: int) -> list[AllReduceBucket]:
+    return [AllReduceBucket(bucket_params, index)
+            for index, chunk in enumerate(chunks)
+            for bucket_params in buckets([p for p in reversed(list(chunk.parameters())) if p.requires_grad],
+                                         bucket_bytes)]
 
 
 class OverlappedGradReduction:
-    """Hooks on every parameter of ``chunks`` (a rank's stage, or its virtual-pipeline chunks)."""
+    """Hooks on every parameter of the buckets (of a rank's stage, or its virtual-pipeline chunks;
+    by default :func:`all_reduce_buckets` of ``chunks``)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], layout: ParallelLayout,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, bucket_list: Sequence | None = None) -> None:
         self.layout = layout
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
+        self.buckets = list(bucket_list) if bucket_list is not None else all_reduce_buckets(chunks, bucket_bytes)
+        self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._active = [False] * len(chunks)
         self.overlapped = 0
-        """Buckets of the last step whose all-reduce started during backward."""
-        for index, chunk in enumerate(chunks):
-            params = [p for p in reversed(list(chunk.parameters())) if p.requires_grad]
-            for bucket_params in buckets(params, bucket_bytes):
-                bucket = _Bucket(bucket_params, index)
-                self.buckets.append(bucket)
-                for p in bucket_params:
-                    self._bucket_of[id(p)] = bucket
+        """Buckets of the last step whose reduction started during backward."""
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
                          for bucket in self.buckets for p in bucket.params]
 
@@ -63,28 +86,20 @@ class OverlappedGradReduction:
             return
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params):
-            self._launch(bucket)
+            bucket.launch(self.layout.dp_group)
             self.overlapped += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
-        bucket.grads = [p.grad for p in bucket.params if p.grad is not None]
-        bucket.flat = _flatten_dense_tensors(bucket.grads)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.layout.dp_group, async_op=True)
-
     def finish(self) -> int:
-        """Start the buckets still waiting, wait for all, write the DP averages into ``.grad``;
-        returns how many buckets had started during backward."""
+        """Start the buckets still waiting, wait for all and complete them; returns how many
+        buckets had started during backward."""
         world = self.layout.data_parallel_size
         for bucket in self.buckets:
-            if bucket.work is None and any(p.grad is not None for p in bucket.params):
-                self._launch(bucket)
+            if bucket.work is None and bucket.has_grads():
+                bucket.launch(self.layout.dp_group)
         for bucket in self.buckets:
             if bucket.work is not None:
-                bucket.work.wait()
-                bucket.flat /= world
-                for grad, reduced in zip(bucket.grads, _unflatten_dense_tensors(bucket.flat, bucket.grads)):
-                    grad.copy_(reduced)
-            bucket.ready, bucket.grads, bucket.flat, bucket.work = set(), [], None, None
+                bucket.complete(world)
+            bucket.reset()
         self._active = [False] * len(self._active)
         overlapped, self.overlapped = self.overlapped, 0
         return overlapped

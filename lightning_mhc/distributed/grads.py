@@ -13,7 +13,7 @@ once. Every function takes the :class:`ParallelLayout`.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -24,13 +24,17 @@ from lightning_mhc.distributed.layout import ParallelLayout
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
-def buckets(grads: list[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
-    """Consecutive same-dtype gradients (or parameters), up to ``bucket_bytes`` per bucket."""
+def buckets(grads: list[torch.Tensor], bucket_bytes: int,
+            alone: Callable[[torch.Tensor], bool] | None = None) -> Iterable[list[torch.Tensor]]:
+    """Consecutive same-dtype gradients (or parameters), up to ``bucket_bytes`` per bucket; a
+    tensor for which ``alone`` is true gets a bucket of its own."""
     bucket: list[torch.Tensor] = []
     size = 0
     for grad in grads:
         nbytes = grad.numel() * grad.element_size()
-        if bucket and (size + nbytes > bucket_bytes or grad.dtype != bucket[0].dtype):
+        single = alone is not None and alone(grad)
+        if bucket and (single or size + nbytes > bucket_bytes or grad.dtype != bucket[0].dtype
+                       or (alone is not None and alone(bucket[0]))):
             yield bucket
             bucket, size = [], 0
         bucket.append(grad)

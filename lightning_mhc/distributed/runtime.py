@@ -38,8 +38,9 @@ from torch.utils.data import DistributedSampler
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.sharding import global_namer
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
-from lightning_mhc.distributed.grads import finalize_model_grads
+from lightning_mhc.distributed.grads import clip_grad_norm_, finalize_model_grads, global_grad_norm
 from lightning_mhc.distributed.launcher import watch_launcher
+from lightning_mhc.distributed.optimizer import DistributedOptimizer, optimizer_state_bytes
 from lightning_mhc.distributed.layout import ParallelDims, ParallelLayout, destroy_parallel, initialize_parallel
 from lightning_mhc.distributed.pipeline import forward_backward_pipelining
 from lightning_mhc.distributed.pipeline.protocol import (
@@ -99,6 +100,10 @@ class ParallelSettings:
         measure_activation_memory: on the first training step, record the peak activation
             bytes any stage retains (saved tensors plus the schedule's in-flight tensors) in
             ``activation_bytes`` (max over ranks).
+        use_distributed_optimizer: ZeRO-1 (megatron's name): each DP rank keeps and updates the
+            optimizer state of ``1/DP`` of the parameters; gradients are reduce-scattered and the
+            updated weights all-gathered (``lightning_mhc/distributed/optimizer.py``). Any
+            element-wise torch optimizer (SGD, Adam, AdamW, ...); one optimizer per module.
     """
 
     tensor_model_parallel_size: int = 1
@@ -114,6 +119,7 @@ class ParallelSettings:
     overlap_grad_reduce: bool = True
     raise_on_nonfinite_loss: bool = True
     measure_activation_memory: bool = False
+    use_distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         vp = self.virtual_pipeline_model_parallel_size
@@ -148,6 +154,9 @@ class ParallelRuntime:
         """The overlapped DP reduction of each trained module (by ``id``)."""
         self._overlapped: set[int] = set()
         """Modules whose overlapped reduction started in this step's last backward."""
+        self.distributed_optimizer: DistributedOptimizer | None = None
+        """What steps the module's optimizer with ``use_distributed_optimizer`` or bf16 weights."""
+        self._distributed_module: int | None = None
 
     # ------------------------------------------------------------ processes
     def check_module(self, module: Any) -> None:
@@ -206,6 +215,9 @@ class ParallelRuntime:
             reduction.remove()
         self._grad_reductions.clear()
         self._overlapped.clear()
+        if self.distributed_optimizer is not None:
+            self.distributed_optimizer.remove()
+            self.distributed_optimizer = self._distributed_module = None
 
     def stop(self) -> None:
         """Tear the groups and the parallel randomizer down (``layout`` stays readable: degrees and
@@ -296,6 +308,8 @@ class ParallelRuntime:
         ``overlap_grad_reduce``)."""
         if forward_only or accumulate > 1 or not self.settings.overlap_grad_reduce or self.layout.data_parallel_size == 1:
             return None
+        if self._distributed_module == id(module):
+            return self.distributed_optimizer.reduction.start
         reduction = self._grad_reductions.get(id(module))
         if reduction is None:
             chunks = module.model_chunks() if has_model_chunks(module) else [module]
@@ -313,9 +327,72 @@ class ParallelRuntime:
         rank_zero_warn(message)
 
     # -------------------------------------------------------------- gradients
+    def take_over_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """With ``use_distributed_optimizer``, or when ``module`` holds bf16 weights (stepped as
+        fp32 main weights): the :class:`DistributedOptimizer` takes ``module``'s optimizer over."""
+        low_precision = any(p.dtype != torch.float32 for p in module.parameters() if p.is_floating_point())
+        if not (self.settings.use_distributed_optimizer or low_precision):
+            return
+        if len(optimizers) != 1:
+            raise ConfigError(
+                f"{'the distributed optimizer' if self.settings.use_distributed_optimizer else 'bf16 weights'} "
+                f"need{'s' if self.settings.use_distributed_optimizer else ''} one optimizer per module; "
+                f"configure_optimizers returned {len(optimizers)}.")
+        if self.distributed_optimizer is not None:
+            self.distributed_optimizer.remove()
+        chunks = module.model_chunks() if has_model_chunks(module) else [module]
+        optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])  # Lightning's wrapper
+        self.distributed_optimizer = DistributedOptimizer(
+            optimizer, chunks, self.layout, self.settings.gradient_bucket_bytes,
+            shard=self.settings.use_distributed_optimizer)
+        self._distributed_module = id(module)
+
+    def optimizer_pieces(self, optimizer: Any) -> list[tuple[Tensor, Tensor, slice]]:
+        """``(piece, parameter, flat range)`` of what the distributed optimizer steps in place of
+        ``optimizer``'s parameters (none for another optimizer): for the checkpoint."""
+        taken = self.distributed_optimizer
+        if taken is None or getattr(optimizer, "_optimizer", optimizer) is not taken.optimizer:
+            return []
+        return [(pc.main, pc.param, pc.flat_range) for pc in taken.pieces.values()]
+
+    def grad_norm(self, module: torch.nn.Module, max_norm: float | None = None) -> float:
+        """The global gradient norm of ``module`` (before clipping to ``max_norm`` when given)."""
+        if self._distributed_module == id(module):
+            taken = self.distributed_optimizer
+            return taken.clip_grad_norm(max_norm) if max_norm else taken.grad_norm()
+        params = with_grads(module.parameters())
+        return clip_grad_norm_(params, max_norm, self.layout) if max_norm else global_grad_norm(params, self.layout)
+
+    def drop_gradients(self, module: torch.nn.Module) -> None:
+        """Skip this step's update: no gradients, which the optimizer reads as nothing to do."""
+        if self._distributed_module == id(module):
+            self.distributed_optimizer.drop_gradients()
+        for p in module.parameters():
+            p.grad = None
+
+    def optimizer_state_bytes(self, optimizers: Iterable[torch.optim.Optimizer]) -> int:
+        """Bytes of optimizer state this rank holds (the distributed optimizer's: its pieces' and
+        their fp32 main weights)."""
+        taken = self.distributed_optimizer
+        return sum(taken.state_bytes() if taken is not None and getattr(o, "_optimizer", o) is taken.optimizer
+                   else optimizer_state_bytes(getattr(o, "_optimizer", o)) for o in optimizers)
+
+    def model_loaded(self, module: torch.nn.Module) -> None:
+        """``module``'s weights were just loaded: the fp32 main weights of bf16 ones follow."""
+        if self._distributed_module == id(module):
+            self.distributed_optimizer.load_main_weights()
+
+    def finish_step(self) -> None:
+        """After an optimizer step: the distributed optimizer's all-gather of the updated weights."""
+        if self.distributed_optimizer is not None:
+            self.distributed_optimizer.finish_step()
+
     def reduce_gradients(self, module: torch.nn.Module) -> None:
         """DP average (finishing the overlapped reduction when one ran), SP parameters summed
         over TP, the tied embedding reduced between the first and last stage."""
+        if self._distributed_module == id(module):
+            self.distributed_optimizer.reduce_gradients()
+            return
         overlapped = self._grad_reductions[id(module)] if id(module) in self._overlapped else None
         self._overlapped.discard(id(module))
         finalize_model_grads(module, self.layout, self.settings.gradient_bucket_bytes, overlapped=overlapped)
@@ -332,7 +409,8 @@ class ParallelRuntime:
         """Every rank: read a checkpoint saved on any layout for this rank's ``module`` and
         ``optimizers`` (``state_dict`` in local names, ``optimizer_states`` in torch's form)."""
         path = Path(broadcast_object(str(path)))
-        return dist_checkpoint.load(path, module, optimizers, self.layout, global_rank)
+        pieces = [piece for optimizer in optimizers if optimizer is not None for piece in self.optimizer_pieces(optimizer)]
+        return dist_checkpoint.load(path, module, optimizers, self.layout, global_rank, pieces)
 
 
     def max_over_ranks(self, value: float, device: torch.device) -> float:
@@ -403,6 +481,7 @@ class StrategyProcesses:
         overlap_grad_reduce: bool = True,
         raise_on_nonfinite_loss: bool = True,
         measure_activation_memory: bool = False,
+        use_distributed_optimizer: bool = False,
         **kwargs: Any,
     ) -> None:
         """The arguments: :class:`ParallelSettings`; ``kwargs`` go to Lightning's strategy."""
@@ -411,7 +490,7 @@ class StrategyProcesses:
             tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
             virtual_pipeline_model_parallel_size, num_microbatches, deallocate_pipeline_outputs,
             process_group_backend, timeout, seed, gradient_bucket_bytes, overlap_grad_reduce,
-            raise_on_nonfinite_loss, measure_activation_memory,
+            raise_on_nonfinite_loss, measure_activation_memory, use_distributed_optimizer,
         ))
         self._num_nodes = 1
         self.last_grad_norm: float | None = None

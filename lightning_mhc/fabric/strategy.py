@@ -127,6 +127,21 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
             )
         return module, [self.setup_optimizer(opt) for opt in optimizers], scheduler
 
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """With ``use_distributed_optimizer`` or bf16 weights, the distributed optimizer takes over
+        the optimizer of the set-up module whose parameters it holds."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for module in self._modules:
+            if any(id(p) in held for p in module.parameters()):
+                self.runtime.take_over_optimizers(module, [optimizer])
+                break
+        return super().setup_optimizer(optimizer)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self.runtime.finish_step()
+        return output
+
     def module_to_device(self, module: Module) -> None:
         module.to(self.root_device)
 
@@ -194,11 +209,13 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         if float(norm_type) != 2.0:
             raise ConfigError(f"MHCParallelStrategy clips by the global 2-norm; norm_type={norm_type} is not supported.")
         self.precision.unscale_gradients(optimizer)
-        # the optimizer's parameters in the module's order: the same sums as the Trainer's clipping
-        owned = {id(p): p for p in self.precision.main_params(optimizer)}
-        ordered = [p for p in module.parameters() if owned.pop(id(p), None) is not None]
-        params = with_grads(ordered + list(owned.values()))
-        norm = clip_grad_norm_(params, float(max_norm), self.layout)
+        if self.runtime.optimizer_pieces(optimizer):
+            norm = self.runtime.grad_norm(_unwrap_objects(module), float(max_norm))
+        else:
+            # the optimizer's parameters in the module's order: the same sums as the Trainer's clipping
+            owned = {id(p): p for p in self.precision.main_params(optimizer)}
+            ordered = [p for p in module.parameters() if owned.pop(id(p), None) is not None]
+            norm = clip_grad_norm_(with_grads(ordered + list(owned.values())), float(max_norm), self.layout)
         self.last_grad_norm = norm
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(
@@ -233,7 +250,9 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         step = next((rest[k] for k in ("global_step", "step") if isinstance(rest.get(k), int)), None)
         checkpoint = {
             "state_dict": dist_checkpoint.model_state(module, self.layout),
-            "optimizer_states": [dist_checkpoint.optimizer_state(state[k], module, self.layout) for k in optimizer_keys],
+            "optimizer_states": [dist_checkpoint.optimizer_state(state[k], module, self.layout,
+                                                                 self.runtime.optimizer_pieces(state[k]))
+                                 for k in optimizer_keys],
             FABRIC_OBJECTS: dict(model=model_key, optimizers=optimizer_keys),
             FABRIC_STATE: rest,
             "global_step": step,
@@ -261,6 +280,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         if isinstance(state, Module):
             checkpoint = self.runtime.load(path, state, [], self.global_rank)
             state.load_state_dict(checkpoint["state_dict"], strict=strict)
+            self.runtime.model_loaded(state)
             return {}
         model_key, module = _the_model(state)
         wanted = [k for k, v in state.items() if isinstance(v, Optimizer)]
@@ -269,6 +289,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         optimizers = [state[k] if k in wanted else None for k in saved_optimizers]
         checkpoint = self.runtime.load(path, module, optimizers, self.global_rank)
         module.load_state_dict(checkpoint["state_dict"])
+        self.runtime.model_loaded(module)
         for key, loaded in zip(saved_optimizers, checkpoint["optimizer_states"]):
             if loaded is not None:
                 state[key].load_state_dict(loaded)

@@ -41,12 +41,11 @@ from torch import Tensor
 
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.distributed.runtime import StrategyProcesses, refuse_gradient_scaler, sync_replicas, with_grads
+from lightning_mhc.distributed.runtime import StrategyProcesses, refuse_gradient_scaler, sync_replicas
 from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.data.resumable_loader import ResumableLoader
 from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
-from lightning_mhc.distributed.grads import clip_grad_norm_, global_grad_norm
 
 
 class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
@@ -56,7 +55,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``sequence_parallel``,
     ``virtual_pipeline_model_parallel_size``, ``num_microbatches``; ``seed``, ``timeout``,
     ``overlap_grad_reduce``, ``gradient_bucket_bytes``, ``raise_on_nonfinite_loss``,
-    ``measure_activation_memory``, ...), and:
+    ``measure_activation_memory``, ``use_distributed_optimizer``, ...), and:
 
     Args:
         save_on_preemption: on SIGTERM / SIGINT, all ranks stop at the next step boundary and save
@@ -108,6 +107,12 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
                 self._skip_lightning_backward(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's ``configure_optimizers``; then, with ``use_distributed_optimizer`` or bf16
+        weights, the distributed optimizer takes the optimizer over (``runtime.take_over_optimizers``)."""
+        super().setup_optimizers(trainer)
+        self.runtime.take_over_optimizers(self.lightning_module, self.optimizers)
 
     @staticmethod
     def _skip_lightning_backward(trainer: pl.Trainer) -> None:
@@ -192,6 +197,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
             return result
 
         output = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        self.runtime.finish_step()
         if is_pipeline_module(self.lightning_module):
             optimizer.zero_grad(set_to_none=True)  # Lightning's zero_grad is skipped for pipelined modules
         self.last_step_end = time.perf_counter()
@@ -202,26 +208,21 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         local norm no larger than the clipped global one and does nothing)."""
         module = self.lightning_module
         self.runtime.reduce_gradients(module)
-        params = with_grads(module.parameters())
         trainer = module.trainer
         clip = trainer.gradient_clip_val
-        if clip is not None and clip > 0:
-            if trainer.gradient_clip_algorithm not in (None, "norm"):
-                raise ConfigError(
-                    f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported by "
-                    "MHCParallelStrategy: it clips by the global norm. Use gradient_clip_algorithm='norm'."
-                )
-            self.last_grad_norm = clip_grad_norm_(params, clip, self.layout)
-        else:
-            self.last_grad_norm = global_grad_norm(params, self.layout)
+        if clip is not None and clip > 0 and trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ConfigError(
+                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported by "
+                "MHCParallelStrategy: it clips by the global norm. Use gradient_clip_algorithm='norm'."
+            )
+        self.last_grad_norm = self.runtime.grad_norm(module, clip if clip is not None and clip > 0 else None)
         if not math.isfinite(self.last_grad_norm):  # the same global norm on every rank: all stop or skip
             message = (f"non-finite gradient norm {self.last_grad_norm} at global step {trainer.global_step} "
                        "(a NaN/inf loss or gradient)")
             if self._raise_on_nonfinite(trainer):
                 raise FloatingPointError(message + "; raise_on_nonfinite_loss=False only warns and skips the step")
             rank_zero_warn(message + ": optimizer step skipped")
-            for p in params:
-                p.grad = None  # the optimizer leaves parameters without gradients untouched
+            self.runtime.drop_gradients(module)  # the optimizer leaves parameters without gradients untouched
 
     # ---------------------------------------------------------- checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -232,7 +233,8 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         """The optimizer's per-parameter states as pieces of the whole model's (AdamW's moments
         are resharded like their parameters), and its param-group settings."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's wrapper
-        return dist_checkpoint.optimizer_state(optimizer, self.lightning_module, self.layout)
+        return dist_checkpoint.optimizer_state(optimizer, self.lightning_module, self.layout,
+                                               self.runtime.optimizer_pieces(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Crash-safe (``lightning_mhc.checkpoint.commit``): every rank writes its pieces into a
@@ -250,6 +252,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        self.runtime.model_loaded(self.lightning_module)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

@@ -68,6 +68,58 @@ class FailingModule(MHCGPTModule):
         return super().training_step(batch, batch_idx)
 
 
+class SGDModule(MHCGPTModule):
+    """A user's own optimizer: SGD with momentum, no scheduler."""
+
+    def configure_optimizers(self):
+        import torch
+
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class StateBytes(Callback):
+    """At the end of training: every rank's optimizer-state bytes, in rank order."""
+
+    def __init__(self) -> None:
+        self.per_rank: list[int] = []
+
+    def on_train_end(self, trainer, module) -> None:
+        import torch.distributed as dist
+
+        mine = trainer.strategy.runtime.optimizer_state_bytes(trainer.optimizers)
+        self.per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(self.per_rank, mine)
+
+
+def zero_runs(args, layouts: dict, ckpt: pathlib.Path | None, out_dir: pathlib.Path) -> dict:
+    """Each layout of ``layouts`` with and without the distributed optimizer: 10 AdamW steps with
+    clipping (losses, optimizer-state bytes per rank); SGD with momentum on the first; with
+    ``ckpt``: steps 6 to 10 from it, with and without."""
+    result = {}
+    for name, layout in layouts.items():
+        for zero in (False, True):
+            state = StateBytes()
+            key = f"{name}{'_zero' if zero else ''}"
+            saving = zero and name == "dp4"
+            ckpt_dir = out_dir / "zero_ckpt" if saving else None
+            result[key], trainer = fit(args, 10, dropout=0.0, layout=layout, use_distributed_optimizer=zero,
+                                       extra_callbacks=[state], ckpt_dir=str(ckpt_dir) if saving else None,
+                                       every_n_train_steps=5, num_samples=80)
+            result[f"{key}_state_bytes"] = state.per_rank
+            if saving:
+                result["checkpoint"] = str(next(ckpt_dir.glob("*step=5.ckpt")))
+    first = next(iter(layouts.values()))
+    for zero in (False, True):
+        result[f"sgd{'_zero' if zero else ''}"], trainer = fit(args, 10, dropout=0.0, layout=first, module_cls=SGDModule,
+                                                             use_distributed_optimizer=zero, num_samples=80)
+    if ckpt is not None:
+        for zero in (False, True):
+            result[f"resumed{'_zero' if zero else ''}"], trainer = fit(
+                args, 10, dropout=0.0, layout=first, use_distributed_optimizer=zero, ckpt_path=str(ckpt),
+                num_samples=80)
+    return result, trainer
+
+
 def model_config(dropout: float, **extra) -> dict:
     return dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
                 max_sequence_length=SEQ, hidden_dropout=dropout, attention_dropout=dropout,
@@ -78,7 +130,8 @@ def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_
         module_cls=MHCGPTModule, every_n_train_steps: int = STEPS_PER_EPOCH, layout: dict | None = None,
         model_extra: dict | None = None, extra_callbacks: list | None = None, config: dict | None = None,
         seq: int = SEQ, global_batch: int = GLOBAL_BATCH, num_samples: int = STEPS_PER_EPOCH * GLOBAL_BATCH,
-        lr: float = 1e-3, warmup_steps: int = 2, max_grad_norm: float = 1.0) -> list[float]:
+        lr: float = 1e-3, warmup_steps: int = 2, max_grad_norm: float = 1.0, use_distributed_optimizer: bool = False,
+        precision: str = "32-true") -> list[float]:
     layout = layout or dict(tp=args.tp, pp=args.pp, sp=args.sp, vp=args.vp)
     dp = args.devices // (layout["tp"] * layout["pp"])
     loader = DataLoader(SyntheticTokens(num_samples, seq), batch_size=global_batch // dp, shuffle=True)
@@ -90,12 +143,13 @@ def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_
         callbacks.append(ModelCheckpoint(dirpath=f"{ckpt_dir}_epochs", save_top_k=-1, every_n_epochs=1,
                                          save_on_train_epoch_end=True))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, max_steps=max_steps, logger=False,
+        accelerator="cpu", devices=args.devices, max_steps=max_steps, logger=False, precision=precision,
         enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=max_grad_norm,
         strategy=MHCParallelStrategy(tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
                                      sequence_parallel=layout["sp"], virtual_pipeline_model_parallel_size=layout["vp"],
-                                     timeout=datetime.timedelta(seconds=args.timeout)),
+                                     timeout=datetime.timedelta(seconds=args.timeout),
+                                     use_distributed_optimizer=use_distributed_optimizer),
         callbacks=callbacks,
     )
     module = module_cls(config or model_config(dropout, **(model_extra or {})), lr=lr, warmup_steps=warmup_steps)
@@ -111,7 +165,7 @@ def main() -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--vp", type=int, default=None, help="virtual pipeline chunks per stage")
     parser.add_argument("--policy", default="mhc_block")
-    parser.add_argument("--scenario", choices=["equivalence", "resume", "reshard", "fail", "fabric_example"],
+    parser.add_argument("--scenario", choices=["equivalence", "resume", "reshard", "fail", "fabric_example", "zero"],
                         required=True)
     parser.add_argument("--steps", type=int, default=6, help="fabric_example: training steps")
     parser.add_argument("--ckpt", type=pathlib.Path, help="reshard: the checkpoint to continue from (else: save one)")
@@ -153,6 +207,13 @@ def main() -> None:
                                             model_extra=extra)
         else:
             result["continued"], trainer = fit(args, 5, dropout=0.0, ckpt_path=str(args.ckpt), model_extra=extra)
+    elif args.scenario == "zero":
+        # the distributed optimizer: DP 4, TP 2 x DP 2 and PP 2 x DP 2 on 4 devices (DP 4 saves at
+        # step 5); DP 2 on 2 devices; one process; --ckpt: continue from DP 4's checkpoint
+        one = dict(tp=1, pp=1, sp=False, vp=None)
+        layouts = {4: {"dp4": one, "tp2_dp2": dict(one, tp=2), "pp2_dp2": dict(one, pp=2)},
+                   2: {"dp2": one}, 1: {"single": one}}[args.devices]
+        result, trainer = zero_runs(args, layouts, args.ckpt, args.out.parent)
     elif args.scenario == "fabric_example":
         # examples/fabric_train.py's run (model, data, optimizer, clipping, dropout 0.1, mhc_block)
         # through Trainer.fit: the Fabric loop must give the same losses

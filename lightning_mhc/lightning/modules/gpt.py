@@ -217,6 +217,9 @@ class MHCGPTModule(PipelinedLMModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._log_throughput(batch)
+        runtime = getattr(self.trainer.strategy, "runtime", None)
+        if runtime is not None:  # this rank's (rank 0's in the logs); 1/DP with the distributed optimizer
+            self.log("optimizer_state_bytes", float(runtime.optimizer_state_bytes(self.trainer.optimizers)))
 
     def _log_throughput(self, batch: dict) -> None:
         """tokens/s of the whole job for this step (see ``lightning_mhc.lightning.modules.throughput``)."""

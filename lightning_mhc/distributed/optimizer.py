@@ -1,0 +1,288 @@
+"""The distributed optimizer (ZeRO-1, megatron's ``use_distributed_optimizer``) and fp32 main weights.
+
+megatron-core's ``DistributedOptimizer`` allocates its buffers on CUDA, so the suite (gloo, CPU)
+could not run it; torch's ``ZeroRedundancyOptimizer`` gives whole parameters to ranks, so one
+large embedding leaves the state far from ``1/DP`` per rank. This is megatron's algorithm on any
+device, around the torch optimizer the user built (nothing of the update is written here):
+
+- the rank's trainable parameters (reverse order: the order backward finishes them) are cut into
+  buckets, the tied embedding alone in its own, so that its shard is the same on the first and
+  the last stage; a bucket is padded to a multiple of DP, and DP rank ``r`` owns its ``r``-th
+  equal range: *pieces* of parameters, cut wherever the range ends;
+- the user's optimizer is pointed at fp32 *main* pieces instead of the parameters, group by group
+  (its settings and learning-rate scheduler unchanged): views of the parameters when they are
+  fp32, fp32 copies when the model holds bf16 weights (``bf16-true``). Its state (AdamW's
+  moments) exists for ``1/DP`` of the parameters;
+- gradients are reduce-scattered over DP bucket by bucket into the owned range (during the last
+  backward when the reduction overlaps), in fp32: a bf16 parameter's gradient is added into an
+  fp32 ``main_grad`` as each backward produces it and dropped;
+- the sequence-parallel TP sum, the tied embedding's sum between stages, the global norm and
+  clipping run on the pieces;
+- after the step the pieces are written back into the parameters and every bucket is
+  all-gathered over DP.
+
+Without ``use_distributed_optimizer`` a bf16 model still trains on fp32 main weights: the same
+class with one part per bucket (each rank holds all of them) and an all-reduce.
+
+Only an element-wise update can be cut anywhere (SGD, Adam, AdamW, ...); another optimizer
+(Adafactor's factored moments, LBFGS's line search, Muon's orthogonalisation) is refused.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
+from lightning_mhc.distributed.grads import (
+    DEFAULT_BUCKET_BYTES,
+    _allreduce_flat,
+    _counted_once,
+    buckets,
+    is_sequence_parallel_replicated,
+)
+from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.errors import ConfigError
+
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+               torch.optim.ASGD, torch.optim.Rprop)
+"""Torch optimizers whose update of an element reads only that element's gradient and state."""
+
+
+def check_shardable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose update is not element-wise (it cannot run on pieces)."""
+    if not isinstance(optimizer, ELEMENTWISE):
+        names = ", ".join(cls.__name__ for cls in ELEMENTWISE)
+        raise ConfigError(
+            f"the distributed optimizer cuts parameters into pieces, which only an element-wise update allows; "
+            f"{type(optimizer).__name__} is not one of {names}. Use one of them, or "
+            "use_distributed_optimizer=False.")
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in ``optimizer.state`` (AdamW: two moments and a step per tensor)."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The gradient to reduce: the fp32 accumulation of a low-precision parameter, else ``.grad``."""
+    return getattr(param, "main_grad", None) if param.dtype != torch.float32 else param.grad
+
+
+class ShardBucket:
+    """Parameters of one dtype, their gradients reduce-scattered over ``parts`` DP ranks
+    (all-reduced when ``parts == 1``) into this rank's range, in fp32."""
+
+    def __init__(self, params: list[torch.nn.Parameter], chunk: int, parts: int, index: int) -> None:
+        self.params, self.chunk, self.parts = params, chunk, parts
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.shard_numel = -(-self.offsets[-1] // parts)
+        self.start = index * self.shard_numel
+        self.grad: torch.Tensor | None = None
+        """This rank's range of the DP-averaged gradient (fp32), once :meth:`complete` ran."""
+        self.ready: set[int] = set()
+        self.work = None
+
+    def pieces(self) -> Iterable[tuple[torch.nn.Parameter, slice, slice]]:
+        """``(parameter, its flat range, that range's place in this rank's shard)`` for every
+        parameter overlapping this rank's range."""
+        end = self.start + self.shard_numel
+        for p, offset in zip(self.params, self.offsets):
+            lo, hi = max(offset, self.start), min(offset + p.numel(), end)
+            if lo < hi:
+                yield p, slice(lo - offset, hi - offset), slice(lo - self.start, hi - self.start)
+
+    def has_grads(self) -> bool:
+        return True  # every rank reduces every bucket (zeros where a parameter got no gradient)
+
+    def launch(self, group) -> None:
+        device = self.params[0].device
+        flat = torch.zeros(self.shard_numel * self.parts, dtype=torch.float32, device=device)
+        for p, offset in zip(self.params, self.offsets):
+            grad = main_grad(p)
+            if grad is not None:
+                flat[offset:offset + p.numel()].copy_(grad.reshape(-1))
+        if self.parts > 1:
+            self.grad = torch.empty(self.shard_numel, dtype=torch.float32, device=device)
+            self.work = dist.reduce_scatter_tensor(self.grad, flat, group=group, async_op=True)
+        else:
+            self.grad = flat
+            self.work = dist.all_reduce(flat, group=group, async_op=True) if dist.get_world_size(group) > 1 else None
+
+    def complete(self, world: int) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if world > 1:
+            self.grad /= world
+
+    def reset(self) -> None:
+        self.ready, self.work = set(), None
+
+    def all_gather(self, group) -> None:
+        """Every rank's updated range into every rank's parameters."""
+        if self.parts == 1:
+            return
+        device, dtype = self.params[0].device, self.params[0].dtype
+        own = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        for p, flat_range, shard_range in self.pieces():
+            own[shard_range].copy_(p.detach().reshape(-1)[flat_range])
+        full = torch.empty(self.shard_numel * self.parts, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(full, own, group=group)
+        with torch.no_grad():
+            for p, offset in zip(self.params, self.offsets):
+                p.view(-1).copy_(full[offset:offset + p.numel()])
+
+
+@dataclass
+class Piece:
+    """This rank's range of one parameter: what the optimizer updates."""
+
+    param: torch.nn.Parameter
+    bucket: ShardBucket
+    flat_range: slice
+    """Its range in ``param.view(-1)``."""
+    shard_range: slice
+    """That range's place in the bucket's shard."""
+    main: torch.Tensor
+    """The fp32 weights the optimizer steps: a view of ``param`` when fp32, else a copy."""
+
+
+class DistributedOptimizer:
+    """Points ``optimizer`` (built by the user on the module's parameters) at this rank's fp32
+    pieces, and runs the gradient reduction and the parameter gather around its step.
+
+    Args:
+        optimizer: a torch optimizer over parameters of ``chunks``, not stepped yet.
+        chunks: this rank's model chunks (its stage, or the virtual-pipeline chunks).
+        layout: the parallel layout.
+        shard: cut each bucket over the DP ranks (ZeRO-1); False: every rank holds all of it
+            (fp32 main weights for a bf16 model, gradients all-reduced).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, chunks: Sequence[torch.nn.Module], layout: ParallelLayout,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, shard: bool = True) -> None:
+        if shard:
+            check_shardable(optimizer)
+        if optimizer.state:
+            raise ConfigError(f"{type(optimizer).__name__} has stepped already: the distributed optimizer takes it "
+                              "over before the first step.")
+        self.optimizer, self.layout = optimizer, layout
+        parts, index = (layout.data_parallel_size, layout.data_parallel_rank) if shard else (1, 0)
+        trained = [p for group in optimizer.param_groups for p in group["params"]]
+        self._hooks = [p.register_post_accumulate_grad_hook(_accumulate_in_fp32)
+                       for p in trained if p.dtype != torch.float32]
+        for p in trained:
+            if p.dtype != torch.float32:
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        self.buckets = [
+            ShardBucket(params, i, parts, index)
+            for i, chunk in enumerate(chunks)
+            for params in buckets([p for p in reversed(list(chunk.parameters())) if p.requires_grad], bucket_bytes,
+                                  alone=lambda p: bool(getattr(p, "shared_embedding", False)))
+        ]
+        self.pieces: dict[int, Piece] = {}
+        """This rank's piece of each parameter it holds one of, by ``id(parameter)``."""
+        for bucket in self.buckets:
+            for p, flat_range, shard_range in bucket.pieces():
+                view = p.detach().view(-1)[flat_range]
+                main = view if p.dtype == torch.float32 else view.float()
+                self.pieces[id(p)] = Piece(p, bucket, flat_range, shard_range, main)
+        known = {id(p) for bucket in self.buckets for p in bucket.params}
+        strangers = [p for p in trained if id(p) not in known]
+        if strangers:
+            raise ConfigError(f"the optimizer holds {len(strangers)} parameter(s) that are not the model's trainable "
+                              "ones: build it on the set-up module's parameters.")
+        for group in optimizer.param_groups:
+            group["params"] = [self.pieces[id(p)].main for p in group["params"] if id(p) in self.pieces]
+        self.reduction = OverlappedGradReduction(chunks, layout, bucket_list=self.buckets)
+
+    # ------------------------------------------------------------- gradients
+    def reduce_gradients(self) -> None:
+        """The DP average into this rank's pieces (finishing the overlapped reduction), then the
+        TP sum of sequence-parallel pieces and the tied embedding's sum between stages."""
+        self.reduction.finish()
+        for piece in self.pieces.values():
+            piece.main.grad = piece.bucket.grad[piece.shard_range]
+        layout = self.layout
+        if layout.sequence_parallel and layout.tensor_model_parallel_size > 1:
+            grads = [pc.main.grad for pc in self.pieces.values() if is_sequence_parallel_replicated(pc.param)]
+            if grads:
+                _allreduce_flat(grads, layout.tp_group, DEFAULT_BUCKET_BYTES, average=False)
+        if layout.pipeline_model_parallel_size > 1 and layout.embedding_group is not None:
+            grads = [pc.main.grad for pc in self.pieces.values() if getattr(pc.param, "shared_embedding", False)]
+            if grads:
+                _allreduce_flat(grads, layout.embedding_group, DEFAULT_BUCKET_BYTES, average=False)
+
+    def grad_norm(self) -> float:
+        """The whole model's gradient L2 norm (each element counted once over TP, PP and DP)."""
+        pieces = [pc for pc in self.pieces.values() if pc.main.grad is not None]
+        device = self.buckets[0].params[0].device if self.buckets else torch.device("cpu")
+        square = torch.zeros((), dtype=torch.float32, device=device)
+        for pc in pieces:
+            if _counted_once(pc.param, self.layout):
+                square += pc.main.grad.pow(2).sum()
+        dist.all_reduce(square)  # the world is TP x PP x DP: every element of the model once
+        return math.sqrt(square.item())
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale the gradients so the global norm is at most ``max_norm``; the norm before."""
+        norm = self.grad_norm()
+        if math.isfinite(norm) and max_norm / (norm + 1e-6) < 1.0:
+            for pc in self.pieces.values():
+                if pc.main.grad is not None:
+                    pc.main.grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    def drop_gradients(self) -> None:
+        """Skip this step: the optimizer leaves pieces without gradients untouched."""
+        for pc in self.pieces.values():
+            pc.main.grad = None
+
+    # ----------------------------------------------------------------- step
+    def finish_step(self) -> None:
+        """After ``optimizer.step()``: the pieces into the parameters, every bucket all-gathered
+        over DP, the gradients cleared for the next step."""
+        with torch.no_grad():
+            for pc in self.pieces.values():
+                if pc.param.dtype != torch.float32:  # an fp32 piece is a view: updated in place
+                    pc.param.view(-1)[pc.flat_range].copy_(pc.main)
+        for bucket in self.buckets:
+            bucket.all_gather(self.layout.dp_group)
+            bucket.grad = None
+            for p in bucket.params:
+                p.grad = None
+                if getattr(p, "main_grad", None) is not None:
+                    p.main_grad.zero_()
+        for pc in self.pieces.values():
+            pc.main.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state, fp32 main copies of bf16 weights included."""
+        copies = sum(pc.main.numel() * 4 for pc in self.pieces.values() if pc.param.dtype != torch.float32)
+        return optimizer_state_bytes(self.optimizer) + copies
+
+    def load_main_weights(self) -> None:
+        """The parameters (just loaded from a checkpoint) into the fp32 copies."""
+        with torch.no_grad():
+            for pc in self.pieces.values():
+                if pc.param.dtype != torch.float32:
+                    pc.main.copy_(pc.param.detach().view(-1)[pc.flat_range])
+
+    def remove(self) -> None:
+        self.reduction.remove()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _accumulate_in_fp32(param: torch.nn.Parameter) -> None:
+    """A low-precision gradient accumulates in fp32 (megatron's ``main_grad``), then is dropped."""
+    param.main_grad.add_(param.grad)
+    param.grad = None
