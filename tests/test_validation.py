@@ -97,6 +97,9 @@ def test_bad_input_is_refused_before_launch(tmp_path, monkeypatch, capsys):
         (["trainer=gpu", "trainer.precision=16-mixed"], "trainer.precision=16-mixed with trainer.accelerator=gpu: the "
                                                         "pipeline schedule runs its own backward without a gradient "
                                                         "scaler"),
+        (["optim.name=adafactor", "optim.use_distributed_optimizer=true"],
+         "the distributed optimizer cuts parameters into pieces, which only an element-wise update allows; Adafactor "
+         "is not one of SGD"),
     ]
     through_the_door = [cases[0], cases[11], cases[14]]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # each a fresh interpreter
@@ -189,6 +192,10 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
 # ------------------------------------------------------------------ in process
 @pytest.mark.parametrize("overrides, message", [
     (["optim.lr=-1"], "optim.lr=-1.0: must be > 0"),
+    (["optim.name=lion"], "optim.name='lion': must be one of adamw, sgd, adafactor"),
+    (["trainer.num_nodes=0"], "trainer.num_nodes=0: must be >= 1"),
+    (["parallel=tp2pp2", "trainer.devices=2", "trainer.num_nodes=3"],
+     "= 4 does not divide trainer.devices x trainer.num_nodes=6"),
     (["optim.warmup_steps=-1"], "optim.warmup_steps=-1: must be >= 0"),
     (["optim.min_lr_ratio=-0.1"], "optim.min_lr_ratio=-0.1: must be in [0, 1]"),
     (["trainer.val_check_interval=0"], "trainer.val_check_interval=0: must be >= 1"),

@@ -49,7 +49,7 @@ CONFIG_NAMES = KeyNames({
     **{name: f"parallel.{name}" for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                              "virtual_pipeline_model_parallel_size", "sequence_parallel")},
     **{name: f"model.{name}" for name in ("num_layers", "num_attention_heads", "hidden_size", "num_query_groups")},
-    "world_size": "trainer.devices", "seq_length": "data.seq_length",
+    "world_size": "trainer.devices x trainer.num_nodes", "seq_length": "data.seq_length",
     "num_microbatches": "data.global_batch_size / (data.micro_batch_size x DP) = {}",
 }, show=show, keys={"num_microbatches": "data.global_batch_size"})
 """How the layout's rules name the config keys."""
@@ -253,6 +253,9 @@ class DataConfig:
 class TrainerConfig:
     accelerator: str = "cpu"
     devices: int = 1
+    """Processes per node."""
+    num_nodes: int = 1
+    """Nodes (machines); the world size is devices x num_nodes."""
     max_steps: int = 100
     precision: str = "32-true"
     gradient_clip_val: float = 1.0
@@ -271,7 +274,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
         _one_of("trainer.precision", self.precision, PRECISIONS)
-        _at_least("trainer.devices", self.devices, 1, "Set trainer.devices to the number of processes, >= 1.")
+        _at_least("trainer.devices", self.devices, 1, "Set trainer.devices to the number of processes per node, >= 1.")
+        _at_least("trainer.num_nodes", self.num_nodes, 1, "Set trainer.num_nodes to the number of nodes, >= 1.")
         _at_least("trainer.max_steps", self.max_steps, 1, "Set trainer.max_steps to the optimizer steps to train, >= 1.")
         for name in ("val_check_interval", "log_every_n_steps", "checkpoint_every_n_steps"):
             _at_least(f"trainer.{name}", getattr(self, name), 1, f"Set trainer.{name} to a number of steps, >= 1.")
@@ -286,12 +290,23 @@ class TrainerConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"
+    """'adamw', 'sgd' (momentum 0.9) or 'adafactor' (MHCGPTModule(optimizer=...))."""
     lr: float = 3e-3
     weight_decay: float = 0.1
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+    use_distributed_optimizer: bool = False
+    """ZeRO-1: each data-parallel rank keeps the optimizer state of 1/DP of the parameters
+    (MHCParallelStrategy(use_distributed_optimizer=...))."""
 
     def __post_init__(self) -> None:
+        from lightning_mhc.distributed.optimizer import check_shardable
+        from lightning_mhc.lightning.modules.gpt import OPTIMIZERS
+
+        _one_of("optim.name", self.name, tuple(OPTIMIZERS))
+        if self.use_distributed_optimizer:
+            check_shardable(OPTIMIZERS[self.name], f"optim.use_distributed_optimizer=false (optim.name={self.name})")
         _positive("optim.lr", self.lr, "Set optim.lr to a positive learning rate, e.g. optim.lr=3e-3.")
         _require(_is_number(self.weight_decay) and self.weight_decay >= 0, "optim.weight_decay", self.weight_decay,
                  ">= 0", "Set optim.weight_decay to e.g. 0.1 (0: none).")
@@ -360,7 +375,7 @@ class TrainConfig:
     def _check_layout(self) -> None:
         p, m = self.parallel, self.model
         ParallelDims(
-            p.tensor_model_parallel_size, p.pipeline_model_parallel_size, self.trainer.devices,
+            p.tensor_model_parallel_size, p.pipeline_model_parallel_size, self.world_size,
             p.virtual_pipeline_model_parallel_size, p.sequence_parallel,
             model={"num_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
                    "hidden_size": m.hidden_size, "num_query_groups": m.num_query_groups or m.num_attention_heads},
@@ -368,9 +383,13 @@ class TrainConfig:
         )
 
     @property
+    def world_size(self) -> int:
+        return self.trainer.devices * self.trainer.num_nodes
+
+    @property
     def data_parallel_size(self) -> int:
         p = self.parallel
-        return self.trainer.devices // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
     @property
     def vocab_size(self) -> int:
@@ -400,8 +419,8 @@ class TrainConfig:
         if d.global_batch_size % per_step or d.global_batch_size < per_step:
             raise ConfigError(
                 f"data.global_batch_size={d.global_batch_size} must be a positive multiple of "
-                f"data.micro_batch_size={d.micro_batch_size} x data-parallel size {dp} (trainer.devices / "
-                "(TP * PP)). Change data.global_batch_size or data.micro_batch_size."
+                f"data.micro_batch_size={d.micro_batch_size} x data-parallel size {dp} (trainer.devices x "
+                "trainer.num_nodes / (TP * PP)). Change data.global_batch_size or data.micro_batch_size."
             )
         v, pp = self.parallel.virtual_pipeline_model_parallel_size, self.parallel.pipeline_model_parallel_size
         if v is not None and v > 1:

@@ -116,6 +116,7 @@ def _build_strategy(cfg: TrainConfig):
         seed=cfg.seed,
         raise_on_nonfinite_loss=cfg.trainer.raise_on_nonfinite_loss,
         measure_activation_memory=True,
+        use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
     )
 
 
@@ -139,7 +140,7 @@ def _build_trainer(cfg: TrainConfig, strategy, output_dir: Path, resolved: dict[
         dirpath=str(output_dir / "checkpoints"), filename="step-{step:06d}", auto_insert_metric_name=False,
         every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=1, save_last=False)
     trainer = pl.Trainer(
-        accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision,
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy, precision=t.precision,
         max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val, val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.limit_val_batches,
         limit_test_batches=t.limit_val_batches,  # mode=test: the held-out split, as validation reads it
@@ -157,6 +158,7 @@ def _build_module_and_data(cfg: TrainConfig, output_dir: Path):
 
     module = MHCGPTModule(cfg.transformer_config(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                           warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
+                          optimizer=cfg.optim.name,
                           peak_flops=cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else None)
     return module, _build_data(cfg, output_dir)
 

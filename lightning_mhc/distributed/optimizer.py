@@ -53,14 +53,15 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 """Torch optimizers whose update of an element reads only that element's gradient and state."""
 
 
-def check_shardable(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer whose update is not element-wise (it cannot run on pieces)."""
-    if not isinstance(optimizer, ELEMENTWISE):
-        names = ", ".join(cls.__name__ for cls in ELEMENTWISE)
+def check_shardable(optimizer: torch.optim.Optimizer | type, switch: str = "use_distributed_optimizer=False") -> None:
+    """Refuse an optimizer (or optimizer class) whose update is not element-wise: it cannot run
+    on pieces. ``switch``: how the message says to turn the distributed optimizer off."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    if not issubclass(cls, ELEMENTWISE):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE)
         raise ConfigError(
             f"the distributed optimizer cuts parameters into pieces, which only an element-wise update allows; "
-            f"{type(optimizer).__name__} is not one of {names}. Use one of them, or "
-            "use_distributed_optimizer=False.")
+            f"{cls.__name__} is not one of {names}. Use one of them, or {switch}.")
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -27,6 +27,9 @@ from lightning_mhc.model.stages import build_gpt_chunks
 from lightning_mhc.distributed.layout import ParallelLayout, current_layout
 from lightning_mhc.recompute.policy import configure_recompute
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
+"""``MHCGPTModule(optimizer=...)``: what ``configure_optimizers`` builds."""
+
 
 class MHCGPTModule(PipelinedLMModule):
     """An mHC GPT trained with ``MHCParallelStrategy`` (any TP/PP/DP layout).
@@ -62,6 +65,8 @@ class MHCGPTModule(PipelinedLMModule):
         model_config: a dict of ``MHCTransformerConfig`` fields (``activation: swiglu`` names the
             activation; see ``model_config_from_dict``) or an ``MHCTransformerConfig``.
         lr, weight_decay, betas: AdamW settings.
+        optimizer: ``"adamw"``, ``"sgd"`` (momentum ``betas[0]``) or ``"adafactor"`` (not element-wise:
+            refused by the distributed optimizer).
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr``
             at ``trainer.max_steps`` (constant after warm-up when max_steps is unset).
         recompute_policy / recompute_kwargs: set by ``MHCRecomputeCallback``.
@@ -79,8 +84,11 @@ class MHCGPTModule(PipelinedLMModule):
         min_lr_ratio: float = 0.1,
         recompute_policy: str = "none",
         peak_flops: float | None = None,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}.")
         self._requested_layout = requested_parallel_layout(model_config)
         if isinstance(model_config, Mapping):  # the layout is set (and checked) in configure_model
             config = model_config_from_dict(
@@ -99,6 +107,7 @@ class MHCGPTModule(PipelinedLMModule):
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.recompute_policy = recompute_policy
         self.peak_flops = peak_flops
+        self.optimizer_name = optimizer
         self.recompute_kwargs: dict[str, Any] = {}
         self.model: GPTModel | torch.nn.ModuleList | None = None
         """This rank's stage (a ModuleList of its chunks with a virtual pipeline; see model_chunks)."""
@@ -245,17 +254,21 @@ class MHCGPTModule(PipelinedLMModule):
 
     # -------------------------------------------------------- optimizer
     def configure_optimizers(self, max_steps: int | None = None):
-        """AdamW (no weight decay on vectors and hyper-connections) with linear warm-up, then cosine
+        """AdamW (or ``optimizer``: SGD with momentum ``betas[0]``, Adafactor; no weight decay on vectors
+        and hyper-connections) with linear warm-up, then cosine
         decay to ``min_lr_ratio * lr`` at ``max_steps`` (default: the Trainer's ``max_steps``; in a
         Fabric loop, pass it). Returns Lightning's dict: ``["optimizer"]`` and
         ``["lr_scheduler"]["scheduler"]`` (stepped every optimizer step)."""
         decay, no_decay = [], []
         for name, p in self.named_parameters():
             (no_decay if p.ndim < 2 or "hyper_connection" in name else decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [dict(params=decay, weight_decay=self.weight_decay), dict(params=no_decay, weight_decay=0.0)],
-            lr=self.lr, betas=self.betas,
-        )
+        groups = [dict(params=decay, weight_decay=self.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        if self.optimizer_name == "adamw":
+            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        elif self.optimizer_name == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=self.betas[0])
+        else:  # factored second moments: not element-wise, so not for the distributed optimizer
+            optimizer = torch.optim.Adafactor(groups, lr=self.lr)
         if max_steps is None and self._trainer is not None:
             max_steps = self._trainer.max_steps
         total = max_steps if max_steps and max_steps > 0 else None

@@ -1,0 +1,89 @@
+"""The distributed optimizer (ZeRO-1, ``use_distributed_optimizer``) and fp32 main weights.
+
+Through ``Trainer.fit`` (tests/scripts/fit_gpt.py --scenario zero): DP 4, TP 2 x DP 2, PP 2 x DP 2
+(4 devices), DP 2 (2 devices) and one process, each with and without the distributed optimizer,
+10 AdamW steps clipped by the global norm; SGD with momentum; a checkpoint written on DP 4 with it
+continued on DP 2 and on one process, with and without it.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_mhc.checkpoint.sharding import _rectangles
+from lightning_mhc.distributed.layout import single_process_layout
+from lightning_mhc.distributed.optimizer import DistributedOptimizer, check_shardable
+from lightning_mhc.errors import ConfigError
+from script_runs import fit_gpt
+
+TOLERANCE = 1e-6  # fp32; only the order of the DP sums differs (reduce-scatter against all-reduce)
+
+
+def _close(actual, expected, what: str) -> None:
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=0, atol=TOLERANCE,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_matches_one_process_shards_state_and_reshards(tmp_path):
+    four = fit_gpt(tmp_path / "four", "--devices", "4", "--scenario", "zero")
+    ckpt = four["checkpoint"]
+    two = fit_gpt(tmp_path / "two", "--devices", "2", "--scenario", "zero", "--ckpt", ckpt)
+    one = fit_gpt(tmp_path / "one", "--devices", "1", "--scenario", "zero", "--ckpt", ckpt)
+    reference = one["single"]
+    assert len(reference) == 10 and min(reference[5:]) < reference[0]
+    for result, name, dp in ((four, "dp4", 4), (four, "tp2_dp2", 2), (four, "pp2_dp2", 2), (two, "dp2", 2),
+                             (one, "single", 1)):
+        _close(result[f"{name}_zero"], reference, f"{name} with the distributed optimizer against one process")
+        _close(result[name], reference, f"{name} without it against one process")
+        plain, zero = result[f"{name}_state_bytes"], result[f"{name}_zero_state_bytes"]
+        for rank, (whole, shard) in enumerate(zip(plain, zero)):
+            ratio = shard * dp / whole
+            print(f"{name} rank {rank}: optimizer state {shard} B with, {whole} B without: x DP = {ratio:.5f}")
+            assert abs(ratio - 1) <= 0.02, (name, rank, ratio)
+    for result, name in ((four, "dp4"), (two, "dp2")):
+        _close(result["sgd_zero"], one["sgd"], f"SGD on {name} with the distributed optimizer")
+        _close(result["sgd"], one["sgd"], f"SGD on {name} without it")
+    assert max(abs(a - b) for a, b in zip(one["sgd"], reference)) > 1e-3  # SGD is not AdamW
+    continued = four["dp4_zero"][5:]
+    for result, where in ((two, "DP 2"), (one, "one process")):
+        for key in ("resumed", "resumed_zero"):
+            with_it = "with" if key.endswith("zero") else "without"
+            _close(result[key], continued, f"DP 4's step-5 checkpoint continued on {where} {with_it} the distributed optimizer")
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (1, 6), (4, 1, 3), ()])
+def test_flat_ranges_become_contiguous_rectangles(shape):
+    """Every flat range of a tensor is covered exactly once by rectangles, each a contiguous run
+    starting where it says."""
+    numel = math.prod(shape)
+    index = torch.arange(numel).view(shape)
+    for lo in range(numel):
+        for hi in range(lo + 1, numel + 1):
+            seen = []
+            for offsets, sizes, start in _rectangles(lo, hi, shape):
+                block = index[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+                assert block.tolist() == list(range(start, start + block.numel())), (lo, hi, offsets, sizes)
+                seen += block.tolist()
+            assert seen == list(range(lo, hi)), (shape, lo, hi)
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.Adafactor(params, lr=1e-2),
+    lambda params: torch.optim.LBFGS(params),
+], ids=["Adafactor", "LBFGS"])
+def test_an_optimizer_that_cannot_be_cut_is_refused(make):
+    optimizer = make(torch.nn.Linear(4, 4).parameters())
+    with pytest.raises(ConfigError, match=f"element-wise update allows; {type(optimizer).__name__} is not one of"):
+        check_shardable(optimizer)
+
+
+def test_a_stepped_optimizer_is_refused():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    with pytest.raises(ConfigError, match="stepped already"):
+        DistributedOptimizer(optimizer, [model], single_process_layout())
