@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.optimizer import MAIN_PARAM
 
 @dataclass(frozen=True)
 class Placement:
@@ -55,6 +56,8 @@ class StateKey:
     placement: Placement
     shape: tuple[int, ...] | None = None
     flat_range: slice | None = None
+    main_weights: bool = False
+    """The tensor stepped is an fp32 copy of bf16 weights: its saved main weights are read back."""
 
 
 def tp_placement(tensor: Tensor) -> Placement:
@@ -238,7 +241,8 @@ def parameter_keys(module: torch.nn.Module, layout: ParallelLayout | None,
     keys = {id(p): StateKey(namer(name), tp_placement(p)) for name, p in module.named_parameters()}
     for piece, param, flat_range in pieces:
         whole = keys[id(param)]
-        keys[id(piece)] = StateKey(whole.name, whole.placement, tuple(param.shape), flat_range)
+        keys[id(piece)] = StateKey(whole.name, whole.placement, tuple(param.shape), flat_range,
+                                   main_weights=param.dtype != torch.float32)
     return keys
 
 
@@ -286,6 +290,8 @@ def optimizer_targets(optimizer: torch.optim.Optimizer, prefix: str, keys: dict[
     for position, param in enumerate(_ordered_params(optimizer)):
         param_key = keys[id(param)]
         for key, state_name in by_param.get(param_key.name, ()):
+            if state_name == MAIN_PARAM and not param_key.main_weights:
+                continue  # fp32 weights are the model's own
             meta = saved[key]
             buffer = None
             if not isinstance(meta, TensorStorageMetadata):

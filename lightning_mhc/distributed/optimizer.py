@@ -64,10 +64,16 @@ def check_shardable(optimizer: torch.optim.Optimizer | type, switch: str = "use_
             f"{cls.__name__} is not one of {names}. Use one of them, or {switch}.")
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors in ``optimizer.state`` (AdamW: two moments and a step per tensor)."""
-    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
-               for v in state.values() if isinstance(v, torch.Tensor))
+MAIN_PARAM = "main_param"
+"""The optimizer state under which the fp32 main weights of bf16 parameters are checkpointed."""
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, also: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the tensors in ``optimizer.state`` (AdamW: two moments and a step per tensor) and
+    ``also``, each tensor counted once."""
+    tensors = {id(v): v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)}
+    tensors.update((id(t), t) for t in also)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -203,12 +209,15 @@ class DistributedOptimizer:
         for group in optimizer.param_groups:
             group["params"] = [self.pieces[id(p)].main for p in group["params"] if id(p) in self.pieces]
         self.reduction = OverlappedGradReduction(chunks, layout, bucket_list=self.buckets)
+        self.overlapped_buckets = 0
+        """Buckets whose reduce-scatter started during the last step's backward."""
 
     # ------------------------------------------------------------- gradients
     def reduce_gradients(self) -> None:
         """The DP average into this rank's pieces (finishing the overlapped reduction), then the
         TP sum of sequence-parallel pieces and the tied embedding's sum between stages."""
-        self.reduction.finish()
+        self._adopt_loaded_main_weights()
+        self.overlapped_buckets = self.reduction.finish()
         for piece in self.pieces.values():
             piece.main.grad = piece.bucket.grad[piece.shard_range]
         layout = self.layout
@@ -251,9 +260,9 @@ class DistributedOptimizer:
         """After ``optimizer.step()``: the pieces into the parameters, every bucket all-gathered
         over DP, the gradients cleared for the next step."""
         with torch.no_grad():
-            for pc in self.pieces.values():
-                if pc.param.dtype != torch.float32:  # an fp32 piece is a view: updated in place
-                    pc.param.view(-1)[pc.flat_range].copy_(pc.main)
+            for pc in self._copies():  # an fp32 piece is a view: updated in place
+                pc.param.view(-1)[pc.flat_range].copy_(pc.main)
+        self._keep_main_weights_in_state()
         for bucket in self.buckets:
             bucket.all_gather(self.layout.dp_group)
             bucket.grad = None
@@ -266,15 +275,36 @@ class DistributedOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer state, fp32 main copies of bf16 weights included."""
-        copies = sum(pc.main.numel() * 4 for pc in self.pieces.values() if pc.param.dtype != torch.float32)
-        return optimizer_state_bytes(self.optimizer) + copies
+        return optimizer_state_bytes(self.optimizer, (pc.main for pc in self._copies()))
+
+    def _copies(self) -> list[Piece]:
+        """The pieces whose fp32 main weights are a copy (of bf16 parameters)."""
+        return [pc for pc in self.pieces.values() if pc.param.dtype != torch.float32]
 
     def load_main_weights(self) -> None:
-        """The parameters (just loaded from a checkpoint) into the fp32 copies."""
+        """The parameters (just loaded from a checkpoint) into the fp32 copies; a checkpoint that
+        holds the main weights replaces them at the next step (:meth:`_adopt_loaded_main_weights`)."""
         with torch.no_grad():
-            for pc in self.pieces.values():
-                if pc.param.dtype != torch.float32:
-                    pc.main.copy_(pc.param.detach().view(-1)[pc.flat_range])
+            for pc in self._copies():
+                pc.main.copy_(pc.param.detach().view(-1)[pc.flat_range])
+
+    def _keep_main_weights_in_state(self) -> None:
+        """The fp32 copies are optimizer state (checkpointed with it): the same tensors, no copy.
+        Added after a step, so that the optimizer has initialised its own state first."""
+        for pc in self._copies():
+            state = self.optimizer.state.get(pc.main)
+            if state is not None:
+                state[MAIN_PARAM] = pc.main
+
+    def _adopt_loaded_main_weights(self) -> None:
+        """After ``optimizer.load_state_dict``, the state holds loaded main weights: into the copies."""
+        with torch.no_grad():
+            for pc in self._copies():
+                state = self.optimizer.state.get(pc.main)
+                loaded = state.get(MAIN_PARAM) if state is not None else None
+                if loaded is not None and loaded is not pc.main:
+                    pc.main.copy_(loaded)
+                    state[MAIN_PARAM] = pc.main
 
     def remove(self) -> None:
         self.reduction.remove()

@@ -78,17 +78,22 @@ class SGDModule(MHCGPTModule):
 
 
 class StateBytes(Callback):
-    """At the end of training: every rank's optimizer-state bytes, in rank order."""
+    """At the end of training: every rank's optimizer-state bytes, in rank order, and how many of
+    the distributed optimizer's buckets started reducing during the last backward (rank 0)."""
 
     def __init__(self) -> None:
         self.per_rank: list[int] = []
+        self.overlapped: int | None = None
 
     def on_train_end(self, trainer, module) -> None:
         import torch.distributed as dist
 
-        mine = trainer.strategy.runtime.optimizer_state_bytes(trainer.optimizers)
+        runtime = trainer.strategy.runtime
+        mine = runtime.optimizer_state_bytes(trainer.optimizers)
         self.per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(self.per_rank, mine)
+        if runtime.distributed_optimizer is not None:
+            self.overlapped = runtime.distributed_optimizer.overlapped_buckets
 
 
 def zero_runs(args, layouts: dict, ckpt: pathlib.Path | None, out_dir: pathlib.Path) -> dict:
@@ -106,6 +111,7 @@ def zero_runs(args, layouts: dict, ckpt: pathlib.Path | None, out_dir: pathlib.P
                                        extra_callbacks=[state], ckpt_dir=str(ckpt_dir) if saving else None,
                                        every_n_train_steps=5, num_samples=80)
             result[f"{key}_state_bytes"] = state.per_rank
+            result[f"{key}_overlapped_buckets"] = state.overlapped
             if saving:
                 result["checkpoint"] = str(next(ckpt_dir.glob("*step=5.ckpt")))
     first = next(iter(layouts.values()))
@@ -117,6 +123,17 @@ def zero_runs(args, layouts: dict, ckpt: pathlib.Path | None, out_dir: pathlib.P
             result[f"resumed{'_zero' if zero else ''}"], trainer = fit(
                 args, 10, dropout=0.0, layout=first, use_distributed_optimizer=zero, ckpt_path=str(ckpt),
                 num_samples=80)
+    if args.devices <= 2:  # bf16 weights, fp32 main weights; with the distributed optimizer a resume
+        for zero in (False, True):
+            key, state = f"bf16{'_zero' if zero else ''}", StateBytes()
+            bf16_ckpt = out_dir / f"{key}_ckpt"
+            result[key], trainer = fit(args, 10, dropout=0.0, layout=first, use_distributed_optimizer=zero,
+                                       precision="bf16-true", num_samples=80, ckpt_dir=str(bf16_ckpt),
+                                       every_n_train_steps=5, extra_callbacks=[state])
+            result[f"{key}_state_bytes"] = state.per_rank
+            result[f"{key}_resumed"], trainer = fit(
+                args, 10, dropout=0.0, layout=first, use_distributed_optimizer=zero, precision="bf16-true",
+                num_samples=80, ckpt_path=str(next(bf16_ckpt.glob("*step=5.ckpt"))))
     return result, trainer
 
 
@@ -208,10 +225,12 @@ def main() -> None:
         else:
             result["continued"], trainer = fit(args, 5, dropout=0.0, ckpt_path=str(args.ckpt), model_extra=extra)
     elif args.scenario == "zero":
-        # the distributed optimizer: DP 4, TP 2 x DP 2 and PP 2 x DP 2 on 4 devices (DP 4 saves at
-        # step 5); DP 2 on 2 devices; one process; --ckpt: continue from DP 4's checkpoint
+        # the distributed optimizer: DP 4, TP 2 x DP 2 (also with SP) and PP 2 x DP 2 (also with 2
+        # virtual chunks) on 4 devices (DP 4 saves at step 5); DP 2 on 2 devices; one process;
+        # --ckpt: continue from DP 4's checkpoint
         one = dict(tp=1, pp=1, sp=False, vp=None)
-        layouts = {4: {"dp4": one, "tp2_dp2": dict(one, tp=2), "pp2_dp2": dict(one, pp=2)},
+        layouts = {4: {"dp4": one, "tp2_dp2": dict(one, tp=2), "pp2_dp2": dict(one, pp=2),
+                       "tp2_sp_dp2": dict(one, tp=2, sp=True), "pp2_v2_dp2": dict(one, pp=2, vp=2)},
                    2: {"dp2": one}, 1: {"single": one}}[args.devices]
         result, trainer = zero_runs(args, layouts, args.ckpt, args.out.parent)
     elif args.scenario == "fabric_example":
