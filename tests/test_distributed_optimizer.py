@@ -3,7 +3,7 @@
 Through ``Trainer.fit`` (tests/scripts/fit_gpt.py --scenario zero): DP 4, TP 2 x DP 2, PP 2 x DP 2
 (4 devices), DP 2 (2 devices) and one process, each with and without the distributed optimizer,
 10 AdamW steps clipped by the global norm; SGD with momentum; a checkpoint written on DP 4 with it
-continued on DP 2 and on one process, with and without it; bf16 weights on one process and DP 2,
+continued on DP 2 and on one process, with and without it; the other recompute policies; bf16 weights on one process and DP 2,
 with and without it, each resumed from step 5.
 """
 from __future__ import annotations
@@ -54,6 +54,8 @@ def test_distributed_optimizer_matches_one_process_shards_state_and_reshards(run
             ratio = shard * dp / whole
             print(f"{name} rank {rank}: optimizer state {shard} B with, {whole} B without: x DP = {ratio:.5f}")
             assert abs(ratio - 1) <= 0.02, (name, rank, ratio)
+    for policy in ("none", "full", "selective"):
+        _close(two[f"zero_{policy}"], reference, f"DP 2 with the distributed optimizer and recompute policy {policy}")
     for result, name in ((four, "dp4"), (two, "dp2")):
         _close(result["sgd_zero"], one["sgd"], f"SGD on {name} with the distributed optimizer")
         _close(result["sgd"], one["sgd"], f"SGD on {name} without it")

@@ -150,7 +150,7 @@ def test_fabric_plain_data_parallel_and_resharded_loads(example_run, trainer_run
     step_diff = max(abs(a - b) for run in trained.values() for a, b in zip(run["losses"], trained["pp2"]["losses"]))
     print(f"Fabric training from it, 2 AdamW steps (dropout 0, clipped): eval losses after {after}; max |step loss "
           f"- PP2's| = {step_diff:.3g}")
-    assert set(after) == {"dp2", "dp2_accumulate2", "tp2", "pp2"}
+    assert set(after) == {"dp2", "dp2_accumulate2", "tp2", "pp2", "dp2_zero"}
     assert max(after.values()) - min(after.values()) <= 1e-5 and step_diff <= 1e-5
     assert all(abs(after[name] - losses[name.split("_")[0]]) > 1e-4 for name in after)  # the steps changed it
     bf16, fp32 = gpt["bf16_true_pp2"], trained["pp2"]["losses"][0]
@@ -163,6 +163,11 @@ def test_fabric_plain_data_parallel_and_resharded_loads(example_run, trainer_run
     print(f"step-6 checkpoints of the same run by Fabric and by the Trainer, both loaded by Fabric on DP2: eval "
           f"loss {fabric_final['eval_loss']:.6f} vs {trainer_final['eval_loss']:.6f}, max |diff| {diffs}")
     assert fabric_final["steps"] == trainer_final["steps"] == [6]
+    zero = gpt["final"]["fabric_into_zero"]  # the same checkpoint into the distributed optimizer
+    print(f"... and into the distributed optimizer: eval loss {zero['eval_loss']:.6f}, sum of AdamW's second "
+          f"moments over DP {zero['moment_sum']:.9g} vs {fabric_final['moment_sum']:.9g}")
+    assert zero["steps"] == [6] and abs(zero["eval_loss"] - fabric_final["eval_loss"]) <= 1e-6
+    assert zero["moment_sum"] == pytest.approx(fabric_final["moment_sum"], rel=1e-9)
     assert abs(fabric_final["eval_loss"] - trainer_final["eval_loss"]) <= 1e-6 and max(diffs.values()) <= 1e-6
     assert gpt["training_step"]["grads"] and 5.0 < gpt["training_step"]["loss"] < 6.0  # MHCGPTModule.training_step
     refused = gpt["refused"]

@@ -175,6 +175,14 @@ def phase_gpt(ckpt: str, final: str | None, trainer_final: str | None) -> dict:
             result["final"] = {source: _load_with_optimizer(fabric, path, batch)
                                for source, path in (("fabric", final), ("trainer", trainer_final))}
         fabric.strategy.teardown()
+    # the distributed optimizer under Fabric: the same two steps, and the final checkpoint (saved
+    # without it) loaded into it with its optimizer
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=MHCParallelStrategy(use_distributed_optimizer=True))
+    fabric.launch()
+    result["trained"]["dp2_zero"] = _train_two_steps(fabric, ckpt, batch)
+    if final:
+        result["final"]["fabric_into_zero"] = _load_with_optimizer(fabric, final, batch)
+    fabric.strategy.teardown()
     result["bf16_true_pp2"] = _bf16_true_step(ckpt)
     return result
 
@@ -245,9 +253,12 @@ def _load_with_optimizer(fabric: Fabric, path: str, batch: dict) -> dict:
     optimizer = fabric.setup_optimizers(module.configure_optimizers(max_steps=6)["optimizer"])
     fabric.load(path, {"model": model, "optimizer": optimizer})
     model.eval()
-    moments = [s["exp_avg_sq"].reshape(-1) for s in optimizer.state_dict()["state"].values()]
+    moments = torch.cat([s["exp_avg_sq"].reshape(-1) for s in optimizer.state_dict()["state"].values()])
+    moment_sum = moments.double().sum()
+    if fabric.strategy.runtime.distributed_optimizer is not None:  # each DP rank holds its pieces
+        dist.all_reduce(moment_sum, group=fabric.strategy.layout.dp_group)
     return dict(eval_loss=fabric.strategy.forward_backward(model, batch, forward_only=True).item(),
-                weights=flat(model).tolist(), moments=torch.cat(moments).tolist(),
+                weights=flat(model).tolist(), moments=moments.tolist(), moment_sum=moment_sum.item(),
                 steps=sorted({int(s["step"]) for s in optimizer.state_dict()["state"].values()}))
 
 

@@ -123,6 +123,10 @@ def zero_runs(args, layouts: dict, ckpt: pathlib.Path | None, out_dir: pathlib.P
             result[f"resumed{'_zero' if zero else ''}"], trainer = fit(
                 args, 10, dropout=0.0, layout=first, use_distributed_optimizer=zero, ckpt_path=str(ckpt),
                 num_samples=80)
+    if args.devices == 2:  # every other recompute policy (mhc_block is the default)
+        for policy in ("none", "full", "selective"):
+            result[f"zero_{policy}"], trainer = fit(args, 10, dropout=0.0, layout=first, use_distributed_optimizer=True,
+                                                    num_samples=80, policy=policy)
     if args.devices <= 2:  # bf16 weights, fp32 main weights; with the distributed optimizer a resume
         for zero in (False, True):
             key, state = f"bf16{'_zero' if zero else ''}", StateBytes()
@@ -148,12 +152,12 @@ def fit(args, max_steps: int, dropout: float, ckpt_dir: str | None = None, ckpt_
         model_extra: dict | None = None, extra_callbacks: list | None = None, config: dict | None = None,
         seq: int = SEQ, global_batch: int = GLOBAL_BATCH, num_samples: int = STEPS_PER_EPOCH * GLOBAL_BATCH,
         lr: float = 1e-3, warmup_steps: int = 2, max_grad_norm: float = 1.0, use_distributed_optimizer: bool = False,
-        precision: str = "32-true") -> list[float]:
+        precision: str = "32-true", policy: str | None = None) -> list[float]:
     layout = layout or dict(tp=args.tp, pp=args.pp, sp=args.sp, vp=args.vp)
     dp = args.devices // (layout["tp"] * layout["pp"])
     loader = DataLoader(SyntheticTokens(num_samples, seq), batch_size=global_batch // dp, shuffle=True)
     recorder = LossRecorder()
-    callbacks = [recorder, MHCRecomputeCallback(args.policy), *(extra_callbacks or [])]
+    callbacks = [recorder, MHCRecomputeCallback(policy or args.policy), *(extra_callbacks or [])]
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_train_steps=every_n_train_steps))
         # Lightning's default kind too: saved in on_train_epoch_end
