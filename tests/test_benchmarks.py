@@ -57,6 +57,18 @@ def test_byom_vs_model_parallel(tmp_path):
         assert abs(losses[0] - math.log(result["model"]["vocab"])) < 0.5
 
 
+def test_distributed_optimizer(tmp_path):
+    """Its state per rank is the ideal (AdamW's / DP) within 2 %, on every DP size."""
+    out = tmp_path / "zero.json"
+    _run("distributed_optimizer.py", "--hidden", "32", "--vocab", "256", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["dp"], r["optimizer"]) for r in rows} == {(dp, o) for dp in (1, 2, 4) for o in ("AdamW", "distributed")}
+    for row in rows:
+        if row["optimizer"] == "distributed":
+            assert abs(row["state_vs_ideal"] - 1) <= 0.02, row
+            assert len(row["per_rank_bytes"]) == row["dp"]
+
+
 def test_preprocess_throughput(tmp_path):
     out = tmp_path / "preprocess.json"
     _run("preprocess_throughput.py", "--copies", "1", "--out", str(out))

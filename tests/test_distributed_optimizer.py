@@ -124,3 +124,50 @@ def test_bf16_weights_train_on_fp32_main_weights_and_resume_exactly(runs):
         whole = result[f"{'single' if result is one else 'dp2'}_state_bytes"][0]
         assert abs(result["bf16_state_bytes"][0] / whole - 1.5) <= 0.02 * 1.5
     assert abs(two["bf16_zero_state_bytes"][0] * 2 / two["bf16_state_bytes"][0] - 1) <= 0.02
+
+
+def _plain_module_on_two_ranks(rank: int, world: int) -> list[float]:
+    """3 AdamW steps, clipped, of a plain module with a frozen layer, the parameters cut into
+    many small buckets (pieces end mid-tensor), each rank on its half of the batch."""
+    from lightning_mhc.distributed.layout import destroy_parallel, initialize_parallel
+
+    layout = initialize_parallel(1, 1)
+    model, optimizer, batches = _plain_setup()
+    taken = DistributedOptimizer(optimizer, [model], layout, bucket_bytes=160)
+    assert len(taken.buckets) > 3 and all(pc.flat_range.stop - pc.flat_range.start < pc.param.numel()
+                                          for pc in taken.pieces.values())  # every piece is a part
+    for x, y in batches:
+        mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        taken.reduce_gradients()
+        taken.clip_grad_norm(0.5)
+        optimizer.step()
+        taken.finish_step()
+        optimizer.zero_grad()
+    destroy_parallel()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def _plain_setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3), torch.nn.Linear(3, 3))
+    model[3].requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)  # the frozen layer too, as users write it
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)) for _ in range(3)]
+    return model, optimizer, batches
+
+
+def test_plain_module_with_frozen_layer_matches_one_process():
+    from lightning_mhc.testing.launch import spawn_ranks
+
+    results = spawn_ranks(_plain_module_on_two_ranks, 2, timeout_s=120)
+    model, optimizer, batches = _plain_setup()
+    for x, y in batches:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for rank, weights in enumerate(results):
+        torch.testing.assert_close(torch.tensor(weights), reference, rtol=0, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")

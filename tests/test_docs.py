@@ -52,7 +52,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md"]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 ENTRY_POINTS = PYPROJECT["project"]["scripts"]  # lightning-mhc-train = "lightning_mhc.cli.train:main", ...
-PROGRAMS = (*ENTRY_POINTS, "python", "pip", "make", "torchrun", "pytest")
+PROGRAMS = (*ENTRY_POINTS, "python", "pip", "make", "torchrun", "pytest", "sbatch")
+TORCHRUN_OPTIONS = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--standalone", "--node-rank", "--rdzv-backend",
+                    "--rdzv-endpoint", "--rdzv-id", "--master-addr", "--master-port"}
+"""The torchrun options the documents may use (those the tests launch with, and c10d's rendezvous)."""
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 PYTHON_LANGS = {"python", "py"}
 TRAIN_MODULES = ("lightning_mhc.train", "lightning_mhc.cli.train")
@@ -196,6 +199,8 @@ def _kind(command: Command) -> str:
         return "pytest"
     if argv[0] == "lightning-mhc-train" or argv[0] == "python" and argv[1:2] == ["-m"] and argv[2] in TRAIN_MODULES:
         return "train"
+    if argv[0] == "torchrun" and "-m" in argv and argv[argv.index("-m") + 1] in TRAIN_MODULES:
+        return "train"
     if argv[0] in ENTRY_POINTS:
         return argv[0]
     if argv[0] == "python" and argv[1:2] == ["-m"]:
@@ -275,6 +280,9 @@ def _check_train(command, scratch, monkeypatch, capsys):
     argv = command.argv
     if "trainer=gpu" in argv and not _cuda():
         pytest.skip("trainer=gpu needs the GPUs it asks for (the check refuses it on a machine without)")
+    if argv[0] == "torchrun":  # its options are torchrun's; the run's arguments follow the module
+        _check_torchrun_options(argv[1:argv.index("-m")])
+        argv = ["python", *argv[argv.index("-m"):]]
     args = argv[3:] if argv[0] == "python" else argv[1:]
     _megatron_data(args, scratch)
     if argv[0] == "python":
@@ -296,8 +304,7 @@ def _check_script(command, scratch, monkeypatch, capsys):
     script, args = ROOT / argv[at], argv[at + 1:]
     assert script.is_file(), f"no script {argv[at]}"
     if argv[0] == "torchrun":
-        options = {a.split("=")[0] for a in argv[1:at] if a.startswith("-")}
-        assert options <= {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--standalone"}, options
+        _check_torchrun_options(argv[1:at])
     if script.parent.name == "examples":
         assert script.name in _tests_text(), f"no test runs {argv[at]}"
     if script.name == "sweep_recompute.py":
@@ -314,6 +321,21 @@ def _check_script(command, scratch, monkeypatch, capsys):
 def _entry_point(name: str):
     module, _, function = ENTRY_POINTS[name].partition(":")
     return getattr(importlib.import_module(module), function)
+
+
+def _check_torchrun_options(options: list[str]) -> None:
+    unknown = {a.split("=")[0] for a in options if a.startswith("-")} - TORCHRUN_OPTIONS
+    assert not unknown, f"torchrun options no test uses: {sorted(unknown)}"
+
+
+def _check_sbatch(command, scratch, monkeypatch, capsys):
+    """``sbatch examples/<script> [overrides]``: the script exists, a test runs it (under a fake
+    SLURM), and the overrides pass the CLI's check."""
+    script = ROOT / command.argv[1]
+    assert script.is_file() and script.parent.name == "examples", f"no script {command.argv[1]}"
+    assert script.name in _tests_text(), f"no test runs {command.argv[1]}"
+    status, err = check_before_launch(_substitute(command.argv[2:], scratch), scratch, monkeypatch, capsys)
+    assert status == 0, f"exit status {status}:\n{err}"
 
 
 def _check_export(command, scratch, monkeypatch, capsys):
@@ -402,7 +424,7 @@ def _check_module(command, scratch, monkeypatch, capsys):
 CHECKS = {"train": _check_train, "script": _check_script, "lightning-mhc-export": _check_export,
           "lightning-mhc-preprocess": _check_preprocess,
           "lightning-mhc-generate": _check_generate, "pip": _check_pip, "make": _check_make,
-          "pytest": _check_pytest, "module": _check_module}
+          "pytest": _check_pytest, "module": _check_module, "sbatch": _check_sbatch}
 
 
 def _cuda() -> bool:

@@ -8,7 +8,7 @@ cached for the process, so every later resolution (Hydra resolves the key severa
 Lightning passes ``hydra.run.dir=<this directory>`` to the processes it launches) names the same
 directory. It is returned as an absolute path, so it means the same after Hydra's ``chdir``.
 
-Processes started by an external launcher (``torchrun``: ``RANK`` / ``LOCAL_RANK`` set) reserve
+Processes started by an external launcher (``torchrun``, ``srun``) reserve
 nothing: each of them resolves the pattern on its own, so they must agree on the name; they get
 the plain formatted time (pass ``hydra.run.dir=<dir>`` to be sure).
 """
@@ -23,11 +23,20 @@ RESOLVER = "mhc_unique_dir"
 _reserved: dict[str, str] = {}
 
 
+def started_by_a_launcher() -> bool:
+    """This process is one rank of a job whose processes something else started (Lightning's
+    launcher, torchrun, SLURM's ``srun``): it neither checks the command line, nor reserves a run
+    directory, nor launches."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return "LOCAL_RANK" in os.environ or "RANK" in os.environ or SLURMEnvironment.detect()
+
+
 def unique_dir(pattern: str) -> str:
     """The absolute directory reserved for ``pattern`` (``strftime`` fields) in this process."""
     if pattern not in _reserved:
         base = os.path.abspath(time.strftime(pattern))
-        if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        if started_by_a_launcher():
             _reserved[pattern] = base
         else:
             os.makedirs(os.path.dirname(base), exist_ok=True)

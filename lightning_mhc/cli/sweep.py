@@ -15,6 +15,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from lightning_mhc.cli.run_dir import started_by_a_launcher
+
 COLUMNS = ["job", "overrides", "status", "error", "policy", "devices", "tensor_model_parallel_size",
            "pipeline_model_parallel_size", "data_parallel_size", "steps", "initial_val_loss", "final_val_loss",
            "final_train_loss", "tokens_per_sec", "tokens_per_sec_p25", "tokens_per_sec_p75", "step_time_ms",
@@ -26,13 +28,11 @@ class SweepSummary(Callback):
         self.rows: dict[int, dict[str, Any]] = {}
 
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
-        import os
-
         from hydra.core.hydra_config import HydraConfig
         from hydra.core.utils import JobStatus, filter_overrides
 
         hc = HydraConfig.get()
-        if hc.mode.name != "MULTIRUN" or "LOCAL_RANK" in os.environ or job_return is None:
+        if hc.mode.name != "MULTIRUN" or started_by_a_launcher() or job_return is None:
             return
         job_dir = Path(hc.runtime.output_dir)
         sweep_dir = job_dir.parents[len(Path(str(hc.sweep.subdir)).parts) - 1]

@@ -35,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_mhc.cli import preflight
 from lightning_mhc.cli.schema import TrainConfig
+from lightning_mhc.cli.run_dir import started_by_a_launcher
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.cli.preflight import (
     CONF_DIR,
@@ -87,7 +88,7 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
     import lightning.pytorch as pl
 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    launched_here = "LOCAL_RANK" not in os.environ
+    launched_here = not started_by_a_launcher()
     strategy = _build_strategy(cfg)
     trainer, checkpoints = _build_trainer(cfg, strategy, output_dir, resolved, ckpt_path)
     module, data = _build_module_and_data(cfg, output_dir)
@@ -292,7 +293,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     output_dir = Path(HydraConfig.get().runtime.output_dir)
-    launched_here = "LOCAL_RANK" not in os.environ
+    launched_here = not started_by_a_launcher()
     try:
         train_cfg = to_train_config(cfg)
         if launched_here and not preflight.checked:  # main checked it already; a launched child's parent did
@@ -311,10 +312,10 @@ def hydra_main(cfg: DictConfig) -> float | None:
 def main() -> None:
     """``lightning-mhc-train``: check the command line's run(s), then hand them to Hydra.
 
-    Processes launched for a run (``LOCAL_RANK`` set: Lightning's children, torchrun's ranks)
-    skip the check: their parent checked the same command line, or the launcher's ranks share it.
+    Processes launched for a run (Lightning's children, torchrun's or srun's ranks) skip the
+    check: their parent checked the same command line, or the launcher's ranks share it.
     """
-    if "LOCAL_RANK" not in os.environ:
+    if not started_by_a_launcher():
         check_command_line(sys.argv[1:])
     hydra_main()
 

@@ -182,7 +182,7 @@ class DistributedOptimizer:
                               "over before the first step.")
         self.optimizer, self.layout = optimizer, layout
         parts, index = (layout.data_parallel_size, layout.data_parallel_rank) if shard else (1, 0)
-        trained = [p for group in optimizer.param_groups for p in group["params"]]
+        trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(_accumulate_in_fp32)
                        for p in trained if p.dtype != torch.float32]
         for p in trained:

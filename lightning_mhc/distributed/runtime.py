@@ -308,7 +308,7 @@ class ParallelRuntime:
         ``overlap_grad_reduce``)."""
         if forward_only or accumulate > 1 or not self.settings.overlap_grad_reduce or self.layout.data_parallel_size == 1:
             return None
-        if self._distributed_module == id(module):
+        if self.takes_over(module):
             return self.distributed_optimizer.reduction.start
         reduction = self._grad_reductions.get(id(module))
         if reduction is None:
@@ -347,6 +347,10 @@ class ParallelRuntime:
             shard=self.settings.use_distributed_optimizer)
         self._distributed_module = id(module)
 
+    def takes_over(self, module: torch.nn.Module) -> bool:
+        """Whether the distributed optimizer steps ``module`` (and reduces its gradients)."""
+        return self._distributed_module == id(module)
+
     def optimizer_pieces(self, optimizer: Any) -> list[tuple[Tensor, Tensor, slice]]:
         """``(piece, parameter, flat range)`` of what the distributed optimizer steps in place of
         ``optimizer``'s parameters (none for another optimizer): for the checkpoint."""
@@ -357,7 +361,7 @@ class ParallelRuntime:
 
     def grad_norm(self, module: torch.nn.Module, max_norm: float | None = None) -> float:
         """The global gradient norm of ``module`` (before clipping to ``max_norm`` when given)."""
-        if self._distributed_module == id(module):
+        if self.takes_over(module):
             taken = self.distributed_optimizer
             return taken.clip_grad_norm(max_norm) if max_norm else taken.grad_norm()
         params = with_grads(module.parameters())
@@ -365,7 +369,7 @@ class ParallelRuntime:
 
     def drop_gradients(self, module: torch.nn.Module) -> None:
         """Skip this step's update: no gradients, which the optimizer reads as nothing to do."""
-        if self._distributed_module == id(module):
+        if self.takes_over(module):
             self.distributed_optimizer.drop_gradients()
         for p in module.parameters():
             p.grad = None
@@ -379,7 +383,7 @@ class ParallelRuntime:
 
     def model_loaded(self, module: torch.nn.Module) -> None:
         """``module``'s weights were just loaded: the fp32 main weights of bf16 ones follow."""
-        if self._distributed_module == id(module):
+        if self.takes_over(module):
             self.distributed_optimizer.load_main_weights()
 
     def finish_step(self) -> None:
@@ -390,7 +394,7 @@ class ParallelRuntime:
     def reduce_gradients(self, module: torch.nn.Module) -> None:
         """DP average (finishing the overlapped reduction when one ran), SP parameters summed
         over TP, the tied embedding reduced between the first and last stage."""
-        if self._distributed_module == id(module):
+        if self.takes_over(module):
             self.distributed_optimizer.reduce_gradients()
             return
         overlapped = self._grad_reductions[id(module)] if id(module) in self._overlapped else None

@@ -199,7 +199,9 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
             )
         super().backward(tensor, module, *args, **kwargs)
         for m in modules:
-            if self._backward_sync_control.syncs(m) and any(p.grad is not None for p in m.parameters()):
+            # (bf16 weights under the distributed optimizer leave .grad empty: it keeps fp32 main_grad)
+            if self._backward_sync_control.syncs(m) and (self.runtime.takes_over(m) or
+                                                         any(p.grad is not None for p in m.parameters())):
                 self.runtime.reduce_gradients(m)
 
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int,
