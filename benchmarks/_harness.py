@@ -85,3 +85,10 @@ def pyplot():
         print("matplotlib not installed (pip install -e '.[bench]'): no plot")
         return None
     return plt
+
+
+def save_figure(fig, path: pathlib.Path, dpi: int = 120) -> None:
+    """Lay the figure out tightly and write it as a PNG."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    print(f"wrote {path}")

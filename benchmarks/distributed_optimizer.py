@@ -22,7 +22,7 @@ import os
 import pathlib
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
-from _harness import RESULTS, interleaved_times, median, pyplot, write_json
+from _harness import RESULTS, interleaved_times, median, pyplot, save_figure, write_json
 
 LAYERS, SEQ, MICRO_BATCH, DP_SIZES = 4, 128, 4, (1, 2, 4)
 
@@ -144,10 +144,7 @@ def main() -> None:
         ax.set_ylabel("MiB per rank (largest rank)")
         ax.set_title("Per-rank memory with and without the distributed optimizer")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        png = args.out.with_suffix(".png")
-        fig.savefig(png, dpi=120)
-        print(f"wrote {png}")
+        save_figure(fig, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

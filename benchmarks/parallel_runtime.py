@@ -25,7 +25,7 @@ import os
 import pathlib
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
-from _harness import RESULTS, interleaved_times, median, pyplot, write_json
+from _harness import RESULTS, interleaved_times, median, pyplot, save_figure, write_json
 
 SEQ, MICRO_BATCH, LAYERS, HIDDEN = 64, 2, 8, 128
 MICROBATCHES = (2, 4, 8)
@@ -142,10 +142,7 @@ def main() -> None:
         ax.set_ylabel("step time, interleaved / 1F1B")
         ax.set_xticks(ms)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        png = args.out.with_suffix(".png")
-        fig.savefig(png, dpi=120)
-        print(f"wrote {png}")
+        save_figure(fig, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Through ``Trainer.fit`` (tests/scripts/fit_gpt.py --scenario zero): DP 4, TP 2 x DP 2, PP 2 x DP 2
 (4 devices), DP 2 (2 devices) and one process, each with and without the distributed optimizer,
 10 AdamW steps clipped by the global norm; SGD with momentum; a checkpoint written on DP 4 with it
-continued on DP 2 and on one process, with and without it; the other recompute policies; bf16 weights on one process and DP 2,
+continued on DP 2 and on one process, with and without it, and TP 2 x DP 2's and DP 4's on other
+TP/PP layouts; the other recompute policies; bf16 weights on one process and DP 2,
 with and without it, each resumed from step 5.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ def runs(tmp_path_factory) -> tuple[dict, dict, dict]:
     """The results of the 4-, 2- and 1-device groups (each one launch running all its cases)."""
     tmp_path = tmp_path_factory.mktemp("zero")
     four = fit_gpt(tmp_path / "four", "--devices", "4", "--scenario", "zero")
-    ckpt = four["checkpoint"]
+    ckpt = four["dp4_zero_checkpoint"]
     two = fit_gpt(tmp_path / "two", "--devices", "2", "--scenario", "zero", "--ckpt", ckpt)
     one = fit_gpt(tmp_path / "one", "--devices", "1", "--scenario", "zero", "--ckpt", ckpt)
     return four, two, one
@@ -65,6 +66,10 @@ def test_distributed_optimizer_matches_one_process_shards_state_and_reshards(run
         for key in ("resumed", "resumed_zero"):
             with_it = "with" if key.endswith("zero") else "without"
             _close(result[key], continued, f"DP 4's step-5 checkpoint continued on {where} {with_it} the distributed optimizer")
+    for key in ("dp4_zero_to_tp2_dp2_zero", "dp4_zero_to_pp2_dp2_zero", "tp2_dp2_zero_to_pp2_dp2",
+                "tp2_dp2_zero_to_dp4_zero"):  # onto other TP/PP layouts
+        source = key.split("_to_")[0]
+        _close(four[key], four[source][5:], f"{source}'s step-5 checkpoint continued as {key.split('_to_')[1]}")
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (1, 6), (4, 1, 3), ()])

@@ -307,10 +307,16 @@ class DistributedOptimizer:
                     state[MAIN_PARAM] = pc.main
 
     def remove(self) -> None:
+        """The hooks and the fp32 gradient buffers go (training is over); the pieces stay, so
+        that the optimizer's state can still be saved under its parameters' names."""
         self.reduction.remove()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for bucket in self.buckets:
+            for p in bucket.params:
+                if hasattr(p, "main_grad"):
+                    del p.main_grad
 
 
 def _accumulate_in_fp32(param: torch.nn.Parameter) -> None:

@@ -215,9 +215,8 @@ class ParallelRuntime:
             reduction.remove()
         self._grad_reductions.clear()
         self._overlapped.clear()
-        if self.distributed_optimizer is not None:
+        if self.distributed_optimizer is not None:  # kept: its pieces name the optimizer's state for a save
             self.distributed_optimizer.remove()
-            self.distributed_optimizer = self._distributed_module = None
 
     def stop(self) -> None:
         """Tear the groups and the parallel randomizer down (``layout`` stays readable: degrees and
@@ -334,10 +333,9 @@ class ParallelRuntime:
         if not (self.settings.use_distributed_optimizer or low_precision):
             return
         if len(optimizers) != 1:
-            raise ConfigError(
-                f"{'the distributed optimizer' if self.settings.use_distributed_optimizer else 'bf16 weights'} "
-                f"need{'s' if self.settings.use_distributed_optimizer else ''} one optimizer per module; "
-                f"configure_optimizers returned {len(optimizers)}.")
+            what = ("use_distributed_optimizer=True" if self.settings.use_distributed_optimizer
+                    else "bf16 weights (stepped on fp32 main weights)")
+            raise ConfigError(f"{what} takes one optimizer per module; configure_optimizers returned {len(optimizers)}.")
         if self.distributed_optimizer is not None:
             self.distributed_optimizer.remove()
         chunks = module.model_chunks() if has_model_chunks(module) else [module]

@@ -105,15 +105,21 @@ def zero_runs(args, layouts: dict, ckpt: pathlib.Path | None, out_dir: pathlib.P
         for zero in (False, True):
             state = StateBytes()
             key = f"{name}{'_zero' if zero else ''}"
-            saving = zero and name == "dp4"
-            ckpt_dir = out_dir / "zero_ckpt" if saving else None
+            saving = zero and name in ("dp4", "tp2_dp2")
+            ckpt_dir = out_dir / f"{key}_ckpt" if saving else None
             result[key], trainer = fit(args, 10, dropout=0.0, layout=layout, use_distributed_optimizer=zero,
                                        extra_callbacks=[state], ckpt_dir=str(ckpt_dir) if saving else None,
                                        every_n_train_steps=5, num_samples=80)
             result[f"{key}_state_bytes"] = state.per_rank
             result[f"{key}_overlapped_buckets"] = state.overlapped
             if saving:
-                result["checkpoint"] = str(next(ckpt_dir.glob("*step=5.ckpt")))
+                result[f"{key}_checkpoint"] = str(next(ckpt_dir.glob("*step=5.ckpt")))
+    if "dp4" in layouts:  # its checkpoints onto other TP/PP layouts, with and without it
+        for source, target, zero in (("dp4", "tp2_dp2", True), ("dp4", "pp2_dp2", True),
+                                     ("tp2_dp2", "pp2_dp2", False), ("tp2_dp2", "dp4", True)):
+            result[f"{source}_zero_to_{target}{'_zero' if zero else ''}"], trainer = fit(
+                args, 10, dropout=0.0, layout=layouts[target], use_distributed_optimizer=zero,
+                ckpt_path=result[f"{source}_zero_checkpoint"], num_samples=80)
     first = next(iter(layouts.values()))
     for zero in (False, True):
         result[f"sgd{'_zero' if zero else ''}"], trainer = fit(args, 10, dropout=0.0, layout=first, module_cls=SGDModule,
