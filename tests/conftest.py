@@ -38,3 +38,20 @@ def model_parallel(single_rank_group):
     torch.manual_seed(0)
     yield current_layout()
     parallel_state.destroy_model_parallel()
+
+
+# ``lightning-mhc-train`` in one process: 6 steps of the tiny model on synthetic tokens, global
+# batch 8 in 2 microbatches of 4, dropout off; the reference of the CLI's multi-process runs
+CLI_REFERENCE_RUN = ["trainer=debug", "data=synthetic", "trainer.log_every_n_steps=1", "data.global_batch_size=8",
+                     "data.micro_batch_size=4", "model.hidden_dropout=0", "model.attention_dropout=0"]
+
+
+@pytest.fixture(scope="session")
+def cli_reference_losses(tmp_path_factory) -> dict[int, float]:
+    """``{step: train_loss}`` of ``CLI_REFERENCE_RUN`` (run once per session)."""
+    from train_cli import run_train, train_losses
+
+    cwd = tmp_path_factory.mktemp("cli_reference")
+    proc = run_train(cwd, *CLI_REFERENCE_RUN, f"hydra.run.dir={cwd / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return train_losses(cwd / "run" / "metrics.csv")

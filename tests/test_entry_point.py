@@ -31,14 +31,14 @@ def _fit(tmp_path: pathlib.Path, name: str, *overrides: str) -> pathlib.Path:
     return _run_dir(cwd)
 
 
-def test_data_parallel_runs_match_one_process(tmp_path):
-    """Global batch 8: one process (2 microbatches of 4) vs DP = 2 (micro-batch 4 per rank) vs
-    PP = 2 x DP = 2 (2 microbatches of 2 per rank), per-step training losses."""
+def test_data_parallel_runs_match_one_process(tmp_path, cli_reference_losses):
+    """Global batch 8: one process (2 microbatches of 4; conftest's ``cli_reference_losses``) vs
+    DP = 2 (micro-batch 4 per rank) vs PP = 2 x DP = 2 (2 microbatches of 2 per rank), per-step
+    training losses."""
     batch = ["data.global_batch_size=8", *NO_DROPOUT]
-    single = _fit(tmp_path, "single", *batch, "data.micro_batch_size=4")
     dp2 = _fit(tmp_path, "dp2", *batch, "data.micro_batch_size=4", "parallel=dp2", "trainer.devices=2")
     pp2dp2 = _fit(tmp_path, "pp2dp2", *batch, "data.micro_batch_size=2", "parallel=pp2", "trainer.devices=4")
-    reference = train_losses(single / "metrics.csv")
+    reference = cli_reference_losses
     assert len(reference) == 6
     for run_dir in (dp2, pp2dp2):
         losses = train_losses(run_dir / "metrics.csv")

@@ -76,7 +76,7 @@ def test_mhc_implementation_reaches_the_model_config():
         (["recompute=mhc_block", "recompute.recompute_modules=[layernorm,mlp]"], ConfigError,
          r"recompute.recompute_modules=\['layernorm', 'mlp'\]"),
         (["parallel=tp2pp2", "trainer.devices=2"], ConfigError,
-         "parallel.tensor_model_parallel_size=2 \\* parallel.pipeline_model_parallel_size=2 = 4 does not divide trainer.devices=2"),
+         "parallel.tensor_model_parallel_size=2 \\* parallel.pipeline_model_parallel_size=2 = 4 does not divide trainer.devices x trainer.num_nodes = 2"),
         (["parallel=pp4", "trainer.devices=4", "model.num_layers=6"], ConfigError,
          "model.num_layers=6 cannot be split evenly over parallel.pipeline_model_parallel_size=4"),
         (["parallel=tp2", "trainer.devices=2", "model.num_attention_heads=3", "model.hidden_size=63"], ConfigError,

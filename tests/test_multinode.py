@@ -16,14 +16,15 @@ import sys
 import pytest
 import torch
 
+from conftest import CLI_REFERENCE_RUN
 from subprocess_env import child_env
-from train_cli import run_train, train_losses
+from train_cli import train_losses
 
 ROOT = pathlib.Path(__file__).parents[1]
 FAKE_SLURM = pathlib.Path(__file__).parent / "scripts" / "fake_slurm"
-# global batch 8: one process takes 2 microbatches of 4, TP 2 x DP 2 one of 4 per DP rank
-RUN = ["trainer=debug", "data=synthetic", "trainer.log_every_n_steps=1", "data.global_batch_size=8",
-       "data.micro_batch_size=4", "model.hidden_dropout=0", "model.attention_dropout=0"]
+# global batch 8: one process takes 2 microbatches of 4 (conftest's cli_reference_losses), TP 2 x
+# DP 2 one of 4 per DP rank
+RUN = CLI_REFERENCE_RUN
 TP2_DP2 = ["parallel=tp2", "optim.use_distributed_optimizer=true"]
 TIMEOUT = 420
 
@@ -45,14 +46,6 @@ def _wait_all(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
     return [(p.returncode, out + err) for p, (out, err) in zip(procs, outputs)]
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> dict[int, float]:
-    cwd = tmp_path_factory.mktemp("single")
-    proc = run_train(cwd, *RUN, f"hydra.run.dir={cwd / 'run'}")
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return train_losses(cwd / "run" / "metrics.csv")
-
-
 def _check_against(run_dir: pathlib.Path, reference: dict[int, float], what: str) -> None:
     losses = train_losses(run_dir / "metrics.csv")
     assert losses.keys() == reference.keys() and len(reference) == 6, what
@@ -63,7 +56,7 @@ def _check_against(run_dir: pathlib.Path, reference: dict[int, float], what: str
 
 
 @pytest.mark.slow
-def test_two_torchrun_nodes_match_one_process(tmp_path, one_process):
+def test_two_torchrun_nodes_match_one_process(tmp_path, cli_reference_losses):
     run_dir = tmp_path / "run"
     port = _free_port()
     procs = [subprocess.Popen(
@@ -75,11 +68,11 @@ def test_two_torchrun_nodes_match_one_process(tmp_path, one_process):
         start_new_session=True) for node in (0, 1)]
     for node, (status, output) in enumerate(_wait_all(procs)):
         assert status == 0, f"node {node}:\n{output[-6000:]}"
-    _check_against(run_dir, one_process, "torchrun, 2 nodes x 2 processes, TP 2 x DP 2, distributed optimizer")
+    _check_against(run_dir, cli_reference_losses, "torchrun, 2 nodes x 2 processes, TP 2 x DP 2, distributed optimizer")
 
 
 @pytest.mark.slow
-def test_the_sbatch_script_runs_under_slurm(tmp_path, one_process):
+def test_the_sbatch_script_runs_under_slurm(tmp_path, cli_reference_losses):
     """``bash examples/train.sbatch <overrides>`` as sbatch runs it on the first node, with the
     variables SLURM sets for the job; the fake ``srun`` starts its 4 tasks here."""
     slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="lightning-mhc", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="2",
@@ -91,5 +84,5 @@ def test_the_sbatch_script_runs_under_slurm(tmp_path, one_process):
                             start_new_session=True)
     ((status, output),) = _wait_all([proc])
     assert status == 0, output[-6000:]
-    _check_against(tmp_path / "outputs" / "slurm-4242", one_process,
+    _check_against(tmp_path / "outputs" / "slurm-4242", cli_reference_losses,
                    "examples/train.sbatch under SLURM, 2 nodes x 2 tasks, TP 2 x DP 2, distributed optimizer")

@@ -195,7 +195,7 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
     (["optim.name=lion"], "optim.name='lion': must be one of adamw, sgd, adafactor"),
     (["trainer.num_nodes=0"], "trainer.num_nodes=0: must be >= 1"),
     (["parallel=tp2pp2", "trainer.devices=2", "trainer.num_nodes=3"],
-     "= 4 does not divide trainer.devices x trainer.num_nodes=6"),
+     "= 4 does not divide trainer.devices x trainer.num_nodes = 6"),
     (["optim.warmup_steps=-1"], "optim.warmup_steps=-1: must be >= 0"),
     (["optim.min_lr_ratio=-0.1"], "optim.min_lr_ratio=-0.1: must be in [0, 1]"),
     (["trainer.val_check_interval=0"], "trainer.val_check_interval=0: must be >= 1"),

@@ -49,7 +49,7 @@ CONFIG_NAMES = KeyNames({
     **{name: f"parallel.{name}" for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                              "virtual_pipeline_model_parallel_size", "sequence_parallel")},
     **{name: f"model.{name}" for name in ("num_layers", "num_attention_heads", "hidden_size", "num_query_groups")},
-    "world_size": "trainer.devices x trainer.num_nodes", "seq_length": "data.seq_length",
+    "world_size": "trainer.devices x trainer.num_nodes = {}", "seq_length": "data.seq_length",
     "num_microbatches": "data.global_batch_size / (data.micro_batch_size x DP) = {}",
 }, show=show, keys={"num_microbatches": "data.global_batch_size"})
 """How the layout's rules name the config keys."""
