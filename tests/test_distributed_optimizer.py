@@ -9,6 +9,7 @@ with and without it, each resumed from step 5.
 """
 from __future__ import annotations
 
+import csv
 import math
 
 import pytest
@@ -175,3 +176,33 @@ def test_plain_module_with_frozen_layer_matches_one_process():
     reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     for rank, weights in enumerate(results):
         torch.testing.assert_close(torch.tensor(weights), reference, rtol=0, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+
+
+@pytest.mark.slow
+def test_bf16_true_trains_through_the_command_line_like_fp32(tmp_path):
+    """``lightning-mhc-train trainer.precision=bf16-true``: 30 steps on the standard library's
+    bytes learn as fp32 does. The trajectories part by the rounding of bf16 weights and
+    activations (2**-9 relative per rounding), which the updates carry forward: measured, at most
+    2.1 % apart on one step and 0.2 % on the mean of the last 5. Limits: 5 % and 1 %. The logged
+    optimizer state is 1.5x fp32's (the fp32 main weights)."""
+    from train_cli import run_train, train_losses
+
+    runs = {}
+    for precision in ("32-true", "bf16-true"):
+        run_dir = tmp_path / precision
+        proc = run_train(tmp_path, "trainer=debug", "trainer.max_steps=30", "trainer.limit_val_batches=0",
+                         "optim.warmup_steps=5", f"trainer.precision={precision}", f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        runs[precision] = run_dir
+    fp32, bf16 = (train_losses(runs[p] / "metrics.csv") for p in ("32-true", "bf16-true"))
+    assert fp32.keys() == bf16.keys() and len(fp32) == 30
+    steps = sorted(fp32)
+    gaps = [abs(bf16[k] - fp32[k]) / fp32[k] for k in steps]
+    last = [sum(losses[k] for k in steps[-5:]) / 5 for losses in (fp32, bf16)]
+    print(f"bf16-true against fp32 over 30 steps: loss {bf16[steps[0]]:.3f} -> {last[1]:.3f} (fp32 {last[0]:.3f}), "
+          f"largest step gap {max(gaps):.2%}")
+    assert bf16[steps[0]] - last[1] > 2.0  # it trains
+    assert max(gaps) <= 0.05 and abs(last[1] - last[0]) / last[0] <= 0.01
+    state = {p: float(next(row for row in csv.DictReader(open(runs[p] / "metrics.csv")) if row["optimizer_state_bytes"])
+                      ["optimizer_state_bytes"]) for p in runs}
+    assert state["bf16-true"] / state["32-true"] == pytest.approx(1.5, rel=0.02)
