@@ -254,7 +254,12 @@ def initialize_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     sequence_parallel: bool = False,
 ) -> ParallelLayout:
-    """Build megatron-core's TP, PP, DP (and embedding) groups; returns this rank's layout."""
+    """Build megatron-core's TP, PP, DP (and embedding) groups; returns this rank's layout.
+
+    A layout of these degrees built earlier and still alive is returned as it is: a model built
+    on its groups (megatron's layers keep them) goes on working, as after ``Trainer.fit`` for
+    ``trainer.save_checkpoint``, ``validate``, ``test``, ``predict`` or a second ``fit``. Other
+    degrees replace it (its groups destroyed)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: call torch.distributed.init_process_group "
@@ -262,15 +267,21 @@ def initialize_parallel(
         )
     ParallelDims(tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size(),
                  virtual_pipeline_model_parallel_size, sequence_parallel)
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    global _ACTIVE
+    live = _ACTIVE
+    if live is not None and parallel_state.model_parallel_is_initialized() and (
+            live.tensor_model_parallel_size, live.pipeline_model_parallel_size,
+            live.virtual_pipeline_model_parallel_size, live.sequence_parallel, live.world_size) == (
+            tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1,
+            sequence_parallel, dist.get_world_size()):
+        return live
+    destroy_parallel()
     kwargs = {"distributed_timeout_minutes": max(1, int(timeout.total_seconds() // 60))} if timeout else {}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         **kwargs,
     )
-    global _ACTIVE
     _ACTIVE = current_layout(virtual_pipeline_model_parallel_size, sequence_parallel)
     return _ACTIVE
 

@@ -260,9 +260,12 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
 
     # ------------------------------------------------------------ teardown
     def teardown(self) -> None:
+        """The end of ``fit`` / ``validate`` / ``test`` / ``predict``: the gradient hooks go; the
+        process groups stay (as Lightning's DDP leaves its group), so that ``trainer.save_checkpoint``
+        and the next entry point of this Trainer run on them. They go at exit, or when another
+        layout is built."""
         self.runtime.remove_gradient_hooks()
         super().teardown()
-        self.runtime.stop()
         if self.preemption.signum is not None and self.launcher is not None:
             self.preemption.wait_for(getattr(self.launcher, "procs", []))  # like torchrun: the launcher goes last
         self.preemption.cancel()  # stopped cleanly: nothing left for the watchdog
