@@ -37,6 +37,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.sharding import global_namer
+from lightning_mhc.distributed.fail_fast import FailFast
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import clip_grad_norm_, finalize_model_grads, global_grad_norm
 from lightning_mhc.distributed.launcher import watch_launcher
@@ -154,6 +155,8 @@ class ParallelRuntime:
         """The overlapped DP reduction of each trained module (by ``id``)."""
         self._overlapped: set[int] = set()
         """Modules whose overlapped reduction started in this step's last backward."""
+        self.fail_fast = FailFast()
+        """Ends this rank within seconds when another rank's run raised while this one waits on it."""
         self.distributed_optimizer: DistributedOptimizer | None = None
         """What steps the module's optimizer with ``use_distributed_optimizer`` or bf16 weights."""
         self._distributed_module: int | None = None
@@ -209,6 +212,9 @@ class ParallelRuntime:
             virtual_pipeline_model_parallel_size=s.virtual_pipeline_model_parallel_size,
         )
         model_parallel_manual_seed(s.seed, self.layout)
+        layout = self.layout
+        self.fail_fast.start(f"rank {dist.get_rank()} (TP rank {layout.tensor_model_parallel_rank}, PP rank "
+                             f"{layout.pipeline_model_parallel_rank}, DP rank {layout.data_parallel_rank})")
 
     def remove_gradient_hooks(self) -> None:
         for reduction in self._grad_reductions.values():
@@ -279,7 +285,7 @@ class ParallelRuntime:
             nonlocal peak
             peak = max(peak, meter.live_bytes(extra=held))
 
-        with meter if measure else contextlib.nullcontext():
+        with meter if measure else contextlib.nullcontext(), self.fail_fast.waiting():
             chunked = self.layout.virtual_pipeline_model_parallel_size > 1
             result = forward_backward_pipelining(
                 [ModuleChunk(module, i) for i in range(len(module.model_chunks()))] if chunked else module,
@@ -359,11 +365,12 @@ class ParallelRuntime:
 
     def grad_norm(self, module: torch.nn.Module, max_norm: float | None = None) -> float:
         """The global gradient norm of ``module`` (before clipping to ``max_norm`` when given)."""
-        if self.takes_over(module):
-            taken = self.distributed_optimizer
-            return taken.clip_grad_norm(max_norm) if max_norm else taken.grad_norm()
-        params = with_grads(module.parameters())
-        return clip_grad_norm_(params, max_norm, self.layout) if max_norm else global_grad_norm(params, self.layout)
+        with self.fail_fast.waiting():
+            if self.takes_over(module):
+                taken = self.distributed_optimizer
+                return taken.clip_grad_norm(max_norm) if max_norm else taken.grad_norm()
+            params = with_grads(module.parameters())
+            return clip_grad_norm_(params, max_norm, self.layout) if max_norm else global_grad_norm(params, self.layout)
 
     def drop_gradients(self, module: torch.nn.Module) -> None:
         """Skip this step's update: no gradients, which the optimizer reads as nothing to do."""
@@ -387,17 +394,19 @@ class ParallelRuntime:
     def finish_step(self) -> None:
         """After an optimizer step: the distributed optimizer's all-gather of the updated weights."""
         if self.distributed_optimizer is not None:
-            self.distributed_optimizer.finish_step()
+            with self.fail_fast.waiting():
+                self.distributed_optimizer.finish_step()
 
     def reduce_gradients(self, module: torch.nn.Module) -> None:
         """DP average (finishing the overlapped reduction when one ran), SP parameters summed
         over TP, the tied embedding reduced between the first and last stage."""
-        if self.takes_over(module):
-            self.distributed_optimizer.reduce_gradients()
-            return
-        overlapped = self._grad_reductions[id(module)] if id(module) in self._overlapped else None
-        self._overlapped.discard(id(module))
-        finalize_model_grads(module, self.layout, self.settings.gradient_bucket_bytes, overlapped=overlapped)
+        with self.fail_fast.waiting():
+            if self.takes_over(module):
+                self.distributed_optimizer.reduce_gradients()
+                return
+            overlapped = self._grad_reductions[id(module)] if id(module) in self._overlapped else None
+            self._overlapped.discard(id(module))
+            finalize_model_grads(module, self.layout, self.settings.gradient_bucket_bytes, overlapped=overlapped)
 
     # ------------------------------------------------------------ checkpoints
     def save(self, checkpoint: dict[str, Any], path: Path, module: torch.nn.Module, global_rank: int) -> None:
@@ -580,7 +589,9 @@ class StrategyProcesses:
     # ------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            with self.runtime.fail_fast.waiting():
+                dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast_object(obj, src)
+        with self.runtime.fail_fast.waiting():
+            return broadcast_object(obj, src)

@@ -164,7 +164,8 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
             return tensor
         group = group or self.layout.dp_group
         tensor = tensor.detach().clone().float()
-        dist.all_reduce(tensor, group=group)
+        with self.runtime.fail_fast.waiting():
+            dist.all_reduce(tensor, group=group)
         if reduce_op in ("mean", "avg", None) or str(reduce_op).lower().endswith("avg"):
             tensor /= dist.get_world_size(group)
         return tensor
@@ -259,6 +260,11 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
             dist_checkpoint.remove(Path(filepath))
 
     # ------------------------------------------------------------ teardown
+    def on_exception(self, exception: BaseException) -> None:
+        """This rank's run raised: the other ranks stop within seconds (``fail_fast.py``)."""
+        self.runtime.fail_fast.publish(exception)
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         """The end of ``fit`` / ``validate`` / ``test`` / ``predict``: the gradient hooks go; the
         process groups stay (as Lightning's DDP leaves its group), so that ``trainer.save_checkpoint``

@@ -62,10 +62,17 @@ class FinalCheckpointAndLogits(Callback):
 
 
 class FailingModule(MHCGPTModule):
-    def training_step(self, batch, batch_idx):
-        if self.global_step == 1 and self.trainer.global_rank == 1:
-            raise RuntimeError("boom on rank 1 at step 2")
-        return super().training_step(batch, batch_idx)
+    """Raises inside the schedule, in the forward of a microbatch of step 2, on rank
+    ``FAIL_RANK`` only; writes the time of the raise to ``FAILED_AT`` (if set)."""
+
+    FAIL_RANK, FAILED_AT = 1, None
+
+    def forward_step(self, microbatch, chunk=0):
+        if self.global_step == 1 and self.trainer.global_rank == self.FAIL_RANK:
+            if self.FAILED_AT:
+                pathlib.Path(self.FAILED_AT).write_text(repr(__import__("time").time()))
+            raise RuntimeError(f"boom on rank {self.FAIL_RANK} at step 2")
+        return super().forward_step(microbatch, chunk)
 
 
 class SGDModule(MHCGPTModule):
@@ -147,6 +154,30 @@ def zero_runs(args, layouts: dict, ckpt: pathlib.Path | None, out_dir: pathlib.P
     return result, trainer
 
 
+def linger(seconds: float) -> None:
+    """Keep this failed process alive as a launcher that waits for its ranks does (the CLI's
+    ``_end_job``), so that its peers cannot learn of the failure from a closed connection:
+    the launching process waits up to ``seconds`` for its children, another rank sleeps."""
+    import os
+    import subprocess
+    import time
+
+    children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
+                                                     text=True).stdout.split()]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and (not children or any(_alive(pid) for pid in children)):
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return False
+
+
 def model_config(dropout: float, **extra) -> dict:
     return dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
                 max_sequence_length=SEQ, hidden_dropout=dropout, attention_dropout=dropout,
@@ -198,6 +229,8 @@ def main() -> None:
     parser.add_argument("--ckpt", type=pathlib.Path, help="reshard: the checkpoint to continue from (else: save one)")
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--timeout", type=float, default=120)
+    parser.add_argument("--fail-rank", type=int, default=1, help="fail: the rank that raises")
+    parser.add_argument("--linger", type=float, default=0.0, help="fail: seconds the failed process stays alive")
     args = parser.parse_args()
     result = {}
     if args.scenario == "equivalence":
@@ -257,7 +290,13 @@ def main() -> None:
             warmup_steps=example.WARMUP_STEPS, max_grad_norm=example.MAX_GRAD_NORM)
         result["checkpoint"] = str(next(ckpt_dir.glob(f"*step={args.steps}.ckpt")))
     else:
-        result["losses"], trainer = fit(args, 6, dropout=0.0, module_cls=FailingModule)
+        FailingModule.FAIL_RANK = args.fail_rank
+        FailingModule.FAILED_AT = str(args.out.parent / "failed_at") if args.out else None
+        try:
+            result["losses"], trainer = fit(args, 6, dropout=0.0, module_cls=FailingModule)
+        except RuntimeError:
+            linger(args.linger)
+            raise
     if trainer.global_rank == 0 and args.out:
         args.out.write_text(json.dumps(result))
 

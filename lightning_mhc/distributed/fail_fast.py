@@ -1,0 +1,138 @@
+"""Fail fast: an exception on one rank ends every rank of the job within seconds.
+
+Without this, a stage that raises leaves its peers waiting in a point-to-point receive or a
+collective until the strategy's timeout (10 minutes by default), and they report only gloo's
+timeout. Here:
+
+- a rank whose run raises (``Strategy.on_exception``) says so on stderr at once, and writes who
+  it is and what it raised under one key of the job's rendezvous store (the TCP store every rank reaches already); the first
+  failure wins;
+- every rank runs a watch thread, with its own connection to that store, that looks at the key
+  every ``poll_s``; when another rank has failed while this rank's main thread waits on its peers
+  (the schedule, gradient reduction, a barrier: :meth:`FailFast.waiting`) and still waits
+  ``grace_s`` later, it writes ``lightning_mhc: rank R stops: rank F failed: <Type>: <message>``
+  to stderr and exits with status 1. gloo's waits cannot be interrupted, so the process exits
+  rather than raising;
+- a rank that raised itself is left to its own exception (all ranks raising the same error
+  each report it as usual), and a rank that is not waiting on its peers is left alone;
+- when gloo notices first (the failed process has exited: "Connection closed by peer"), the
+  error a waiting rank raises is :class:`PeerFailure`, with the same message, from gloo's.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import threading
+import time
+from typing import Iterator
+
+import torch.distributed as dist
+
+KEY = "lightning_mhc/failure"
+
+
+class PeerFailure(RuntimeError):
+    """This rank stopped because another rank's run raised (the message names both)."""
+
+
+class FailFast:
+    """One per process: :meth:`start` once the default process group exists."""
+
+    def __init__(self, poll_s: float = 0.5, grace_s: float = 2.0) -> None:
+        self.poll_s, self.grace_s = poll_s, grace_s
+        self._store = None
+        """The main thread's connection to the job's store; the watch thread has its own."""
+        self._rank = 0
+        self._who = "rank 0"
+        self._waiting = 0
+        self._failed_here = False
+        self._seen: str | None = None
+        """The failure the watch thread last saw (the store may be gone with rank 0's process)."""
+        self._thread: threading.Thread | None = None
+
+    def start(self, who: str) -> None:
+        """In every rank (a collective): clear an earlier run's failure, watch for this run's.
+        ``who`` names this rank in the messages (its global rank and place in the layout)."""
+        self._who = who
+        self._rank = dist.get_rank()
+        if self._store is None:
+            self._store = _own_store_connection()
+        if self._store is None:  # not rendezvoused through a TCP store: nothing to watch
+            return
+        if self._rank == 0:
+            self._store.delete_key(KEY)
+        self._failed_here, self._seen = False, None
+        dist.barrier()
+        if self._thread is None:
+            watch_store = _own_store_connection()
+            self._thread = threading.Thread(target=self._watch, args=(watch_store,), name="lightning_mhc-fail-fast",
+                                            daemon=True)
+            self._thread.start()
+
+    def publish(self, exception: BaseException) -> None:
+        """This rank's run raised ``exception``: tell the others (the first failure is kept)."""
+        self._failed_here = True
+        if self._store is None or not isinstance(exception, Exception) or isinstance(exception, PeerFailure):
+            return  # KeyboardInterrupt / SystemExit: the preemption path ends every rank itself
+        message = f"{self._who} failed: {type(exception).__name__}: {exception}".splitlines()[0][:500]
+        os.write(2, f"lightning_mhc: {message}\n".encode())  # now: this process may be ended before its traceback
+        try:
+            self._store.compare_set(KEY, "", message)
+        except Exception:  # the store's host is gone: the others notice the lost peer anyway
+            pass
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The main thread waits on its peers inside this block."""
+        self._waiting += 1
+        try:
+            yield
+        except Exception as error:
+            failure = None if self._failed_here else self._seen or (self._store and _failure(self._store))
+            if failure:
+                raise PeerFailure(f"{self._who} stops: {failure}") from error
+            raise
+        finally:
+            self._waiting -= 1
+
+    def _watch(self, store) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            failure = _failure(store)
+            if failure is None or self._failed_here:
+                continue
+            self._seen = failure
+            if not self._waiting:
+                continue
+            time.sleep(self.grace_s)  # ranks raising the same error at once each report their own
+            if self._failed_here or not self._waiting:
+                continue
+            os.write(2, f"lightning_mhc: {self._who} stops: {failure}\n".encode())
+            sys.stderr.flush()
+            os._exit(1)
+
+
+
+def _failure(store) -> str | None:
+    """The failure a rank published, if any."""
+    try:
+        if store.check([KEY]):
+            return store.get(KEY).decode()
+    except Exception:  # the store's host (rank 0's process) is gone: gloo reports the lost peer
+        return None
+    return None
+
+
+def _own_store_connection():
+    """A client of the job's TCP store (one per thread: a connection is not shared between
+    threads), or None when the job did not rendezvous through ``MASTER_ADDR``."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not address or not port:
+        return None
+    try:
+        return dist.TCPStore(address, int(port), is_master=False, timeout=datetime.timedelta(seconds=30),
+                             wait_for_workers=False)
+    except Exception:
+        return None
