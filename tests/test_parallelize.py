@@ -45,12 +45,23 @@ def run_group(tmp_path: pathlib.Path, devices: int, cases: list[str], *options: 
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict:
-    return run_group(tmp_path_factory.mktemp("reference"), 1, [f"{m}:single" for m in MODEL_NAMES])
+def pretrained(tmp_path_factory) -> pathlib.Path:
+    """A tied-head Llama's weights, other than any seed's, as ``save_pretrained`` writes them:
+    sharded into many files with an index."""
+    torch.manual_seed(11)
+    return _saved_tied_llama(tmp_path_factory.mktemp("pretrained") / "tiedllama")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, pretrained) -> dict:
+    return run_group(tmp_path_factory.mktemp("reference"), 1,
+                     [f"{m}:single" for m in (*MODEL_NAMES, "tiedllama")] + ["tiedllama:single:pretrained"],
+                     "--weights", str(pretrained))
 
 
 def check_case(case: str, result: dict, references: dict) -> None:
-    reference = references[case.split(":")[0] + ":single"]
+    model, _, variant = (case.split(":") + [""])[:3]
+    reference = references[f"{model}:single" + (":pretrained" if variant == "pretrained" else "")]
     losses, ref_losses = torch.tensor(result["losses"]), torch.tensor(reference["losses"])
     assert len(losses) == len(ref_losses) == 4
     assert set(result["weights"]) == set(reference["weights"])  # the model's own names, every tensor
@@ -89,14 +100,20 @@ def test_tp2_and_pp2(tmp_path, references):
 RESUMED = ("gpt2:pp2:resume", "gpt2:tp2:resume", "llama:pp2:resume", "plain:tp2:resume")
 
 
-def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references):
-    """TP 2 x PP 2 against one process; its checkpoints (the model's own names) continue on PP 2 x
+def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained):
+    """TP 2 x PP 2 against one process (also a Llama whose head is tied to its embedding, under a dict
+    plan that names no output layer); its checkpoints (the model's own names) continue on PP 2 x
     DP 2 and TP 2 x DP 2 as they would have on TP 2 x PP 2 (resharding), and load into the plain
     model in one process, and through save_pretrained / from_pretrained, with its logits."""
-    cases = [f"{m}:tp2pp2" for m in MODEL_NAMES]
-    results = run_group(tmp_path, 4, cases + list(RESUMED), "--checkpoints", str(tmp_path / "ckpt"))
+    cases = [f"{m}:tp2pp2" for m in MODEL_NAMES] + ["tiedllama:tp2pp2"]  # a tied head under the README's dict plan
+    results = run_group(tmp_path, 4, cases + list(RESUMED) + ["tiedllama:tp2pp2:pretrained"],
+                        "--checkpoints", str(tmp_path / "ckpt"), "--weights", str(pretrained))
     for case in cases:
         check_case(case, results[case], references)
+    # pretrained weights (sharded safetensors) read slice by slice on TP 2 x PP 2: the fine-tune of
+    # from_pretrained in one process, and not the seeded model's
+    check_case("tiedllama:tp2pp2:pretrained", results["tiedllama:tp2pp2:pretrained"], references)
+    assert abs(results["tiedllama:tp2pp2:pretrained"]["losses"][0] - references["tiedllama:single"]["losses"][0]) > 1e-3
     for case in RESUMED:  # saved at step 2 of 4 on TP 2 x PP 2
         saved = results[case.split(":")[0] + ":tp2pp2"]
         resumed = results[case]
@@ -525,3 +542,73 @@ def test_example_runs_as_written(tmp_path):
     ids = torch.randint(0, 256, (2, 32))
     with torch.no_grad():
         assert torch.equal(exported(input_ids=ids).logits, loaded(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("name", ["tiedllama", "gpt2", "llama"])
+def test_a_plan_without_an_output_finds_the_head(name):
+    """The logits layer of a dict plan that names none is the head, not the final norm listed
+    after it, for a head tied to the embedding (Llama tied, GPT-2) and an untied one; so a
+    column-split head gives vocabulary-parallel logits."""
+    from lm_models import DICT_PLAN, MODELS
+
+    from lightning_mhc.parallelize import record_module_init
+    from lightning_mhc.parallelize.model import _default_output, _output_plan
+    from lightning_mhc.parallelize.pipeline import find_parts
+    from lightning_mhc.parallelize.plan import resolve_plan
+
+    make, _ = MODELS[name]
+    with record_module_init():
+        model = make()
+    plan = resolve_plan(DICT_PLAN if name != "gpt2" else {"transformer.wte": "vocab", "lm_head": "column"})
+    parts = find_parts(model)
+    assert parts.last[-1] != "lm_head"  # what the default took before: the final norm
+    assert _default_output(model, plan, parts, parts.last) == "lm_head"
+    assert _output_plan(model, plan, parts, tp=2, loss_parallel=True)[1]  # vocabulary-parallel logits
+
+
+def _saved_tied_llama(directory: pathlib.Path, **config) -> pathlib.Path:
+    """A tied-head Llama (``config`` overrides) as ``save_pretrained`` writes it: in many files
+    with an index."""
+    from lm_models import tied_llama
+
+    tied_llama(**config).save_pretrained(directory, max_shard_size="20KB")
+    return directory
+
+
+@pytest.mark.parametrize("change, match", [
+    ("drop", "missing: model.layers.1.mlp.up_proj.weight"),
+    ("extra", "unexpected: model.extra.weight"),
+    ("shape", "model.layers.0.mlp.gate_proj.weight has shape (256, 64), the model's model.layers.0.mlp.gate_proj.weight "
+              "(128, 64)"),
+    ("dtype", "model.embed_tokens.weight is torch.bfloat16, the model's model.embed_tokens.weight torch.float32"),
+])
+def test_weights_that_do_not_fit_are_refused_naming_the_tensor(tmp_path, change, match):
+    """``parallelize(weights=...)`` checks every tensor of the files against the recorded model
+    before building anything: a missing, unexpected, reshaped or retyped tensor is named."""
+    from safetensors.torch import load_file, save_file
+
+    from lm_models import tied_llama
+    from lightning_mhc.parallelize import record_module_init
+    from lightning_mhc.parallelize.weights import check_weights
+
+    directory = _saved_tied_llama(tmp_path / "weights", **({"intermediate_size": 256} if change == "shape" else {}))
+    if change in ("drop", "extra", "dtype"):
+        index = json.loads((directory / "model.safetensors.index.json").read_text())
+        name = {"drop": "model.layers.1.mlp.up_proj.weight", "extra": "model.layers.1.mlp.up_proj.weight",
+                "dtype": "model.embed_tokens.weight"}[change]
+        file = directory / index["weight_map"][name]
+        tensors = load_file(file)
+        if change == "drop":
+            del tensors[name]
+            del index["weight_map"][name]
+        elif change == "extra":
+            tensors["model.extra.weight"] = torch.zeros(2)
+            index["weight_map"]["model.extra.weight"] = file.name
+        else:
+            tensors[name] = tensors[name].bfloat16()
+        save_file(tensors, file, metadata={"format": "pt"})
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    with record_module_init():
+        model = tied_llama()
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        check_weights(model, directory)

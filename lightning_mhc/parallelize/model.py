@@ -36,8 +36,9 @@ from lightning_mhc.parallelize.pipeline import (
     split_blocks,
     stage_block_list,
 )
-from lightning_mhc.parallelize.plan import Column, TPPlan, check_plan, resolve_plan
+from lightning_mhc.parallelize.plan import Column, TPPlan, check_plan, linear_dims, resolve_plan
 from lightning_mhc.parallelize.record import InitFn, Materializer, is_meta
+from lightning_mhc.parallelize.weights import check_weights, load_weights
 from lightning_mhc.parallelize.tensor_parallel import apply_style, divide_attributes, random_region
 from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, check_policy
 from lightning_mhc.recompute.without_output import checkpoint
@@ -236,6 +237,7 @@ def parallelize(
     recompute_modules: tuple[str, ...] | list[str] | None = None,
     hidden_size: int | None = None,
     loss_parallel: bool = True,
+    weights: str | Any | None = None,
 ) -> ParallelModel:
     """This rank's part of ``model`` (built under :func:`record_module_init`) on ``layout``
     (default: the running strategy's, see ``distributed.layout.active_layout``).
@@ -253,9 +255,14 @@ def parallelize(
             modules ``recompute_modules`` names, default the plan's ``selective`` list).
         loss_parallel: keep the logits split over the vocabulary when the plan splits the head
             (the loss is then megatron's vocab-parallel cross entropy); False gathers them.
+        weights: pretrained weights instead of ``seed``'s: a Hugging Face directory of
+            safetensors (indexed or not) or a list of files. Each rank reads only its stage's
+            tensors and its TP slices (``weights.py``); names, shapes and dtypes are checked
+            against the model first.
     """
     layout = layout if layout is not None else active_layout()
     _check_arguments(model, layout, recompute)
+    checked = check_weights(model, weights) if weights is not None else None  # before the build changes the model
     plan, parts, ranges = _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute,
                                                  recompute_modules)
     tp, pp, v = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
@@ -275,6 +282,8 @@ def parallelize(
     _connect_stages(model_parallel, stage_ends, last_stage)
     _mark_shared_embeddings(model_parallel, materializer,
                             _tied_across_stages(ties, parts, ranges, last_stage) if parts else ())
+    if checked is not None:
+        load_weights(model_parallel, checked, layout)
     log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
              layout.pipeline_model_parallel_rank, model_parallel.report)
     return model_parallel
@@ -336,7 +345,7 @@ def _output_plan(model: nn.Module, plan: TPPlan, parts: ModelParts | None, tp: i
     """The plan, with the output layer gathering its logits where the plan splits them over the
     vocabulary but ``loss_parallel`` is off; and whether the logits stay split (vocab-parallel loss)."""
     last_parts = parts.last if parts else [n for n, c in model.named_children() if any(True for _ in c.parameters())]
-    output_name = _output_layer(model, plan, plan.output or (last_parts[-1] if last_parts else None))
+    output_name = _output_layer(model, plan, plan.output or _default_output(model, plan, parts, last_parts))
     output_style = plan.style_of(output_name) if output_name else None
     split_logits = tp > 1 and isinstance(output_style, Column) and not output_style.gather_output
     vocab_parallel = loss_parallel and split_logits
@@ -347,6 +356,25 @@ def _output_plan(model: nn.Module, plan: TPPlan, parts: ModelParts | None, tp: i
         layers = {output_name: Column(1, True), **{k: v for k, v in plan.layers.items() if k != output_name}}
         plan = dataclasses.replace(plan, layers=layers)
     return plan, vocab_parallel
+
+
+def _default_output(model: nn.Module, plan: TPPlan, parts: ModelParts | None, last_parts: list[str]) -> str | None:
+    """The logits layer of a plan that names none (``TPPlan.output``): among the linear layers
+    after the block list, the one whose weight is tied to a tensor before it (a tied head: the
+    parts after the blocks are listed outermost container first, so the last of them is often
+    the final norm); else the one the plan splits as a column; else the only one; else the last
+    part after the blocks."""
+    if parts is None:
+        return last_parts[-1] if last_parts else None
+    linears = [name for part in last_parts for name, module in model.get_submodule(part).named_modules(prefix=part)
+               if linear_dims(module) is not None]
+    before = {id(p) for part in parts.first for p in model.get_submodule(part).parameters()}
+    tied = [n for n in linears if id(getattr(model.get_submodule(n), "weight", None)) in before]
+    columns = [n for n in linears if isinstance(plan.style_of(n), Column)]
+    for found in (tied, columns, linears):
+        if len(found) == 1:
+            return found[0]
+    return last_parts[-1] if last_parts else None
 
 
 def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout,

@@ -15,6 +15,8 @@ With ``--checkpoints DIR`` a parallel case also saves ``DIR/<model>/step=2.ckpt`
 A case ``<model>:<layout>:dropout[-<tag>]`` trains with dropout 0.1 and records, per rank, a
 digest of each dropout module's mask in the first forward (``:dropout-full``: with full recompute).
 A case ``<model>:<layout>:gather`` gathers the logits over TP (``loss_parallel=False``).
+A case ``<model>:<layout>:pretrained`` starts from ``--weights`` (``parallelize(weights=...)``;
+one process: ``from_pretrained``).
 A case ``<model>:<layout>:nolabels`` fits batches without ``labels`` and records each rank's
 ``ConfigError`` message (or ``None``): every rank must refuse them, before the schedule.
 """
@@ -50,9 +52,11 @@ LAYOUTS = {"single": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "pp
 
 
 class ParallelLM(ParallelLMModule):
-    def __init__(self, model: str, dropout: float = 0.0, recompute: str = "none", loss_parallel: bool = True) -> None:
+    def __init__(self, model: str, dropout: float = 0.0, recompute: str = "none", loss_parallel: bool = True,
+                 weights: str | None = None) -> None:
         super().__init__()
         self.model_name, self.dropout, self.recompute, self.loss_parallel = model, dropout, recompute, loss_parallel
+        self.weights = weights
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -60,7 +64,7 @@ class ParallelLM(ParallelLMModule):
             with record_module_init():
                 model = make(dropout=self.dropout)
             self.model = parallelize(model, plan, seed=SEED, recompute=self.recompute,
-                                     loss_parallel=self.loss_parallel)
+                                     loss_parallel=self.loss_parallel, weights=self.weights)
 
     def configure_optimizers(self):
         return sgd(self.parameters())
@@ -69,12 +73,13 @@ class ParallelLM(ParallelLMModule):
 class ReferenceLM(pl.LightningModule):
     """The unmodified model in one process: its own forward, cross entropy on its logits."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, weights: str | None = None) -> None:
         super().__init__()
         make, _ = MODELS[model]
         with record_module_init():
             meta = make()
-        self.model = build_recorded_module(meta, seed=SEED)
+        # pretrained: Hugging Face's own loading of the same files
+        self.model = type(meta).from_pretrained(weights) if weights else build_recorded_module(meta, seed=SEED)
 
     def training_step(self, batch, batch_idx):
         output = self.model(input_ids=batch["tokens"])
@@ -185,7 +190,7 @@ def whole_weights(module: pl.LightningModule, strategy: MHCParallelStrategy) -> 
     return {name: t.flatten().tolist() for name, t in whole.items()}
 
 
-def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None) -> dict:
+def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights: str | None = None) -> dict:
     model, layout_name, variant = (case.split(":") + [""])[:3]
     tp, pp, v = LAYOUTS[layout_name]
     dp = devices // (tp * pp)
@@ -208,12 +213,13 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None) -> dict:
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_checkpointing=saving, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
+    weights = weights if variant == "pretrained" else None
     if layout_name == "single":
-        module = ReferenceLM(model)
+        module = ReferenceLM(model, weights)
     elif variant.startswith("dropout"):
         module = ParallelLM(model, dropout=0.1, recompute="full" if variant == "dropout-full" else "none")
-    else:  # ":gather": the logits gathered over TP (loss_parallel=False)
-        module = ParallelLM(model, loss_parallel=variant != "gather")
+    else:  # ":gather": the logits gathered over TP (loss_parallel=False); ":pretrained": --weights
+        module = ParallelLM(model, loss_parallel=variant != "gather", weights=weights)
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
     if variant == "nolabels":
@@ -242,9 +248,10 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", required=True)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--checkpoints", type=pathlib.Path, help="save checkpoints here / resume from them")
+    parser.add_argument("--weights", help="the pretrained weights of the :pretrained cases (a save_pretrained dir)")
     args = parser.parse_args()
     pl.seed_everything(7, verbose=False)
-    results = {case: fit_case(case, args.devices, args.checkpoints) for case in args.cases}
+    results = {case: fit_case(case, args.devices, args.checkpoints, args.weights) for case in args.cases}
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.out.write_text(json.dumps(results))
 

@@ -90,4 +90,25 @@ PLAIN_PLAN = TPPlan(
     selective=("blocks.*.attn",),
 )
 
-MODELS = {"gpt2": (gpt2, "gpt2"), "llama": (llama, "llama"), "plain": (PlainTransformer, PLAIN_PLAN)}
+def tied_llama(dropout: float = 0.0, **config) -> nn.Module:
+    """Llama with its head tied to the embedding (as Llama 3.2 1B/3B, Qwen2, Gemma); ``config``
+    overrides the LlamaConfig's fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**{**dict(
+        num_hidden_layers=LAYERS, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS // 2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
+        eos_token_id=0, attention_dropout=dropout, attn_implementation="eager", tie_word_embeddings=True), **config}))
+
+
+DICT_PLAN = {  # the README's dict form, as a user writes it: no output layer named
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn.q_proj": "column", "model.layers.*.self_attn.k_proj": "column",
+    "model.layers.*.self_attn.v_proj": "column", "model.layers.*.self_attn.o_proj": "row",
+    "model.layers.*.mlp.gate_proj": "column", "model.layers.*.mlp.up_proj": "column",
+    "model.layers.*.mlp.down_proj": "row",
+    "lm_head": "column",
+}
+
+MODELS = {"gpt2": (gpt2, "gpt2"), "llama": (llama, "llama"), "plain": (PlainTransformer, PLAIN_PLAN),
+          "tiedllama": (tied_llama, DICT_PLAN)}
