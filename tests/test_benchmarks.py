@@ -69,6 +69,17 @@ def test_distributed_optimizer(tmp_path):
             assert len(row["per_rank_bytes"]) == row["dp"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
+def test_pretrained_loading(tmp_path):
+    out = tmp_path / "loading.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "pretrained_loading.py"), "--hidden", "64", "--layers", "4",
+                           "--vocab", "256", "--out", str(out)], cwd=BENCHMARKS, env=child_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["parallel"]) == 4 and all(r["part_mib"] < result["whole"]["model_mib"] for r in result["parallel"])
+
+
 def test_preprocess_throughput(tmp_path):
     out = tmp_path / "preprocess.json"
     _run("preprocess_throughput.py", "--copies", "1", "--out", str(out))
