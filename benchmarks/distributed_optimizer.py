@@ -100,13 +100,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--dp", type=int, nargs="+", default=list(DP_SIZES), help="the DP sizes to run")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "distributed_optimizer.json")
     args = parser.parse_args()
 
     from lightning_mhc.testing.launch import spawn_ranks
 
     rows = []
-    for dp in DP_SIZES:
+    for dp in args.dp:
         per_rank = spawn_ranks(_run, dp, args, timeout_s=1800)
         for label in ("AdamW", "distributed"):
             counted = [r["bytes"][label] for r in per_rank]

@@ -31,9 +31,12 @@ def single_rank_group():
 
 @pytest.fixture
 def model_parallel(single_rank_group):
-    """TP = PP = 1 model-parallel state, torn down after the test; yields its ParallelLayout."""
-    from lightning_mhc.distributed.layout import current_layout
+    """TP = PP = 1 model-parallel state, torn down after the test; yields its ParallelLayout. A
+    layout an earlier in-process ``Trainer.fit`` left (the strategy keeps its groups after fit,
+    for ``save_checkpoint`` and the next entry point) is destroyed first."""
+    from lightning_mhc.distributed.layout import current_layout, destroy_parallel
 
+    destroy_parallel()
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
     yield current_layout()

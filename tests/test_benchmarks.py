@@ -58,11 +58,11 @@ def test_byom_vs_model_parallel(tmp_path):
 
 
 def test_distributed_optimizer(tmp_path):
-    """Its state per rank is the ideal (AdamW's / DP) within 2 %, on every DP size."""
+    """Its state per rank is the ideal (AdamW's / DP) within 2 %, on DP 1 and 2 (4 in the figures)."""
     out = tmp_path / "zero.json"
-    _run("distributed_optimizer.py", "--hidden", "32", "--vocab", "256", "--out", str(out))
+    _run("distributed_optimizer.py", "--hidden", "32", "--vocab", "256", "--dp", "1", "2", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["dp"], r["optimizer"]) for r in rows} == {(dp, o) for dp in (1, 2, 4) for o in ("AdamW", "distributed")}
+    assert {(r["dp"], r["optimizer"]) for r in rows} == {(dp, o) for dp in (1, 2) for o in ("AdamW", "distributed")}
     for row in rows:
         if row["optimizer"] == "distributed":
             assert abs(row["state_vs_ideal"] - 1) <= 0.02, row

@@ -1,8 +1,9 @@
 """Several nodes, launched the ways clusters launch, through ``lightning-mhc-train``: two torchrun
 "nodes" of 2 processes (separate torchrun invocations, ``--nnodes 2 --node-rank k``) and
 ``examples/train.sbatch`` under a fake SLURM (the ``SLURM_*`` variables Lightning's
-``SLURMEnvironment`` reads, and an ``srun`` that starts the tasks on this machine). Both train
-TP 2 x DP 2 with the distributed optimizer and must give one process's per-step losses.
+``SLURMEnvironment`` reads, and an ``srun`` that starts the tasks on this machine). They train TP
+2 x DP 2 (torchrun) and TP 2 (SLURM) with the distributed optimizer and must give one process's
+per-step losses.
 """
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ def test_two_torchrun_nodes_match_one_process(tmp_path, cli_reference_losses):
 @pytest.mark.slow
 def test_the_sbatch_script_runs_under_slurm(tmp_path, cli_reference_losses):
     """``bash examples/train.sbatch <overrides>`` as sbatch runs it on the first node, with the
-    variables SLURM sets for the job; the fake ``srun`` starts its 4 tasks here."""
-    slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="lightning-mhc", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="2",
+    variables SLURM sets for the job: 2 nodes of 1 task, TP 2 across them; the fake ``srun``
+    starts the 2 tasks here."""
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="lightning-mhc", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="1",
                  SLURM_NODELIST="localhost", SLURM_CPUS_PER_TASK="1", MASTER_PORT=str(_free_port()),
                  MHC_TRAINER="debug", MHC_MODEL="tiny", MHC_PARALLEL="tp2",
                  PATH=os.pathsep.join([str(FAKE_SLURM), str(pathlib.Path(sys.executable).parent), os.environ["PATH"]]))
@@ -85,4 +87,4 @@ def test_the_sbatch_script_runs_under_slurm(tmp_path, cli_reference_losses):
     ((status, output),) = _wait_all([proc])
     assert status == 0, output[-6000:]
     _check_against(tmp_path / "outputs" / "slurm-4242", cli_reference_losses,
-                   "examples/train.sbatch under SLURM, 2 nodes x 2 tasks, TP 2 x DP 2, distributed optimizer")
+                   "examples/train.sbatch under SLURM, 2 nodes x 1 task, TP 2, distributed optimizer")

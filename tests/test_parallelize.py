@@ -100,11 +100,12 @@ def test_tp2_and_pp2(tmp_path, references):
 RESUMED = ("gpt2:pp2:resume", "gpt2:tp2:resume", "llama:pp2:resume", "plain:tp2:resume")
 
 
-def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained):
+def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained, model_parallel):
     """TP 2 x PP 2 against one process (also a Llama whose head is tied to its embedding, under a dict
     plan that names no output layer); its checkpoints (the model's own names) continue on PP 2 x
     DP 2 and TP 2 x DP 2 as they would have on TP 2 x PP 2 (resharding), and load into the plain
-    model in one process, and through save_pretrained / from_pretrained, with its logits."""
+    model in one process, and through save_pretrained / from_pretrained and back through
+    parallelize(weights=), with its logits."""
     cases = [f"{m}:tp2pp2" for m in MODEL_NAMES] + ["tiedllama:tp2pp2"]  # a tied head under the README's dict plan
     results = run_group(tmp_path, 4, cases + list(RESUMED) + ["tiedllama:tp2pp2:pretrained"],
                         "--checkpoints", str(tmp_path / "ckpt"), "--weights", str(pretrained))
@@ -125,7 +126,7 @@ def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained):
         assert len(resumed["losses"]) == 2 and set(resumed["weights"]) == set(saved["weights"])
         assert loss_diff <= 1e-5 and weight_diff <= 1e-5
     for name in MODEL_NAMES:
-        check_one_process_use(name, tmp_path / "ckpt" / name, tmp_path / "export" / name)
+        check_one_process_use(name, tmp_path / "ckpt" / name, tmp_path / "export" / name, model_parallel)
     from lightning_mhc.parallelize import load_checkpoint
 
     another_model = r"lacks \d+ tensor\(s\) of LlamaForCausalLM, e.g. model\.model\.embed_tokens"
@@ -137,12 +138,12 @@ def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained):
         load_checkpoint(wider, tmp_path / "ckpt" / "plain" / "final.ckpt")
 
 
-def check_one_process_use(name: str, ckpt_dir: pathlib.Path, export_dir: pathlib.Path) -> None:
+def check_one_process_use(name: str, ckpt_dir: pathlib.Path, export_dir: pathlib.Path, layout) -> None:
     from safetensors.torch import load_model
 
     from lightning_mhc.parallelize import export_pretrained, load_checkpoint
 
-    make, _ = MODELS[name]
+    make, plan = MODELS[name]
     expected = torch.load(ckpt_dir / "logits.pt")
     tokens = expected["tokens"]
 
@@ -164,6 +165,11 @@ def check_one_process_use(name: str, ckpt_dir: pathlib.Path, export_dir: pathlib
     print(f"{name}: TP2 x PP2 checkpoint in the plain model: max |logits - TP2 x PP2 logits| = {diff:.3g}; "
           f"exported ({', '.join(written['files'])}) and reloaded: {export_diff:.3g}")
     assert diff <= 1e-5 and export_diff <= 1e-5
+    if name != "plain":  # the export read back by parallelize(weights=): the round trip
+        with record_module_init():
+            meta = make()
+        round_trip = (logits(parallelize(meta, plan, layout=layout, weights=export_dir)) - expected["logits"]).abs().max()
+        assert round_trip.item() <= 1e-5, round_trip
 
 
 DROPOUT_RUNS = ("gpt2:tp2pp2:dropout", "gpt2:tp2pp2:dropout-again", "gpt2:tp2pp2:dropout-full")
