@@ -129,27 +129,39 @@ def _counted_once(param: torch.nn.Parameter, layout: ParallelLayout) -> bool:
     return True
 
 
+def norm_of(grads: Iterable[tuple[torch.nn.Parameter, torch.Tensor]], layout: ParallelLayout, group=None,
+            device: torch.device | None = None) -> float:
+    """The L2 norm over ``group`` of ``(parameter, gradient)`` pairs, each parameter counted once
+    (``_counted_once``): the gradient may be the parameter's own or a piece of it (the
+    distributed optimizer's)."""
+    grads = list(grads)
+    device = device or (grads[0][1].device if grads else torch.device("cpu"))
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    for param, grad in grads:
+        if _counted_once(param, layout):
+            square += grad.detach().float().pow(2).sum()
+    dist.all_reduce(square, group=group)
+    return math.sqrt(square.item())
+
+
+def scale_to_norm_(grads: Iterable[torch.Tensor], max_norm: float, norm: float) -> None:
+    """Scale ``grads`` in place so that a global norm of ``norm`` becomes at most ``max_norm``
+    (nothing for a non-finite norm)."""
+    scale = max_norm / (norm + 1e-6)
+    if math.isfinite(norm) and scale < 1.0:
+        for grad in grads:
+            grad.detach().mul_(scale)
+
+
 def global_grad_norm(params: Iterable[torch.nn.Parameter], layout: ParallelLayout) -> float:
     """L2 norm of the whole model's gradient across TP and PP (DP replicas are identical
     after reduction), each parameter counted once."""
-    params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    square = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if _counted_once(p, layout):
-            square += p.grad.detach().float().pow(2).sum()
-    dist.all_reduce(square, group=layout.model_parallel_group)
-    return math.sqrt(square.item())
+    return norm_of([(p, p.grad) for p in params if p.grad is not None], layout, layout.model_parallel_group)
 
 
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, layout: ParallelLayout) -> float:
     """Scale gradients so the global norm is at most ``max_norm``; returns the norm before."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, layout)
-    if not math.isfinite(norm):
-        return norm
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1.0:
-        for p in params:
-            p.grad.detach().mul_(scale)
+    scale_to_norm_([p.grad for p in params], max_norm, norm)
     return norm

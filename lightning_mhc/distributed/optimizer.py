@@ -29,7 +29,6 @@ Only an element-wise update can be cut anywhere (SGD, Adam, AdamW, ...); another
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -40,9 +39,10 @@ from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import (
     DEFAULT_BUCKET_BYTES,
     _allreduce_flat,
-    _counted_once,
     buckets,
     is_sequence_parallel_replicated,
+    norm_of,
+    scale_to_norm_,
 )
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
@@ -232,22 +232,15 @@ class DistributedOptimizer:
 
     def grad_norm(self) -> float:
         """The whole model's gradient L2 norm (each element counted once over TP, PP and DP)."""
-        pieces = [pc for pc in self.pieces.values() if pc.main.grad is not None]
-        device = self.buckets[0].params[0].device if self.buckets else torch.device("cpu")
-        square = torch.zeros((), dtype=torch.float32, device=device)
-        for pc in pieces:
-            if _counted_once(pc.param, self.layout):
-                square += pc.main.grad.pow(2).sum()
-        dist.all_reduce(square)  # the world is TP x PP x DP: every element of the model once
-        return math.sqrt(square.item())
+        device = self.buckets[0].params[0].device if self.buckets else None
+        # over the world (TP x PP x DP): the pieces of every DP rank make up the model once
+        return norm_of([(pc.param, pc.main.grad) for pc in self.pieces.values() if pc.main.grad is not None],
+                       self.layout, device=device)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradients so the global norm is at most ``max_norm``; the norm before."""
         norm = self.grad_norm()
-        if math.isfinite(norm) and max_norm / (norm + 1e-6) < 1.0:
-            for pc in self.pieces.values():
-                if pc.main.grad is not None:
-                    pc.main.grad.mul_(max_norm / (norm + 1e-6))
+        scale_to_norm_([pc.main.grad for pc in self.pieces.values() if pc.main.grad is not None], max_norm, norm)
         return norm
 
     def drop_gradients(self) -> None:
