@@ -19,7 +19,9 @@ from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCRec
 from lightning_mhc.checkpoint import commit, legacy
 from lightning_mhc.checkpoint import format as checkpoint_format
 from lightning_mhc.distributed.pipeline.protocol import split_microbatches
+from lightning_mhc.distributed.fail_fast import FailFast, PeerFailure
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.testing.launch import free_port
 from script_runs import SCRIPTS, fit_gpt, run_script
 from subprocess_env import child_env
 
@@ -111,6 +113,30 @@ def test_an_exception_on_one_rank_ends_every_rank_within_seconds(tmp_path, rank,
     time.sleep(2)
     leftover = subprocess.run(["pgrep", "-f", "scripts/fit_gpt.py"], capture_output=True, text=True).stdout
     assert leftover.strip() == "", f"processes left behind: {leftover}"
+
+
+def test_the_fail_fast_watch_is_one_per_process_and_ends_before_the_interpreter():
+    """A second run's watch replaces the first's, and the watch thread is joined before shutdown:
+    a daemon thread returning from a store call into a finalizing interpreter aborts the process
+    (exit 134), which failed finished runs."""
+    env = {**child_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "fail_fast_exit.py")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["watches: 1", "watch alive at shutdown: []"], proc.stdout
+
+
+def test_fail_fast_names_the_failed_peer_only_for_errors_of_the_wait():
+    """A rank waiting on its peers after another failed: gloo's error becomes PeerFailure naming
+    both; this rank's own error (a refusal every rank raises) stays itself."""
+    watch = FailFast()
+    watch._seen = "rank 0 (TP rank 0, PP rank 0, DP rank 0) failed: ValueError: bad"
+    with pytest.raises(PeerFailure, match=r"rank 0 stops: rank 0 \(TP rank 0.*failed: ValueError: bad"):
+        with watch.waiting():
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    with pytest.raises(ConfigError, match="needs labels"):
+        with watch.waiting():
+            raise ConfigError("needs labels")
 
 
 # ------------------------------------------------------------------ in-process checks

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from conftest import CLI_REFERENCE_RUN
+from lightning_mhc.testing.launch import free_port
 from subprocess_env import child_env
 from train_cli import train_losses
 
@@ -28,12 +28,6 @@ FAKE_SLURM = pathlib.Path(__file__).parent / "scripts" / "fake_slurm"
 RUN = CLI_REFERENCE_RUN
 TP2_DP2 = ["parallel=tp2", "optim.use_distributed_optimizer=true"]
 TIMEOUT = 420
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
@@ -59,7 +53,7 @@ def _check_against(run_dir: pathlib.Path, reference: dict[int, float], what: str
 @pytest.mark.slow
 def test_two_torchrun_nodes_match_one_process(tmp_path, cli_reference_losses):
     run_dir = tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
          "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
@@ -78,7 +72,7 @@ def test_the_sbatch_script_runs_under_slurm(tmp_path, cli_reference_losses):
     variables SLURM sets for the job: 2 nodes of 1 task, TP 2 across them; the fake ``srun``
     starts the 2 tasks here."""
     slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="lightning-mhc", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="1",
-                 SLURM_NODELIST="localhost", SLURM_CPUS_PER_TASK="1", MASTER_PORT=str(_free_port()),
+                 SLURM_NODELIST="localhost", SLURM_CPUS_PER_TASK="1", MASTER_PORT=str(free_port()),
                  MHC_TRAINER="debug", MHC_MODEL="tiny", MHC_PARALLEL="tp2",
                  PATH=os.pathsep.join([str(FAKE_SLURM), str(pathlib.Path(sys.executable).parent), os.environ["PATH"]]))
     proc = subprocess.Popen(["bash", str(ROOT / "examples" / "train.sbatch"), *RUN[1:]], cwd=tmp_path,

@@ -16,21 +16,30 @@ timeout. Here:
 - a rank that raised itself is left to its own exception (all ranks raising the same error
   each report it as usual), and a rank that is not waiting on its peers is left alone;
 - when gloo notices first (the failed process has exited: "Connection closed by peer"), the
-  error a waiting rank raises is :class:`PeerFailure`, with the same message, from gloo's.
+  error a waiting rank raises is :class:`PeerFailure`, with the same message, from gloo's; an
+  error of this rank's own code (a refusal every rank raises) stays what it is;
+- one watch runs per process: a new run's replaces the last one's, and it is stopped and joined
+  before the interpreter shuts down. A daemon thread still inside a store call at shutdown would
+  abort the process ("terminate called without an active exception") when the call returns and
+  finds the interpreter gone.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
 import sys
 import threading
-import time
 from typing import Iterator
 
 import torch.distributed as dist
 
 KEY = "lightning_mhc/failure"
+STORE_TIMEOUT = datetime.timedelta(seconds=5)
+"""How long one store call of the watch may block (bounds the join at exit)."""
+_running: FailFast | None = None
+"""The process's watching instance (one at a time)."""
 
 
 class PeerFailure(RuntimeError):
@@ -51,6 +60,7 @@ class FailFast:
         self._seen: str | None = None
         """The failure the watch thread last saw (the store may be gone with rank 0's process)."""
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def start(self, who: str) -> None:
         """In every rank (a collective): clear an earlier run's failure, watch for this run's.
@@ -65,11 +75,28 @@ class FailFast:
             self._store.delete_key(KEY)
         self._failed_here, self._seen = False, None
         dist.barrier()
+        global _running
         if self._thread is None:
+            if _running is not None:
+                _running.stop()
             watch_store = _own_store_connection()
+            self._stop.clear()
             self._thread = threading.Thread(target=self._watch, args=(watch_store,), name="lightning_mhc-fail-fast",
                                             daemon=True)
             self._thread.start()
+            _running = self
+            atexit.unregister(_stop_watching)  # registered last, run first: before the groups go
+            atexit.register(_stop_watching)
+
+    def stop(self) -> None:
+        """End the watch and wait for it (its store call returns within ``STORE_TIMEOUT``)."""
+        global _running
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(self.poll_s + self.grace_s + 2 * STORE_TIMEOUT.total_seconds())
+            self._thread = None
+        if _running is self:
+            _running = None
 
     def publish(self, exception: BaseException) -> None:
         """This rank's run raised ``exception``: tell the others (the first failure is kept)."""
@@ -90,7 +117,8 @@ class FailFast:
         try:
             yield
         except Exception as error:
-            failure = None if self._failed_here else self._seen or (self._store and _failure(self._store))
+            failure = None if self._failed_here or not _lost_peer(error) else \
+                self._seen or (self._store and _failure(self._store))
             if failure:
                 raise PeerFailure(f"{self._who} stops: {failure}") from error
             raise
@@ -98,21 +126,29 @@ class FailFast:
             self._waiting -= 1
 
     def _watch(self, store) -> None:
-        while True:
-            time.sleep(self.poll_s)
+        while not self._stop.wait(self.poll_s):
             failure = _failure(store)
             if failure is None or self._failed_here:
                 continue
             self._seen = failure
             if not self._waiting:
                 continue
-            time.sleep(self.grace_s)  # ranks raising the same error at once each report their own
-            if self._failed_here or not self._waiting:
+            # ranks raising the same error at once each report their own
+            if self._stop.wait(self.grace_s) or self._failed_here or not self._waiting:
                 continue
             os.write(2, f"lightning_mhc: {self._who} stops: {failure}\n".encode())
             sys.stderr.flush()
             os._exit(1)
 
+
+def _stop_watching() -> None:
+    if _running is not None:
+        _running.stop()
+
+
+def _lost_peer(error: Exception) -> bool:
+    """An error of the wait itself (gloo's or the backend's), not of this rank's own code."""
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
 
 
 def _failure(store) -> str | None:
@@ -132,7 +168,7 @@ def _own_store_connection():
     if not address or not port:
         return None
     try:
-        return dist.TCPStore(address, int(port), is_master=False, timeout=datetime.timedelta(seconds=30),
+        return dist.TCPStore(address, int(port), is_master=False, timeout=STORE_TIMEOUT,
                              wait_for_workers=False)
     except Exception:
         return None

@@ -285,6 +285,7 @@ class ParallelRuntime:
             nonlocal peak
             peak = max(peak, meter.live_bytes(extra=held))
 
+        tensor_shape = module.pipeline_tensor_shape(microbatches[0])  # refuses a bad batch on every rank
         with meter if measure else contextlib.nullcontext(), self.fail_fast.waiting():
             chunked = self.layout.virtual_pipeline_model_parallel_size > 1
             result = forward_backward_pipelining(
@@ -293,7 +294,7 @@ class ParallelRuntime:
                 lambda mod, mb: mod.forward_step(mb),
                 loss_func,
                 layout=self.layout,
-                tensor_shape=module.pipeline_tensor_shape(microbatches[0]),
+                tensor_shape=tensor_shape,
                 dtype=pipeline_dtype(module),
                 deallocate_pipeline_outputs=self.settings.deallocate_pipeline_outputs,
                 forward_only=forward_only,
