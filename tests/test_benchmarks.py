@@ -71,13 +71,19 @@ def test_distributed_optimizer(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
 def test_pretrained_loading(tmp_path):
+    """TP 2 x PP 2 reading a 20 MiB Llama: each rank's peak allocation stays near its part (7 MiB;
+    measured 7.4 MiB). Building modules whole before the split, and reading whole slices at once,
+    took 15.6 to 19.0 MiB."""
     out = tmp_path / "loading.json"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "pretrained_loading.py"), "--hidden", "64", "--layers", "4",
-                           "--vocab", "256", "--out", str(out)], cwd=BENCHMARKS, env=child_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "pretrained_loading.py"), "--hidden", "256", "--layers",
+                           "4", "--vocab", "8192", "--out", str(out)], cwd=BENCHMARKS, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert len(result["parallel"]) == 4 and all(r["part_mib"] < result["whole"]["model_mib"] for r in result["parallel"])
+    assert len(result["parallel"]) == 4
+    for rank in result["parallel"]:
+        assert rank["part_mib"] < result["whole"]["model_mib"]
+        assert rank["anon_mib"] <= 1.25 * rank["part_mib"] + 1.0, rank
 
 
 def test_preprocess_throughput(tmp_path):

@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
-from lm_models import MODELS, PLAIN_PLAN, PlainTransformer, gpt2, llama  # noqa: E402
+from lm_models import FAMILIES, MODELS, PLAIN_PLAN, PlainTransformer, gpt2, hf_model, llama  # noqa: E402
 from subprocess_env import child_env  # noqa: E402
 
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule  # noqa: E402
@@ -55,7 +55,7 @@ def pretrained(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, pretrained) -> dict:
     return run_group(tmp_path_factory.mktemp("reference"), 1,
-                     [f"{m}:single" for m in (*MODEL_NAMES, "tiedllama")] + ["tiedllama:single:pretrained"],
+                     [f"{m}:single" for m in (*MODEL_NAMES, "tiedllama", *FAMILIES)] + ["tiedllama:single:pretrained"],
                      "--weights", str(pretrained))
 
 
@@ -102,14 +102,17 @@ RESUMED = ("gpt2:pp2:resume", "gpt2:tp2:resume", "llama:pp2:resume", "plain:tp2:
 
 def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained, model_parallel):
     """TP 2 x PP 2 against one process (also a Llama whose head is tied to its embedding, under a dict
-    plan that names no output layer); its checkpoints (the model's own names) continue on PP 2 x
+    plan that names no output layer, and the families of ``lm_models.FAMILIES`` under their
+    built-in plans: sliding windows, per-layer masks, fused projections, per-head norms, scaled
+    embeddings, soft-capped logits, a final norm registered before the layers); its checkpoints (the model's own names) continue on PP 2 x
     DP 2 and TP 2 x DP 2 as they would have on TP 2 x PP 2 (resharding), and load into the plain
     model in one process, and through save_pretrained / from_pretrained and back through
     parallelize(weights=), with its logits."""
     cases = [f"{m}:tp2pp2" for m in MODEL_NAMES] + ["tiedllama:tp2pp2"]  # a tied head under the README's dict plan
-    results = run_group(tmp_path, 4, cases + list(RESUMED) + ["tiedllama:tp2pp2:pretrained"],
+    families = [f"{m}:tp2pp2" for m in FAMILIES]
+    results = run_group(tmp_path, 4, cases + list(RESUMED) + ["tiedllama:tp2pp2:pretrained"] + families,
                         "--checkpoints", str(tmp_path / "ckpt"), "--weights", str(pretrained))
-    for case in cases:
+    for case in cases + families:
         check_case(case, results[case], references)
     # pretrained weights (sharded safetensors) read slice by slice on TP 2 x PP 2: the fine-tune of
     # from_pretrained in one process, and not the seeded model's
@@ -285,14 +288,20 @@ def _meta(make, **kwargs):
      r"dim 0, lm_head whole\): give every holder a matching style"),
     (PlainTransformer, TPPlan(layers={"head": "column"}, output="lm_head"), 2,
      r"plan output 'lm_head' is not a module of PlainTransformer"),
+    (lambda: hf_model("Phi3Config", "Phi3ForCausalLM"), "phi3", 2,  # grouped-query: [q; k; v] of unequal parts
+     r"model.layers.0.self_attn: config.num_attention_heads=4, config.num_key_value_heads=2 differ, but the plan "
+     r"splits a fused projection of these sizes into equal parts"),
+    (PlainTransformer, "auto", 2, r"plan='auto': PlainTransformer has no config.model_type, which has no built-in "
+                                  r"plan \(built in: gpt2, llama, phi3"),
     (PlainTransformer, TPPlan(divide={"blocks.*.attn": ("cfg.heads",)}), 2,
-     r"plan divide names 'cfg.heads' of blocks.0.attn: divide takes the module's own attributes"),
+     r"plan names attribute 'cfg.heads' of blocks.0.attn \(Attention\), which it does not have"),
 ])
 def test_wrong_plan_is_refused_naming_the_module(make, plan, tp, match):
     from lightning_mhc.parallelize.plan import resolve_plan
 
     with pytest.raises(ConfigError, match=match) as error:
-        check_plan(_meta(make), resolve_plan(plan), tp)
+        model = _meta(make)
+        check_plan(model, resolve_plan(plan, model), tp)
     assert "\n" not in str(error.value)
 
 
@@ -356,7 +365,7 @@ class _Misordered(torch.nn.Module):
 
 @pytest.mark.parametrize("head_first, stage, match", [
     (True, 1, r"head is registered before the block list, so it was placed on the first pipeline stage, but the "
-              r"model's forward runs it after its blocks: register it after the block list"),
+              r"model's forward runs it after its blocks: name it in the plan's after_blocks"),
     (False, 0, r"tok is registered after the block list, so it was placed on the last pipeline stage, but the "
                r"model's forward runs it before its blocks: register it before the block list"),
 ])
@@ -370,6 +379,11 @@ def test_parts_registered_on_the_wrong_side_of_the_blocks_are_refused(head_first
     model.set_input_tensor(torch.zeros(2, 16, 64))
     with pytest.raises(ConfigError, match=match):
         model.forward_step({"input_ids": torch.zeros(2, 16, dtype=torch.long)})
+    if head_first:  # named in after_blocks (as OPT's final norm): placed on the last stage, and runs there
+        model = parallelize(_meta(_Misordered, head_first=True), TPPlan(after_blocks=("head",)), layout=layout,
+                            hidden_size=64)
+        model.set_input_tensor(torch.zeros(2, 16, 64))
+        assert model.forward_step({"input_ids": torch.zeros(2, 16, dtype=torch.long)}).shape == (2, 16, 128)
 
 
 def test_tensor_attributes_are_materialised(model_parallel):

@@ -76,31 +76,41 @@ def allreduce_data_parallel_grads(
     return _allreduce_flat(grads, layout.dp_group, bucket_bytes, average=True)
 
 
-def is_sequence_parallel_replicated(param: torch.nn.Parameter) -> bool:
-    """A TP-replicated parameter applied to this rank's part of the sequence (megatron marks
-    them ``sequence_parallel``): its gradient is a partial sum over the TP ranks."""
-    return bool(getattr(param, "sequence_parallel", False)) and not getattr(param, "tensor_model_parallel", False)
+def is_partial_over_tp(param: torch.nn.Parameter, layout: ParallelLayout) -> bool:
+    """A TP-replicated parameter applied to this rank's part of the activations, so that its
+    gradient is a partial sum over the TP ranks: a norm on this rank's part of the sequence
+    (megatron marks it ``sequence_parallel``; with SP on), or a module the plan runs on this
+    rank's heads (``partial_over_tp``: a per-head norm, ``parallelize``'s ``ReplicateOnSplit``)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return False
+    return bool(getattr(param, "partial_over_tp", False)) or (
+        layout.sequence_parallel and bool(getattr(param, "sequence_parallel", False)))
 
 
-def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], layout: ParallelLayout,
-                                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """Sum the gradients of sequence-parallel replicated parameters over TP (nothing without SP)."""
-    if not layout.sequence_parallel or layout.tensor_model_parallel_size == 1:
+def sum_partial_grads_over_tp(pairs: Iterable[tuple[torch.nn.Parameter, torch.Tensor | None]],
+                              layout: ParallelLayout, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    """Sum over TP the gradients (a parameter's own or its piece's) of the parameters
+    :func:`is_partial_over_tp`; returns the number of buckets."""
+    if layout.tensor_model_parallel_size == 1:
         return 0
-    grads = [p.grad for p in params if p.grad is not None and is_sequence_parallel_replicated(p)]
+    grads = [grad for param, grad in pairs if grad is not None and is_partial_over_tp(param, layout)]
     return _allreduce_flat(grads, layout.tp_group, bucket_bytes, average=False) if grads else 0
 
 
-def allreduce_embedding_grads(params: Iterable[torch.nn.Parameter], layout: ParallelLayout) -> None:
+def sum_embedding_grads(grads: list[torch.Tensor], layout: ParallelLayout) -> None:
     """Sum the gradients of the tied word embedding (first stage) and its output-layer copy
-    (last stage), so both copies take the same step. Nothing to do without PP."""
-    if layout.pipeline_model_parallel_size == 1 or layout.embedding_group is None:
-        return
+    (last stage) in place, so both copies take the same step. Nothing to do without PP."""
+    if grads and layout.pipeline_model_parallel_size > 1 and layout.embedding_group is not None:
+        _allreduce_flat(grads, layout.embedding_group, DEFAULT_BUCKET_BYTES, average=False)
+
+
+def allreduce_embedding_grads(params: Iterable[torch.nn.Parameter], layout: ParallelLayout) -> None:
+    """:func:`sum_embedding_grads` on the parameters' own gradients (zeros where a stage has none)."""
     shared = [p for p in params if getattr(p, "shared_embedding", False)]
-    if not shared:
+    if layout.pipeline_model_parallel_size == 1 or not shared:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shared]
-    _allreduce_flat(grads, layout.embedding_group, DEFAULT_BUCKET_BYTES, average=False)
+    sum_embedding_grads(grads, layout)
     for p, grad in zip(shared, grads):
         p.grad = grad
 
@@ -110,13 +120,13 @@ def finalize_model_grads(models: torch.nn.Module | Iterable[torch.nn.Module], la
     """Everything between the last backward and the optimizer step (megatron's name), for one
     module or a rank's model chunks: the DP average (``overlapped``: the
     ``OverlappedGradReduction`` that started it during backward, finished here), then the TP
-    sum of sequence-parallel parameters, then the tied embedding."""
+    sum of the parameters that saw part of the activations, then the tied embedding."""
     params = _parameters(models)
     if overlapped is not None:
         overlapped.finish()
     else:
         allreduce_data_parallel_grads(params, layout, bucket_bytes)
-    allreduce_sequence_parallel_grads(params, layout, bucket_bytes)
+    sum_partial_grads_over_tp([(p, p.grad) for p in params], layout, bucket_bytes)
     allreduce_embedding_grads(params, layout)
 
 

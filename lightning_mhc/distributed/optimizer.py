@@ -38,11 +38,11 @@ import torch.distributed as dist
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import (
     DEFAULT_BUCKET_BYTES,
-    _allreduce_flat,
     buckets,
-    is_sequence_parallel_replicated,
     norm_of,
     scale_to_norm_,
+    sum_embedding_grads,
+    sum_partial_grads_over_tp,
 )
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
@@ -215,20 +215,15 @@ class DistributedOptimizer:
     # ------------------------------------------------------------- gradients
     def reduce_gradients(self) -> None:
         """The DP average into this rank's pieces (finishing the overlapped reduction), then the
-        TP sum of sequence-parallel pieces and the tied embedding's sum between stages."""
+        TP sum of the pieces that saw part of the activations and the tied embedding's sum between
+        stages (the same functions as without it, on the pieces' gradients)."""
         self._adopt_loaded_main_weights()
         self.overlapped_buckets = self.reduction.finish()
         for piece in self.pieces.values():
             piece.main.grad = piece.bucket.grad[piece.shard_range]
-        layout = self.layout
-        if layout.sequence_parallel and layout.tensor_model_parallel_size > 1:
-            grads = [pc.main.grad for pc in self.pieces.values() if is_sequence_parallel_replicated(pc.param)]
-            if grads:
-                _allreduce_flat(grads, layout.tp_group, DEFAULT_BUCKET_BYTES, average=False)
-        if layout.pipeline_model_parallel_size > 1 and layout.embedding_group is not None:
-            grads = [pc.main.grad for pc in self.pieces.values() if getattr(pc.param, "shared_embedding", False)]
-            if grads:
-                _allreduce_flat(grads, layout.embedding_group, DEFAULT_BUCKET_BYTES, average=False)
+        sum_partial_grads_over_tp([(pc.param, pc.main.grad) for pc in self.pieces.values()], self.layout)
+        sum_embedding_grads([pc.main.grad for pc in self.pieces.values() if getattr(pc.param, "shared_embedding", False)],
+                            self.layout)
 
     def grad_norm(self) -> float:
         """The whole model's gradient L2 norm (each element counted once over TP, PP and DP)."""

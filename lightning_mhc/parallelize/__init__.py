@@ -19,11 +19,13 @@ No Lightning import: ``lightning_mhc.lightning.ParallelLMModule`` is the Lightni
 """
 from lightning_mhc.parallelize.export import consolidated_state_dict, export_pretrained, load_checkpoint
 from lightning_mhc.parallelize.model import MaterializedReport, ParallelModel, build_recorded_module, parallelize
-from lightning_mhc.parallelize.plan import GPT2, LLAMA, PLANS, Column, Replicate, Row, TPPlan, VocabEmbedding, check_plan
+from lightning_mhc.parallelize.plan import (
+    GPT2, GPT_NEOX, LLAMA, OPT, PHI3, PLANS, QWEN3, Column, Replicate, ReplicateOnSplit, Row, TPPlan, VocabEmbedding,
+    check_plan)
 from lightning_mhc.parallelize.record import record_module_init
 
 __all__ = [
-    "GPT2", "LLAMA", "PLANS", "Column", "MaterializedReport", "ParallelModel", "Replicate", "Row", "TPPlan",
-    "VocabEmbedding", "build_recorded_module", "check_plan", "consolidated_state_dict", "export_pretrained",
+    "GPT2", "GPT_NEOX", "LLAMA", "OPT", "PHI3", "PLANS", "QWEN3", "Column", "MaterializedReport", "ParallelModel",
+    "Replicate", "ReplicateOnSplit", "Row", "TPPlan", "VocabEmbedding", "build_recorded_module", "check_plan", "consolidated_state_dict", "export_pretrained",
     "load_checkpoint", "parallelize", "record_module_init",
 ]

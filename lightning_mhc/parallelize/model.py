@@ -31,6 +31,7 @@ from lightning_mhc.parallelize.pipeline import (
     ModelParts,
     NotOnThisStage,
     chunk_skeleton,
+    cut_per_layer_config,
     find_parts,
     set_submodule,
     split_blocks,
@@ -170,12 +171,15 @@ class ParallelModel(nn.Module):
         if self._blocks_ran:
             raise ConfigError(
                 f"{stub.part_name} is registered before the block list, so it was placed on the first pipeline stage, "
-                "but the model's forward runs it after its blocks: register it after the block list in the model's "
-                "__init__ (parts are placed by registration order).")
+                "but the model's forward runs it after its blocks: name it in the plan's after_blocks "
+                f"(TPPlan(after_blocks=('{stub.part_name}',))).")
 
     def _stop(self, chunk: int, module: nn.Module, args: tuple, output: Any) -> None:
         if self._running == chunk:
-            raise _StageExit(output if isinstance(output, Tensor) else output[0])
+            hidden = output if isinstance(output, Tensor) else output[0]
+            # the schedule frees a sent output's storage once sent; a view (OPT's blocks end with
+            # .view()) shares its base's, which the graph still needs
+            raise _StageExit(hidden.clone() if hidden._base is not None else hidden)
 
 
 def _logits(output: Any) -> Tensor:
@@ -269,7 +273,7 @@ def parallelize(
                  layout.virtual_pipeline_model_parallel_size)
     whole = _unique_numel(model)
     hidden = _hidden_size(model, parts, hidden_size) if parts else hidden_size or 0  # (crosses no stage)
-    materializer = Materializer(model, seed, init_fn)
+    materializer = Materializer(model, seed, init_fn, loaded=checked.tensor_ids if checked is not None else None)
     aliases = _tied_aliases(model, materializer)
     ties = _tied_tensors(model)  # of the recorded model: materialising replaces the tensors
     plan, vocab_parallel = _output_plan(model, plan, parts, tp, loss_parallel)
@@ -318,12 +322,12 @@ def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, A
                            ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
     """The checked TP plan, the model's parts (None: no block list) and each (virtual) stage's
     ``(start, end)`` block range (``[(0, 0)]`` without a block list)."""
-    plan = resolve_plan(plan)
+    plan = resolve_plan(plan, model)
     if recompute_modules is not None:
         plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
     stages = layout.pipeline_model_parallel_size * layout.virtual_pipeline_model_parallel_size
     check_plan(model, plan, layout.tensor_model_parallel_size)
-    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute == "full")
+    parts = _model_parts(model, blocks, plan.after_blocks, pipelined=stages > 1 or recompute == "full")
     ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
     if recompute == "selective" and not plan.selective:
         raise ConfigError("recompute='selective' needs the modules to checkpoint: pass recompute_modules=[patterns] "
@@ -441,13 +445,14 @@ def _mark_shared_embeddings(model_parallel: ParallelModel, materializer: Materia
             held.shared_embedding = True
 
 
-def _model_parts(model: nn.Module, blocks: str | None, pipelined: bool) -> ModelParts | None:
+def _model_parts(model: nn.Module, blocks: str | None, after_blocks: tuple[str, ...], pipelined: bool
+                 ) -> ModelParts | None:
     """The block list and the parts around it; None when nothing needs them (no pipeline, no full
     recompute, no ``blocks=`` given) and the model has no block list a pipeline could split."""
     if pipelined or blocks is not None:
-        return find_parts(model, blocks)
+        return find_parts(model, blocks, after_blocks)
     try:
-        return find_parts(model, None)
+        return find_parts(model, None, after_blocks)
     except ConfigError:
         return None
 
@@ -467,6 +472,7 @@ def _build_stages(model: nn.Module, parts: ModelParts, ranges: list[tuple[int, i
         start, end = ranges[stage]
         local = {i: parts.blocks[i] for i in range(start, end)}
         set_submodule(skeleton, parts.block_path, stage_block_list(block_list, local))
+        cut_per_layer_config(skeleton, parts, start, end)
         for name in parts.first:
             set_submodule(skeleton, name, build(name, part_modules[name]) if stage == 0
                           else FirstStageStub(name, part_modules[name]))
@@ -544,7 +550,7 @@ def build_recorded_module(model: nn.Module, seed: int = 0, init_fn: InitFn | Non
     if not is_meta(model):
         raise ConfigError(f"build_recorded_module() takes a model built inside `with record_module_init():`; "
                           f"this {type(model).__name__} is materialised already.")
-    parts = _model_parts(model, blocks, pipelined=False)
+    parts = _model_parts(model, blocks, (), pipelined=False)
     materializer = Materializer(model, seed, init_fn)
     if parts is None:  # as parallelize() at TP = PP = 1
         materializer.materialize("", model)

@@ -11,9 +11,11 @@ the block list; each of their other children is a *part* of the model:
   activations instead of what the stub produced);
 - parts registered after it (final norm, head) live on the last stage; earlier stages stop after
   their last block, so they never run them;
-- the order is the registration order (``__init__``), as in Hugging Face models; a part that runs
-  on the other side of the blocks than it is registered is refused when it runs (a stub called
-  after the blocks, a last-stage part called before them), naming it;
+- the order is the registration order (``__init__``), as in most Hugging Face models; a part
+  registered before the block list that runs after it (OPT's ``final_layer_norm``) is named in
+  the plan's ``after_blocks``; a part that runs on the other side of the blocks than it is placed
+  is refused when it runs (a stub called after the blocks, a last-stage part called before them),
+  naming it;
 - parts without parameters (dropout, rotary tables) live on every stage.
 
 A stage is the model's own root object (or a shallow copy of the containers, for the extra chunks
@@ -23,8 +25,10 @@ state-dict names stay those of the whole model.
 from __future__ import annotations
 
 import copy
+import fnmatch
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,8 +62,9 @@ def _is_block_list(module: nn.Module) -> bool:
             and len({type(c) for c in children}) == 1)
 
 
-def find_parts(root: nn.Module, blocks: str | None = None) -> ModelParts:
-    """The block list (``blocks``, or found) and the parts around it."""
+def find_parts(root: nn.Module, blocks: str | None = None, after_blocks: tuple[str, ...] = ()) -> ModelParts:
+    """The block list (``blocks``, or found) and the parts around it (``after_blocks``: patterns of
+    parts that run after the blocks wherever they are registered)."""
     modules = dict(root.named_modules())
     if blocks is None:
         candidates = [name for name, m in modules.items() if _is_block_list(m)]
@@ -92,7 +97,8 @@ def find_parts(root: nn.Module, blocks: str | None = None) -> ModelParts:
             if not any(True for _ in child.parameters()):
                 everywhere.append(full)
             else:
-                (last if seen_path else first).append(full)
+                runs_after = seen_path or any(fnmatch.fnmatchcase(full, p) for p in after_blocks)
+                (last if runs_after else first).append(full)
     return ModelParts(blocks, containers, list(modules[blocks].children()), first, last, everywhere)
 
 
@@ -163,21 +169,23 @@ class FirstStageStub(nn.Module):
     def __init__(self, name: str, module: nn.Module) -> None:
         super().__init__()
         self.part_name = name
+        self.replaces_linear = isinstance(module, nn.Linear)
         if isinstance(module, nn.Embedding):
             self.width = module.embedding_dim
-        elif isinstance(module, nn.Linear):
+        elif self.replaces_linear:
             self.width = module.out_features
         else:
             raise ConfigError(
                 f"{name} ({type(module).__name__}) is registered before the block list, so it is placed on the first "
                 "stage and later stages need a stand-in for it; only nn.Embedding and nn.Linear have one. If it runs "
-                "after the blocks, register it after them in the model's __init__ (parts are placed by registration "
-                "order); else run with pipeline_model_parallel_size=1, or move it into the first block.")
+                f"after the blocks, name it in the plan's after_blocks (TPPlan(after_blocks=('{name}',))); else run "
+                "with pipeline_model_parallel_size=1, or move it into the first block.")
         dtype = next(module.parameters()).dtype
         self.register_buffer("dtype_probe", torch.zeros(0, dtype=dtype), persistent=False)
 
     def forward(self, input_: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        shape = input_.shape if not input_.is_floating_point() else input_.shape[:-1]
+        # an embedding's input is indices of any dtype (OPT's positions take the attention mask)
+        shape = input_.shape[:-1] if self.replaces_linear else input_.shape
         return torch.zeros(*shape, self.width, dtype=self.dtype_probe.dtype, device=input_.device)
 
 
@@ -214,6 +222,30 @@ def chunk_skeleton(root: nn.Module, parts: ModelParts) -> nn.Module:
         parent._modules[child_name] = child
         parent = child
     return skeleton
+
+
+def cut_per_layer_config(skeleton: nn.Module, parts: ModelParts, start: int, end: int) -> None:
+    """The containers' config as this stage sees it: a model whose loop picks each block's mask by
+    its position (Hugging Face's ``config.layer_types[i]`` over ``enumerate(self.layers)``) must
+    find the stage's blocks' entries at the stage's positions. Each container holding a ``config``
+    gets its own copy in which every per-layer list (a list or tuple with one entry per block) is
+    cut to ``[start, end)``; the blocks keep the whole config."""
+    total = len(parts.blocks)
+    if (start, end) == (0, total):
+        return
+    cut: dict[int, Any] = {}
+    for name in parts.containers:
+        container = skeleton.get_submodule(name)
+        config = container.__dict__.get("config")
+        if config is None or not hasattr(config, "__dict__"):
+            continue
+        if id(config) not in cut:
+            own = copy.copy(config)
+            for attr, value in vars(config).items():
+                if isinstance(value, (list, tuple)) and len(value) == total:
+                    setattr(own, attr, type(value)(value[start:end]))
+            cut[id(config)] = own
+        container.__dict__["config"] = cut[id(config)]
 
 
 def _detach_dicts(module: nn.Module) -> None:

@@ -9,10 +9,15 @@ pattern that matches a module decides) to a style:
 | ``"row"`` | ``nn.Linear``, HF ``Conv1D`` | a slice of the input features; the bias whole | partial products all-reduced, then the bias |
 | ``"vocab"`` | ``nn.Embedding`` | a slice of the vocabulary rows | rows outside the slice give zeros; all-reduced |
 | ``"replicate"`` | any | everything | unchanged (exempts a module from a broader pattern) |
+| ``"replicate_on_split"`` | any | everything | unchanged, on this rank's part of a TP-split activation (a norm over each head, as Qwen3's ``q_norm``): its gradients are summed over TP |
 
 Besides ``layers``, a :class:`TPPlan` names module attributes the forward reads that must be
-divided by the TP size (``divide``: head counts, split sizes), attributes that must only be
-divisible (``divisible``: e.g. ``config.num_key_value_heads``), and the random regions
+divided by the TP size (``divide``: head counts, split sizes; a dotted name such as
+``config.num_attention_heads`` divides it in the module's own copy of the shared object),
+attributes that must only be divisible (``divisible``: e.g. ``config.num_key_value_heads``),
+attributes that must be equal (``equal``: the parts of a fused projection split with a stride
+must be of one size, e.g. Phi-3's ``[q; k; v]`` needs as many key/value heads as query heads),
+and the random regions
 (``random``): modules whose dropout acts on TP-split activations (``"parallel"``: different masks
 on every TP rank) or, inside those, on replicated ones again (``"replicated"``). Everything else
 draws from the stream shared by the TP ranks (see ``lightning_mhc.distributed.random``).
@@ -22,6 +27,7 @@ before anything is built, with the module and the fix (:func:`check_plan`).
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Mapping, Union
@@ -55,23 +61,34 @@ class Replicate:
     """Keep the module whole on every TP rank."""
 
 
-Style = Union[Column, Row, VocabEmbedding, Replicate]
-STYLE_NAMES: dict[str, Style] = {"column": Column(), "row": Row(), "vocab": VocabEmbedding(), "replicate": Replicate()}
+@dataclass(frozen=True)
+class ReplicateOnSplit:
+    """Keep the module whole on every TP rank, where it runs on this rank's part of a split
+    activation (a per-head norm): each rank's gradient is part of the whole, so it is summed over TP."""
+
+
+Style = Union[Column, Row, VocabEmbedding, Replicate, ReplicateOnSplit]
+STYLE_NAMES: dict[str, Style] = {"column": Column(), "row": Row(), "vocab": VocabEmbedding(), "replicate": Replicate(),
+                                 "replicate_on_split": ReplicateOnSplit()}
 RANDOM_REGIONS = ("parallel", "replicated")
 
 
 @dataclass(frozen=True)
 class TPPlan:
     """A tensor-parallel plan (see the module docstring). ``output``: the module whose output is
-    the logits (default: the last module with parameters after the block list); ``selective``:
-    the modules the ``selective`` recompute policy checkpoints."""
+    the logits (default: the head found through a weight tied to the embedding, else the linear
+    layer after the block list); ``selective``: the modules the ``selective`` recompute policy
+    checkpoints; ``after_blocks``: modules registered before the block list that run after it
+    (the pipeline places parts by registration order otherwise)."""
 
     layers: Mapping[str, Style | str] = field(default_factory=dict)
     divide: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     divisible: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    equal: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     random: Mapping[str, str] = field(default_factory=dict)
     output: str | None = None
     selective: tuple[str, ...] = ()
+    after_blocks: tuple[str, ...] = ()
 
     def style_of(self, name: str) -> Style | None:
         for pattern, style in self.layers.items():
@@ -81,7 +98,7 @@ class TPPlan:
 
 
 def as_style(style: Style | str, pattern: str = "") -> Style:
-    if isinstance(style, (Column, Row, VocabEmbedding, Replicate)):
+    if isinstance(style, (Column, Row, VocabEmbedding, Replicate, ReplicateOnSplit)):
         return style
     if isinstance(style, str) and style in STYLE_NAMES:
         return STYLE_NAMES[style]
@@ -126,19 +143,98 @@ LLAMA = TPPlan(
 )
 """Hugging Face ``LlamaForCausalLM`` (and models with its module names)."""
 
-PLANS: dict[str, TPPlan] = {"gpt2": GPT2, "llama": LLAMA}
+QWEN3 = dataclasses.replace(LLAMA, layers={
+    **LLAMA.layers,
+    "model.layers.*.self_attn.q_norm": "replicate_on_split",  # RMSNorm over each head, on this rank's heads
+    "model.layers.*.self_attn.k_norm": "replicate_on_split",
+})
+"""Hugging Face ``Qwen3ForCausalLM``, and Gemma 3 (the same per-head norms): Llama's plan with the
+query/key norms."""
+
+PHI3 = TPPlan(
+    layers={
+        "model.embed_tokens": "vocab",
+        "model.layers.*.self_attn.qkv_proj": Column(stride=3),  # [q; k; v]: each rank its heads of all three
+        "model.layers.*.self_attn.o_proj": "row",
+        "model.layers.*.mlp.gate_up_proj": Column(stride=2),  # [gate; up], chunked in two by the forward
+        "model.layers.*.mlp.down_proj": "row",
+        "lm_head": "column",
+    },
+    # the forward cuts [q; k; v] at config.num_attention_heads * head_dim
+    divide={"model.layers.*.self_attn": ("config.num_attention_heads", "num_key_value_heads")},
+    equal={"model.layers.*.self_attn": ("config.num_attention_heads", "config.num_key_value_heads")},
+    random={"model.layers.*.self_attn": "parallel"},
+    output="lm_head",
+    selective=("model.layers.*.mlp",),
+)
+"""Hugging Face ``Phi3ForCausalLM`` with as many key/value heads as query heads (Phi-3 and
+Phi-3.5 mini); grouped-query Phi-3 (medium) is refused: its ``[q; k; v]`` parts differ in size."""
+
+GPT_NEOX = TPPlan(
+    layers={
+        "gpt_neox.embed_in": "vocab",
+        # [q_h, k_h, v_h] head after head: a plain column split gives each rank whole heads
+        "gpt_neox.layers.*.attention.query_key_value": "column",
+        "gpt_neox.layers.*.attention.dense": "row",
+        "gpt_neox.layers.*.mlp.dense_h_to_4h": "column",
+        "gpt_neox.layers.*.mlp.dense_4h_to_h": "row",
+        "lm_head": "column",
+    },
+    divisible={"gpt_neox.layers.*.attention": ("config.num_attention_heads",)},
+    random={"gpt_neox.layers.*.attention": "parallel"},
+    output="lm_head",
+    selective=("gpt_neox.layers.*.mlp",),
+)
+"""Hugging Face ``GPTNeoXForCausalLM`` (Pythia)."""
+
+OPT = TPPlan(
+    layers={
+        "model.decoder.embed_tokens": "vocab",
+        "model.decoder.layers.*.self_attn.q_proj": "column",
+        "model.decoder.layers.*.self_attn.k_proj": "column",
+        "model.decoder.layers.*.self_attn.v_proj": "column",
+        "model.decoder.layers.*.self_attn.out_proj": "row",
+        "model.decoder.layers.*.fc1": "column",
+        "model.decoder.layers.*.fc2": "row",
+        "lm_head": "column",  # tied to embed_tokens
+    },
+    divide={"model.decoder.layers.*.self_attn": ("num_heads",)},
+    random={"model.decoder.layers.*.self_attn": "parallel"},
+    output="lm_head",
+    selective=("model.decoder.layers.*.fc1", "model.decoder.layers.*.fc2"),
+    after_blocks=("model.decoder.final_layer_norm",),  # registered before the layers
+)
+"""Hugging Face ``OPTForCausalLM`` (without ``project_in``/``project_out``: ``word_embed_proj_dim``
+equal to ``hidden_size``, as in every OPT but the 350M)."""
+
+PLANS: dict[str, TPPlan] = {
+    "gpt2": GPT2, "llama": LLAMA, "phi3": PHI3, "gpt_neox": GPT_NEOX, "opt": OPT,
+    # Llama's module names, and forwards that read the head counts from the config
+    "mistral": LLAMA, "qwen2": LLAMA, "gemma": LLAMA, "gemma2": LLAMA,
+    "qwen3": QWEN3, "gemma3": QWEN3, "gemma3_text": QWEN3,
+}
+"""Built-in plans by Hugging Face ``config.model_type``."""
 
 
-def resolve_plan(plan: str | TPPlan | Mapping[str, Style | str] | None) -> TPPlan:
-    """A plan by name (``"gpt2"``, ``"llama"``), a :class:`TPPlan`, or a plain ``{pattern: style}``."""
+def resolve_plan(plan: str | TPPlan | Mapping[str, Style | str] | None, model: nn.Module | None = None) -> TPPlan:
+    """A plan by name (a key of :data:`PLANS`; ``"auto"``: the one for ``model.config.model_type``),
+    a :class:`TPPlan`, or a plain ``{pattern: style}``."""
     if plan is None:
         return TPPlan()
     if isinstance(plan, TPPlan):
         return plan
+    if plan == "auto":
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in PLANS:
+            found = f"model_type {model_type!r}" if model_type else "no config.model_type"
+            raise ConfigError(f"plan='auto': {type(model).__name__} has {found}, which has no built-in plan "
+                              f"(built in: {', '.join(PLANS)}); pass a dict of module-name patterns to styles or a "
+                              "TPPlan (docs/bring_your_own_model.md#writing-a-plan).")
+        return PLANS[model_type]
     if isinstance(plan, str):
         if plan not in PLANS:
-            raise ConfigError(f"plan={plan!r}: no such built-in plan; choose {', '.join(PLANS)}, or pass a dict "
-                              "{module-name pattern: style} or a TPPlan.")
+            raise ConfigError(f"plan={plan!r}: no such built-in plan; choose {', '.join(PLANS)} or 'auto', or pass a "
+                              "dict {module-name pattern: style} or a TPPlan.")
         return PLANS[plan]
     if isinstance(plan, Mapping):
         return TPPlan(layers=dict(plan))
@@ -171,7 +267,9 @@ def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None =
     names = [name for name, _ in model.named_modules() if name]
     example = next((n for n in reversed(names) if n.count(".") >= 2), names[-1] if names else "")
     for section, patterns in (("layers", plan.layers), ("divide", plan.divide), ("divisible", plan.divisible),
-                              ("random", plan.random), ("selective", dict.fromkeys(plan.selective))):
+                              ("equal", plan.equal), ("random", plan.random),
+                              ("selective", dict.fromkeys(plan.selective)),
+                              ("after_blocks", dict.fromkeys(plan.after_blocks))):
         for pattern in patterns:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 raise ConfigError(
@@ -191,15 +289,13 @@ def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None =
             _check_style(name, module, style, tp)
         for pattern, attrs in plan.divide.items():
             if name and fnmatch.fnmatchcase(name, pattern):
-                dotted = [a for a in attrs if "." in a]
-                if dotted:
-                    raise ConfigError(f"plan divide names {dotted[0]!r} of {name}: divide takes the module's own "
-                                      "attributes (a shared config would be divided once per module); list it under "
-                                      "divisible, and divide the attribute the forward reads.")
                 _check_divisible(name, module, attrs, tp, "divided by")
         for pattern, attrs in plan.divisible.items():
             if name and fnmatch.fnmatchcase(name, pattern):
                 _check_divisible(name, module, attrs, tp, "split across")
+        for pattern, attrs in plan.equal.items():
+            if name and fnmatch.fnmatchcase(name, pattern):
+                _check_equal(name, module, attrs, tp)
     _check_ties(model, plan)
 
 
@@ -269,12 +365,26 @@ def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
 
 def _check_divisible(name: str, module: nn.Module, attrs: tuple[str, ...], tp: int, verb: str) -> None:
     for attr in attrs:
-        try:
-            value = _get_path(module, attr)
-        except AttributeError:
-            raise ConfigError(f"plan names attribute {attr!r} of {name} ({type(module).__name__}), which it does not "
-                              "have. Fix the attribute name in the plan.") from None
+        value = _attribute(name, module, attr)
         if not isinstance(value, int) or value % tp:
             raise ConfigError(
                 f"{name}.{attr}={value} cannot be {verb} tensor_model_parallel_size={tp}: each TP rank must hold whole "
                 f"attention heads. Use a TP size that divides {value}.")
+
+
+def _check_equal(name: str, module: nn.Module, attrs: tuple[str, ...], tp: int) -> None:
+    values = {attr: _attribute(name, module, attr) for attr in attrs}
+    if tp > 1 and len(set(values.values())) > 1:
+        shown = ", ".join(f"{a}={v}" for a, v in values.items())
+        raise ConfigError(
+            f"{name}: {shown} differ, but the plan splits a fused projection of these sizes into equal parts "
+            f"(Column(stride=...)), which would give each TP rank the wrong heads. Run it with "
+            "tensor_model_parallel_size=1 (pipeline and data parallel still apply).")
+
+
+def _attribute(name: str, module: nn.Module, attr: str):
+    try:
+        return _get_path(module, attr)
+    except AttributeError:
+        raise ConfigError(f"plan names attribute {attr!r} of {name} ({type(module).__name__}), which it does not "
+                          "have. Fix the attribute name in the plan.") from None

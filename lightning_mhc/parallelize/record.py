@@ -133,9 +133,13 @@ class Materializer:
     values, and an ``init_fn`` call on another holder does not change them.
     """
 
-    def __init__(self, root: nn.Module, seed: int, init_fn: InitFn | None = None) -> None:
+    def __init__(self, root: nn.Module, seed: int, init_fn: InitFn | None = None,
+                 loaded: set[int] | None = None) -> None:
         self.seed = seed
         self.init_fn = init_fn if init_fn is not None else getattr(root, "_init_weights", None)
+        self.loaded = loaded or set()
+        """``id`` of the meta tensors pretrained weights fill afterwards: allocated, never drawn, so
+        that a tensor split over TP never has its whole pages touched (only its slice is copied)."""
         self.owners: dict[int, tuple[str, nn.Module, str]] = {}
         """``id(meta tensor) -> (owner module's name, owner, attribute)``."""
         for name, module in root.named_modules(remove_duplicate=False):
@@ -169,6 +173,8 @@ class Materializer:
             self._fill(sub_name, sub)
         if self.init_fn is not None:
             for sub_name, sub in post_order(module, name):
+                if self._only_loaded(sub):
+                    continue
                 with seeded(self.seed, sub_name + "#init"), self._holding_only_own(sub):
                     self.init_fn(sub)
 
@@ -184,7 +190,9 @@ class Materializer:
                     store[attr] = self.real[key]
                     continue
                 owner_name, owner, owner_attr = self.owners[key]
-                if owner is module:
+                if key in self.loaded:  # pretrained weights will fill it
+                    value = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+                elif owner is module:
                     fresh = fresh if fresh is not None else self._rebuild(name, module)
                     value = _own_tensor(fresh, attr, name)
                 else:  # held here, owned elsewhere (a tied weight whose owner is not on this rank)
@@ -234,6 +242,12 @@ class Materializer:
                 with seeded(self.seed, sub_name + "#init"):
                     self.init_fn(sub)
         return _own_tensor(fresh, attr, name)
+
+    def _only_loaded(self, module: nn.Module) -> bool:
+        """Every tensor ``module`` holds itself will be filled by pretrained weights (then its
+        init is skipped; the weights are loaded after the build, so nothing is lost either way)."""
+        held = [t for store in (module._parameters, module._buffers) for t in store.values() if t is not None]
+        return bool(self.loaded) and all(self.meta_id(t) in self.loaded for t in held)
 
     @contextlib.contextmanager
     def _holding_only_own(self, module: nn.Module) -> Iterator[None]:

@@ -14,6 +14,7 @@ the model's own modules keep running their own code on plain tensors.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import types
 from typing import Callable
@@ -28,7 +29,7 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
-from lightning_mhc.parallelize.plan import Column, Replicate, Row, Style, VocabEmbedding, linear_dims
+from lightning_mhc.parallelize.plan import Column, Replicate, ReplicateOnSplit, Row, Style, VocabEmbedding, linear_dims
 from lightning_mhc.recompute.rng import rng_fork
 
 
@@ -55,13 +56,21 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
     slice already made for a tied tensor, if one was."""
     if isinstance(style, Replicate):
         return
+    if isinstance(style, ReplicateOnSplit):  # its gradients are summed over TP (``grads.is_partial_over_tp``)
+        for param in module.parameters():
+            param.partial_over_tp = True
+        return
     if isinstance(style, VocabEmbedding):
         _split(module, "weight", 0, 1, layout, replace)
         vocab = module.num_embeddings
         module.num_embeddings = vocab // layout.tensor_model_parallel_size
         module.vocab_start_index = layout.tensor_model_parallel_rank * module.num_embeddings
+        padding = module.padding_idx  # the row the gradient skips, if this rank holds it
+        start = module.vocab_start_index
+        module.padding_idx = padding - start if padding is not None and 0 <= padding - start < module.num_embeddings \
+            else None
         if layout.tensor_model_parallel_size > 1:
-            module.forward = types.MethodType(functools.partial(_vocab_forward, group=layout.tp_group), module)
+            _vocab_parallel(module, layout.tp_group)
         return
     out_dim, in_dim, out_attr, in_attr = linear_dims(module)
     tp = layout.tensor_model_parallel_size
@@ -123,21 +132,39 @@ def _row_forward(module: nn.Module, input_: torch.Tensor, group, transposed: boo
     return output if module.bias is None else output + module.bias
 
 
-def _vocab_forward(module: nn.Embedding, ids: torch.Tensor, group) -> torch.Tensor:
-    """megatron's ``VocabParallelEmbedding`` on the module's own slice of rows."""
-    start = module.vocab_start_index
-    outside = (ids < start) | (ids >= start + module.num_embeddings)
-    local = (ids - start).masked_fill(outside, 0)
-    padding = module.padding_idx
-    padding = padding - start if padding is not None and start <= padding < start + module.num_embeddings else None
-    rows = F.embedding(local, module.weight, padding, None, module.norm_type, module.scale_grad_by_freq, False)
-    return reduce_from_tensor_model_parallel_region(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
+def _vocab_parallel(module: nn.Embedding, group) -> None:
+    """megatron's ``VocabParallelEmbedding`` around the module's own forward (a subclass that
+    scales its rows, as Gemma's, keeps doing so): ids outside this rank's rows look up row 0 and
+    give zeros; the rows are summed over TP."""
+
+    def local_ids(mod: nn.Embedding, args: tuple, kwargs: dict):
+        ids = args[0] if args else kwargs.pop("input")
+        start = mod.vocab_start_index
+        outside = (ids < start) | (ids >= start + mod.num_embeddings)
+        mod._outside_rows = outside
+        return ((ids - start).masked_fill(outside, 0), *args[1:]), kwargs
+
+    def summed(mod: nn.Embedding, _args: tuple, _kwargs: dict, rows: torch.Tensor) -> torch.Tensor:
+        outside = mod.__dict__.pop("_outside_rows")
+        return reduce_from_tensor_model_parallel_region(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+    module.register_forward_pre_hook(local_ids, with_kwargs=True)
+    module.register_forward_hook(summed, with_kwargs=True)
 
 
 def divide_attributes(module: nn.Module, attrs: tuple[str, ...], tp: int) -> None:
-    """Attributes the forward reads as whole-model sizes (heads, split sizes) become per-rank."""
+    """Attributes the forward reads as whole-model sizes (heads, split sizes) become per-rank.
+    A dotted name reaches into an object the module shares with others (the model's config):
+    the module gets its own shallow copy of each object on the way, so that the model's config
+    (which ``export_pretrained`` writes) and the other modules keep the whole-model value."""
     for attr in attrs:
-        setattr(module, attr, getattr(module, attr) // tp)
+        *path, last = attr.split(".")
+        owner = module
+        for part in path:
+            own = copy.copy(getattr(owner, part))
+            setattr(owner, part, own)
+            owner = own
+        setattr(owner, last, getattr(owner, last) // tp)
 
 
 def random_region(module: nn.Module, region: str) -> None:

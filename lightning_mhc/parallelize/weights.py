@@ -2,8 +2,9 @@
 
 Each rank opens the safetensors files (a Hugging Face directory with ``model.safetensors`` or
 ``model.safetensors.index.json`` and its shards, or a list of files) and reads only the tensors
-of its stage and, of a tensor split over TP, only its slice (``safe_open(...).get_slice``): the
-rank never holds more than its part of the model, plus one slice in flight.
+of its stage and, of a tensor split over TP, only its slice (``safe_open(...).get_slice``), a few
+MiB at a time. The build allocates the tensors the files fill without drawing them (a split
+tensor's whole pages are never touched), so a rank holds its part of the model and little more.
 
 Before anything is read, every rank checks the whole files' names, shapes and dtypes against the
 whole (meta) model, so all ranks refuse the same problem with the same message, naming the
@@ -61,13 +62,17 @@ class CheckedWeights:
     """``{name in the files: the file}``."""
     to_file: dict[str, str]
     """``{the model's name: its name in the files}``."""
+    tensor_ids: set[int]
+    """``id`` of the whole (meta) model's tensors the files fill (the build allocates them only)."""
 
 
 def check_weights(whole: nn.Module, weights) -> CheckedWeights:
     """Check ``weights`` against ``whole``, the recorded (meta) model, before anything is built:
     a ConfigError names every tensor that is missing, unexpected, or of another shape or dtype."""
     files = weight_files(weights)
-    return CheckedWeights(files, _check(files, _expected(whole), getattr(whole, "base_model_prefix", ""), weights))
+    to_file = _check(files, _expected(whole), getattr(whole, "base_model_prefix", ""), weights)
+    filled = {id(tensor) for name, tensor in whole.state_dict(keep_vars=True).items() if name in to_file}
+    return CheckedWeights(files, to_file, filled)
 
 
 def load_weights(model_parallel: nn.Module, checked: CheckedWeights, layout: ParallelLayout) -> None:
@@ -86,7 +91,7 @@ def load_weights(model_parallel: nn.Module, checked: CheckedWeights, layout: Par
                     continue  # a tied copy whose owner the files name (checked), or a buffer they do not hold
                 file = files[to_file[name]]
                 handle = handles.get(file) or handles.setdefault(file, safe_open(str(file), framework="pt"))
-                tensor.copy_(_read_slice(handle.get_slice(to_file[name]), tensor, layout))
+                _copy_slice(handle.get_slice(to_file[name]), tensor, layout)
     finally:
         handles.clear()
 
@@ -156,19 +161,31 @@ def _local_tensors(model_parallel: nn.Module) -> Iterable[tuple[str, torch.Tenso
             yield name, tensor
 
 
-def _read_slice(piece, local: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
-    """This rank's slice of the file's tensor ``piece`` for ``local`` (megatron's strided split:
-    with stride ``s`` the split dim is ``s`` parts and the rank takes its piece of each)."""
+def _copy_slice(piece, local: torch.Tensor, layout: ParallelLayout) -> None:
+    """Copy into ``local`` this rank's slice of the file's tensor ``piece`` (megatron's strided
+    split: with stride ``s`` the split dim is ``s`` parts and the rank takes its piece of each),
+    a few MiB at a time, so that no copy of a whole slice is ever in flight besides ``local``."""
     placement = tp_placement(local)
-    if placement.dim is None or layout.tensor_model_parallel_size == 1:
-        return piece[:]
-    dim, stride, tp, rank = placement.dim, placement.stride, layout.tensor_model_parallel_size, \
-        layout.tensor_model_parallel_rank
-    size = piece.get_shape()[dim]
-    part, share = size // stride, size // stride // tp
-    slices = []
-    for j in range(stride):
-        start = j * part + rank * share
-        index = tuple(slice(start, start + share) if d == dim else slice(None) for d in range(local.dim()))
-        slices.append(piece[index])
-    return torch.cat(slices, dim=dim)
+    split = placement.dim is not None and layout.tensor_model_parallel_size > 1
+    if local.dim() == 0:
+        local.copy_(piece[:])
+        return
+    # (local start, file start, length) along dim ``d`` per stride part; whole on other dims
+    d = placement.dim if split else 0
+    if split:
+        size, stride = piece.get_shape()[d], placement.stride
+        part, share = size // stride, size // stride // layout.tensor_model_parallel_size
+        runs = [(j * share, j * part + layout.tensor_model_parallel_rank * share, share) for j in range(stride)]
+    else:
+        runs = [(0, 0, local.shape[0])]
+    rows = max(1, CHUNK_BYTES // max(1, local.element_size() * local.numel() // max(1, local.shape[d])))
+    for local_start, file_start, length in runs:
+        for offset in range(0, length, rows):
+            n = min(rows, length - offset)
+            file_index = tuple(slice(file_start + offset, file_start + offset + n) if i == d else slice(None)
+                               for i in range(local.dim()))
+            local.narrow(d, local_start + offset, n).copy_(piece[file_index])
+
+
+CHUNK_BYTES = 4 << 20
+"""The most a read holds besides its destination."""

@@ -9,7 +9,7 @@ model (``build_recorded_module``: the same initial weights) as a plain Lightning
 fits a shuffled DataLoader for ``STEPS`` steps and records the per-step losses, the whole model's
 final weights by name (gathered from every rank's pieces), and each rank's materialised share.
 
-With ``--checkpoints DIR`` a parallel case also saves ``DIR/<model>/step=2.ckpt`` (mid-run),
+With ``--checkpoints DIR`` a parallel case (but a family's: ``lm_models.FAMILIES``) also saves ``DIR/<model>/step=2.ckpt`` (mid-run),
 ``DIR/<model>/final.ckpt`` and the logits of a fixed batch on its layout (``logits.pt``); a case
 ``<model>:<layout>:resume`` continues from ``step=2.ckpt`` on its own layout (resharding).
 A case ``<model>:<layout>:dropout[-<tag>]`` trains with dropout 0.1 and records, per rank, a
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lm_models import MODELS, SEQ, VOCAB
+from lm_models import FAMILIES, MODELS, SEQ, VOCAB
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule
 from lightning_mhc.data.sources import SyntheticTokens
 from lightning_mhc.parallelize import build_recorded_module, parallelize, record_module_init
@@ -205,7 +205,7 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
         callbacks.append(masks)
     if checkpoints is not None and variant == "resume":
         ckpt_path = next((checkpoints / model).glob("*step=2.ckpt"))
-    elif checkpoints is not None and layout_name != "single" and not variant:
+    elif checkpoints is not None and layout_name != "single" and not variant and model not in FAMILIES:
         callbacks += [ModelCheckpoint(dirpath=checkpoints / model, filename="{step}", save_top_k=-1,
                                       every_n_train_steps=2),
                       FinalCheckpointAndLogits(checkpoints / model)]

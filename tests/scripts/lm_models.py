@@ -110,5 +110,62 @@ DICT_PLAN = {  # the README's dict form, as a user writes it: no output layer na
     "lm_head": "column",
 }
 
+# ------------------------------------------------------------------ the families users bring
+WINDOW = 4
+"""Sliding windows shorter than the sequence: a stage that lost the model's masks would differ."""
+
+
+def hf_model(config_class: str, model_class: str, attention_dropout: float = 0.0, **config) -> nn.Module:
+    """A small Hugging Face model of ``transformers.<model_class>`` from ``<config_class>``."""
+    import transformers
+
+    base = dict(num_hidden_layers=LAYERS, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=HEADS,
+                num_key_value_heads=HEADS // 2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
+                eos_token_id=0, pad_token_id=0, attention_dropout=attention_dropout, attn_implementation="eager")
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**{**base, **config}))
+
+
+def mistral(dropout: float = 0.0) -> nn.Module:
+    return hf_model("MistralConfig", "MistralForCausalLM", dropout, sliding_window=WINDOW)
+
+
+def qwen2(dropout: float = 0.0) -> nn.Module:  # biased q/k/v; a tied head; sliding windows from layer 2 on
+    return hf_model("Qwen2Config", "Qwen2ForCausalLM", dropout, tie_word_embeddings=True, use_sliding_window=True,
+               sliding_window=WINDOW, max_window_layers=2)
+
+
+def qwen3(dropout: float = 0.0) -> nn.Module:  # q/k norms per head
+    return hf_model("Qwen3Config", "Qwen3ForCausalLM", dropout, head_dim=WIDTH // HEADS)
+
+
+def gemma2(dropout: float = 0.0) -> nn.Module:  # scaled embedding, soft-capped logits, local/global layers
+    return hf_model("Gemma2Config", "Gemma2ForCausalLM", dropout, head_dim=WIDTH // HEADS, sliding_window=WINDOW,
+               query_pre_attn_scalar=WIDTH // HEADS)
+
+
+def gemma3(dropout: float = 0.0) -> nn.Module:  # its scaled embedding is a module of its own
+    return hf_model("Gemma3TextConfig", "Gemma3ForCausalLM", dropout, head_dim=WIDTH // HEADS, sliding_window=WINDOW,
+               query_pre_attn_scalar=WIDTH // HEADS, layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2))
+
+
+def phi3(dropout: float = 0.0) -> nn.Module:  # fused [q; k; v] and [gate; up]
+    return hf_model("Phi3Config", "Phi3ForCausalLM", dropout, num_key_value_heads=HEADS, sliding_window=WINDOW,
+               original_max_position_embeddings=SEQ)
+
+
+def gpt_neox(dropout: float = 0.0) -> nn.Module:  # fused per-head [q, k, v]; partial rotary
+    return hf_model("GPTNeoXConfig", "GPTNeoXForCausalLM", dropout, rotary_pct=0.5, hidden_dropout=dropout)
+
+
+def opt(dropout: float = 0.0) -> nn.Module:  # learned positions (offset 2), tied head
+    return hf_model("OPTConfig", "OPTForCausalLM", dropout, ffn_dim=2 * WIDTH, word_embed_proj_dim=WIDTH,
+               dropout=dropout, pad_token_id=1)
+
+
+FAMILIES = {"mistral": (mistral, "mistral"), "qwen2": (qwen2, "qwen2"), "qwen3": (qwen3, "qwen3"),
+            "gemma2": (gemma2, "gemma2"), "gemma3": (gemma3, "auto"), "phi3": (phi3, "phi3"),
+            "gpt_neox": (gpt_neox, "gpt_neox"), "opt": (opt, "opt")}
+"""Each family from a small config, with its built-in plan (Gemma 3's found by ``plan="auto"``)."""
+
 MODELS = {"gpt2": (gpt2, "gpt2"), "llama": (llama, "llama"), "plain": (PlainTransformer, PLAIN_PLAN),
-          "tiedllama": (tied_llama, DICT_PLAN)}
+          "tiedllama": (tied_llama, DICT_PLAN), **FAMILIES}
