@@ -223,8 +223,10 @@ def test_lightning_mhc_train_with_triton_and_compile_matches_the_eager_paths(tmp
     def losses(implementation: str) -> dict[int, float]:
         cwd = tmp_path / implementation
         cwd.mkdir()
+        # 2 sequences of 8 tokens a step: the interpreter runs every program instance in Python
         proc = run_train(cwd, "trainer=debug", "data=synthetic", "trainer.max_steps=3", "trainer.limit_val_batches=0",
                          "model.num_layers=2", "model.hidden_dropout=0", "model.attention_dropout=0",
+                         "data.seq_length=8", "data.global_batch_size=2",
                          f"model.mhc_implementation={implementation}", timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         (metrics,) = (cwd / "outputs").glob("*/*/metrics.csv")
