@@ -107,7 +107,7 @@ def sum_embedding_grads(grads: list[torch.Tensor], layout: ParallelLayout) -> No
 def allreduce_embedding_grads(params: Iterable[torch.nn.Parameter], layout: ParallelLayout) -> None:
     """:func:`sum_embedding_grads` on the parameters' own gradients (zeros where a stage has none)."""
     shared = [p for p in params if getattr(p, "shared_embedding", False)]
-    if layout.pipeline_model_parallel_size == 1 or not shared:
+    if layout.pipeline_model_parallel_size == 1 or layout.embedding_group is None or not shared:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shared]
     sum_embedding_grads(grads, layout)

@@ -17,10 +17,10 @@ divided by the TP size (``divide``: head counts, split sizes; a dotted name such
 attributes that must only be divisible (``divisible``: e.g. ``config.num_key_value_heads``),
 attributes that must be equal (``equal``: the parts of a fused projection split with a stride
 must be of one size, e.g. Phi-3's ``[q; k; v]`` needs as many key/value heads as query heads),
-and the random regions
-(``random``): modules whose dropout acts on TP-split activations (``"parallel"``: different masks
-on every TP rank) or, inside those, on replicated ones again (``"replicated"``). Everything else
-draws from the stream shared by the TP ranks (see ``lightning_mhc.distributed.random``).
+and the random regions (``random``): modules whose dropout acts on TP-split activations
+(``"parallel"``: different masks on every TP rank) or, inside those, on replicated ones again
+(``"replicated"``). Everything else draws from the stream shared by the TP ranks (see
+``lightning_mhc.distributed.random``).
 
 Every pattern must match a module, and a style must fit its module; a wrong plan is refused
 before anything is built, with the module and the fix (:func:`check_plan`).
