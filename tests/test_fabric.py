@@ -177,3 +177,26 @@ def test_fabric_plain_data_parallel_and_resharded_loads(example_run, trainer_run
     assert "Set up the module first" in gpt["refused"]["optimizer_before_stage"]
     assert "pipeline contract" in gpt["refused"]["plain_module_tp"]
     assert "forward_backward" in gpt["refused"]["backward_on_pipeline"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1], ids=["first_stage_the_launcher", "last_stage"])
+def test_an_uncaught_exception_in_a_fabric_loop_ends_every_rank_naming_it(tmp_path, rank):
+    """PP 2 under Fabric's launcher: rank ``rank`` raises at step 2 and nothing catches it. Every
+    rank ends within seconds (not the 10-minute timeout), no process is left, and the other
+    rank's error names the failed rank and its exception (published from ``sys.excepthook``:
+    Fabric has no ``on_exception``; rank 0 hosts the store, so it lingers two polls before it
+    exits)."""
+    import time
+
+    stamp = tmp_path / "failed_at"
+    proc = run_script("fabric_fail.py", "--fail-rank", str(rank), "--stamp", str(stamp), timeout=120)
+    since = time.time() - float(stamp.read_text())
+    print(f"rank {rank} raised: every rank ended {since:.1f} s later")
+    assert proc.returncode != 0 and since < 20, since
+    other = 1 - rank
+    assert (f"PeerFailure: rank {other} (TP rank 0, PP rank {other}, DP rank 0) stops: rank {rank} (TP rank 0, "
+            f"PP rank {rank}, DP rank 0) failed: RuntimeError: boom on rank {rank} at step 2") in proc.stderr, \
+        proc.stderr[-4000:]
+    leftover = subprocess.run(["pgrep", "-f", "scripts/fabric_fail.py"], capture_output=True, text=True).stdout
+    assert leftover.strip() == "", f"processes left behind: {leftover}"

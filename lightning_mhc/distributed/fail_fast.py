@@ -4,9 +4,11 @@ Without this, a stage that raises leaves its peers waiting in a point-to-point r
 collective until the strategy's timeout (10 minutes by default), and they report only gloo's
 timeout. Here:
 
-- a rank whose run raises (``Strategy.on_exception``) says so on stderr at once, and writes who
-  it is and what it raised under one key of the job's rendezvous store (the TCP store every rank reaches already); the first
-  failure wins;
+- a rank whose run raises (the Trainer's ``Strategy.on_exception``; with Fabric or a loop of
+  one's own, an exception nothing catches, through ``sys.excepthook``) says so on stderr at once,
+  and writes who it is and what it raised under one key of the job's rendezvous store (the TCP
+  store every rank reaches already); the first failure wins. A process about to exit that way
+  first lingers two polls, so that the others read it before the store goes with rank 0;
 - every rank runs a watch thread, with its own connection to that store, that looks at the key
   every ``poll_s``; when another rank has failed while this rank's main thread waits on its peers
   (the schedule, gradient reduction, a barrier: :meth:`FailFast.waiting`) and still waits
@@ -40,6 +42,7 @@ STORE_TIMEOUT = datetime.timedelta(seconds=5)
 """How long one store call of the watch may block (bounds the join at exit)."""
 _running: FailFast | None = None
 """The process's watching instance (one at a time)."""
+_previous_excepthook = sys.excepthook
 
 
 class PeerFailure(RuntimeError):
@@ -87,6 +90,9 @@ class FailFast:
             _running = self
             atexit.unregister(_stop_watching)  # registered last, run first: before the groups go
             atexit.register(_stop_watching)
+        if sys.excepthook is not _publishing_excepthook:
+            global _previous_excepthook
+            _previous_excepthook, sys.excepthook = sys.excepthook, _publishing_excepthook
 
     def stop(self) -> None:
         """End the watch and wait for it (its store call returns within ``STORE_TIMEOUT``)."""
@@ -109,6 +115,15 @@ class FailFast:
             self._store.compare_set(KEY, "", message)
         except Exception:  # the store's host is gone: the others notice the lost peer anyway
             pass
+
+    def publish_uncaught(self, exception: BaseException) -> None:
+        """An exception nothing caught is about to end this process (``sys.excepthook``): publish
+        it, unless the run's own hook has, and give the others' watches two polls to read it."""
+        if self._store is None or self._failed_here or not _has_peers() or not isinstance(exception, Exception) \
+                or isinstance(exception, PeerFailure):
+            return
+        self.publish(exception)
+        self._stop.wait(2 * self.poll_s)
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -139,6 +154,21 @@ class FailFast:
             os.write(2, f"lightning_mhc: {self._who} stops: {failure}\n".encode())
             sys.stderr.flush()
             os._exit(1)
+
+
+def _publishing_excepthook(kind, value, traceback) -> None:
+    """An exception nothing caught ends this process: tell the other ranks first (the Trainer's
+    ``on_exception`` has done so already; Fabric and hand-written loops have no such hook)."""
+    if _running is not None:
+        try:
+            _running.publish_uncaught(value)
+        except Exception:  # the store is gone: the others notice the lost peer anyway
+            pass
+    _previous_excepthook(kind, value, traceback)
+
+
+def _has_peers() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _stop_watching() -> None:
