@@ -222,8 +222,8 @@ class DistributedOptimizer:
         for piece in self.pieces.values():
             piece.main.grad = piece.bucket.grad[piece.shard_range]
         sum_partial_grads_over_tp([(pc.param, pc.main.grad) for pc in self.pieces.values()], self.layout)
-        sum_embedding_grads([pc.main.grad for pc in self.pieces.values() if getattr(pc.param, "shared_embedding", False)],
-                            self.layout)
+        shared = [pc.main.grad for pc in self.pieces.values() if getattr(pc.param, "shared_embedding", False)]
+        sum_embedding_grads(shared, self.layout)
 
     def grad_norm(self) -> float:
         """The whole model's gradient L2 norm (each element counted once over TP, PP and DP)."""

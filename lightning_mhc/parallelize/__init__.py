@@ -26,6 +26,7 @@ from lightning_mhc.parallelize.record import record_module_init
 
 __all__ = [
     "GPT2", "GPT_NEOX", "LLAMA", "OPT", "PHI3", "PLANS", "QWEN3", "Column", "MaterializedReport", "ParallelModel",
-    "Replicate", "ReplicateOnSplit", "Row", "TPPlan", "VocabEmbedding", "build_recorded_module", "check_plan", "consolidated_state_dict", "export_pretrained",
+    "Replicate", "ReplicateOnSplit", "Row", "TPPlan", "VocabEmbedding", "build_recorded_module", "check_plan",
+    "consolidated_state_dict", "export_pretrained",
     "load_checkpoint", "parallelize", "record_module_init",
 ]

@@ -327,7 +327,7 @@ def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, A
         plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
     stages = layout.pipeline_model_parallel_size * layout.virtual_pipeline_model_parallel_size
     check_plan(model, plan, layout.tensor_model_parallel_size)
-    parts = _model_parts(model, blocks, plan.after_blocks, pipelined=stages > 1 or recompute == "full")
+    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute == "full", after_blocks=plan.after_blocks)
     ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
     if recompute == "selective" and not plan.selective:
         raise ConfigError("recompute='selective' needs the modules to checkpoint: pass recompute_modules=[patterns] "
@@ -445,7 +445,7 @@ def _mark_shared_embeddings(model_parallel: ParallelModel, materializer: Materia
             held.shared_embedding = True
 
 
-def _model_parts(model: nn.Module, blocks: str | None, after_blocks: tuple[str, ...], pipelined: bool
+def _model_parts(model: nn.Module, blocks: str | None, pipelined: bool, after_blocks: tuple[str, ...] = ()
                  ) -> ModelParts | None:
     """The block list and the parts around it; None when nothing needs them (no pipeline, no full
     recompute, no ``blocks=`` given) and the model has no block list a pipeline could split."""
@@ -550,7 +550,7 @@ def build_recorded_module(model: nn.Module, seed: int = 0, init_fn: InitFn | Non
     if not is_meta(model):
         raise ConfigError(f"build_recorded_module() takes a model built inside `with record_module_init():`; "
                           f"this {type(model).__name__} is materialised already.")
-    parts = _model_parts(model, blocks, (), pipelined=False)
+    parts = _model_parts(model, blocks, pipelined=False)
     materializer = Materializer(model, seed, init_fn)
     if parts is None:  # as parallelize() at TP = PP = 1
         materializer.materialize("", model)

@@ -33,13 +33,19 @@ from lightning_mhc.parallelize.plan import Column, Replicate, ReplicateOnSplit, 
 from lightning_mhc.recompute.rng import rng_fork
 
 
+def strided_runs(size: int, stride: int, tp: int, rank: int) -> list[tuple[int, int, int]]:
+    """Megatron's strided split of a dimension of ``size``: it is ``stride`` equal parts, and
+    this rank's slice is its piece of each part, concatenated. Per part, ``(start in the slice,
+    start in the whole, length)``."""
+    part = size // stride
+    share = part // tp
+    return [(j * share, j * part + rank * share, share) for j in range(stride)]
+
+
 def shard(tensor: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> torch.Tensor:
-    """This rank's slice of ``tensor`` along ``dim``: with ``stride = s`` the dim is ``s`` parts,
-    and the slice is the rank's piece of each part, concatenated (megatron's strided split)."""
-    size = tensor.shape[dim]
-    parts = tensor.unflatten(dim, (stride, size // stride))
-    piece = parts.narrow(dim + 1, rank * (size // stride // tp), size // stride // tp)
-    return piece.flatten(dim, dim + 1).contiguous()
+    """This rank's slice of ``tensor`` along ``dim`` (:func:`strided_runs`)."""
+    runs = strided_runs(tensor.shape[dim], stride, tp, rank)
+    return torch.cat([tensor.narrow(dim, start, length) for _, start, length in runs], dim).contiguous()
 
 
 def _sharded_parameter(param: torch.Tensor, dim: int, stride: int, layout: ParallelLayout) -> nn.Parameter:

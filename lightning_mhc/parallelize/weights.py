@@ -26,6 +26,7 @@ from torch import nn
 from lightning_mhc.checkpoint.sharding import tp_placement
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.parallelize.tensor_parallel import strided_runs
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -173,9 +174,8 @@ def _copy_slice(piece, local: torch.Tensor, layout: ParallelLayout) -> None:
     # (local start, file start, length) along dim ``d`` per stride part; whole on other dims
     d = placement.dim if split else 0
     if split:
-        size, stride = piece.get_shape()[d], placement.stride
-        part, share = size // stride, size // stride // layout.tensor_model_parallel_size
-        runs = [(j * share, j * part + layout.tensor_model_parallel_rank * share, share) for j in range(stride)]
+        runs = strided_runs(piece.get_shape()[d], placement.stride, layout.tensor_model_parallel_size,
+                            layout.tensor_model_parallel_rank)
     else:
         runs = [(0, 0, local.shape[0])]
     rows = max(1, CHUNK_BYTES // max(1, local.element_size() * local.numel() // max(1, local.shape[d])))
