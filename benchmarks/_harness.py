@@ -31,9 +31,9 @@ def gpt_training_step(cfg, policy: str, tokens, labels, autocast=None) -> tuple[
     import torch
 
     from lightning_mhc.model import GPTModel
-    from lightning_mhc.recompute import ActivationMemoryMeter, attach_recompute, configure_recompute
+    from lightning_mhc.recompute import ActivationMemoryMeter, RecomputePolicy, attach_recompute
 
-    model = GPTModel(configure_recompute(cfg, policy)).to(tokens.device)
+    model = GPTModel(RecomputePolicy(policy).apply(cfg)).to(tokens.device)
     attach_recompute(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     device = tokens.device.type

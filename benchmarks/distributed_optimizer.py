@@ -83,11 +83,11 @@ def _variant(args: argparse.Namespace, layout, zero: bool):
 def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch
 
-    from lightning_mhc.distributed.layout import destroy_parallel, initialize_parallel
+    from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
     from lightning_mhc.distributed.random import model_parallel_manual_seed
 
     torch.set_num_threads(1)
-    layout = initialize_parallel(1, 1)  # DP = world
+    layout = ParallelLayout().build()  # DP = world
     model_parallel_manual_seed(0, layout)
     variants = {label: _variant(args, layout, zero) for label, zero in (("AdamW", False), ("distributed", True))}
     times = interleaved_times({label: step for label, (step, _) in variants.items()}, args.rounds, warmup=1)

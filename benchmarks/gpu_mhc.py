@@ -236,11 +236,12 @@ def _model(args, device) -> dict:
 
 def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import torch
-    from megatron.core import parallel_state
+
+    from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    parallel_state.initialize_model_parallel(1, 1)
+    ParallelLayout().build()
     try:
         megatron_source = _megatron_module(args.megatron_lm)[1]
     except Absent as why:
@@ -251,7 +252,7 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
                              mappings_bandwidth=_bandwidth(hidden, args, device, dtype))
         _print_sublayer(hidden, table[hidden]["sublayer"])
     model = _model(args, device)
-    parallel_state.destroy_model_parallel()
+    destroy_parallel()
     return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads",
                 dtype=str(dtype).removeprefix("torch."), torch=torch.__version__, megatron_lm=megatron_source,
                 table=table, model=model)

@@ -33,11 +33,12 @@ VARIANTS = [  # (label, hyper-connections, implementation, recompute policy)
 
 def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import torch
-    from megatron.core import parallel_state
+
+    from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 
     from lightning_mhc.model import MHCTransformerConfig
 
-    parallel_state.initialize_model_parallel(1, 1)
+    ParallelLayout().build()
     tokens = torch.randint(0, 256, (MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     labels = tokens.roll(-1, 1)
     table = {}
@@ -55,7 +56,7 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         table[hidden] = {label: dict(retained_bytes=runs[label][1], median_step_s=median(times[label]),
                                      step_times_s=times[label]) for label in runs}
         _print_one(hidden, table[hidden])
-    parallel_state.destroy_model_parallel()
+    destroy_parallel()
     return dict(threads=torch.get_num_threads(), torch=torch.__version__, table=table)
 
 

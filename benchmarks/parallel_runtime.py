@@ -20,7 +20,6 @@ Writes JSON and a PNG (default ``benchmarks/results/parallel_runtime.json``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pathlib
 
@@ -37,12 +36,12 @@ def _setup(pp: int, v: int):
     from lightning_mhc.model import MHCTransformerConfig
     from lightning_mhc.model.config import with_parallel_layout
     from lightning_mhc.model.stages import build_gpt_chunks
-    from lightning_mhc.distributed.layout import current_layout
+    from lightning_mhc.distributed.layout import ParallelLayout
 
-    layout = dataclasses.replace(current_layout(), virtual_pipeline_model_parallel_size=v)
+    layout = ParallelLayout(1, pp, v).build()
     cfg = MHCTransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=4 * HIDDEN,
                                vocab_size=256, max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0)
-    cfg = with_parallel_layout(cfg, 1, pp, virtual_pipeline_model_parallel_size=v if v > 1 else None)
+    cfg = with_parallel_layout(cfg, layout)
     chunks = build_gpt_chunks(cfg, layout)
     optimizer = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=1e-3)
     return layout, chunks, optimizer
@@ -60,13 +59,13 @@ def _step(layout, chunks, optimizer, m: int, reducer=None):
 
     from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
     from lightning_mhc.distributed.grads import finalize_model_grads
-    from lightning_mhc.distributed.pipeline import forward_backward_pipelining
+    from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
 
     def run() -> None:
         dist.barrier()
-        forward_backward_pipelining(chunks, _microbatches(m), gpt_forward_step, gpt_loss_func, layout=layout,
-                                    tensor_shape=chunks[0].pipeline_tensor_shape(MICRO_BATCH, SEQ),
-                                    on_last_backward=reducer.start if reducer is not None else None)
+        forward_backward_pipelining(chunks, _microbatches(m), gpt_forward_step, gpt_loss_func, ScheduleConfig(
+            layout, chunks[0].pipeline_tensor_shape(MICRO_BATCH, SEQ),
+            on_last_backward=reducer.start if reducer is not None else None))
         finalize_model_grads(chunks, layout, overlapped=reducer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -80,19 +79,17 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
     from lightning_mhc.distributed.random import model_parallel_manual_seed
-    from lightning_mhc.distributed.layout import destroy_parallel, initialize_parallel
+    from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 
     torch.set_num_threads(1)
     result = {}
-    layout = initialize_parallel(1, 2)
-    model_parallel_manual_seed(0, layout)
+    model_parallel_manual_seed(0, ParallelLayout(1, 2).build())
     models = {v: _setup(2, v) for v in (1, 2)}
     steps = {f"v{v}/m{m}": _step(*models[v], m) for m in MICROBATCHES for v in (1, 2)}
     result["bubble"] = interleaved_times(steps, args.rounds)
     destroy_parallel()
 
-    layout = initialize_parallel(1, 1)  # DP = 2
-    model_parallel_manual_seed(0, layout)
+    model_parallel_manual_seed(0, ParallelLayout().build())  # DP = 2
     layout, chunks, optimizer = _setup(1, 1)
     steps = {"after backward": _step(layout, chunks, optimizer, 2)}
     for label, size in (("overlapped, 25 MiB buckets", 25 * 2**20), ("overlapped, 64 KiB buckets", 2**16)):

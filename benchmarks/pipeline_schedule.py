@@ -37,18 +37,18 @@ def _stage_run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
     from lightning_mhc.distributed.grads import finalize_model_grads
     from lightning_mhc.distributed.random import model_parallel_manual_seed
-    from lightning_mhc.distributed.pipeline import forward_backward_pipelining
-    from lightning_mhc.model.stages import build_gpt_stage
-    from lightning_mhc.distributed.layout import initialize_parallel
-    from lightning_mhc.recompute import ActivationMemoryMeter, attach_recompute, configure_recompute
+    from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
+    from lightning_mhc.model.stages import build_gpt_chunks
+    from lightning_mhc.distributed.layout import ParallelLayout
+    from lightning_mhc.recompute import ActivationMemoryMeter, RecomputePolicy, attach_recompute
 
-    layout = initialize_parallel(1, world)
+    layout = ParallelLayout(1, world).build()
     model_parallel_manual_seed(0, layout)
     cfg = MHCTransformerConfig(
         num_layers=8, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
         vocab_size=256, max_sequence_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
     )
-    model = build_gpt_stage(configure_recompute(cfg, args.policy), layout)
+    (model,) = build_gpt_chunks(RecomputePolicy(args.policy).apply(cfg), layout)
     attach_recompute(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     shape = model.pipeline_tensor_shape(MICRO_BATCH, SEQ)
@@ -60,8 +60,8 @@ def _stage_run(rank: int, world: int, args: argparse.Namespace) -> dict:
     def step(m: int, deallocate: bool = True, probe=None) -> float:
         torch.distributed.barrier()
         start = time.perf_counter()
-        forward_backward_pipelining(model, microbatches(m), gpt_forward_step, gpt_loss_func, layout=layout,
-                                    tensor_shape=shape, deallocate_pipeline_outputs=deallocate, probe=probe)
+        forward_backward_pipelining(model, microbatches(m), gpt_forward_step, gpt_loss_func, ScheduleConfig(
+            layout, shape, deallocate_pipeline_outputs=deallocate, probe=probe))
         finalize_model_grads(model, layout)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -84,10 +84,10 @@ class PeakGrowth:
 def _parallel_load(rank: int, world: int, args: argparse.Namespace, weights: str) -> dict:
     from transformers import LlamaForCausalLM
 
-    from lightning_mhc.distributed.layout import initialize_parallel
+    from lightning_mhc.distributed.layout import ParallelLayout
     from lightning_mhc.parallelize import parallelize, record_module_init
 
-    layout = initialize_parallel(2, 2)
+    layout = ParallelLayout(2, 2).build()
     with record_module_init():
         model = LlamaForCausalLM(_config(args))
     with PeakGrowth() as rss:

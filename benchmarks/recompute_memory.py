@@ -31,11 +31,12 @@ VARIANTS = [  # (label, recompute policy, hyper-connections)
 
 def _measure(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     import torch
-    from megatron.core import parallel_state
+
+    from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 
     from lightning_mhc.model import MHCTransformerConfig
 
-    parallel_state.initialize_model_parallel(1, 1)
+    ParallelLayout().build()
     tokens = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     labels = tokens.roll(-1, 1)
     runs = []
@@ -49,7 +50,7 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]
         runs.append((label, *gpt_training_step(cfg, policy, tokens, labels)))
 
     times = interleaved_times({label: step for label, step, _ in runs}, args.rounds)
-    parallel_state.destroy_model_parallel()
+    destroy_parallel()
     return [
         dict(label=label, retained_bytes=retained, median_step_s=median(times[label]), step_times_s=times[label])
         for label, _, retained in runs

@@ -15,7 +15,7 @@ import sys
 
 if __name__ == "__main__":
     sweep_dir = pathlib.Path("multirun/sweep_recompute")
-    command = [sys.executable, "-m", "lightning_mhc.train", "-m", "recompute=none,selective,mhc_block,full",
+    command = [sys.executable, "-m", "lightning_mhc.cli.train", "-m", "recompute=none,selective,mhc_block,full",
                "trainer=debug", "data=synthetic", "logger=none", f"hydra.sweep.dir={sweep_dir}", *sys.argv[1:]]
     subprocess.run(command, check=True)
     rows = list(csv.DictReader(open(sweep_dir / "summary.csv")))

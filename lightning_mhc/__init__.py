@@ -1,12 +1,8 @@
 """lightning_mhc: train mHC transformers with TP/PP/DP from one line of Lightning.
 
-Rooms, each importable without the ones after it: ``ops`` (the hyper-connection math, torch only)
-<- ``recompute`` (activation recompute, torch only) <- ``distributed`` (the parallel runtime:
-layout, RNG, gradient reduction, ``pipeline/``; no model) <- ``model`` (the mHC GPT on megatron-core
-layers, and its stages) <- ``checkpoint`` <- ``parallelize`` (a user's model over TP x PP x DP)
-<- ``data`` <- ``fabric`` and ``lightning`` (the two strategies, thin adapters over
-``distributed.runtime``) <- ``cli`` (the entry points and their Hydra configs). ``testing`` holds
-helpers for tests and benchmarks.
+Rooms by concept (the README's "Layout" is the map); each imports only the rooms before it here:
+``ops`` <- ``recompute`` <- ``distributed`` <- ``model`` <- ``checkpoint`` <- ``parallelize`` <- ``data``
+<- ``strategies`` <- ``fabric``, ``lightning`` <- ``cli`` (``testing``: helpers for tests and benchmarks).
 Public names are loaded on first use, so importing one room never imports the rooms above it,
 with one deliberate exception: once Lightning itself is imported, the registration hook imports
 ``fabric`` and ``lightning`` to register ``"mhc_parallel"``. ``MHCParallelStrategy`` here is the
@@ -36,8 +32,10 @@ _PUBLIC = {
     "ActivationMemoryMeter": "lightning_mhc.recompute",
     "CheckpointWithoutOutput": "lightning_mhc.recompute",
     "MHCBlockRecomputeManager": "lightning_mhc.recompute",
+    "RecomputePolicy": "lightning_mhc.recompute",
     "attach_recompute": "lightning_mhc.recompute",
-    "configure_recompute": "lightning_mhc.recompute",
+    "ParallelLayout": "lightning_mhc.distributed.layout",
+    "ParallelSettings": "lightning_mhc.strategies",
     "ConfigError": "lightning_mhc.errors",
     "GPTModel": "lightning_mhc.model",
     "HyperConnectionModule": "lightning_mhc.model",

@@ -12,7 +12,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from lightning_mhc.testing.launch import free_port
 
@@ -34,13 +33,13 @@ def model_parallel(single_rank_group):
     """TP = PP = 1 model-parallel state, torn down after the test; yields its ParallelLayout. A
     layout an earlier in-process ``Trainer.fit`` left (the strategy keeps its groups after fit,
     for ``save_checkpoint`` and the next entry point) is destroyed first."""
-    from lightning_mhc.distributed.layout import current_layout, destroy_parallel
+    from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 
     destroy_parallel()
-    parallel_state.initialize_model_parallel(1, 1)
+    layout = ParallelLayout().build()
     torch.manual_seed(0)
-    yield current_layout()
-    parallel_state.destroy_model_parallel()
+    yield layout
+    destroy_parallel()
 
 
 # ``lightning-mhc-train`` in one process: 6 steps of the tiny model on synthetic tokens, global

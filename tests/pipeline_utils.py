@@ -9,11 +9,11 @@ from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES, finalize_model_grads, global_grad_norm
 from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
-from lightning_mhc.distributed.pipeline import forward_backward_pipelining
+from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
 from lightning_mhc.model.stages import build_gpt_chunks
-from lightning_mhc.distributed.layout import destroy_parallel, initialize_parallel
+from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from lightning_mhc.testing.tensor_parallel import gather_tensor_parallel
-from lightning_mhc.recompute import attach_recompute, configure_recompute
+from lightning_mhc.recompute import RecomputePolicy, attach_recompute
 from model_utils import tiny_config
 
 SEQ, MICRO_BATCH = 16, 2
@@ -34,16 +34,14 @@ def train_layout(
     """3 SGD steps of the tiny model; returns per-step losses and full weights by global name
     (gathered over TP and PP, on every rank). ``reference``: a single-process run (world of
     one rank) with the whole global batch as one microbatch."""
-    layout = initialize_parallel(tp, pp, sequence_parallel=sequence_parallel,
-                                 virtual_pipeline_model_parallel_size=virtual)
+    layout = ParallelLayout(tp, pp, virtual, sequence_parallel).build()
     model_parallel_manual_seed(1234, layout)
     # 4 Sinkhorn iterations instead of 20: the runtime under test does not depend on it, and
     # 8 ranks on 2 cores pay for every small op.
     overrides = dict(mhc_sinkhorn_iterations=4, **(config_overrides or {}))
     cfg = tiny_config(hidden_dropout=dropout, attention_dropout=dropout, **overrides)
-    cfg = configure_recompute(cfg, policy, **({"mhc_recompute_layer_num": 2} if policy == "mhc_block" else {}))
-    cfg = with_parallel_layout(cfg, tp, pp, sequence_parallel=sequence_parallel,
-                               virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None)
+    cfg = RecomputePolicy(policy, layer_num=2 if policy == "mhc_block" else None).apply(cfg)
+    cfg = with_parallel_layout(cfg, layout)
     chunks = build_gpt_chunks(cfg, layout)
     managers = [attach_recompute(chunk, keep_managers=True) for chunk in chunks]  # filled as blocks run
     params = [p for chunk in chunks for p in chunk.parameters()]
@@ -60,12 +58,9 @@ def train_layout(
             dict(tokens=chunk[:, :-1], labels=chunk[:, 1:])
             for chunk in data.split(mb_rows)
         ]
-        result = forward_backward_pipelining(
-            chunks, mbs, gpt_forward_step, gpt_loss_func, layout=layout,
-            tensor_shape=chunks[0].pipeline_tensor_shape(mb_rows, SEQ),
-            deallocate_pipeline_outputs=deallocate, probe=probe,
-            on_last_backward=reducer.start if reducer is not None else None,
-        )
+        result = forward_backward_pipelining(chunks, mbs, gpt_forward_step, gpt_loss_func, ScheduleConfig(
+            layout, chunks[0].pipeline_tensor_shape(mb_rows, SEQ), deallocate_pipeline_outputs=deallocate,
+            probe=probe, on_last_backward=reducer.start if reducer is not None else None))
         if reducer is not None:
             overlapped.append(reducer.overlapped)
         if not reference:
@@ -79,10 +74,8 @@ def train_layout(
         chunk.eval()
     data = global_batch(99, rows)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     eval_mbs = [dict(tokens=c[:, :-1], labels=c[:, 1:]) for c in data.split(mb_rows)]
-    eval_loss = forward_backward_pipelining(
-        chunks, eval_mbs, gpt_forward_step, gpt_loss_func, layout=layout,
-        tensor_shape=chunks[0].pipeline_tensor_shape(mb_rows, SEQ), forward_only=True,
-    ).loss.item()
+    eval_loss = forward_backward_pipelining(chunks, eval_mbs, gpt_forward_step, gpt_loss_func, ScheduleConfig(
+        layout, chunks[0].pipeline_tensor_shape(mb_rows, SEQ), forward_only=True)).loss.item()
     for chunk in chunks:
         chunk.train()
     weights = {

@@ -41,10 +41,12 @@ def test_valid_mhc_recompute_config():
 
 
 def test_tensor_parallel_divisibility():
+    from lightning_mhc import ParallelLayout
+
     cfg = tiny_config(num_attention_heads=4, num_query_groups=2)
-    cfg.validate_tensor_parallel(2)
+    ParallelLayout(2).check_model(cfg.split_sizes())
     with pytest.raises(ConfigError, match="num_query_groups=2 is not divisible by tensor_model_parallel_size=4"):
-        cfg.validate_tensor_parallel(4)
+        ParallelLayout(4).check_model(cfg.split_sizes())
 
 
 @pytest.mark.parametrize("n, layers, expected", [(4, 12, 2), (4, 4, 1), (4, 48, 5), (1, 9, 1)])

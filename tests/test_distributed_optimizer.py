@@ -134,9 +134,9 @@ def test_bf16_weights_train_on_fp32_main_weights_and_resume_exactly(runs):
 def _plain_module_on_two_ranks(rank: int, world: int) -> list[float]:
     """3 AdamW steps, clipped, of a plain module with a frozen layer, the parameters cut into
     many small buckets (pieces end mid-tensor), each rank on its half of the batch."""
-    from lightning_mhc.distributed.layout import destroy_parallel, initialize_parallel
+    from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 
-    layout = initialize_parallel(1, 1)
+    layout = ParallelLayout().build()
     model, optimizer, batches = _plain_setup()
     taken = DistributedOptimizer(optimizer, [model], layout, bucket_bytes=160)
     assert len(taken.buckets) > 3 and all(pc.flat_range.stop - pc.flat_range.start < pc.param.numel()

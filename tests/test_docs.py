@@ -58,7 +58,7 @@ TORCHRUN_OPTIONS = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--stand
 """The torchrun options the documents may use (those the tests launch with, and c10d's rendezvous)."""
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 PYTHON_LANGS = {"python", "py"}
-TRAIN_MODULES = ("lightning_mhc.train", "lightning_mhc.cli.train")
+TRAIN_MODULES = ("lightning_mhc.cli.train",)
 # what examples/sweep_recompute.py puts before the overrides it is given (checked against its source)
 SWEEP_EXAMPLE_OVERRIDES = ["-m", "recompute=none,selective,mhc_block,full", "trainer=debug", "data=synthetic",
                            "logger=none"]

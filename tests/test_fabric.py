@@ -41,7 +41,8 @@ def test_fabric_finds_the_strategy_by_name_and_class():
 
     import lightning_mhc  # noqa: F401  (registers with Fabric and the Trainer)
     from lightning_mhc.fabric import MHCParallelStrategy
-    from lightning_mhc.distributed.runtime import ParallelRuntime, StrategyProcesses
+    from lightning_mhc.strategies.processes import StrategyProcesses
+    from lightning_mhc.strategies.runtime import ParallelRuntime
     from lightning_mhc.lightning import MHCParallelStrategy as TrainerStrategy
 
     assert STRATEGY_REGISTRY["mhc_parallel"]["strategy"] is MHCParallelStrategy

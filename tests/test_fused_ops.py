@@ -662,13 +662,13 @@ def test_compile_matches_the_reference_and_recomputes_bit_exactly(model_parallel
     """``mhc_implementation='compile'`` (torch.compile of the op-by-op math; inductor's C++ on CPU): a
     2-layer mHC GPT with dropout trains 2 steps with the reference's losses (1e-5), and block
     recompute gives ``none``'s losses and gradients bit for bit."""
-    from lightning_mhc.recompute import attach_recompute, configure_recompute
+    from lightning_mhc.recompute import RecomputePolicy, attach_recompute
 
     def run(implementation: str, policy: str):
         torch.manual_seed(0)
         cfg = tiny_config(num_layers=2, hidden_size=32, ffn_hidden_size=64, hidden_dropout=0.1,
                           mhc_sinkhorn_iterations=5, mhc_implementation=implementation)
-        model = GPTModel(configure_recompute(cfg, policy))
+        model = GPTModel(RecomputePolicy(policy).apply(cfg))
         attach_recompute(model)
         return train_steps(model, steps=2, batch=2, seq=8)
 

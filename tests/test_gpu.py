@@ -110,13 +110,13 @@ def test_res_post_kernel_at_real_shapes(prob):
 
 def _tiny_model(implementation: str, policy: str, dropout: float, hidden: int = 64):
     from lightning_mhc.model import GPTModel
-    from lightning_mhc.recompute import attach_recompute, configure_recompute
+    from lightning_mhc.recompute import RecomputePolicy, attach_recompute
     from model_utils import tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config(num_layers=2, hidden_size=hidden, ffn_hidden_size=2 * hidden, hidden_dropout=dropout,
                       attention_dropout=dropout, mhc_implementation=implementation)
-    model = GPTModel(configure_recompute(cfg, policy))
+    model = GPTModel(RecomputePolicy(policy).apply(cfg))
     attach_recompute(model)
     return model.to(DEVICE)
 
@@ -198,7 +198,8 @@ def test_compile_of_a_model_with_recompute_hooks(model_parallel):
 NCCL_GROUPS = """
 import torch, torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning_mhc.distributed.runtime import ParallelRuntime, ParallelSettings
+from lightning_mhc.strategies.runtime import ParallelRuntime
+from lightning_mhc.strategies.settings import ParallelSettings
 runtime = ParallelRuntime(ParallelSettings())
 runtime.start(1, LightningEnvironment(), torch.device("cuda", 0))
 layout = runtime.layout

@@ -216,7 +216,8 @@ def test_split_microbatches():
 
 
 def test_incomplete_or_mismatched_checkpoint(tmp_path):
-    layout = ParallelLayout(4, 2, 2, 1, 0, 0, 0)
+    layout = ParallelLayout(2, 2, world_size=4, tensor_model_parallel_rank=0, pipeline_model_parallel_rank=0,
+                            data_parallel_rank=0)
     (tmp_path / "partial").mkdir()
     (tmp_path / "partial" / "model_tp0_pp0.pt").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="metadata.json is missing"):

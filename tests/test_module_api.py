@@ -64,7 +64,7 @@ def test_lower_layers_do_not_import_lightning():
         import lightning_mhc.model, lightning_mhc.recompute, lightning_mhc.checkpoint
         import lightning_mhc.distributed.layout, lightning_mhc.distributed.random, lightning_mhc.distributed.grads
         import lightning_mhc.distributed.grad_overlap, lightning_mhc.distributed.pipeline
-        import lightning_mhc.distributed.pipeline.protocol, lightning_mhc.checkpoint.export, lightning_mhc.model.stages
+        import lightning_mhc.distributed.pipeline.protocol, lightning_mhc.model.export, lightning_mhc.model.stages
         import lightning_mhc.parallelize, lightning_mhc.testing.launch
         assert "lightning.pytorch" not in sys.modules
         loaded = [m for m in sys.modules
@@ -144,23 +144,24 @@ def test_subclass_passing_a_config_object_records_a_plain_dict():
 # ------------------------------------------------------------- parallel layout
 def test_layout_comes_from_the_strategy():
     config = MHCTransformerConfig(**TINY)
-    built = with_parallel_layout(config, 2, 2)
+    built = with_parallel_layout(config, ParallelLayout(2, 2))
     assert (built.tensor_model_parallel_size, built.pipeline_model_parallel_size) == (2, 2)
     assert built.pipeline_dtype is not None  # megatron requires one with PP
-    agreeing = with_parallel_layout(config, 2, 1, requested={"tensor_model_parallel_size": 2})
+    tp2 = ParallelLayout(2)
+    agreeing = with_parallel_layout(config, tp2, requested={"tensor_model_parallel_size": 2})
     assert agreeing.tensor_model_parallel_size == 2
     with pytest.raises(ConfigError, match="model_config sets tensor_model_parallel_size=1, but the strategy runs "
                                           "tensor_model_parallel_size=2"):
-        with_parallel_layout(config, 2, 1, requested={"tensor_model_parallel_size": 1})
+        with_parallel_layout(config, tp2, requested={"tensor_model_parallel_size": 1})
     with pytest.raises(ConfigError, match="model_config sets sequence_parallel=True, but the strategy runs "
                                           ".*sequence_parallel=False"):
-        with_parallel_layout(config, 2, 1, requested={"sequence_parallel": True})
-    assert with_parallel_layout(config, 2, 1, requested={"sequence_parallel": True}, sequence_parallel=True).sequence_parallel
+        with_parallel_layout(config, tp2, requested={"sequence_parallel": True})
+    assert with_parallel_layout(config, ParallelLayout(2, sequence_parallel=True),
+                                requested={"sequence_parallel": True}).sequence_parallel
 
 
 def _attach_layout(module: MHCGPTModule, tp: int, pp: int) -> MHCGPTModule:
-    layout = ParallelLayout(world_size=tp * pp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            data_parallel_size=1, tensor_model_parallel_rank=0, pipeline_model_parallel_rank=0,
+    layout = ParallelLayout(tp, pp, world_size=tp * pp, tensor_model_parallel_rank=0, pipeline_model_parallel_rank=0,
                             data_parallel_rank=0)
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(layout=layout))
     return module

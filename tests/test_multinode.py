@@ -57,7 +57,7 @@ def test_two_torchrun_nodes_match_one_process(tmp_path, cli_reference_losses):
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
          "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "-m", "lightning_mhc.train", *RUN, *TP2_DP2, "trainer.devices=2", "trainer.num_nodes=2",
+         "-m", "lightning_mhc.cli.train", *RUN, *TP2_DP2, "trainer.devices=2", "trainer.num_nodes=2",
          f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True) for node in (0, 1)]

@@ -11,17 +11,21 @@ import torch.distributed as dist
 from lightning_mhc import ConfigError
 from lightning_mhc.distributed.grads import clip_grad_norm_, global_grad_norm
 from lightning_mhc.testing.launch import RankError, spawn_ranks
-from lightning_mhc.model.stages import build_gpt_stage, partition_layers
-from lightning_mhc.distributed.layout import ParallelDims
+from lightning_mhc.model.stages import build_gpt_chunks, partition_layers
+from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.recompute.rng import MultiDimParallelRandomizer
 from model_utils import tiny_config
 
 
 def test_check_layout():
-    assert ParallelDims(2, 2, world_size=8).data_parallel_size == 2
+    assert ParallelLayout(2, 2, world_size=8).data_parallel_size == 2
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 \* pipeline_model_parallel_size=3 = 6 "
                                           r"does not divide the world size 8"):
-        ParallelDims(2, 3, world_size=8)
+        ParallelLayout(2, 3, world_size=8)
+    with pytest.raises(ConfigError, match="virtual_pipeline_model_parallel_size=None: must be a positive integer"):
+        ParallelLayout(2, 2, virtual_pipeline_model_parallel_size=None)
+    stages = ParallelLayout(1, 2, 3, pipeline_model_parallel_rank=1)
+    assert (stages.num_virtual_stages, stages.local_virtual_stages()) == (6, [1, 3, 5])
 
 
 @pytest.mark.parametrize(
@@ -47,9 +51,7 @@ def test_partition_layers_errors(args):
 
 
 def test_build_stage_materialises_only_its_layers(model_parallel, monkeypatch):
-    import dataclasses
-
-    layout = dataclasses.replace(model_parallel, pipeline_model_parallel_size=4, pipeline_model_parallel_rank=2)
+    layout = ParallelLayout(pipeline_model_parallel_size=4, pipeline_model_parallel_rank=2)
     built = []
     from lightning_mhc.model import transformer_layer
 
@@ -58,7 +60,7 @@ def test_build_stage_materialises_only_its_layers(model_parallel, monkeypatch):
         transformer_layer.TransformerLayer, "__init__",
         lambda self, config, number, init: built.append(number) or original(self, config, number, init),
     )
-    stage = build_gpt_stage(tiny_config(num_layers=8), layout)
+    (stage,) = build_gpt_chunks(tiny_config(num_layers=8), layout)
     assert built == [5, 6]  # global 1-based numbers of stage 2 of 4
     assert stage.embedding is None and stage.output_layer is None
     names = [stage.global_parameter_name(n) for n, _ in stage.named_parameters()]
@@ -106,9 +108,7 @@ def _p2p_times_out(rank: int, world: int) -> str:
     import datetime
 
     from lightning_mhc.distributed.pipeline.p2p import PipelineP2P
-    from lightning_mhc.distributed.layout import initialize_parallel
-
-    layout = initialize_parallel(1, 2)
+    layout = ParallelLayout(1, 2).build()
     if rank == 1:
         p2p = PipelineP2P((2, 2), torch.float32, torch.device("cpu"), layout, timeout=datetime.timedelta(seconds=2))
         try:

@@ -16,7 +16,7 @@ from lightning_mhc.testing.launch import spawn_ranks
 from lightning_mhc.recompute import ActivationMemoryMeter
 from lightning_mhc.recompute.rng import rng_fork
 from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
-from lightning_mhc.distributed.layout import destroy_parallel, initialize_parallel
+from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from model_utils import tiny_config
 from pipeline_utils import MICRO_BATCH, train_layout
 
@@ -156,7 +156,7 @@ def _deallocation(rank: int, world: int) -> dict:
 
 def _randomizer_masks(rank: int, world: int) -> dict:
     """Dropout masks drawn in each fork on each rank of TP = PP = DP = 2."""
-    layout = initialize_parallel(2, 2)
+    layout = ParallelLayout(2, 2).build()
     model_parallel_manual_seed(77, layout)
     masks = {}
     for name, groups in (("tensor", ("tensor",)), ("split", ())):
@@ -278,12 +278,14 @@ def test_interleaved_schedule_table_and_microbatch_rule():
     """megatron's order (each group of p microbatches through chunk 0, then chunk 1) and its rule
     on the microbatch count, with a message that says what to use."""
     from lightning_mhc.errors import ConfigError
-    from lightning_mhc.distributed.pipeline.interleaved import check_interleaved_microbatches, schedule_table
+    from lightning_mhc.distributed.layout import ParallelLayout
+    from lightning_mhc.distributed.pipeline.interleaved import schedule_table
 
     assert schedule_table(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
     assert schedule_table(3, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
-    assert check_interleaved_microbatches(4, 2) == 2
+    interleaved = ParallelLayout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    assert interleaved.check_microbatches(4) == 2
     with pytest.raises(ConfigError, match=r"must lie in \[pipeline_model_parallel_size=2, num_microbatches=1\]"):
-        check_interleaved_microbatches(1, 2)
+        interleaved.check_microbatches(1)
     with pytest.raises(ConfigError, match="leaves a last group of 1 microbatches"):
-        check_interleaved_microbatches(5, 2)
+        interleaved.check_microbatches(5)

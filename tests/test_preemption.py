@@ -178,7 +178,7 @@ def test_entry_point_preempted_then_resumed_with_last(tmp_path):
 
     args = ["trainer=debug", "data=synthetic", "parallel=pp2", "trainer.devices=2", "trainer.max_steps=500",
             "trainer.limit_val_batches=0", "trainer.checkpoint_every_n_steps=3"]
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_mhc.train", *args], cwd=tmp_path, env=child_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_mhc.cli.train", *args], cwd=tmp_path, env=child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 240

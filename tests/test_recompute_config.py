@@ -3,47 +3,55 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_mhc import ConfigError
-from lightning_mhc.recompute import configure_recompute, policy_of, recompute_fields
+from lightning_mhc import ConfigError, RecomputePolicy
 from model_utils import tiny_config
 
 
 @pytest.mark.parametrize("policy", ["none", "selective", "mhc_block", "full"])
 def test_policies_round_trip(policy):
-    cfg = configure_recompute(tiny_config(), policy)
-    assert policy_of(cfg) == policy
+    cfg = RecomputePolicy(policy).apply(tiny_config())
+    assert RecomputePolicy.of_config(cfg).name == policy
+    assert RecomputePolicy.of(RecomputePolicy(policy).to_plain()) == RecomputePolicy(policy)
 
 
 def test_mhc_block_fields():
-    cfg = configure_recompute(tiny_config(), "mhc_block", mhc_recompute_layer_num=3)
+    cfg = RecomputePolicy("mhc_block", layer_num=3).apply(tiny_config())
     assert cfg.recompute_hyper_connections and cfg.recompute_granularity == "selective"
     assert cfg.recompute_modules == ["layernorm"] and cfg.mhc_recompute_layer_num == 3
+    with_options = RecomputePolicy("selective", ["core_attn"], 2)
+    assert with_options.modules == ("core_attn",) and RecomputePolicy.of(with_options.to_plain()) == with_options
 
 
 @pytest.mark.parametrize(
-    "config_overrides, policy, kwargs, match",
+    "policy, kwargs, match",
     [
-        (dict(enable_hyper_connections=False, num_residual_streams=1), "mhc_block", {},
-         "needs enable_hyper_connections=True"),
-        ({}, "mhc_block", dict(recompute_modules=["layernorm", "mlp"]), "Remove 'mlp'"),
-        ({}, "mhc_block", dict(recompute_modules=["moe_act"]), "choose from core_attn, layernorm, mlp"),
-        ({}, "full", dict(recompute_modules=["layernorm"]), "only used by the 'selective' and 'mhc_block'"),
-        ({}, "checkpoint_everything", {}, "unknown recompute policy 'checkpoint_everything'"),
-        ({}, "mhc_block", dict(mhc_recompute_layer_num=0), "mhc_recompute_layer_num=0"),
+        ("mhc_block", dict(modules=["layernorm", "mlp"]), "Remove 'mlp'"),
+        ("mhc_block", dict(modules=["moe_act"]), "choose from core_attn, layernorm, mlp"),
+        ("full", dict(modules=["layernorm"]), "only used by the 'selective' and 'mhc_block'"),
+        ("checkpoint_everything", {}, "unknown recompute policy 'checkpoint_everything'"),
+        ("mhc_block", dict(layer_num=0), "mhc_recompute_layer_num=0"),
     ],
 )
-def test_invalid_policy_combinations(config_overrides, policy, kwargs, match):
+def test_invalid_policies_are_refused_when_made(policy, kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        configure_recompute(tiny_config(**config_overrides), policy, **kwargs)
+        RecomputePolicy(policy, **kwargs)
+
+
+def test_mhc_block_needs_hyper_connections():
+    config = tiny_config(enable_hyper_connections=False, num_residual_streams=1)
+    with pytest.raises(ConfigError, match="needs enable_hyper_connections=True"):
+        RecomputePolicy("mhc_block").check_model(config.enable_hyper_connections)
+    with pytest.raises(ConfigError, match="needs enable_hyper_connections=True"):
+        RecomputePolicy("mhc_block").apply(config)
 
 
 def test_fields_direct_on_config_are_validated_too():
     """Setting megatron's fields by hand hits the same checks (config __post_init__)."""
-    fields = recompute_fields("mhc_block")
+    fields = RecomputePolicy("mhc_block").transformer_fields()
     fields["recompute_modules"] = ["mlp"]
     with pytest.raises(ConfigError, match="'mlp' in recompute_modules"):
         tiny_config(**fields)
-    fields = recompute_fields("mhc_block")
+    fields = RecomputePolicy("mhc_block").transformer_fields()
     fields["recompute_granularity"] = "full"
     fields["recompute_method"], fields["recompute_num_layers"] = "uniform", 1
     with pytest.raises(ConfigError, match="recompute_granularity='selective'"):

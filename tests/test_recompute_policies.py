@@ -9,17 +9,16 @@ from lightning_mhc import GPTModel
 from lightning_mhc.recompute import (
     ActivationMemoryMeter,
     CheckpointWithoutOutput,
+    RecomputePolicy,
     attach_recompute,
-    configure_recompute,
 )
 from model_utils import tiny_config, train_steps
 
 
 def build(policy: str, recompute_modules: list[str] | None = None, **overrides):
-    cfg = configure_recompute(
-        tiny_config(hidden_dropout=0.1, attention_dropout=0.1, **overrides), policy,
-        **({"mhc_recompute_layer_num": 2, "recompute_modules": recompute_modules} if policy == "mhc_block" else {}),
-    )
+    block = policy == "mhc_block"
+    cfg = RecomputePolicy(policy, recompute_modules if block else None, 2 if block else None).apply(
+        tiny_config(hidden_dropout=0.1, attention_dropout=0.1, **overrides))
     model = GPTModel(cfg)
     managers = attach_recompute(model, keep_managers=True)
     return model, managers
@@ -96,7 +95,7 @@ def test_eval_and_no_grad_create_no_checkpoints(model_parallel, mode, monkeypatc
 
 
 def test_missing_attach_is_an_error(model_parallel):
-    cfg = configure_recompute(tiny_config(), "mhc_block")
+    cfg = RecomputePolicy("mhc_block").apply(tiny_config())
     model = GPTModel(cfg)
     tokens = torch.randint(0, 256, (2, 8))
     with pytest.raises(RuntimeError, match="attach_recompute"):
@@ -112,7 +111,7 @@ def _retained_bytes(policy: str, hyper_connections: bool, dropout: float, implem
         enable_hyper_connections=hyper_connections, num_residual_streams=4 if hyper_connections else 1,
         mhc_implementation=implementation,
     )
-    model = GPTModel(configure_recompute(cfg, policy))
+    model = GPTModel(RecomputePolicy(policy).apply(cfg))
     attach_recompute(model)
     tokens = torch.randint(0, 256, (4, 64))
     with ActivationMemoryMeter(model) as meter:

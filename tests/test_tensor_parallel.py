@@ -12,7 +12,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lightning_mhc import GPTModel
-from lightning_mhc.recompute import attach_recompute, configure_recompute
+from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
+from lightning_mhc.recompute import RecomputePolicy, attach_recompute
 from lightning_mhc.testing.launch import spawn_ranks
 from lightning_mhc.testing.tensor_parallel import gather_tensor_parallel
 from model_utils import tiny_config, train_steps
@@ -69,7 +70,7 @@ def _policy_histories() -> dict:
     histories = {}
     for policy in ("none", "selective", "mhc_block", "full"):
         cfg = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, mhc_recompute_layer_num=2)
-        model = GPTModel(configure_recompute(cfg, policy))
+        model = GPTModel(RecomputePolicy(policy).apply(cfg))
         attach_recompute(model)
         histories[policy] = train_steps(model)
     return histories
@@ -78,13 +79,13 @@ def _policy_histories() -> dict:
 def _tp_layouts(rank: int, world_size: int) -> dict:
     results = {}
     for tp in (1, 2, 4):
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        ParallelLayout(tensor_model_parallel_size=tp).build()
         for name, case in CASES.items():
             torch.manual_seed(0)
             results[(name, tp)] = _train(case)
         if tp == 2:
             policies = _policy_histories()
-        parallel_state.destroy_model_parallel()
+        destroy_parallel()
     if rank != 0:
         return {k: v["replicas_identical"] for k, v in results.items()}
     results["policies_tp2"] = policies

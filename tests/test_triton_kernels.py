@@ -171,14 +171,14 @@ def test_a_model_with_triton_kernels_trains_like_the_eager_one_and_recomputes_bi
     mask); with dropout 0.1, block recompute (``mhc_block``: the kernels and their dropout run
     again in backward) gives ``none``'s losses and gradients bit for bit."""
     from lightning_mhc.model import GPTModel
-    from lightning_mhc.recompute import attach_recompute, configure_recompute
+    from lightning_mhc.recompute import RecomputePolicy, attach_recompute
     from model_utils import tiny_config, train_steps
 
     def run(implementation: str, policy: str, dropout: float):
         torch.manual_seed(0)
         cfg = tiny_config(num_layers=2, hidden_size=32, ffn_hidden_size=64, hidden_dropout=dropout,
                           mhc_sinkhorn_iterations=5, mhc_implementation=implementation)
-        model = GPTModel(configure_recompute(cfg, policy))
+        model = GPTModel(RecomputePolicy(policy).apply(cfg))
         attach_recompute(model)
         return train_steps(model, steps=3, batch=2, seq=8)
 

@@ -18,7 +18,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from lightning_mhc import ConfigError
+from lightning_mhc import ConfigError, ParallelLayout
 from lightning_mhc.cli import run_dir
 from lightning_mhc.data.sources import check_data
 from lightning_mhc.model.config import (
@@ -60,7 +60,7 @@ def _assert_refused(proc, message: str, cwd: pathlib.Path, what) -> None:
 def test_bad_input_is_refused_before_launch(tmp_path, monkeypatch, capsys):
     """Each bad input: exit 2, one line naming key, value and fix, no traceback, no process group,
     no run directory. Relative data paths are taken from the directory the command was started in
-    (the message names the absolute path). Three cases run as ``python -m lightning_mhc.train``
+    (the message names the absolute path). Three cases run as ``python -m lightning_mhc.cli.train``
     (a data error, an unknown key, Hydra's type error); the others through the same check in this
     process (``check_before_launch``: what the entry point runs before Hydra), seconds each
     instead of a fresh interpreter's."""
@@ -175,7 +175,7 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
         (path / "earlier_run.txt").write_text("not yours")
         taken.add(path)
     commands = [[*QUICK], [*QUICK, "parallel=dp2", "trainer.devices=2"]]
-    procs = [subprocess.Popen([sys.executable, "-m", "lightning_mhc.train", *args], cwd=tmp_path, env=child_env(),
+    procs = [subprocess.Popen([sys.executable, "-m", "lightning_mhc.cli.train", *args], cwd=tmp_path, env=child_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in commands]
     results = [proc.communicate(timeout=400) for proc in procs]
     for proc, (_, err) in zip(procs, results):
@@ -258,7 +258,7 @@ def test_unsupported_megatron_options_are_refused_by_one_rule(name, value, inste
             requested_parallel_layout({**TINY, name: value})
         assert str(requested.value) == f"model_config sets {name}={value!r}, which{tail}"
         with pytest.raises(ConfigError) as laid_out:
-            with_parallel_layout(MHCTransformerConfig(**TINY), 1, 1, requested={name: value})
+            with_parallel_layout(MHCTransformerConfig(**TINY), ParallelLayout(), requested={name: value})
         assert str(laid_out.value) == str(requested.value)
     assert name in UNSUPPORTED_OPTIONS
 

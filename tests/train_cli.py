@@ -1,4 +1,4 @@
-"""Running ``python -m lightning_mhc.train`` as a user would, its check before launch in this
+"""Running ``python -m lightning_mhc.cli.train`` as a user would, its check before launch in this
 process, and reading what a run wrote."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from subprocess_env import child_env
 
 
 def run_train(cwd: pathlib.Path, *args: str, timeout: float = 600, env: dict | None = None):
-    return subprocess.run([sys.executable, "-m", "lightning_mhc.train", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lightning_mhc.cli.train", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=child_env(**(env or {})))
 
 

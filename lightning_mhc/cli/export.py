@@ -5,8 +5,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from lightning_mhc.checkpoint.export import export
 from lightning_mhc.errors import ConfigError
+
+
+def export(path: Path, out: Path) -> dict:
+    """The whole model of an ``MHCGPTModule`` checkpoint of any layout, written to ``out``
+    (``model/export.py``); returns what was written."""
+    import time
+
+    from lightning_mhc.lightning import MHCGPTModule
+    from lightning_mhc.model.export import save_exported
+
+    start = time.perf_counter()
+    written = save_exported(MHCGPTModule.load_from_checkpoint(path).model, out)
+    return {**written, "seconds": time.perf_counter() - start}
 
 
 def main(argv: list[str] | None = None) -> None:

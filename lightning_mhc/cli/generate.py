@@ -56,11 +56,15 @@ def stop_token(stop: str | None) -> int | None:
 
 def load_model(path: Path):
     """A whole GPTModel from a checkpoint directory (any layout) or an export directory."""
-    from lightning_mhc.checkpoint.export import CONFIG_FILE, load_exported, load_gpt
+    from lightning_mhc.model.export import CONFIG_FILE, load_exported
 
     if not path.exists():
         raise ConfigError(f"ckpt_path={path}: does not exist")
-    return load_exported(path) if (path / CONFIG_FILE).is_file() else load_gpt(path)
+    if (path / CONFIG_FILE).is_file():
+        return load_exported(path)
+    from lightning_mhc.lightning import MHCGPTModule
+
+    return MHCGPTModule.load_from_checkpoint(path).model
 
 
 def generate_text(model, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,

@@ -47,7 +47,7 @@ def check_machine(cfg: TrainConfig) -> None:
     only file sizes and first bytes) and the GPUs for ``trainer.devices``."""
     from lightning_mhc.data.megatron import check_indexed_data, parse_blend
     from lightning_mhc.data.sources import check_data
-    from lightning_mhc.distributed.runtime import NO_GRADIENT_SCALER
+    from lightning_mhc.strategies.runtime import NO_GRADIENT_SCALER
 
     d, t = cfg.data, cfg.trainer
     if d.source == "megatron":

@@ -8,6 +8,7 @@ keys, their values and the fix.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import functools
 import math
@@ -17,11 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_mhc.model.activations import ACTIVATIONS
-from lightning_mhc.distributed.layout import ParallelDims, check_interleaved_microbatches
+from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
 from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.model.activations import ACTIVATIONS
 from lightning_mhc.ops import MHC_IMPLEMENTATIONS
-from lightning_mhc.recompute.policy import POLICIES, check_policy
+from lightning_mhc.recompute.policy import RecomputePolicy
+from lightning_mhc.strategies.settings import ParallelSettings
 
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "transformer-engine",
@@ -46,13 +48,17 @@ def show(value: Any) -> str:
 
 
 CONFIG_NAMES = KeyNames({
-    **{name: f"parallel.{name}" for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                             "virtual_pipeline_model_parallel_size", "sequence_parallel")},
-    **{name: f"model.{name}" for name in ("num_layers", "num_attention_heads", "hidden_size", "num_query_groups")},
+    **{name: f"parallel.{name}" for name in (*DEGREES, "deallocate_pipeline_outputs")},
+    **{name: f"model.{name}" for name in ("num_layers", "num_attention_heads", "hidden_size", "num_query_groups",
+                                          "ffn_hidden_size")},
+    "padded_vocab_size": "the padded vocabulary {} (model.vocab_size rounded up to model.make_vocab_size_divisible_by)",
     "world_size": "trainer.devices x trainer.num_nodes = {}", "seq_length": "data.seq_length",
     "num_microbatches": "data.global_batch_size / (data.micro_batch_size x DP) = {}",
-}, show=show, keys={"num_microbatches": "data.global_batch_size"})
-"""How the layout's rules name the config keys."""
+    "timeout": lambda timeout: f"parallel.timeout_s={show(timeout.total_seconds())}", "seed": "seed",
+    "raise_on_nonfinite_loss": "trainer.raise_on_nonfinite_loss",
+    "use_distributed_optimizer": "optim.use_distributed_optimizer",
+}, show=show, keys={"num_microbatches": "data.global_batch_size", "padded_vocab_size": "model.vocab_size"})
+"""How the layout's and the strategy settings' rules name the config keys."""
 
 
 def _require(ok: bool, key: str, value: Any, rule: str, fix: str) -> None:
@@ -143,18 +149,13 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     """With TP > 1: the residual stream, norms and hyper-connections on seq_length / TP tokens per rank."""
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    """Model chunks per pipeline stage (interleaved 1F1B); None or 1: one chunk."""
+    virtual_pipeline_model_parallel_size: int = 1
+    """Model chunks per pipeline stage (interleaved 1F1B); 1: one chunk."""
     num_microbatches: Optional[int] = None
+    """null: data.global_batch_size / (data.micro_batch_size x DP); given, it must be that number."""
     deallocate_pipeline_outputs: bool = True
     timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        _positive("parallel.timeout_s", self.timeout_s,
-                  "Set parallel.timeout_s to the seconds a collective may wait, e.g. 600.")
-        if self.num_microbatches is not None:
-            _at_least("parallel.num_microbatches", self.num_microbatches, 1,
-                      "Set parallel.num_microbatches to a positive integer, or null to derive it from the batch sizes.")
+    """The seconds a collective may wait."""
 
 
 @dataclass
@@ -165,14 +166,23 @@ class RecomputeConfig:
     """Megatron's flag; equivalent to 'mlp' in recompute_modules."""
     mhc_recompute_layer_num: Optional[int] = None
 
-    def __post_init__(self) -> None:
-        _one_of("recompute.policy", self.policy, POLICIES, f"Choose recompute={'|'.join(POLICIES)}.")
-
     def modules(self) -> Optional[list[str]]:
         modules = list(self.recompute_modules) if self.recompute_modules is not None else None
         if self.recompute_mlp:
             modules = (modules or []) + (["mlp"] if "mlp" not in (modules or []) else [])
         return modules
+
+    def to_policy(self) -> RecomputePolicy:
+        """The policy this group selects (checked), its errors naming the config keys."""
+        names = KeyNames({
+            "policy": "recompute.policy={}",
+            "enable_hyper_connections": "model.enable_hyper_connections",
+            "recompute_modules": lambda _: (f"recompute.recompute_modules={self.recompute_modules} / "
+                                            f"recompute.recompute_mlp={show(self.recompute_mlp)}"),
+            "mhc_recompute_layer_num": "recompute.mhc_recompute_layer_num",
+        }, show=lambda value: value if isinstance(value, str) else show(value),
+            keys={"recompute_modules": "recompute.recompute_modules (and set recompute.recompute_mlp=false)"})
+        return RecomputePolicy(self.policy, self.modules(), self.mhc_recompute_layer_num, names=names)
 
 
 @dataclass
@@ -347,49 +357,33 @@ class TrainConfig:
     """fit (train, or resume from ckpt_path), or validate / test: evaluate ckpt_path on the held-out split."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.seed, int) and 0 <= self.seed < 2**32, "seed", self.seed, "in [0, 2**32)",
-                 "Set seed to a non-negative 32-bit integer, e.g. seed=1234.")
         _one_of("mode", self.mode, MODES, "Choose mode=fit|validate|test.")
         if self.mode != "fit" and self.ckpt_path is None:
             raise ConfigError(f"mode={self.mode} evaluates a checkpoint: give ckpt_path=<checkpoint directory> "
                               "(or ckpt_path=last with hydra.run.dir=<the run>).")
-        self._check_recompute()
-        self._check_layout()
+        self.recompute_policy = self.recompute.to_policy()
+        """The run's recompute policy, checked (handed to ``MHCRecomputeCallback``)."""
+        self.recompute_policy.check_model(self.model.enable_hyper_connections)
+        self.layout = ParallelLayout(**{name: getattr(self.parallel, name) for name in DEGREES},
+                                     world_size=self.world_size, names=CONFIG_NAMES)
+        """The run's layout, checked (its degrees in this world)."""
         self._check_batches()
+        self.settings = self._strategy_settings()
+        """The strategy's settings, checked (``MHCParallelStrategy(settings)``)."""
         try:
-            self.transformer_config()  # megatron's and the model's own checks, with their messages
+            config = self.transformer_config()  # megatron's and the model's own checks, with their messages
         except ConfigError as error:
             raise ConfigError(_with_group(str(error))) from None
+        self.layout.check_model({"num_layers": config.num_layers, **config.split_sizes()}, self.data.seq_length)
 
     # --------------------------------------------------------------- checks
-    def _check_recompute(self) -> None:
-        r = self.recompute
-        names = KeyNames({
-            "policy": lambda policy: f"recompute.policy={policy}",
-            "enable_hyper_connections": "model.enable_hyper_connections",
-            "recompute_modules": lambda _: (f"recompute.recompute_modules={r.recompute_modules} / "
-                                            f"recompute.recompute_mlp={show(r.recompute_mlp)}"),
-        }, show=show, keys={"recompute_modules": "recompute.recompute_modules (and set recompute.recompute_mlp=false)"})
-        check_policy(r.policy, r.modules(), hyper_connections=self.model.enable_hyper_connections, names=names)
-
-    def _check_layout(self) -> None:
-        p, m = self.parallel, self.model
-        ParallelDims(
-            p.tensor_model_parallel_size, p.pipeline_model_parallel_size, self.world_size,
-            p.virtual_pipeline_model_parallel_size, p.sequence_parallel,
-            model={"num_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
-                   "hidden_size": m.hidden_size, "num_query_groups": m.num_query_groups or m.num_attention_heads},
-            seq_length=self.data.seq_length, names=CONFIG_NAMES,
-        )
-
     @property
     def world_size(self) -> int:
         return self.trainer.devices * self.trainer.num_nodes
 
     @property
     def data_parallel_size(self) -> int:
-        p = self.parallel
-        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        return self.layout.data_parallel_size
 
     @property
     def vocab_size(self) -> int:
@@ -422,13 +416,10 @@ class TrainConfig:
                 f"data.micro_batch_size={d.micro_batch_size} x data-parallel size {dp} (trainer.devices x "
                 "trainer.num_nodes / (TP * PP)). Change data.global_batch_size or data.micro_batch_size."
             )
-        v, pp = self.parallel.virtual_pipeline_model_parallel_size, self.parallel.pipeline_model_parallel_size
-        if v is not None and v > 1:
-            check_interleaved_microbatches(self.num_microbatches, pp, names=CONFIG_NAMES)
         explicit = self.parallel.num_microbatches
         if explicit is not None and explicit != self.num_microbatches:
             raise ConfigError(
-                f"parallel.num_microbatches={explicit} disagrees with data.global_batch_size="
+                f"parallel.num_microbatches={show(explicit)} disagrees with data.global_batch_size="
                 f"{d.global_batch_size} / (data.micro_batch_size={d.micro_batch_size} x DP={dp}) = "
                 f"{self.num_microbatches}. Leave parallel.num_microbatches=null or make them agree."
             )
@@ -447,23 +438,29 @@ class TrainConfig:
                 f"{self.model.max_sequence_length}. Shorten the sequences or raise the model's maximum."
             )
 
+    def _strategy_settings(self) -> ParallelSettings:
+        p = self.parallel
+        try:
+            timeout = datetime.timedelta(seconds=p.timeout_s)
+        except (OverflowError, ValueError):
+            raise ConfigError(f"parallel.timeout_s={show(p.timeout_s)}: must be a finite number of seconds, e.g. "
+                              "600.") from None
+        return ParallelSettings(
+            self.layout, num_microbatches=self.num_microbatches,
+            deallocate_pipeline_outputs=p.deallocate_pipeline_outputs, timeout=timeout, seed=self.seed,
+            raise_on_nonfinite_loss=self.trainer.raise_on_nonfinite_loss, measure_activation_memory=True,
+            use_distributed_optimizer=self.optim.use_distributed_optimizer, names=CONFIG_NAMES)
+
     # ------------------------------------------------------------- builders
     def transformer_config(self):
+        """The model's config (``MHCGPTModule`` sets the layout and the recompute policy on it when it
+        builds the model)."""
         from lightning_mhc.model.config import MHCTransformerConfig
-        from lightning_mhc.recompute.policy import configure_recompute
 
         kwargs = self.model.transformer_kwargs()
         kwargs["vocab_size"] = self.vocab_size
         kwargs["max_sequence_length"] = max(kwargs["max_sequence_length"], self.data.seq_length)
-        config = MHCTransformerConfig(**kwargs)
-        config.validate_tensor_parallel(self.parallel.tensor_model_parallel_size)
-        r = self.recompute
-        extra = {}
-        if r.modules() is not None:
-            extra["recompute_modules"] = r.modules()
-        if r.mhc_recompute_layer_num is not None:
-            extra["mhc_recompute_layer_num"] = r.mhc_recompute_layer_num
-        return configure_recompute(config, r.policy, **extra)
+        return MHCTransformerConfig(**kwargs)
 
 
 def _with_group(message: str) -> str:

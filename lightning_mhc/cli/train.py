@@ -1,4 +1,4 @@
-"""The training entry point: ``lightning-mhc-train`` / ``python -m lightning_mhc.train``.
+"""The training entry point: ``lightning-mhc-train`` / ``python -m lightning_mhc.cli.train``.
 
     lightning-mhc-train                                   # tiny model, stdlib bytes, CPU, ~1 minute
     lightning-mhc-train model=small parallel=tp2pp2 trainer.devices=4 recompute=mhc_block
@@ -21,7 +21,6 @@ as each job ends (a failed job's row says so).
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import shutil
@@ -105,20 +104,7 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
 def _build_strategy(cfg: TrainConfig):
     from lightning_mhc.lightning import MHCParallelStrategy
 
-    p = cfg.parallel
-    return MHCParallelStrategy(
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        sequence_parallel=p.sequence_parallel,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-        num_microbatches=cfg.num_microbatches,
-        deallocate_pipeline_outputs=p.deallocate_pipeline_outputs,
-        timeout=datetime.timedelta(seconds=p.timeout_s),
-        seed=cfg.seed,
-        raise_on_nonfinite_loss=cfg.trainer.raise_on_nonfinite_loss,
-        measure_activation_memory=True,
-        use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
-    )
+    return MHCParallelStrategy(cfg.settings)
 
 
 def _build_trainer(cfg: TrainConfig, strategy, output_dir: Path, resolved: dict[str, Any] | None,
@@ -131,11 +117,7 @@ def _build_trainer(cfg: TrainConfig, strategy, output_dir: Path, resolved: dict[
     from lightning_mhc.lightning.callbacks.final_step import FinalStepCheckpoint
 
     t = cfg.trainer
-    recompute = MHCRecomputeCallback(
-        cfg.recompute.policy,
-        recompute_modules=cfg.recompute.modules(),
-        mhc_recompute_layer_num=cfg.recompute.mhc_recompute_layer_num,
-    )
+    recompute = MHCRecomputeCallback(cfg.recompute_policy)
     # names without '=' (Lightning's default 'epoch=0-step=5'), so that ckpt_path=<path> needs no quoting in Hydra
     checkpoints = FinalStepCheckpoint(
         dirpath=str(output_dir / "checkpoints"), filename="step-{step:06d}", auto_insert_metric_name=False,

@@ -1,26 +1,42 @@
-"""The parallel layout: degrees, ranks and process groups in one object.
+"""The parallel layout: one value for the TP x PP x DP degrees, checked when it is made, that
+carries this rank's place and process groups once built (torchtitan's ``ParallelDims``).
 
-megatron-core's ``parallel_state`` builds the groups over the initialised default
-process group (gloo on CPU, NCCL on GPU); :func:`initialize_parallel` then reads
-them once into a :class:`ParallelLayout`, which the runtime (point-to-point, the
-schedules, gradient reduction, RNG seeding, checkpoints) receives explicitly, in
-the spirit of torchtitan's ``ParallelDims``. Megatron's rank order: TP fastest,
-then DP, then PP. DP is ``world_size / (TP * PP)``.
+Every entry point makes one (the CLI from its config, each strategy from its arguments,
+``parallelize`` outside a strategy from the user's), and passes it down. :meth:`ParallelLayout.build`
+has megatron-core's ``parallel_state`` make the groups over the initialised default process group
+(gloo on CPU, NCCL on GPU) and returns the built layout, which the runtime (point-to-point, the
+schedules, gradient reduction, RNG seeding, checkpoints) receives explicitly. Megatron's rank
+order: TP fastest, then DP, then PP. DP is ``world_size / (TP * PP)``.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lightning_mhc.errors import ConfigError, KeyNames
 
+RUNTIME_NAMES = KeyNames({
+    "world_size": "the world size {}",
+    "padded_vocab_size": "padded vocabulary (vocab_size rounded up to make_vocab_size_divisible_by)",
+})
+"""How layout errors name values by default (a strategy's and the model's arguments)."""
+
+DEGREES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+           "sequence_parallel")
+"""The fields of :class:`ParallelLayout` that a user chooses (megatron's names); the world size and
+this rank's place come from the processes."""
+
+MODEL_SPLIT_BY_TP = ("num_attention_heads", "hidden_size", "num_query_groups", "ffn_hidden_size", "padded_vocab_size")
+"""The model sizes tensor parallelism divides, in the order they are checked."""
+
 
 @dataclass(frozen=True)
-class ParallelGroups:
+class ProcessGroups:
     """The process groups of one rank (megatron's) and its pipeline's global ranks."""
 
     tensor: Any
@@ -33,41 +49,181 @@ class ParallelGroups:
     """Global ranks of this rank's pipeline, stage 0 first."""
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
-    """This rank's place in the TP x PP x DP layout, with its groups.
+    """A TP x PP x DP layout: its degrees, checked when made (the one place the layout rules
+    live); once :meth:`build` has run, also this rank's ranks and process groups.
 
-    ``virtual_pipeline_model_parallel_size`` is ``v``: each rank holds ``v`` model
-    chunks (interleaved 1F1B). ``sequence_parallel``: the residual stream, norms,
-    hyper-connections and dropout run on ``s / TP`` tokens per TP rank.
+    ``virtual_pipeline_model_parallel_size`` is ``v``: each rank holds ``v`` model chunks
+    (interleaved 1F1B; 1 is the plain pipeline). ``sequence_parallel``: the residual stream,
+    norms, hyper-connections and dropout run on ``s / TP`` tokens per TP rank. ``world_size=None``:
+    not known yet (a strategy before launch); :meth:`build` checks it. ``names``: how errors
+    name the values (``errors.KeyNames``; the CLI passes its config keys).
     """
 
-    world_size: int
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    data_parallel_size: int
-    tensor_model_parallel_rank: int
-    pipeline_model_parallel_rank: int
-    data_parallel_rank: int
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
-    groups: ParallelGroups | None = field(default=None, compare=False, repr=False)
+    world_size: int | None = None
+    names: KeyNames = field(default=RUNTIME_NAMES, compare=False, repr=False)
+    tensor_model_parallel_rank: int | None = None
+    """This rank's place, once built (None before)."""
+    pipeline_model_parallel_rank: int | None = None
+    data_parallel_rank: int | None = None
+    groups: ProcessGroups | None = field(default=None, compare=False, repr=False)
+    """This rank's process groups, once built (None before, and in a copy sent to another process)."""
+
+    def __post_init__(self) -> None:
+        self._check_degrees()
+        if self.world_size is not None:
+            self._check_world(self.world_size)
 
     def __getstate__(self) -> dict:
         """Degrees and ranks travel (e.g. ``all_gather_object``); process groups do not."""
         return {**self.__dict__, "groups": None}
 
+    # ------------------------------------------------------------------ rules
+    def _fail(self, message: str) -> None:
+        raise ConfigError(message)
+
+    def _check_degrees(self) -> None:
+        t, key = self.names.term, self.names.key
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "virtual_pipeline_model_parallel_size"):
+            if not _positive_int(getattr(self, name)):
+                self._fail(f"{t(name, getattr(self, name))}: must be a positive integer.")
+        if not isinstance(self.sequence_parallel, bool):
+            self._fail(f"{t('sequence_parallel', self.sequence_parallel)}: must be true or false.")
+        vp, pp, tp = (self.virtual_pipeline_model_parallel_size, self.pipeline_model_parallel_size,
+                      self.tensor_model_parallel_size)
+        if vp > 1 and pp < 2:
+            self._fail(
+                f"{t('virtual_pipeline_model_parallel_size', vp)} needs {key('pipeline_model_parallel_size')} >= 2 "
+                f"(it is {pp}): the interleaved schedule splits each stage into chunks. Set it to 1, or use "
+                "pipeline parallelism."
+            )
+        if self.sequence_parallel and tp < 2:
+            self._fail(
+                f"{t('sequence_parallel', True)} needs {key('tensor_model_parallel_size')} >= 2 (it is {tp}): the "
+                f"sequence is split across the tensor-parallel ranks. Set {t('sequence_parallel', False)}, or raise "
+                "the TP size."
+            )
+
+    def _check_world(self, world: int) -> None:
+        tp, pp, t = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.names.term
+        if not _positive_int(world) or world % (tp * pp):
+            self._fail(
+                f"{t('tensor_model_parallel_size', tp)} * {t('pipeline_model_parallel_size', pp)} = {tp * pp} "
+                f"does not divide {t('world_size', world)}. Use a number of devices that is a multiple of "
+                f"{tp * pp}, or change the TP/PP sizes."
+            )
+
+    def with_world(self, world_size: int) -> ParallelLayout:
+        """This layout in a world of ``world_size`` processes (checked)."""
+        return dataclasses.replace(self, world_size=world_size)
+
+    def check_model(self, sizes: Mapping[str, int | None], seq_length: int | None = None) -> None:
+        """A model on this layout: ``num_layers`` split evenly over the (virtual) stages, the sizes of
+        ``MODEL_SPLIT_BY_TP`` divisible by TP, and under sequence parallelism ``seq_length`` too
+        (each checked when given)."""
+        t, key, tp = self.names.term, self.names.key, self.tensor_model_parallel_size
+        layers, pp, v = sizes.get("num_layers"), self.pipeline_model_parallel_size, \
+            self.virtual_pipeline_model_parallel_size
+        if layers is not None and layers % pp:
+            self._fail(f"{t('num_layers', layers)} cannot be split evenly over {t('pipeline_model_parallel_size', pp)} "
+                       f"stages. Use a number of layers divisible by {pp}.")
+        if layers is not None and layers % (pp * v):
+            self._fail(
+                f"{t('num_layers', layers)} cannot be split into {t('pipeline_model_parallel_size', pp)} x "
+                f"{t('virtual_pipeline_model_parallel_size', v)} = {pp * v} equal chunks. Use a number of layers "
+                f"divisible by {pp * v}, or another virtual pipeline size."
+            )
+        for name in MODEL_SPLIT_BY_TP:
+            value = sizes.get(name)
+            if value is not None and value % tp:
+                self._fail(
+                    f"{t(name, value)} is not divisible by {t('tensor_model_parallel_size', tp)}. Choose a "
+                    f"tensor-parallel size that divides {value}, or change {key(name)}."
+                )
+        if self.sequence_parallel and seq_length is not None and seq_length % tp:
+            self._fail(f"{t('sequence_parallel', True)} splits {t('seq_length', seq_length)} over "
+                       f"{t('tensor_model_parallel_size', tp)} ranks: use a sequence length divisible by {tp}.")
+
+    def check_microbatches(self, num_microbatches: int, group: int | None = None) -> int:
+        """The microbatches of one step on this layout: at least one; with a virtual pipeline,
+        megatron's rule for the interleaved schedule: microbatches run in groups of ``group``
+        (default: the PP size) per model chunk, ``p <= group <= m``, and a last group shorter than
+        ``p`` would stall the pipeline. Returns the group size (``m`` without a virtual pipeline)."""
+        m, p, t, key = num_microbatches, self.pipeline_model_parallel_size, self.names.term, self.names.key
+        if not _positive_int(m):
+            self._fail(f"{t('num_microbatches', m)}: must be a positive integer.")
+        if self.virtual_pipeline_model_parallel_size == 1:
+            return m
+        group = group or p
+        multiple = t("pipeline_model_parallel_size", p) if group == p else f"the group size {group}"
+        needs = f"the interleaved schedule needs a number of microbatches ({t('num_microbatches', m)}) that is a " \
+                f"multiple of {multiple} (megatron's rule)"
+        fix = f"Change {key('num_microbatches')}, or drop the virtual pipeline."
+        if not p <= group <= m:
+            self._fail(f"the interleaved pipeline schedule runs microbatches in groups of {group} per model chunk, "
+                       f"which must lie in [{t('pipeline_model_parallel_size', p)}, {t('num_microbatches', m)}]: "
+                       f"{needs}, at least {max(p, group)}. {fix}")
+        if 0 < m % group < p:
+            self._fail(f"{t('num_microbatches', m)} leaves a last group of {m % group} microbatches for the "
+                       f"interleaved schedule (groups of {group}): it must be 0 or at least "
+                       f"{t('pipeline_model_parallel_size', p)}, else the pipeline stalls; {needs}. {fix}")
+        return group
+
+    # ------------------------------------------------------- degrees and stages
+    @property
+    def data_parallel_size(self) -> int:
+        if self.world_size is None:
+            raise RuntimeError("the data-parallel size is known once the world size is")
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def num_virtual_stages(self) -> int:
+        """Stages the model is cut into: ``PP * v``."""
+        return self.pipeline_model_parallel_size * self.virtual_pipeline_model_parallel_size
+
+    def local_virtual_stages(self) -> list[int]:
+        """This rank's (virtual) stages, chunk by chunk: chunk ``c`` of stage ``r`` is virtual stage
+        ``c * PP + r`` (megatron's layer assignment); one stage without a virtual pipeline."""
+        pp, rank = self.pipeline_model_parallel_size, self._place("pipeline_model_parallel_rank")
+        return [chunk * pp + rank for chunk in range(self.virtual_pipeline_model_parallel_size)]
+
     @property
     def is_first_stage(self) -> bool:
-        return self.pipeline_model_parallel_rank == 0
+        return self._place("pipeline_model_parallel_rank") == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pipeline_model_parallel_rank == self.pipeline_model_parallel_size - 1
+        return self._place("pipeline_model_parallel_rank") == self.pipeline_model_parallel_size - 1
 
-    def _groups(self) -> ParallelGroups:
+    # ------------------------------------------------------------- groups
+    @property
+    def is_built(self) -> bool:
+        return self.groups is not None
+
+    def _place(self, name: str) -> int:
+        value = getattr(self, name)
+        if value is None:
+            raise RuntimeError(f"this ParallelLayout describes degrees only ({name} is not known): "
+                               "layout.build() gives one with this rank's place and groups")
+        return value
+
+    def _groups(self) -> ProcessGroups:
         if self.groups is None:
-            raise RuntimeError("this ParallelLayout describes degrees only; initialize_parallel() gives one with groups")
+            raise RuntimeError("this ParallelLayout describes degrees only; layout.build() gives one with groups")
         return self.groups
 
     @property
@@ -106,228 +262,92 @@ class ParallelLayout:
     def embedding_group(self):
         return self._groups().embedding
 
+    def build(self, timeout: datetime.timedelta | None = None) -> ParallelLayout:
+        """This layout with this rank's place and megatron-core's TP, PP, DP (and embedding) groups,
+        made over the initialised default process group (whose size is checked first).
 
-RUNTIME_NAMES = KeyNames({
-    "world_size": "the world size {}",
-    "padded_vocab_size": "padded vocabulary (vocab_size rounded up to make_vocab_size_divisible_by)",
-})
-"""How layout errors name values by default (a strategy's and the model's arguments)."""
-
-MODEL_SPLIT_BY_TP = ("num_attention_heads", "hidden_size", "num_query_groups", "ffn_hidden_size", "padded_vocab_size")
-"""The model sizes tensor parallelism divides, in the order they are checked."""
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """The degrees of a TP x PP x DP layout and the model sizes it splits, checked when built: the
-    one place the layout rules live (torchtitan's ``ParallelDims.__post_init__``). The config
-    schema, both strategies, :func:`initialize_parallel` and the model's tensor-parallel layers
-    build one; each passes ``errors.KeyNames`` to have errors name its own keys.
-
-    ``world_size=None``: not known yet (a strategy before launch), so its divisibility is not
-    checked. ``model``: the sizes of ``MODEL_SPLIT_BY_TP`` and ``num_layers`` that are known
-    (each checked when given); ``seq_length``: checked under sequence parallelism when given.
-    """
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    world_size: int | None = None
-    virtual_pipeline_model_parallel_size: int | None = None
-    sequence_parallel: bool = False
-    model: Mapping[str, int | None] = field(default_factory=dict)
-    seq_length: int | None = None
-    names: KeyNames = field(default=RUNTIME_NAMES, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._check_degrees()
-        self._check_world()
-        self._check_layers()
-        self._check_sequence_parallel()
-        self._check_tensor_split()
-
-    @property
-    def data_parallel_size(self) -> int:
-        if self.world_size is None:
-            raise RuntimeError("the data-parallel size is known once the world size is")
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
-
-    @property
-    def virtual_size(self) -> int:
-        return self.virtual_pipeline_model_parallel_size or 1
-
-    def _fail(self, message: str) -> None:
-        raise ConfigError(message)
-
-    def _check_degrees(self) -> None:
-        t = self.names.term
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                self._fail(f"{t(name, value)}: must be a positive integer.")
-        vp, pp = self.virtual_pipeline_model_parallel_size, self.pipeline_model_parallel_size
-        if vp is not None and (isinstance(vp, bool) or not isinstance(vp, int) or vp < 1):
-            self._fail(f"{t('virtual_pipeline_model_parallel_size', vp)}: must be a positive integer "
-                       f"(or {self.names.show(None)}).")
-        if vp is not None and vp > 1 and pp < 2:
-            self._fail(
-                f"{t('virtual_pipeline_model_parallel_size', vp)} needs a positive size and "
-                f"{self.names.key('pipeline_model_parallel_size')} >= 2 (it is {pp}): the interleaved schedule "
-                f"splits each stage into chunks. Set it to {self.names.show(None)}, or use pipeline parallelism."
+        The groups of the layout built last are kept while they live, when they are the ones this
+        layout needs (the same TP and PP sizes in the same world; the virtual pipeline and sequence
+        parallelism need no groups of their own): a model built on them (megatron's layers keep
+        them) goes on working, as after ``Trainer.fit`` for ``trainer.save_checkpoint``,
+        ``validate``, ``test`` or a second ``fit``. Other sizes replace them (destroyed)."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call torch.distributed.init_process_group "
+                "(or run under MHCParallelStrategy / torchrun) first."
             )
-
-    def _check_world(self) -> None:
-        tp, pp, world, t = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.world_size,
-                            self.names.term)
-        if world is not None and (world < 1 or world % (tp * pp)):
-            self._fail(
-                f"{t('tensor_model_parallel_size', tp)} * {t('pipeline_model_parallel_size', pp)} = {tp * pp} "
-                f"does not divide {t('world_size', world)}. Use a number of devices that is a multiple of "
-                f"{tp * pp}, or change the TP/PP sizes."
-            )
-
-    def _check_layers(self) -> None:
-        layers, pp, v, t = self.model.get("num_layers"), self.pipeline_model_parallel_size, self.virtual_size, \
-            self.names.term
-        if layers is None:
-            return
-        if layers % pp:
-            self._fail(f"{t('num_layers', layers)} cannot be split evenly over {t('pipeline_model_parallel_size', pp)} "
-                       f"stages. Use a number of layers divisible by {pp}.")
-        if layers % (pp * v):
-            self._fail(
-                f"{t('num_layers', layers)} cannot be split into {t('pipeline_model_parallel_size', pp)} x "
-                f"{t('virtual_pipeline_model_parallel_size', v)} = {pp * v} equal chunks. Use a number of layers "
-                f"divisible by {pp * v}, or another virtual pipeline size."
-            )
-
-    def _check_sequence_parallel(self) -> None:
-        tp, seq, t, key = self.tensor_model_parallel_size, self.seq_length, self.names.term, self.names.key
-        if not self.sequence_parallel:
-            return
-        if tp < 2:
-            self._fail(
-                f"{t('sequence_parallel', True)} needs {key('tensor_model_parallel_size')} >= 2 (it is {tp}): the "
-                f"sequence is split across the tensor-parallel ranks. Set {t('sequence_parallel', False)}, or raise "
-                "the TP size."
-            )
-        if seq is not None and seq % tp:
-            self._fail(f"{t('sequence_parallel', True)} splits {t('seq_length', seq)} over "
-                       f"{t('tensor_model_parallel_size', tp)} ranks: use a sequence length divisible by {tp}.")
-
-    def _check_tensor_split(self) -> None:
-        tp, t = self.tensor_model_parallel_size, self.names.term
-        for name in MODEL_SPLIT_BY_TP:
-            value = self.model.get(name)
-            if value is not None and value % tp:
-                self._fail(
-                    f"{t(name, value)} is not divisible by {t('tensor_model_parallel_size', tp)}. Choose a "
-                    f"tensor-parallel size that divides {value}, or change {self.names.key(name)}."
-                )
-
-
-def check_interleaved_microbatches(num_microbatches: int, pipeline_size: int, group: int | None = None,
-                                   names: KeyNames = RUNTIME_NAMES) -> int:
-    """Megatron's rule for the interleaved schedule (virtual pipeline): microbatches run in groups
-    of ``group`` (default: the PP size) per model chunk, ``p <= group <= m``, and a last group
-    shorter than ``p`` would stall the pipeline. Returns the group size."""
-    m, p, t = num_microbatches, pipeline_size, names.term
-    group = group or p
-    multiple = t("pipeline_model_parallel_size", p) if group == p else f"the group size {group}"
-    needs = f"the interleaved schedule needs a number of microbatches ({t('num_microbatches', m)}) that is a " \
-            f"multiple of {multiple} (megatron's rule)"
-    fix = f"Change {names.key('num_microbatches')}, or drop the virtual pipeline."
-    if not p <= group <= m:
-        raise ConfigError(f"the interleaved pipeline schedule runs microbatches in groups of {group} per model chunk, "
-                          f"which must lie in [{t('pipeline_model_parallel_size', p)}, {t('num_microbatches', m)}]: "
-                          f"{needs}, at least {max(p, group)}. {fix}")
-    if 0 < m % group < p:
-        raise ConfigError(f"{t('num_microbatches', m)} leaves a last group of {m % group} microbatches for the "
-                          f"interleaved schedule (groups of {group}): it must be 0 or at least "
-                          f"{t('pipeline_model_parallel_size', p)}, else the pipeline stalls; {needs}. {fix}")
-    return group
-
-
-def initialize_parallel(
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    timeout: datetime.timedelta | None = None,
-    virtual_pipeline_model_parallel_size: int | None = None,
-    sequence_parallel: bool = False,
-) -> ParallelLayout:
-    """Build megatron-core's TP, PP, DP (and embedding) groups; returns this rank's layout.
-
-    A layout of these degrees built earlier and still alive is returned as it is: a model built
-    on its groups (megatron's layers keep them) goes on working, as after ``Trainer.fit`` for
-    ``trainer.save_checkpoint``, ``validate``, ``test``, ``predict`` or a second ``fit``. Other
-    degrees replace it (its groups destroyed)."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialised: call torch.distributed.init_process_group "
-            "(or run under MHCParallelStrategy / torchrun) first."
+        world = self.with_world(dist.get_world_size())
+        global _ACTIVE
+        live = _ACTIVE
+        if live is not None and parallel_state.model_parallel_is_initialized() and live._same_groups(world):
+            if not live.same_layout(world):
+                _ACTIVE = dataclasses.replace(live, **{name: getattr(self, name) for name in DEGREES}, names=self.names)
+            return _ACTIVE
+        destroy_parallel()
+        kwargs = {"distributed_timeout_minutes": max(1, int(timeout.total_seconds() // 60))} if timeout else {}
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            **kwargs,
         )
-    ParallelDims(tensor_model_parallel_size, pipeline_model_parallel_size, dist.get_world_size(),
-                 virtual_pipeline_model_parallel_size, sequence_parallel)
-    global _ACTIVE
-    live = _ACTIVE
-    if live is not None and parallel_state.model_parallel_is_initialized() and (
-            live.tensor_model_parallel_size, live.pipeline_model_parallel_size,
-            live.virtual_pipeline_model_parallel_size, live.sequence_parallel, live.world_size) == (
-            tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1,
-            sequence_parallel, dist.get_world_size()):
-        return live
-    destroy_parallel()
-    kwargs = {"distributed_timeout_minutes": max(1, int(timeout.total_seconds() // 60))} if timeout else {}
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        **kwargs,
-    )
-    _ACTIVE = current_layout(virtual_pipeline_model_parallel_size, sequence_parallel)
-    return _ACTIVE
+        _ACTIVE = world._adopt_megatron_groups()
+        return _ACTIVE
+
+    def same_layout(self, other: ParallelLayout) -> bool:
+        """The same degrees in the same world (whatever the rank or the groups)."""
+        return all(getattr(self, name) == getattr(other, name) for name in (*DEGREES, "world_size"))
+
+    def _same_groups(self, other: ParallelLayout) -> bool:
+        """Megatron's groups of one would serve the other: the same TP and PP sizes and world."""
+        return all(getattr(self, name) == getattr(other, name)
+                   for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "world_size"))
+
+    def _adopt_megatron_groups(self) -> ParallelLayout:
+        """This layout with the place and groups megatron's ``parallel_state`` holds now (whose
+        TP and PP sizes it must have)."""
+        ps = parallel_state
+        pipeline_ranks = tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
+        # megatron's default embedding ranks: the first and last stage (its is_rank_in_embedding_group
+        # can answer from a previous initialisation after destroy_model_parallel)
+        in_embedding = dist.get_rank() in (pipeline_ranks[0], pipeline_ranks[-1])
+        groups = ProcessGroups(
+            tensor=ps.get_tensor_model_parallel_group(),
+            pipeline=ps.get_pipeline_model_parallel_group(),
+            data=ps.get_data_parallel_group(),
+            model_parallel=ps.get_model_parallel_group(),
+            embedding=ps.get_embedding_group() if in_embedding else None,
+            pipeline_ranks=pipeline_ranks,
+        )
+        return dataclasses.replace(
+            self, world_size=dist.get_world_size(),
+            tensor_model_parallel_rank=ps.get_tensor_model_parallel_rank(),
+            pipeline_model_parallel_rank=ps.get_pipeline_model_parallel_rank(),
+            data_parallel_rank=ps.get_data_parallel_rank(), groups=groups)
+
+
+def stage_ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive ``[start, end)`` ranges of ``sizes`` items each: the layers (or blocks) of each
+    (virtual) pipeline stage."""
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
+    return ranges
 
 
 _ACTIVE: ParallelLayout | None = None
 
 
 def active_layout() -> ParallelLayout:
-    """The layout :func:`initialize_parallel` built last (virtual pipeline and sequence
-    parallelism included), while its groups live; else megatron's current groups'; else, in a
-    process without a layout, the one-process one (:func:`single_process_layout`)."""
+    """The layout built last, while its groups live; else one adopting megatron's current groups
+    (made by ``parallel_state`` directly); else, in a process without a layout, the one-process one
+    (:func:`single_process_layout`)."""
     if _ACTIVE is not None and parallel_state.model_parallel_is_initialized():
         return _ACTIVE
     if parallel_state.model_parallel_is_initialized():
-        return current_layout()
+        return ParallelLayout(parallel_state.get_tensor_model_parallel_world_size(),
+                              parallel_state.get_pipeline_model_parallel_world_size())._adopt_megatron_groups()
     return single_process_layout()
-
-
-def current_layout(virtual_pipeline_model_parallel_size: int | None = None,
-                   sequence_parallel: bool = False) -> ParallelLayout:
-    """The layout of the groups megatron's ``parallel_state`` holds now."""
-    ps = parallel_state
-    pipeline_ranks = tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
-    # megatron's default embedding ranks: the first and last stage (its is_rank_in_embedding_group
-    # can answer from a previous initialisation after destroy_model_parallel)
-    in_embedding = dist.get_rank() in (pipeline_ranks[0], pipeline_ranks[-1])
-    groups = ParallelGroups(
-        tensor=ps.get_tensor_model_parallel_group(),
-        pipeline=ps.get_pipeline_model_parallel_group(),
-        data=ps.get_data_parallel_group(),
-        model_parallel=ps.get_model_parallel_group(),
-        embedding=ps.get_embedding_group() if in_embedding else None,
-        pipeline_ranks=pipeline_ranks,
-    )
-    return ParallelLayout(
-        world_size=dist.get_world_size(),
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        data_parallel_size=ps.get_data_parallel_world_size(),
-        tensor_model_parallel_rank=ps.get_tensor_model_parallel_rank(),
-        pipeline_model_parallel_rank=ps.get_pipeline_model_parallel_rank(),
-        data_parallel_rank=ps.get_data_parallel_rank(),
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size or 1,
-        sequence_parallel=sequence_parallel,
-        groups=groups,
-    )
 
 
 def destroy_parallel() -> None:
@@ -363,8 +383,8 @@ def single_process_layout() -> ParallelLayout:
     current layout must already be TP = PP = 1."""
     ensure_default_group()
     if parallel_state.model_parallel_is_initialized():
-        layout = current_layout()
-        if layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size != 1:
+        layout = active_layout()
+        if layout.model_parallel_size != 1:
             raise RuntimeError(
                 f"this process holds a TP={layout.tensor_model_parallel_size}, PP={layout.pipeline_model_parallel_size} "
                 "layout: a whole model is built outside a model-parallel run (a checkpoint resumes on any layout "
@@ -374,6 +394,6 @@ def single_process_layout() -> ParallelLayout:
     if dist.get_world_size() != 1:
         raise RuntimeError(
             f"torch.distributed has {dist.get_world_size()} ranks and no model-parallel layout: build the whole "
-            "model in a process of its own, or call initialize_parallel(1, 1) first."
+            "model in a process of its own, or build a layout first: ParallelLayout(...).build()."
         )
-    return initialize_parallel(1, 1)
+    return ParallelLayout().build()

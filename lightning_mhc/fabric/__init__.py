@@ -4,7 +4,8 @@
                                                  pipeline_model_parallel_size=2), devices=4)
 
 Importing this package registers the strategy as ``"mhc_parallel"`` in Fabric's strategy
-registry. ``core.py`` holds what it shares with the Trainer strategy (``lightning_mhc.lightning``).
+registry. ``lightning_mhc.strategies`` holds what it shares with the Trainer strategy
+(``lightning_mhc.lightning``).
 """
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 

@@ -18,7 +18,7 @@ A module without the pipeline contract (any ``nn.Module``) trains data parallel 
 averages the gradients over DP (not inside ``fabric.no_backward_sync(model)``).
 
 The parts shared with the Trainer strategy (process groups, layout, RNG, schedule, gradient
-reduction, checkpoints) are ``self.runtime`` (``lightning_mhc.distributed.runtime``); like Lightning's own
+reduction, checkpoints) are ``self.runtime`` (``lightning_mhc.strategies``); like Lightning's own
 ``lightning.fabric.strategies.ModelParallelStrategy``, checkpoints are directories written by
 every rank and restore the objects passed to ``fabric.load``.
 """
@@ -43,11 +43,13 @@ from torch.optim import Optimizer
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.format import PARAM_GROUPS
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.distributed.runtime import StrategyProcesses, refuse_gradient_scaler, sync_replicas, with_grads
-from lightning_mhc.distributed.launcher import MHCFabricLauncher
-from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
 from lightning_mhc.distributed.grads import clip_grad_norm_
+from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
 from lightning_mhc.recompute.policy import attach_recompute
+from lightning_mhc.strategies.launcher import MHCFabricLauncher
+from lightning_mhc.strategies.processes import StrategyProcesses
+from lightning_mhc.strategies.runtime import refuse_gradient_scaler, sync_replicas, with_grads
+from lightning_mhc.strategies.settings import ParallelSettings, settings_signature
 
 FABRIC_OBJECTS = "fabric_objects"
 """Checkpoint entry: which keys of ``fabric.save``'s state were the model and the optimizers."""
@@ -57,11 +59,12 @@ _TRAINER_OBJECTS = ("state_dict", "optimizer_states", PARAM_GROUPS, "lightning_m
 """Entries of a Trainer checkpoint that are not the user's: the model, the optimizers, our metadata."""
 
 
+@settings_signature
 class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     """Tensor, pipeline and data parallelism with megatron-core process groups, for Fabric.
 
-    Takes the arguments of :class:`~lightning_mhc.distributed.runtime.ParallelSettings` (the same as the
-    Trainer's ``MHCParallelStrategy`` without its preemption handling).
+    Takes a :class:`~lightning_mhc.strategies.settings.ParallelSettings`, or its fields as keyword
+    arguments (the same as the Trainer's ``MHCParallelStrategy`` without its preemption handling).
 
     - ``fabric.setup_module(model)`` builds this rank's stage (``model.configure_model()``, e.g.
       ``MHCGPTModule``), attaches mHC block recompute where its config asks for it (the module's
@@ -81,8 +84,8 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
 
     launcher_class = MHCFabricLauncher
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, settings: ParallelSettings | None = None, **kwargs: Any) -> None:
+        super().__init__(settings, **kwargs)
         self._backward_sync_control = _GradientSyncControl()
         self._modules: weakref.WeakKeyDictionary[Module, None] = weakref.WeakKeyDictionary()
         """The set-up modules, in order (those still alive): whose gradients ``backward`` reduces."""
@@ -190,8 +193,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         """The loss's backward (through the precision plugin), then the gradient reduction of the
         set-up modules (``module`` alone when given), unless inside ``fabric.no_backward_sync``."""
         modules = [module] if module is not None else list(self._modules)
-        if any(is_pipeline_module(m) and self.pipeline_model_parallel_size * self.tensor_model_parallel_size > 1
-               for m in modules):
+        if any(is_pipeline_module(m) and self.settings.layout.model_parallel_size > 1 for m in modules):
             raise ConfigError(
                 "a pipelined / tensor-parallel module runs its backward inside "
                 "fabric.strategy.forward_backward(model, batch) (which also reduces the gradients): "

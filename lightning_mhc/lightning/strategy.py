@@ -8,8 +8,8 @@
   processes started by torchrun / SLURM;
 - ``setup_environment`` creates the default process group, then megatron-core's
   TP/PP/DP groups, and seeds the parallel randomizer;
-- a module implementing the pipeline contract (``contract.py``) runs the whole
-  1F1B schedule inside its ``training_step`` through :meth:`forward_backward`;
+- a module implementing the pipeline contract (``distributed/pipeline/protocol.py``) runs
+  the whole 1F1B schedule inside its ``training_step`` through :meth:`forward_backward`;
   Lightning's backward and zero_grad are then skipped (gradients are zeroed
   after each optimizer step); any other module trains as data parallel;
 - gradients are averaged over DP (bucket by bucket during the last backward when
@@ -20,8 +20,8 @@
   parameter names (``lightning_mhc.checkpoint``): save on one layout, resume on any other.
 
 Launch, process groups, layout, RNG, the schedule, gradient reduction and checkpoints are
-``lightning_mhc.distributed.runtime`` (``self.runtime``), shared with the Fabric strategy; this class
-maps the Trainer's hooks onto them.
+``lightning_mhc.strategies`` (``self.runtime``), shared with the Fabric strategy; this class maps
+the Trainer's hooks onto them.
 """
 from __future__ import annotations
 
@@ -41,20 +41,23 @@ from torch import Tensor
 
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.distributed.runtime import StrategyProcesses, refuse_gradient_scaler, sync_replicas
-from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
-from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.data.resumable_loader import ResumableLoader
 from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
+from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
+from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
+from lightning_mhc.strategies.processes import StrategyProcesses
+from lightning_mhc.strategies.runtime import refuse_gradient_scaler, sync_replicas, unwrap_optimizer
+from lightning_mhc.strategies.settings import ParallelSettings, settings_signature
 
 
+@settings_signature
 class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     """Tensor, pipeline and data parallelism with megatron-core process groups, for the Trainer.
 
-    Takes the arguments of :class:`~lightning_mhc.distributed.runtime.ParallelSettings` (the layout:
-    ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``sequence_parallel``,
-    ``virtual_pipeline_model_parallel_size``, ``num_microbatches``; ``seed``, ``timeout``,
-    ``overlap_grad_reduce``, ``gradient_bucket_bytes``, ``raise_on_nonfinite_loss``,
+    Takes a :class:`~lightning_mhc.strategies.settings.ParallelSettings`, or its fields as keyword
+    arguments (the layout: ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+    ``sequence_parallel``, ``virtual_pipeline_model_parallel_size``, ``num_microbatches``; ``seed``,
+    ``timeout``, ``overlap_grad_reduce``, ``gradient_bucket_bytes``, ``raise_on_nonfinite_loss``,
     ``measure_activation_memory``, ``use_distributed_optimizer``, ...), and:
 
     Args:
@@ -68,9 +71,9 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
 
     launcher_class = MHCSubprocessLauncher
 
-    def __init__(self, *args: Any, save_on_preemption: bool = True, preemption_grace_s: float = 25.0,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, settings: ParallelSettings | None = None, *, save_on_preemption: bool = True,
+                 preemption_grace_s: float = 25.0, **kwargs: Any) -> None:
+        super().__init__(settings, **kwargs)
         self.save_on_preemption = save_on_preemption
         self.preemption = PreemptionState(preemption_grace_s)
         self.last_step_end: float | None = None
@@ -233,7 +236,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's per-parameter states as pieces of the whole model's (AdamW's moments
         are resharded like their parameters), and its param-group settings."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's wrapper
+        optimizer = unwrap_optimizer(optimizer)
         return dist_checkpoint.optimizer_state(optimizer, self.lightning_module, self.layout,
                                                self.runtime.optimizer_pieces(optimizer))
 
@@ -248,7 +251,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         """Read a checkpoint saved on any layout into this rank's stage (and, when fitting, its
         optimizers' states)."""
         trainer = self.lightning_module.trainer
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if trainer.state.fn == TrainerFn.FITTING else []
+        optimizers = [unwrap_optimizer(o) for o in self.optimizers] if trainer.state.fn == TrainerFn.FITTING else []
         return self.runtime.load(checkpoint_path, self.lightning_module, optimizers, self.global_rank)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

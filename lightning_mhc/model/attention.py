@@ -25,7 +25,6 @@ class SelfAttention(torch.nn.Module):
         super().__init__()
         self.config = config
         tp = get_tensor_model_parallel_world_size()
-        config.validate_tensor_parallel(tp)
         self.head_dim = config.kv_channels
         self.heads_per_rank = config.num_attention_heads // tp
         self.groups_per_rank = config.num_query_groups // tp

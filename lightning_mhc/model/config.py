@@ -14,10 +14,10 @@ from typing import Any
 
 from megatron.core.transformer import TransformerConfig
 
-from lightning_mhc.distributed.layout import ParallelDims
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
+from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.ops import MHC_IMPLEMENTATIONS, triton_available
-from lightning_mhc.recompute.policy import SUPPORTED_MODULES
+from lightning_mhc.recompute.policy import RecomputePolicy
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
 MEGATRON_NAMES = {
@@ -180,13 +180,6 @@ class MHCTransformerConfig(TransformerConfig):
         if self.mhc_implementation == "triton" and not triton_available():
             raise ConfigError("mhc_implementation='triton' needs Triton, which does not import here: "
                               "pip install 'lightning_mhc[triton]', or choose 'auto', 'fused' or 'compile'.")
-        layer_num = self.mhc_recompute_layer_num
-        if layer_num is not None and (isinstance(layer_num, bool) or not isinstance(layer_num, int) or layer_num < 1):
-            raise ConfigError(
-                f"mhc_recompute_layer_num={layer_num!r}: a recompute block holds a whole, positive number "
-                "of layers (Megatron-LM refuses other values too). Use a positive integer, or None for the "
-                "paper's default."
-            )
         gating = self.mhc_init_gating_factor
         if isinstance(gating, bool) or not isinstance(gating, (int, float)) or not 0 <= gating < math.inf:
             raise ConfigError(
@@ -196,40 +189,12 @@ class MHCTransformerConfig(TransformerConfig):
             )
 
     def _validate_mhc_recompute(self, names: _Spelling) -> None:
-        """The selective recompute modules, and what the hyper-connection recompute needs."""
-        modules = names.recompute_modules(self.recompute_modules)
-        if self.recompute_granularity == "selective":
-            unsupported = sorted(set(self.recompute_modules or []) - set(SUPPORTED_MODULES))
-            if unsupported:
-                raise ConfigError(
-                    f"recompute_modules={modules}: {unsupported} not supported by "
-                    f"this model; choose from {', '.join(SUPPORTED_MODULES)} (or 'mhc', Megatron-LM's "
-                    "name for recompute_hyper_connections=True)."
-                )
-        if not self.recompute_hyper_connections:
-            return
-        recompute = names.recompute_switch()
-        if not self.enable_hyper_connections:
+        """The recompute fields select a valid policy (``RecomputePolicy.of_config``: the policy's
+        rules, named as the user spelled the fields), and what megatron adds for block recompute."""
+        RecomputePolicy.of_config(self, names.key_names(self), names.recompute_switch())
+        if self.recompute_hyper_connections and getattr(self, "fine_grained_activation_offloading", False):
             raise ConfigError(
-                f"{recompute} needs {names.name('enable_hyper_connections')}=True (got "
-                f"{self.enable_hyper_connections}): there are no hyper-connection activations to recompute. "
-                "Enable hyper-connections or turn the hyper-connection recompute off."
-            )
-        if self.recompute_granularity != "selective":
-            raise ConfigError(
-                f"{recompute} needs recompute_granularity='selective' "
-                f"(got {self.recompute_granularity!r}). Set recompute_granularity='selective'."
-            )
-        if "mlp" in (self.recompute_modules or []):
-            raise ConfigError(
-                f"{recompute} cannot be combined with 'mlp' in "
-                f"recompute_modules={modules} (recompute_mlp): the two "
-                "checkpoint mechanisms conflict (Megatron-LM refuses it too). Remove "
-                "'mlp' from recompute_modules."
-            )
-        if getattr(self, "fine_grained_activation_offloading", False):
-            raise ConfigError(
-                f"{recompute} with fine_grained_activation_offloading=True: Megatron-LM does not "
+                f"{names.recompute_switch()} with fine_grained_activation_offloading=True: Megatron-LM does not "
                 "support the two together (its mHC recompute hook fires before the offloading "
                 "chunk exists) and this model does not offload. Set "
                 "fine_grained_activation_offloading=False."
@@ -271,12 +236,8 @@ class MHCTransformerConfig(TransformerConfig):
                 "num_attention_heads."
             )
 
-    def validate_tensor_parallel(self, tp_size: int) -> None:
-        """Check every dimension that tensor parallelism splits (the layout's rule); raise naming the fix."""
-        ParallelDims(tp_size, model=self.split_sizes())
-
     def split_sizes(self) -> dict[str, int]:
-        """The sizes tensor parallelism splits in this model (``ParallelDims(model=...)``)."""
+        """The sizes tensor parallelism splits in this model (``ParallelLayout.check_model``)."""
         return {name: getattr(self, name)
                 for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "padded_vocab_size")}
 
@@ -321,9 +282,16 @@ class _Spelling:
             return "'mhc' in recompute_modules (Megatron-LM's switch for recompute_hyper_connections=True)"
         return "recompute_hyper_connections=True"
 
-    def recompute_modules(self, value: Any) -> str:
-        """``recompute_modules`` as given ('mhc' included: ``value`` has it removed)."""
-        return self.spelled.get("recompute_modules", repr(value))
+    def key_names(self, config: MHCTransformerConfig) -> KeyNames:
+        """How the recompute policy's rules name ``config``'s fields: as the user spelled them."""
+        return KeyNames({
+            "policy": lambda policy: (self.recompute_switch() if policy == "mhc_block"
+                                      else f"recompute_granularity={config.recompute_granularity!r}"),
+            "recompute_modules": lambda modules: "recompute_modules=" + self.spelled.get("recompute_modules",
+                                                                                         repr(modules)),
+            "enable_hyper_connections": lambda _: (f"{self.name('enable_hyper_connections')}=True "
+                                                   f"(got {config.enable_hyper_connections})"),
+        }, show=repr, keys={"recompute_modules": "recompute_modules"})
 
 
 # ------------------------------------------------------------ layout and unsupported options
@@ -394,53 +362,45 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def requested_parallel_layout(model_config: MHCTransformerConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """The layout a user's model config asks for: a dict's layout keys, a config's non-default
-    TP / PP and other parallelism (which ``with_parallel_layout`` checks against the strategy)."""
-    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-             "sequence_parallel", *_UNSUPPORTED_PARALLELISM)
+    """The layout a user's model config asks for, which ``with_parallel_layout`` checks against the
+    strategy's: a dict's layout keys (a ``None`` value, megatron's "not set", asks nothing), a
+    config's layout fields that are not megatron's defaults."""
+    names = (*DEGREES, *_UNSUPPORTED_PARALLELISM)
     if isinstance(model_config, Mapping):
-        requested = {k: model_config[k] for k in names if k in model_config}
+        requested = {k: model_config[k] for k in names if model_config.get(k) is not None}
         check_supported_options(requested)  # refused when the module is made, not when it is built
         return requested
     defaults = {f.name: _default(f) for f in dataclasses.fields(MHCTransformerConfig)}
     return {k: getattr(model_config, k) for k in names if not _same(getattr(model_config, k), defaults[k])}
 
 
-def with_parallel_layout(
-    config: MHCTransformerConfig,
-    tensor_model_parallel_size: int,
-    pipeline_model_parallel_size: int,
-    requested: Mapping[str, Any] | None = None,
-    *,
-    virtual_pipeline_model_parallel_size: int | None = None,
-    sequence_parallel: bool = False,
-) -> MHCTransformerConfig:
-    """A copy of ``config`` that records the layout the model is built under (the strategy's).
+def with_parallel_layout(config: MHCTransformerConfig, layout: ParallelLayout,
+                         requested: Mapping[str, Any] | None = None) -> MHCTransformerConfig:
+    """A copy of ``config`` that records the layout the model is built under (the strategy's),
+    checked against it (``ParallelLayout.check_model``: layers over the stages, sizes over TP).
 
     ``requested``: what the user's model config asked for (``requested_parallel_layout``); a
     TP / PP / virtual pipeline / sequence parallelism that differs, or parallelism the strategy
     does not run, raises ConfigError.
     """
-    layout = dict(tensor_model_parallel_size=tensor_model_parallel_size,
-                  pipeline_model_parallel_size=pipeline_model_parallel_size,
-                  virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-                  sequence_parallel=sequence_parallel)
+    degrees = {name: getattr(layout, name) for name in DEGREES}
     requested = dict(requested or {})
     for name, value in requested.items():
-        if name in layout and value != layout[name]:
-            strategy = ", ".join(f"{k}={v}" for k, v in layout.items())
+        if name in degrees and value != degrees[name]:
+            strategy = ", ".join(f"{k}={v}" for k, v in degrees.items())
             raise ConfigError(
                 f"model_config sets {name}={value}, but the strategy runs {strategy}. "
                 f"The parallel layout comes from the strategy (MHCParallelStrategy's {name}): drop {name} "
-                f"from model_config, or make it {layout[name]}."
+                f"from model_config, or make it {degrees[name]}."
             )
     check_supported_options(requested)
-    config.validate_tensor_parallel(tensor_model_parallel_size)
-    updates: dict[str, Any] = dict(layout)
-    if pipeline_model_parallel_size > 1 and config.pipeline_dtype is None:
+    layout.check_model({"num_layers": config.num_layers, **config.split_sizes()})
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    updates: dict[str, Any] = dict(degrees)
+    if pp > 1 and config.pipeline_dtype is None:
         updates["pipeline_dtype"] = config.params_dtype  # megatron requires it with PP
     if config.expert_tensor_parallel_size == config.tensor_model_parallel_size:  # derived from TP
-        updates["expert_tensor_parallel_size"] = tensor_model_parallel_size
+        updates["expert_tensor_parallel_size"] = tp
     if config.microbatch_group_size_per_vp_stage == config.pipeline_model_parallel_size:  # derived from PP
-        updates["microbatch_group_size_per_vp_stage"] = pipeline_model_parallel_size
+        updates["microbatch_group_size_per_vp_stage"] = pp
     return dataclasses.replace(config, **updates)

@@ -8,10 +8,11 @@ A middle stage receives its input through :meth:`set_input_tensor`.
 from __future__ import annotations
 
 import torch
-from megatron.core.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from torch import Tensor
 
+from lightning_mhc.distributed.layout import active_layout
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
@@ -82,7 +83,7 @@ class GPTModel(torch.nn.Module):
         layer_range: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
-        config.validate_tensor_parallel(get_tensor_model_parallel_world_size())
+        active_layout().check_model(config.split_sizes())  # the TP group its layers split over
         start, end = layer_range if layer_range is not None else (0, config.num_layers)
         if not 0 <= start <= end <= config.num_layers:
             raise ConfigError(

@@ -5,22 +5,22 @@ from __future__ import annotations
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.gpt import GPTModel
-from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.layout import ParallelLayout, stage_ranges
 
 
 def partition_layers(
     num_layers: int,
-    pipeline_model_parallel_size: int,
+    num_stages: int,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
 ) -> list[tuple[int, int]]:
-    """Global ``[start, end)`` layer ranges per stage.
+    """Global ``[start, end)`` layer ranges per (virtual) stage.
 
     Even by default; ``first_stage_layers`` / ``last_stage_layers`` fix the
     outer stages (megatron's ``decoder_first/last_pipeline_num_layers``) and
     the rest is split evenly over the middle stages.
     """
-    pp = pipeline_model_parallel_size
+    pp = num_stages
     sizes: list[int | None] = [None] * pp
     if first_stage_layers is not None:
         sizes[0] = first_stage_layers
@@ -37,38 +37,14 @@ def partition_layers(
     if any(s is not None and s < 0 for s in sizes) or remaining < 0 or (free and remaining % len(free)) \
             or (not free and remaining != 0):
         raise ConfigError(
-            f"num_layers={num_layers} cannot be split over pipeline_model_parallel_size={pp} "
+            f"num_layers={num_layers} cannot be split over {pp} pipeline stages "
             f"(first_stage_layers={first_stage_layers}, last_stage_layers={last_stage_layers}): "
             f"the {len(free)} remaining stage(s) must share {remaining} layers evenly. Change "
             "num_layers, the pipeline size, or the first/last stage sizes."
         )
     for i in free:
         sizes[i] = remaining // len(free)
-    ranges, start = [], 0
-    for size in sizes:
-        ranges.append((start, start + size))
-        start += size
-    return ranges
-
-
-def build_gpt_stage(
-    config: MHCTransformerConfig,
-    layout: ParallelLayout,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
-) -> GPTModel:
-    """This rank's stage of the GPT model and only it (like megatron's ``model_provider``).
-
-    No module of another stage is constructed, not even on the meta device.
-    """
-    pp, rank = layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_rank
-    ranges = partition_layers(config.num_layers, pp, first_stage_layers, last_stage_layers)
-    return GPTModel(
-        config,
-        pre_process=rank == 0,
-        post_process=rank == pp - 1,
-        layer_range=ranges[rank],
-    )
+    return stage_ranges(sizes)
 
 
 def build_gpt_chunks(
@@ -77,17 +53,14 @@ def build_gpt_chunks(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
 ) -> list[GPTModel]:
-    """This rank's model chunks, one per virtual pipeline stage (megatron's layer assignment):
-    the layers are split over ``p * v`` virtual stages and chunk ``c`` of stage ``r`` is virtual
-    stage ``c * p + r``. The first virtual stage embeds (and expands the streams), the last one
-    contracts the streams and computes the loss. ``first/last_stage_layers`` size the first and
-    last virtual stage. With ``v = 1`` this is ``[build_gpt_stage(...)]``.
+    """This rank's model chunks, one per (virtual) pipeline stage it holds
+    (``layout.local_virtual_stages()``: chunk ``c`` of stage ``r`` is virtual stage ``c * p + r``,
+    megatron's layer assignment), and only they (like megatron's ``model_provider``: no module of
+    another stage is constructed, not even on the meta device). The layers are split over the
+    ``p * v`` virtual stages; the first embeds (and expands the streams), the last contracts the
+    streams and computes the loss. ``first/last_stage_layers`` size the first and last one.
     """
-    pp, rank, v = (layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_rank,
-                   layout.virtual_pipeline_model_parallel_size)
-    if v == 1:
-        return [build_gpt_stage(config, layout, first_stage_layers, last_stage_layers)]
-    ranges = partition_layers(config.num_layers, pp * v, first_stage_layers, last_stage_layers)
-    stages = [chunk * pp + rank for chunk in range(v)]
-    return [GPTModel(config, pre_process=stage == 0, post_process=stage == pp * v - 1, layer_range=ranges[stage])
-            for stage in stages]
+    stages = layout.num_virtual_stages
+    ranges = partition_layers(config.num_layers, stages, first_stage_layers, last_stage_layers)
+    return [GPTModel(config, pre_process=stage == 0, post_process=stage == stages - 1, layer_range=ranges[stage])
+            for stage in layout.local_virtual_stages()]

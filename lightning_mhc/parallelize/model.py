@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.distributed.layout import ParallelLayout, active_layout
 from lightning_mhc.parallelize.pipeline import (
     FirstStageStub,
@@ -41,7 +41,7 @@ from lightning_mhc.parallelize.plan import Column, TPPlan, check_plan, linear_di
 from lightning_mhc.parallelize.record import InitFn, Materializer, is_meta
 from lightning_mhc.parallelize.weights import check_weights, load_weights
 from lightning_mhc.parallelize.tensor_parallel import apply_style, divide_attributes, random_region
-from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, check_policy
+from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, RecomputePolicy
 from lightning_mhc.recompute.without_output import checkpoint
 from lightning_mhc.recompute.rng import rng_fork
 
@@ -88,7 +88,7 @@ class ParallelModel(nn.Module):
 
     def __init__(self, chunks: list[nn.Module], num_virtual_stages: int, hidden_size: int,
                  vocab_parallel_logits: bool, aliases: dict[str, str], report: MaterializedReport,
-                 forward_kwargs: dict[str, Any], recompute: str = "none") -> None:
+                 forward_kwargs: dict[str, Any], recompute: RecomputePolicy = RecomputePolicy()) -> None:
         super().__init__()
         self.recompute = recompute
         """The recompute policy the blocks were built with (``parallelize(recompute=...)``)."""
@@ -237,14 +237,16 @@ def parallelize(
     pipeline_split: list[int] | list[str] | None = None,
     seed: int = 0,
     init_fn: InitFn | None = None,
-    recompute: str = "none",
+    recompute: str | RecomputePolicy = "none",
     recompute_modules: tuple[str, ...] | list[str] | None = None,
     hidden_size: int | None = None,
     loss_parallel: bool = True,
     weights: str | Any | None = None,
 ) -> ParallelModel:
     """This rank's part of ``model`` (built under :func:`record_module_init`) on ``layout``
-    (default: the running strategy's, see ``distributed.layout.active_layout``).
+    (default: the running strategy's, see ``distributed.layout.active_layout``; a layout not built
+    yet, ``ParallelLayout(tensor_model_parallel_size=2, ...)``, is built here, over the initialised
+    default process group).
 
     Args:
         plan: the TP plan: ``"gpt2"``, ``"llama"``, a ``{module-name pattern: style}`` dict or a
@@ -256,7 +258,8 @@ def parallelize(
         init_fn: the model's init, applied per module (default: the model's ``_init_weights``,
             as Hugging Face models have; else the constructors' own init).
         recompute: ``"none"``, ``"full"`` (every block checkpointed) or ``"selective"`` (the
-            modules ``recompute_modules`` names, default the plan's ``selective`` list).
+            modules ``recompute_modules`` names, default the plan's ``selective`` list), or a
+            :class:`~lightning_mhc.recompute.RecomputePolicy` of one of them.
         loss_parallel: keep the logits split over the vocabulary when the plan splits the head
             (the loss is then megatron's vocab-parallel cross entropy); False gathers them.
         weights: pretrained weights instead of ``seed``'s: a Hugging Face directory of
@@ -265,12 +268,13 @@ def parallelize(
             against the model first.
     """
     layout = layout if layout is not None else active_layout()
+    layout = layout if layout.is_built else layout.build()
+    recompute = RecomputePolicy.of(recompute)
     _check_arguments(model, layout, recompute)
     checked = check_weights(model, weights) if weights is not None else None  # before the build changes the model
     plan, parts, ranges = _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute,
                                                  recompute_modules)
-    tp, pp, v = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                 layout.virtual_pipeline_model_parallel_size)
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     whole = _unique_numel(model)
     hidden = _hidden_size(model, parts, hidden_size) if parts else hidden_size or 0  # (crosses no stage)
     materializer = Materializer(model, seed, init_fn, loaded=checked.tensor_ids if checked is not None else None)
@@ -278,11 +282,11 @@ def parallelize(
     ties = _tied_tensors(model)  # of the recorded model: materialising replaces the tensors
     plan, vocab_parallel = _output_plan(model, plan, parts, tp, loss_parallel)
     build = _module_builder(materializer, plan, layout, recompute)
-    last_stage = pp * v - 1
+    last_stage = layout.num_virtual_stages - 1
     chunks, stage_ends = _build_chunks(model, parts, ranges, layout, build, recompute)
     report = MaterializedReport(_unique_numel(nn.ModuleList(chunks)), whole, tp, pp)
-    model_parallel = ParallelModel(chunks, pp * v, hidden, vocab_parallel, aliases, report, _forward_kwargs(model),
-                                   recompute)
+    model_parallel = ParallelModel(chunks, layout.num_virtual_stages, hidden, vocab_parallel, aliases, report,
+                                   _forward_kwargs(model), recompute)
     _connect_stages(model_parallel, stage_ends, last_stage)
     _mark_shared_embeddings(model_parallel, materializer,
                             _tied_across_stages(ties, parts, ranges, last_stage) if parts else ())
@@ -294,7 +298,7 @@ def parallelize(
 
 
 def _build_chunks(model: nn.Module, parts: ModelParts | None, ranges: list[tuple[int, int]], layout: ParallelLayout,
-                  build: Callable[[str, nn.Module], nn.Module], recompute: str,
+                  build: Callable[[str, nn.Module], nn.Module], recompute: RecomputePolicy,
                   ) -> tuple[list[nn.Module], list[tuple[int, nn.Module, nn.Module]]]:
     """This rank's chunks, built, and each one's ``(stage, first block, last block)`` (see ``_build_stages``)."""
     chunks, stage_ends = [], []
@@ -305,7 +309,7 @@ def _build_chunks(model: nn.Module, parts: ModelParts | None, ranges: list[tuple
     return chunks, stage_ends
 
 
-def _check_arguments(model: nn.Module, layout: ParallelLayout, recompute: str) -> None:
+def _check_arguments(model: nn.Module, layout: ParallelLayout, recompute: RecomputePolicy) -> None:
     """What ``parallelize`` refuses before it looks at the plan."""
     if not is_meta(model):
         raise ConfigError(f"parallelize() takes a model built on the meta device with its constructor arguments "
@@ -313,11 +317,23 @@ def _check_arguments(model: nn.Module, layout: ParallelLayout, recompute: str) -
     if layout.sequence_parallel:
         raise ConfigError("sequence_parallel=True is not supported for a model split by parallelize(): its norms and "
                           "dropouts run on the whole sequence. Set sequence_parallel=False.")
-    check_policy(recompute, hyper_connections=False, names=WITHOUT_HYPER_CONNECTIONS)
+    check_recompute(recompute)
+
+
+def check_recompute(policy: RecomputePolicy, names: KeyNames = WITHOUT_HYPER_CONNECTIONS) -> None:
+    """What ``parallelize`` runs of a recompute policy: not the block recompute (the model has no
+    hyper-connections), and no named ``modules`` (it checkpoints the modules its plan or
+    ``recompute_modules`` name by pattern). ``names``: how the error names the policy."""
+    if policy.modules is not None:
+        raise ConfigError(f"{names.term('policy', policy.name)} with recompute_modules={list(policy.modules)}: a model "
+                          "split by parallelize() names the selectively recomputed modules by pattern, "
+                          "parallelize(recompute_modules=[patterns]) (default: the plan's selective list).")
+    policy.check_model(hyper_connections=False, names=names)
 
 
 def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] | None, layout: ParallelLayout,
-                           blocks: str | None, pipeline_split: list[int] | list[str] | None, recompute: str,
+                           blocks: str | None, pipeline_split: list[int] | list[str] | None,
+                           recompute: RecomputePolicy,
                            recompute_modules: tuple[str, ...] | list[str] | None,
                            ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
     """The checked TP plan, the model's parts (None: no block list) and each (virtual) stage's
@@ -325,11 +341,11 @@ def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, A
     plan = resolve_plan(plan, model)
     if recompute_modules is not None:
         plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
-    stages = layout.pipeline_model_parallel_size * layout.virtual_pipeline_model_parallel_size
+    stages = layout.num_virtual_stages
     check_plan(model, plan, layout.tensor_model_parallel_size)
-    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute == "full", after_blocks=plan.after_blocks)
+    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute.name == "full", after_blocks=plan.after_blocks)
     ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
-    if recompute == "selective" and not plan.selective:
+    if recompute.name == "selective" and not plan.selective:
         raise ConfigError("recompute='selective' needs the modules to checkpoint: pass recompute_modules=[patterns] "
                           "(e.g. ['*.mlp']) or use a plan with a selective list.")
     return plan, parts, ranges
@@ -382,7 +398,7 @@ def _default_output(model: nn.Module, plan: TPPlan, parts: ModelParts | None, la
 
 
 def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout,
-                    recompute: str) -> Callable[[str, nn.Module], nn.Module]:
+                    recompute: RecomputePolicy) -> Callable[[str, nn.Module], nn.Module]:
     """``build(name, module)``: materialise ``module`` under its whole-model ``name`` and apply the
     plan to it and its submodules (TP styles, divided attributes, random regions, selective
     recompute); a module met again (shared by several parts) is returned as it is."""
@@ -411,7 +427,7 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
             for pattern, region in plan.random.items():
                 if _matches(sub_name, pattern):
                     random_region(sub, region)
-            if recompute == "selective" and any(_matches(sub_name, p) for p in plan.selective):
+            if recompute.name == "selective" and any(_matches(sub_name, p) for p in plan.selective):
                 _checkpointed(sub)
         return module
 
@@ -458,16 +474,15 @@ def _model_parts(model: nn.Module, blocks: str | None, pipelined: bool, after_bl
 
 
 def _build_stages(model: nn.Module, parts: ModelParts, ranges: list[tuple[int, int]], layout: ParallelLayout,
-                  build: Callable[[str, nn.Module], nn.Module], recompute: str, chunks: list[nn.Module],
+                  build: Callable[[str, nn.Module], nn.Module], recompute: RecomputePolicy, chunks: list[nn.Module],
                   stage_ends: list[tuple[int, nn.Module, nn.Module]]) -> None:
     """This rank's (virtual) stages of ``model``, built, into ``chunks``, and each one's
     ``(stage, first block, last block)`` into ``stage_ends``."""
-    pp, v = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
     block_list = model.get_submodule(parts.block_path)
-    skeletons = [model] + [chunk_skeleton(model, parts) for _ in range(v - 1)]
+    virtual_stages = layout.local_virtual_stages()
+    skeletons = [model] + [chunk_skeleton(model, parts) for _ in virtual_stages[1:]]
     part_modules = {name: model.get_submodule(name) for name in parts.first + parts.last + parts.everywhere}
-    virtual_stages = [c * pp + layout.pipeline_model_parallel_rank for c in range(v)]
-    last_stage = pp * v - 1
+    last_stage = layout.num_virtual_stages - 1
     for skeleton, stage in zip(skeletons, virtual_stages):
         start, end = ranges[stage]
         local = {i: parts.blocks[i] for i in range(start, end)}
@@ -483,7 +498,7 @@ def _build_stages(model: nn.Module, parts: ModelParts, ranges: list[tuple[int, i
             set_submodule(skeleton, name, build(name, part_modules[name]))
         for index, block in local.items():
             build(parts.block_name(index), block)
-            if recompute == "full":
+            if recompute.name == "full":
                 _checkpointed(block)
         chunks.append(skeleton)
         stage_ends.append((stage, local[start], local[end - 1]))

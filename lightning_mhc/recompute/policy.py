@@ -1,4 +1,5 @@
-"""Recompute policies, chosen by name.
+"""Recompute policies: a :class:`RecomputePolicy` value, made from a name (and its options) and
+checked once, then passed down (callback -> module -> model config; CLI; ``parallelize``).
 
 | policy      | what is recomputed in backward                                           |
 |-------------|--------------------------------------------------------------------------|
@@ -7,13 +8,16 @@
 | ``mhc_block`` | block recompute: per sub-layer the hyper-connection (with the norm under ``layernorm``) and the bias-dropout-add with ``H_res`` and ``H_post``, one checkpoint each, block by block from one hook per block of ``L_r`` layers |
 | ``full``      | every layer under ``torch.utils.checkpoint`` (the classic reference)       |
 
-``configure_recompute(config, policy)`` returns a validated config;
-``attach_recompute(model)`` hooks one ``MHCBlockRecomputeManager`` per
+``RecomputePolicy(name).apply(config)`` selects the policy on a model config (megatron's
+``recompute_*`` fields); ``attach_recompute(model)`` hooks one ``MHCBlockRecomputeManager`` per
 recompute block onto the decoder layers (only ``mhc_block`` needs it).
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,97 +25,147 @@ from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 
 POLICIES = ("none", "selective", "mhc_block", "full")
-"""The one list of recompute policies; :func:`check_policy` is the one check against it."""
+"""The one list of recompute policies."""
 SUPPORTED_MODULES = ("core_attn", "layernorm", "mlp")
-_DEFAULT_MODULES = {"selective": ["layernorm", "mlp"], "mhc_block": ["layernorm"]}
+"""What ``recompute_modules`` may name (megatron's names for the GPT's sub-modules)."""
+_DEFAULT_MODULES = {"selective": ("layernorm", "mlp"), "mhc_block": ("layernorm",)}
 POLICY_NAMES = KeyNames({"policy": "recompute policy {}", "recompute_modules": "recompute_modules",
-                         "enable_hyper_connections": "enable_hyper_connections"}, show=repr)
+                         "enable_hyper_connections": "enable_hyper_connections",
+                         "mhc_recompute_layer_num": "mhc_recompute_layer_num"}, show=repr)
 """How policy errors name values by default (the Python arguments)."""
 WITHOUT_HYPER_CONNECTIONS = KeyNames({"policy": "recompute={}", "enable_hyper_connections": lambda _: (
     "a model with hyper-connections (MHCGPTModule; a model split by parallelize() has none)")}, show=repr)
-"""How policy errors name values for a model without hyper-connections (``parallelize``)."""
+"""How the model half of a policy error is named for a model without hyper-connections (``parallelize``)."""
 
 
-def check_policy(
-    policy: str,
-    recompute_modules: list[str] | None = None,
-    *,
-    hyper_connections: bool | None = None,
-    names: KeyNames = POLICY_NAMES,
-) -> None:
-    """Every rule of a recompute policy, in one place: a known name, ``recompute_modules`` only
-    where the policy reads them and only modules the model has, no ``'mlp'`` under ``mhc_block``
-    (it would recompute the MLP inside the block recompute), and ``mhc_block`` only for a model
-    with hyper-connections (``hyper_connections=None``: not known here)."""
-    term, key = names.term, names.key
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown {term('policy', policy)}: choose one of {', '.join(POLICIES)}.")
-    if policy == "mhc_block" and hyper_connections is False:
-        raise ConfigError(
-            f"{term('policy', policy)} needs {term('enable_hyper_connections', True)}: it recomputes "
-            "hyper-connection activations, which this model does not have. Enable hyper-connections or choose "
-            "the 'selective' or 'full' policy."
+def _is_layer_count(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """A recompute policy and its options, checked when made: a known name, ``modules`` only where
+    the policy reads them and only modules the model has, no ``'mlp'`` under ``mhc_block`` (it
+    would recompute the MLP inside the block recompute), a whole positive ``layer_num``.
+
+    Args:
+        name: one of ``POLICIES``.
+        modules: ``selective`` / ``mhc_block``: what to recompute (``SUPPORTED_MODULES``; None:
+            the policy's default, ``layernorm`` + ``mlp`` / ``layernorm``).
+        layer_num: ``mhc_block``: layers per recompute block (None: the paper's
+            ``max(1, int(sqrt(n L / (n + 2))))`` of the stage's ``L`` layers).
+        names: how errors name the values (``errors.KeyNames``; the CLI passes its config keys).
+    """
+
+    name: str = "none"
+    modules: tuple[str, ...] | None = None
+    layer_num: int | None = None
+    names: KeyNames = field(default=POLICY_NAMES, compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.modules is not None and not isinstance(self.modules, tuple):
+            object.__setattr__(self, "modules", tuple(self.modules))
+        term, key, modules = self.names.term, self.names.key, self.modules
+        if self.name not in POLICIES:
+            raise ConfigError(f"unknown {term('policy', self.name)}: choose one of {', '.join(POLICIES)}.")
+        if not _is_layer_count(self.layer_num):
+            raise ConfigError(
+                f"{term('mhc_recompute_layer_num', self.layer_num)}: a recompute block holds a whole, positive "
+                "number of layers (Megatron-LM refuses other values too). Use a positive integer, or None for "
+                "the paper's default."
+            )
+        if modules is None:
+            return
+        if self.name not in _DEFAULT_MODULES:
+            raise ConfigError(
+                f"{term('recompute_modules', list(modules))} is only used by the 'selective' and 'mhc_block' "
+                f"policies, not {self.name!r}. Drop {key('recompute_modules')} or change the policy."
+            )
+        unknown = sorted(set(modules) - set(SUPPORTED_MODULES))
+        if unknown:
+            raise ConfigError(f"{term('recompute_modules', list(modules))}: {unknown} not supported by this model; "
+                              f"choose from {', '.join(SUPPORTED_MODULES)}.")
+        if self.name == "mhc_block" and "mlp" in modules:
+            raise ConfigError(
+                f"{term('policy', self.name)} cannot be combined with 'mlp' in {term('recompute_modules', list(modules))} "
+                "(recompute_mlp): the two checkpoint mechanisms conflict (Megatron-LM refuses it too). Remove 'mlp' "
+                f"from {key('recompute_modules')}, or use the 'selective' policy."
+            )
+
+    @classmethod
+    def of(cls, policy: str | Mapping[str, Any] | RecomputePolicy) -> RecomputePolicy:
+        """The policy a user gave: a name, a mapping of the fields (``to_plain``'s form) or a policy."""
+        if isinstance(policy, RecomputePolicy):
+            return policy
+        if isinstance(policy, Mapping):
+            return cls(**policy)
+        return cls(policy)
+
+    def to_plain(self) -> str | dict[str, Any]:
+        """The name, or a dict of the fields with options (hyperparameters; :meth:`of` reads it back)."""
+        if self.modules is None and self.layer_num is None:
+            return self.name
+        return dict(name=self.name, modules=None if self.modules is None else list(self.modules),
+                    layer_num=self.layer_num)
+
+    @property
+    def block_recompute(self) -> bool:
+        """The hyper-connections are recomputed block by block (``attach_recompute`` hooks managers)."""
+        return self.name == "mhc_block"
+
+    def check_model(self, hyper_connections: bool, names: KeyNames | None = None) -> None:
+        """What the policy asks of the model: ``mhc_block`` recomputes hyper-connections, which
+        the model must have (``names``: how to name the model's side; default the policy's)."""
+        _check_hyper_connections(self.name, hyper_connections, names or self.names)
+
+    # ---------------------------------------------------------------- megatron's fields
+    def transformer_fields(self) -> dict[str, Any]:
+        """The ``TransformerConfig`` fields that select this policy."""
+        fields: dict[str, Any] = dict(
+            recompute_granularity=None,
+            recompute_method=None,
+            recompute_num_layers=None,
+            recompute_modules=["core_attn"],  # megatron's default, inert without 'selective'
+            recompute_hyper_connections=False,
+            mhc_recompute_layer_num=self.layer_num,
         )
-    if recompute_modules is None:
-        return
-    if policy not in _DEFAULT_MODULES:
+        if self.name in _DEFAULT_MODULES:
+            modules = self.modules if self.modules is not None else _DEFAULT_MODULES[self.name]
+            fields.update(recompute_granularity="selective", recompute_modules=list(modules))
+        if self.block_recompute:
+            fields.update(recompute_hyper_connections=True)
+        if self.name == "full":
+            fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        return fields
+
+    def apply(self, config):
+        """A copy of ``config`` (an ``MHCTransformerConfig``) that selects this policy; the copy
+        checks itself (``of_config``), the model's hyper-connections included."""
+        return dataclasses.replace(config, **self.transformer_fields())
+
+    @classmethod
+    def of_config(cls, config, names: KeyNames = POLICY_NAMES,
+                  switch: str = "recompute_hyper_connections=True") -> RecomputePolicy:
+        """The policy a config's ``recompute_*`` fields select (megatron's encoding), checked, the
+        model's hyper-connections included. ``switch``: how the fields turned the block recompute on."""
+        granularity = config.recompute_granularity
+        name = "mhc_block" if config.recompute_hyper_connections else {"full": "full", "selective": "selective"}.get(
+            granularity, "none")
+        _check_hyper_connections(name, config.enable_hyper_connections, names)
+        if name == "mhc_block" and granularity != "selective":
+            raise ConfigError(f"{switch} needs recompute_granularity='selective' (got {granularity!r}). Set "
+                              "recompute_granularity='selective'.")
+        modules = tuple(config.recompute_modules or ()) if granularity == "selective" else None
+        return cls(name, modules, config.mhc_recompute_layer_num, names=names)
+
+
+def _check_hyper_connections(policy: str, hyper_connections: bool, names: KeyNames) -> None:
+    if policy == "mhc_block" and not hyper_connections:
         raise ConfigError(
-            f"{term('recompute_modules', recompute_modules)} is only used by the 'selective' and "
-            f"'mhc_block' policies, not {policy!r}. Drop {key('recompute_modules')} or change the policy."
+            f"{names.term('policy', policy)} needs {names.term('enable_hyper_connections', True)}: it recomputes "
+            "hyper-connection activations, which this model does not have. Enable hyper-connections or choose the "
+            "'selective' or 'full' policy."
         )
-    unknown = sorted(set(recompute_modules) - set(SUPPORTED_MODULES))
-    if unknown:
-        raise ConfigError(f"{term('recompute_modules', recompute_modules)}: {unknown} not supported by this model; "
-                          f"choose from {', '.join(SUPPORTED_MODULES)}.")
-    if policy == "mhc_block" and "mlp" in recompute_modules:
-        raise ConfigError(
-            f"{term('policy', policy)} with {term('recompute_modules', recompute_modules)}: 'mlp' (recompute_mlp) "
-            f"conflicts with the block recompute. Remove 'mlp' from {key('recompute_modules')}, or use policy "
-            "'selective'."
-        )
-
-
-def recompute_fields(
-    policy: str,
-    recompute_modules: list[str] | None = None,
-    mhc_recompute_layer_num: int | None = None,
-) -> dict:
-    """The ``TransformerConfig`` fields that select ``policy``."""
-    modules = recompute_modules if recompute_modules is not None else _DEFAULT_MODULES.get(policy)
-    check_policy(policy, modules)
-    fields = dict(
-        recompute_granularity=None,
-        recompute_method=None,
-        recompute_num_layers=None,
-        recompute_modules=["core_attn"],  # megatron's default, inert without 'selective'
-        recompute_hyper_connections=False,
-        mhc_recompute_layer_num=mhc_recompute_layer_num,
-    )
-    if policy in _DEFAULT_MODULES:
-        fields.update(recompute_granularity="selective", recompute_modules=list(modules))
-    if policy == "mhc_block":
-        fields.update(recompute_hyper_connections=True)
-    if policy == "full":
-        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    return fields
-
-
-def configure_recompute(config, policy: str, **kwargs):
-    """A copy of ``config`` with ``policy`` selected, validated (raises ConfigError)."""
-    check_policy(policy, hyper_connections=config.enable_hyper_connections)
-    fields = recompute_fields(policy, **kwargs)
-    return dataclasses.replace(config, **fields)
-
-
-def policy_of(config) -> str:
-    """The policy name a config selects."""
-    if config.recompute_hyper_connections:
-        return "mhc_block"
-    if config.recompute_granularity == "full":
-        return "full"
-    if config.recompute_granularity == "selective":
-        return "selective"
-    return "none"
 
 
 # ----------------------------------------------------------- attaching managers
@@ -120,8 +174,8 @@ def _decoder_blocks(model: torch.nn.Module):
 
 
 def attach_recompute(model: torch.nn.Module, keep_managers: bool = False) -> list[MHCBlockRecomputeManager]:
-    """Hook managers onto every decoder block of ``model`` whose config asks for
-    ``recompute_hyper_connections``. Idempotent.
+    """Hook managers onto every decoder block of ``model`` whose config asks for block recompute
+    (``mhc_block``: ``recompute_hyper_connections``). Idempotent.
 
     For each recompute block, a forward pre-hook on its first layer creates a
     fresh manager (only when training with grad enabled) and hands it to the

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from lightning_mhc import MHCGPTModule
-from lightning_mhc.checkpoint.export import load_exported
+from lightning_mhc.model.export import load_exported
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""What the pipeline schedules share: the step and loss signatures, the result, the tensors held
-between a microbatch's forward and backward, one backward step, and the loss reduction.
+"""What the pipeline schedules share: their configuration, the step and loss signatures, the
+result, the tensors held between a microbatch's forward and backward, one backward step, and the
+loss reduction.
 
 The model contract (megatron's): ``model.set_input_tensor(t)`` before each forward on a
 non-first stage; ``forward_step(model, microbatch)`` returns the stage output (the hidden
@@ -8,6 +9,7 @@ returns the microbatch's scalar loss.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,6 +22,31 @@ from lightning_mhc.distributed.layout import ParallelLayout
 
 ForwardStep = Callable[[torch.nn.Module, Any], Tensor]
 LossFunc = Callable[[Tensor, Any], Tensor]
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """What every schedule reads besides the model, the microbatches and the step functions
+    (megatron's ``config.*`` of its ``forward_backward_func``)."""
+
+    layout: ParallelLayout
+    """This rank's built layout (its stage, neighbours and groups)."""
+    tensor_shape: tuple[int, ...]
+    """What crosses stages, the same for every microbatch."""
+    dtype: torch.dtype = torch.float32
+    """The dtype of what crosses stages."""
+    forward_only: bool = False
+    deallocate_pipeline_outputs: bool = True
+    """Shrink each sent stage output to one element (megatron's ``deallocate_output_tensor``)."""
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+    """Deadline of every point-to-point wait."""
+    probe: Callable[[list[Tensor]], None] | None = None
+    """Called after every forward with the tensors held for pending backwards."""
+    on_last_backward: Callable[[int], None] | None = None
+    """Called with a chunk's index right before its last backward of the step (megatron's
+    grad-sync point: an overlapped DP reduction starts there)."""
+    microbatch_group_size: int | None = None
+    """The interleaved schedule's microbatches per group and chunk (default: the PP size)."""
 
 
 @dataclass

@@ -17,8 +17,7 @@ that means ``m`` is a multiple of ``p``.
 """
 from __future__ import annotations
 
-import datetime
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
@@ -28,12 +27,12 @@ from lightning_mhc.distributed.pipeline.p2p import PipelineP2P
 from lightning_mhc.distributed.pipeline.common import (
     ForwardStep,
     LossFunc,
+    ScheduleConfig,
     ScheduleResult,
     backward_step,
     reduce_loss,
     set_input,
 )
-from lightning_mhc.distributed.layout import ParallelLayout, check_interleaved_microbatches
 
 
 def schedule_table(num_microbatches: int, num_chunks: int, group: int) -> list[tuple[int, int]]:
@@ -46,40 +45,27 @@ def schedule_table(num_microbatches: int, num_chunks: int, group: int) -> list[t
     return table
 
 
-def forward_backward_pipelining_with_interleaving(
-    chunks: Sequence[torch.nn.Module],
-    microbatches: Sequence[Any],
-    forward_step: ForwardStep,
-    loss_func: LossFunc,
-    *,
-    layout: ParallelLayout,
-    tensor_shape: tuple[int, ...],
-    dtype: torch.dtype = torch.float32,
-    deallocate_pipeline_outputs: bool = True,
-    forward_only: bool = False,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
-    probe: Callable[[list[Tensor]], None] | None = None,
-    microbatch_group_size: int | None = None,
-    on_last_backward: Callable[[int], None] | None = None,
-) -> ScheduleResult:
+def forward_backward_pipelining_with_interleaving(chunks: Sequence[torch.nn.Module], microbatches: Sequence[Any],
+                                                 forward_step: ForwardStep, loss_func: LossFunc,
+                                                 config: ScheduleConfig) -> ScheduleResult:
     """Run every microbatch through this rank's ``chunks`` (``forward_step(chunk, microbatch)``).
 
     Same contract as :func:`lightning_mhc.distributed.pipeline.forward_backward_pipelining`:
     gradients accumulate (each loss scaled by ``1/m``), the returned loss is the mean over
     microbatches and DP on every rank.
     """
+    layout = config.layout
     v, m, pp = len(chunks), len(microbatches), layout.pipeline_model_parallel_size
     if v < 2 or pp < 2:
         raise ValueError(f"the interleaved schedule needs >= 2 model chunks and >= 2 stages (got {v} and {pp})")
-    group = check_interleaved_microbatches(m, pp, microbatch_group_size)
+    group = layout.check_microbatches(m, config.microbatch_group_size)
     device = next(chunks[0].parameters()).device
-    run = _Interleaved(chunks, microbatches, forward_step, loss_func, layout,
-                       PipelineP2P(tensor_shape, dtype, device, layout, timeout), schedule_table(m, v, group),
-                       group, deallocate_pipeline_outputs, forward_only, probe, on_last_backward)
-    with torch.no_grad() if forward_only else torch.enable_grad():
+    p2p = PipelineP2P(config.tensor_shape, config.dtype, device, layout, config.timeout)
+    run = _Interleaved(chunks, microbatches, forward_step, loss_func, config, p2p, schedule_table(m, v, group), group)
+    with torch.no_grad() if config.forward_only else torch.enable_grad():
         run.warm_up()
         run.steady()
-        if not forward_only:
+        if not config.forward_only:
             run.cool_down()
     return ScheduleResult(reduce_loss(run.total_loss, m, device, layout), m)
 
@@ -89,13 +75,14 @@ class _Interleaved:
     schedule table (forward order; backward runs the chunks reversed); per chunk, the inputs,
     outputs and output gradients wait in FIFO lists between a microbatch's forward and backward."""
 
-    def __init__(self, chunks, microbatches, forward_step, loss_func, layout, p2p, table, group,
-                 deallocate_pipeline_outputs, forward_only, probe, on_last_backward) -> None:
+    def __init__(self, chunks, microbatches, forward_step, loss_func, config: ScheduleConfig, p2p: PipelineP2P,
+                 table: list[tuple[int, int]], group: int) -> None:
         self.chunks, self.microbatches = chunks, microbatches
         self.forward_step, self.loss_func = forward_step, loss_func
-        self.layout, self.p2p, self.table = layout, p2p, table
-        self.deallocate, self.forward_only = deallocate_pipeline_outputs, forward_only
-        self.probe, self.on_last_backward = probe, on_last_backward
+        layout = self.layout = config.layout
+        self.p2p, self.table = p2p, table
+        self.deallocate, self.forward_only = config.deallocate_pipeline_outputs, config.forward_only
+        self.probe, self.on_last_backward = config.probe, config.on_last_backward
         self.v, self.m = len(chunks), len(microbatches)
         self.pp, rank = layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_rank
         self.total = self.m * self.v

@@ -9,18 +9,17 @@ stage; the mean over microbatches, averaged over DP, is returned on every rank.
 """
 from __future__ import annotations
 
-import datetime
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 from torch import Tensor
 
-from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.distributed.pipeline.common import (
     ForwardStep,
     InFlight,
     LossFunc,
+    ScheduleConfig,
     ScheduleResult,
     backward_step,
     reduce_loss,
@@ -29,27 +28,14 @@ from lightning_mhc.distributed.pipeline.common import (
 from lightning_mhc.distributed.pipeline.p2p import PipelineP2P
 
 
-def forward_backward_1f1b(
-    model: torch.nn.Module,
-    microbatches: Sequence[Any],
-    forward_step: ForwardStep,
-    loss_func: LossFunc,
-    *,
-    layout: ParallelLayout,
-    tensor_shape: tuple[int, ...],
-    dtype: torch.dtype = torch.float32,
-    deallocate_pipeline_outputs: bool = True,
-    forward_only: bool = False,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
-    probe: Callable[[list[Tensor]], None] | None = None,
-    on_last_backward: Callable[[int], None] | None = None,
-) -> ScheduleResult:
-    """Forward (and backward) of every microbatch through this rank's one model chunk (the
-    arguments: see ``schedules.forward_backward_pipelining``)."""
-    run = _OneFOneB(model, microbatches, forward_step, loss_func, layout,
-                    PipelineP2P(tensor_shape, dtype, next(model.parameters()).device, layout, timeout),
-                    deallocate_pipeline_outputs, probe, on_last_backward)
-    if forward_only:
+def forward_backward_1f1b(model: torch.nn.Module, microbatches: Sequence[Any], forward_step: ForwardStep,
+                         loss_func: LossFunc, config: ScheduleConfig) -> ScheduleResult:
+    """Forward (and backward) of every microbatch through this rank's one model chunk (see
+    ``schedules.forward_backward_pipelining``)."""
+    layout = config.layout
+    p2p = PipelineP2P(config.tensor_shape, config.dtype, next(model.parameters()).device, layout, config.timeout)
+    run = _OneFOneB(model, microbatches, forward_step, loss_func, config, p2p)
+    if config.forward_only:
         run.forward_only()
     else:
         run.warm_up_steady_cool_down()
@@ -60,13 +46,12 @@ class _OneFOneB:
     """One step of the schedule on one rank: the microbatches' forwards and backwards in 1F1B
     order, the tensors held between them, and the summed loss of the last stage."""
 
-    def __init__(self, model, microbatches, forward_step, loss_func, layout, p2p, deallocate_pipeline_outputs,
-                 probe, on_last_backward) -> None:
+    def __init__(self, model, microbatches, forward_step, loss_func, config: ScheduleConfig, p2p: PipelineP2P) -> None:
         self.model, self.microbatches, self.m = model, microbatches, len(microbatches)
         self.forward_step, self.loss_func = forward_step, loss_func
-        self.layout, self.p2p, self.device = layout, p2p, p2p.device
-        self.deallocate = deallocate_pipeline_outputs and not p2p.is_last
-        self.probe, self.on_last_backward = probe, on_last_backward
+        self.layout, self.p2p, self.device = config.layout, p2p, p2p.device
+        self.deallocate = config.deallocate_pipeline_outputs and not p2p.is_last
+        self.probe, self.on_last_backward = config.probe, config.on_last_backward
         self.total_loss: Tensor | None = None
         self.in_flight = InFlight()
         self.backwards = 0

@@ -1,9 +1,14 @@
-"""What the two LightningModules share: the steps that hand a batch to the strategy's schedule,
-and the global names their checkpoints are keyed by."""
+"""What the two LightningModules share: the recompute policy they build their model with, the
+steps that hand a batch to the strategy's schedule, and the global names their checkpoints are
+keyed by."""
 from __future__ import annotations
+
+from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
+
+from lightning_mhc.recompute.policy import RecomputePolicy
 
 
 class PipelinedLMModule(pl.LightningModule):
@@ -13,6 +18,20 @@ class PipelinedLMModule(pl.LightningModule):
     and the data-parallel replicas). A subclass implements the pipeline contract
     (``forward_step``, ``loss_func``, ``set_input_tensor``, ``pipeline_tensor_shape``,
     ``model_chunks``) and :meth:`global_name_in_model`."""
+
+    recompute_policy: RecomputePolicy = RecomputePolicy()
+    """The recompute policy ``configure_model`` builds the model with."""
+
+    def configure_recompute(self, policy: str | Any) -> None:
+        """Build the model with ``policy`` (a name or a :class:`RecomputePolicy`); called before
+        ``configure_model`` (``MHCRecomputeCallback`` calls it in ``setup``). A policy this module's
+        model cannot run is refused here, before anything is built."""
+        policy = RecomputePolicy.of(policy)
+        self.check_recompute_policy(policy)
+        self.recompute_policy = policy
+
+    def check_recompute_policy(self, policy: RecomputePolicy) -> None:
+        """Refuse a policy this module's model cannot run (each module knows its model)."""
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         loss = self.trainer.strategy.forward_backward(self, batch)

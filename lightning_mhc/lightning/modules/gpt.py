@@ -24,8 +24,8 @@ from lightning_mhc.model.config_dict import is_plain, model_config_from_dict, mo
 from lightning_mhc.model.flops import device_peak_flops, training_flops_per_token
 from lightning_mhc.model.gpt import GPTModel, gpt_forward_step, gpt_loss_func
 from lightning_mhc.model.stages import build_gpt_chunks
-from lightning_mhc.distributed.layout import ParallelLayout, current_layout
-from lightning_mhc.recompute.policy import configure_recompute
+from lightning_mhc.distributed.layout import ParallelLayout, active_layout
+from lightning_mhc.recompute.policy import RecomputePolicy
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
 """``MHCGPTModule(optimizer=...)``: what ``configure_optimizers`` builds."""
@@ -69,7 +69,9 @@ class MHCGPTModule(PipelinedLMModule):
             refused by the distributed optimizer).
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr``
             at ``trainer.max_steps`` (constant after warm-up when max_steps is unset).
-        recompute_policy / recompute_kwargs: set by ``MHCRecomputeCallback``.
+        recompute_policy: ``none``, ``selective``, ``mhc_block`` or ``full``, or a
+            :class:`RecomputePolicy` with options; ``MHCRecomputeCallback`` sets it too
+            (``configure_recompute``).
         peak_flops: one device's peak FLOP/s, for the logged ``mfu``; None: the figure of a known
             GPU (``lightning_mhc.model.flops``), and no ``mfu`` on CPU or an unknown device.
     """
@@ -82,7 +84,7 @@ class MHCGPTModule(PipelinedLMModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
-        recompute_policy: str = "none",
+        recompute_policy: str | Mapping[str, Any] | RecomputePolicy = "none",
         peak_flops: float | None = None,
         optimizer: str = "adamw",
     ) -> None:
@@ -99,16 +101,17 @@ class MHCGPTModule(PipelinedLMModule):
             config, recorded = model_config, model_config_to_dict(model_config, strict=False)
         self.model_config = config
         """The model's config; ``configure_model`` builds the model from it under the strategy's layout."""
+        self.recompute_policy = RecomputePolicy.of(recompute_policy)
+        self.check_recompute_policy(self.recompute_policy)
         model_config = recorded  # noqa: F841 -- what save_hyperparameters() reads from this frame
+        recompute_policy = self.recompute_policy.to_plain()  # noqa: F841 -- likewise
         self.save_hyperparameters()
         if not is_plain(self.hparams.get("model_config")):  # a subclass passed its config object on
             self.save_hyperparameters({**self.hparams, "model_config": recorded})
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
-        self.recompute_policy = recompute_policy
         self.peak_flops = peak_flops
         self.optimizer_name = optimizer
-        self.recompute_kwargs: dict[str, Any] = {}
         self.model: GPTModel | torch.nn.ModuleList | None = None
         """This rank's stage (a ModuleList of its chunks with a virtual pipeline; see model_chunks)."""
         self._step_started: float | None = None
@@ -124,14 +127,8 @@ class MHCGPTModule(PipelinedLMModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        config = configure_recompute(self.model_config, self.recompute_policy, **self.recompute_kwargs)
         layout = self._layout()
-        v = layout.virtual_pipeline_model_parallel_size
-        config = with_parallel_layout(
-            config, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-            requested=self._requested_layout, sequence_parallel=layout.sequence_parallel,
-            virtual_pipeline_model_parallel_size=v if v > 1 else None,
-        )
+        config = with_parallel_layout(self.recompute_policy.apply(self.model_config), layout, self._requested_layout)
         chunks = build_gpt_chunks(config, layout)
         self.model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
@@ -146,10 +143,13 @@ class MHCGPTModule(PipelinedLMModule):
             return self.model[int(index)].global_parameter_name(rest)
         return self.model.global_parameter_name(name)
 
+    def check_recompute_policy(self, policy: RecomputePolicy) -> None:
+        policy.check_model(self.model_config.enable_hyper_connections)
+
     def _layout(self) -> ParallelLayout:
-        """The strategy's layout (megatron's current groups without one)."""
+        """The strategy's layout (the one built last without one)."""
         layout = getattr(getattr(self._trainer, "strategy", None), "layout", None)
-        return layout if layout is not None else current_layout()
+        return layout if layout is not None else active_layout()
 
     # ------------------------------------------------- pipeline contract
     def set_input_tensor(self, tensor: Tensor | None, chunk: int = 0) -> None:
@@ -194,6 +194,7 @@ class MHCGPTModule(PipelinedLMModule):
         Lightning's own ``load_from_checkpoint``."""
         from pathlib import Path
 
+        from lightning_mhc.checkpoint import legacy
         from lightning_mhc.checkpoint.commit import read_metadata
         from lightning_mhc.checkpoint.format import load_whole, read_trainer_state
         from lightning_mhc.distributed.layout import single_process_layout
@@ -201,10 +202,17 @@ class MHCGPTModule(PipelinedLMModule):
         path = Path(checkpoint_path)
         if not path.is_dir():
             return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, **kwargs)
-        read_metadata(path)  # a clear error for an incomplete checkpoint, before anything is built
+        meta = read_metadata(path)  # a clear error for a missing or incomplete checkpoint, before anything is built
+        if legacy.is_legacy(meta):
+            raise ConfigError(legacy.not_reshardable(path, meta))
         state = read_trainer_state(path)
+        hparams = {**(state.get("hyper_parameters") or {}), **kwargs}
+        if "model_config" not in hparams:
+            raise ConfigError(
+                f"checkpoint {path} records no model_config hyperparameter (it was not saved from an MHCGPTModule): "
+                "build the model yourself and load it with lightning_mhc.checkpoint.format.load_whole(path, model).")
         single_process_layout()
-        module = cls(**{**(state.get("hyper_parameters") or {}), **kwargs})
+        module = cls(**hparams)
         module.configure_model()
         load_whole(path, module)
         module.on_load_checkpoint(state)

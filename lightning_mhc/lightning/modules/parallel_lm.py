@@ -11,7 +11,7 @@
             callbacks=[MHCRecomputeCallback("full")],           # optional: "selective", "full"
             devices=8).fit(MyModule(), train_dataloaders=loader)
 
-It implements the pipeline contract (``parallel/contract.py``) by handing each call to the
+It implements the pipeline contract (``distributed/pipeline/protocol.py``) by handing each call to the
 ``ParallelModel``, so the strategy runs the 1F1B (or interleaved) schedule on the model as
 written; checkpoints use the model's own parameter names.
 """
@@ -25,15 +25,12 @@ from torch import Tensor
 
 from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.lightning.modules.base import PipelinedLMModule
-from lightning_mhc.parallelize.model import ParallelModel, parallelize
-from lightning_mhc.recompute.policy import check_policy
+from lightning_mhc.parallelize.model import ParallelModel, check_recompute, parallelize
+from lightning_mhc.recompute.policy import RecomputePolicy
 
 
-_CALLBACK_NAMES = KeyNames({
-    "policy": lambda policy: (f"MHCRecomputeCallback({policy!r}): a model split by parallelize() has no "
-                              f"hyper-connections; policy {policy!r}"),
-    "enable_hyper_connections": lambda _: "them (MHCGPTModule has them)",
-}, show=repr)
+_CALLBACK_NAMES = KeyNames({"policy": "MHCRecomputeCallback({})", "enable_hyper_connections": lambda _: (
+    "a model with hyper-connections (MHCGPTModule; a model split by parallelize() has none)")}, show=repr)
 """How the recompute policy's rules name the callback's choice for a model split by parallelize()."""
 
 
@@ -56,29 +53,25 @@ class ParallelLMModule(PipelinedLMModule):
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.model: ParallelModel | None = None
         """This rank's part of the model: set in ``configure_model`` with ``parallelize(...)``."""
-        self.recompute_policy: str | None = None
-        """Set by ``MHCRecomputeCallback``: the policy :meth:`parallelize` builds the blocks with."""
 
     def parallelize(self, model: torch.nn.Module, plan: Any = None, **kwargs: Any) -> ParallelModel:
-        """:func:`lightning_mhc.parallelize.parallelize` with the recompute policy an
-        ``MHCRecomputeCallback`` chose (``none``, ``selective``, ``full``)."""
-        if self.recompute_policy is not None:
-            kwargs.setdefault("recompute", self.recompute_policy)
+        """:func:`lightning_mhc.parallelize.parallelize` with this module's recompute policy (the
+        one an ``MHCRecomputeCallback`` chose: ``none``, ``selective``, ``full``)."""
+        kwargs.setdefault("recompute", self.recompute_policy)
         return parallelize(model, plan, **kwargs)
 
-    def configure_recompute(self, policy: str) -> None:
-        """Called by ``MHCRecomputeCallback`` before ``configure_model``."""
-        check_policy(policy, hyper_connections=False, names=_CALLBACK_NAMES)
-        self.recompute_policy = policy
+    def check_recompute_policy(self, policy: RecomputePolicy) -> None:
+        check_recompute(policy, names=_CALLBACK_NAMES)
 
-    def check_recompute(self) -> None:
-        """At fit start: the model was built with the policy the callback chose."""
+    def _check_built_policy(self) -> None:
+        """The model was built with this module's recompute policy (the callback's)."""
         built = self._parallel_model().recompute
-        if self.recompute_policy is not None and built != self.recompute_policy:
+        if built != self.recompute_policy:
             raise ConfigError(
-                f"MHCRecomputeCallback({self.recompute_policy!r}) is given, but {type(self).__name__}.configure_model "
-                f"built the model with recompute={built!r}: build it with self.parallelize(model, plan) and no "
-                "recompute= of its own (or pass recompute=self.recompute_policy to parallelize()).")
+                f"MHCRecomputeCallback({self.recompute_policy.name!r}) is given, but {type(self).__name__}."
+                f"configure_model built the model with recompute={built.name!r}: build it with "
+                "self.parallelize(model, plan) and no recompute= of its own (or pass "
+                "recompute=self.recompute_policy to parallelize()).")
 
     def _parallel_model(self) -> ParallelModel:
         if not isinstance(self.model, ParallelModel):
@@ -120,7 +113,9 @@ class ParallelLMModule(PipelinedLMModule):
         return self._parallel_model().global_parameter_name(name)
 
     def on_fit_start(self) -> None:
-        """Every rank prints what it materialised against the whole model (about 1/(TP*PP))."""
+        """The model was built with the recompute policy; every rank prints what it materialised
+        against the whole model (about 1/(TP*PP))."""
+        self._check_built_policy()
         layout = getattr(self.trainer.strategy, "layout", None)
         where = (f" (tp {layout.tensor_model_parallel_rank}, pp {layout.pipeline_model_parallel_rank}, "
                  f"dp {layout.data_parallel_rank})" if layout is not None else "")

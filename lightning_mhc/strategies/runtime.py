@@ -1,14 +1,9 @@
-"""What the Fabric and the Trainer ``MHCParallelStrategy`` share, composed rather than inherited
-(as Lightning's own Trainer strategies reuse Fabric's helpers):
-
-- :class:`ParallelSettings`: the constructor arguments, checked when the strategy is made;
-- :class:`ParallelRuntime` (``strategy.runtime``): the run behind either strategy — megatron-core's
-  TP/PP/DP groups and the parallel randomizer, the data-parallel split and its check on a loader,
-  the 1F1B / interleaved schedule over a batch with the overlapped DP reduction started in the
-  last backward, gradient reduction, the reshardable checkpoint, and teardown;
-- :class:`StrategyProcesses`: the few members Lightning asks of any parallel strategy (devices,
-  ranks, launcher, registry, barrier, broadcast), identical for both, and the constructor that
-  builds the two objects above.
+""":class:`ParallelRuntime` (``strategy.runtime``): the parallel run behind either
+``MHCParallelStrategy``, composed rather than inherited (as Lightning's own Trainer strategies reuse
+Fabric's helpers): megatron-core's TP/PP/DP groups and the parallel randomizer, the data-parallel
+split and its check on a loader, the 1F1B / interleaved schedule over a batch with the overlapped
+DP reduction started in the last backward, gradient reduction, the distributed optimizer, the
+reshardable checkpoint, and teardown.
 
 Only the way a loop drives the runtime differs: the Trainer calls hooks (``lightning/strategy.py``),
 a Fabric loop calls ``fabric.backward`` / ``strategy.forward_backward`` (``fabric/strategy.py``).
@@ -17,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import datetime
 import math
 from pathlib import Path
@@ -29,9 +23,7 @@ from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
-from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning.fabric.utilities.seed import reset_seed
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
@@ -40,10 +32,10 @@ from lightning_mhc.checkpoint.sharding import global_namer
 from lightning_mhc.distributed.fail_fast import FailFast
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import clip_grad_norm_, finalize_model_grads, global_grad_norm
-from lightning_mhc.distributed.launcher import watch_launcher
+from lightning_mhc.distributed.launcher_watch import watch_launcher
+from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from lightning_mhc.distributed.optimizer import DistributedOptimizer, optimizer_state_bytes
-from lightning_mhc.distributed.layout import ParallelDims, ParallelLayout, destroy_parallel, initialize_parallel
-from lightning_mhc.distributed.pipeline import forward_backward_pipelining
+from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
 from lightning_mhc.distributed.pipeline.protocol import (
     ModuleChunk,
     has_model_chunks,
@@ -53,6 +45,7 @@ from lightning_mhc.distributed.pipeline.protocol import (
 from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.recompute.memory import ActivationMemoryMeter
+from lightning_mhc.strategies.settings import ParallelSettings
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)
 
@@ -69,85 +62,18 @@ def destroy_default_group() -> None:
         dist.destroy_process_group()
 
 
-@dataclasses.dataclass
-class ParallelSettings:
-    """Tensor, pipeline and data parallelism with megatron-core process groups: the settings.
-
-    Args:
-        tensor_model_parallel_size: TP size.
-        pipeline_model_parallel_size: PP size; DP is ``world_size / (TP * PP)``.
-        sequence_parallel: with TP > 1, run the residual stream, norms, hyper-connections and
-            bias-dropout-add on ``s / TP`` tokens per TP rank (the stream-shaped activations
-            divide by TP); the sequence length must divide by TP.
-        virtual_pipeline_model_parallel_size: ``v`` model chunks per pipeline stage, run by the
-            interleaved 1F1B schedule (bubble ``(p - 1) / (v m)`` instead of ``(p - 1) / m``); needs
-            PP >= 2, layers divisible by ``PP * v`` and a number of microbatches that is a multiple
-            of PP (megatron's rule). The module implements ``model_chunks`` (``MHCGPTModule`` does).
-        num_microbatches: microbatches per training step of a pipelined module
-            (default: the PP size); the per-rank batch must divide by it.
-        deallocate_pipeline_outputs: shrink sent stage outputs to one element (megatron's
-            ``deallocate_output_tensor``; the backward goes through ``custom_backward``).
-        process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
-        timeout: deadline of every collective and point-to-point wait.
-        seed: base seed of the parallel randomizer (dropout streams per dimension).
-        gradient_bucket_bytes: size of a DP all-reduce bucket.
-        overlap_grad_reduce: with DP > 1, start each bucket's DP all-reduce during the last
-            microbatch's backward, as soon as its gradients are final (megatron's
-            ``overlap_grad_reduce``; the same numbers as reducing after backward). Pipelined
-            modules without gradient accumulation; otherwise the reduction follows backward.
-        raise_on_nonfinite_loss: stop at a NaN/inf loss (and, under the Trainer, gradient norm)
-            with ``FloatingPointError`` naming the step (the default); False: warn (the Trainer
-            also skips that optimizer step, so the weights and checkpoints never become NaN).
-        measure_activation_memory: on the first training step, record the peak activation
-            bytes any stage retains (saved tensors plus the schedule's in-flight tensors) in
-            ``activation_bytes`` (max over ranks).
-        use_distributed_optimizer: ZeRO-1 (megatron's name): each DP rank keeps and updates the
-            optimizer state of ``1/DP`` of the parameters; gradients are reduce-scattered and the
-            updated weights all-gathered (``lightning_mhc/distributed/optimizer.py``). Any
-            element-wise torch optimizer (SGD, Adam, AdamW, ...); one optimizer per module.
-    """
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    virtual_pipeline_model_parallel_size: int | None = None
-    num_microbatches: int | None = None
-    deallocate_pipeline_outputs: bool = True
-    process_group_backend: str | None = None
-    timeout: datetime.timedelta = datetime.timedelta(minutes=10)
-    seed: int = 1234
-    gradient_bucket_bytes: int = 25 * 2**20
-    overlap_grad_reduce: bool = True
-    raise_on_nonfinite_loss: bool = True
-    measure_activation_memory: bool = False
-    use_distributed_optimizer: bool = False
-
-    def __post_init__(self) -> None:
-        vp = self.virtual_pipeline_model_parallel_size
-        self.dims = ParallelDims(self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
-                                 virtual_pipeline_model_parallel_size=vp if vp != 1 else None,
-                                 sequence_parallel=bool(self.sequence_parallel))
-        """The layout's degrees, checked now; the world size is checked when the processes start."""
-        if self.num_microbatches is not None and self.num_microbatches < 1:
-            raise ConfigError(f"num_microbatches={self.num_microbatches}: must be at least 1 (or None for the PP size).")
-        self.sequence_parallel = bool(self.sequence_parallel)
-        self.virtual_pipeline_model_parallel_size = vp if vp and vp > 1 else None
-
-    @property
-    def microbatches(self) -> int:
-        """Microbatches per training step of a pipelined module (default: the PP size)."""
-        return self.num_microbatches or self.pipeline_model_parallel_size
-
-
 class ParallelRuntime:
     """The parallel run behind a strategy (``strategy.runtime``); see the module docstring."""
 
     def __init__(self, settings: ParallelSettings) -> None:
         self.settings = settings
         self.layout: ParallelLayout | None = None
-        """The parallel layout (degrees, ranks, process groups), once the processes have started."""
+        """The built layout (``settings.layout`` with this rank's place and process groups), once the
+        processes have started."""
         self.device: torch.device | None = None
         """This process's device, once the processes have started."""
+        self.backend: str | None = None
+        """The process group backend (``settings.process_group_backend``, or the device's default)."""
         self.activation_bytes: int | None = None
         """With ``measure_activation_memory``: the peak activation bytes any stage retained in the
         first training step (max over ranks)."""
@@ -168,35 +94,37 @@ class ParallelRuntime:
         self._check_chunks(module)
 
     def _check_contract(self, module: Any) -> None:
-        s = self.settings
-        if module is not None and s.tensor_model_parallel_size * s.pipeline_model_parallel_size > 1 \
-                and not is_pipeline_module(module):
+        layout = self.settings.layout
+        if module is not None and layout.model_parallel_size > 1 and not is_pipeline_module(module):
             raise ConfigError(
                 f"{type(module).__name__} does not implement the pipeline contract (forward_step, "
                 "loss_func, set_input_tensor, pipeline_tensor_shape; see MHCGPTModule), so it can only "
-                f"run data parallel, but tensor_model_parallel_size={s.tensor_model_parallel_size} "
-                f"and pipeline_model_parallel_size={s.pipeline_model_parallel_size}. Use "
+                f"run data parallel, but tensor_model_parallel_size={layout.tensor_model_parallel_size} "
+                f"and pipeline_model_parallel_size={layout.pipeline_model_parallel_size}. Use "
                 "MHCParallelStrategy() with TP = PP = 1, or subclass MHCGPTModule."
             )
 
     def _check_chunks(self, module: Any) -> None:
-        vp = self.settings.virtual_pipeline_model_parallel_size
-        if module is not None and vp and not has_model_chunks(module):
+        vp = self.settings.layout.virtual_pipeline_model_parallel_size
+        if module is not None and vp > 1 and not has_model_chunks(module):
             raise ConfigError(
                 f"virtual_pipeline_model_parallel_size={vp} needs a module "
                 f"with model_chunks() (see MHCGPTModule); {type(module).__name__} has none. Drop the virtual "
                 "pipeline or implement the chunked contract (lightning_mhc/distributed/pipeline/protocol.py)."
             )
 
+    def check_world(self, world_size: int) -> None:
+        """The layout fits a world of ``world_size`` processes (before any process starts)."""
+        self.settings.layout.with_world(world_size)
+
     def start(self, world_size: int, cluster_environment: Any, root_device: torch.device, module: Any = None) -> None:
         """In every process: the default process group, megatron's TP/PP/DP groups, the seeds
         (``module``, when known already, is checked against the layout first)."""
         s = self.settings
-        self._check_contract(module)
-        dataclasses.replace(s.dims, world_size=world_size)
-        self._check_chunks(module)
+        self.check_module(module)
+        self.check_world(world_size)
         self.device = root_device
-        s.process_group_backend = s.process_group_backend or _get_default_process_group_backend_for_device(root_device)
+        self.backend = s.process_group_backend or _get_default_process_group_backend_for_device(root_device)
         watch_launcher()
         if not dist.is_initialized():
             # the rendezvous waits for every rank to start (imports, an oversubscribed CPU): not
@@ -204,15 +132,10 @@ class ParallelRuntime:
             kwargs: dict[str, Any] = {"timeout": max(s.timeout, RENDEZVOUS_TIMEOUT)}
             if root_device.type != "cpu":
                 kwargs["device_id"] = root_device
-            _init_dist_connection(cluster_environment, s.process_group_backend, **kwargs)
+            _init_dist_connection(cluster_environment, self.backend, **kwargs)
             atexit.register(destroy_default_group)
-        self.layout = initialize_parallel(
-            s.tensor_model_parallel_size, s.pipeline_model_parallel_size, timeout=s.timeout,
-            sequence_parallel=s.sequence_parallel,
-            virtual_pipeline_model_parallel_size=s.virtual_pipeline_model_parallel_size,
-        )
-        model_parallel_manual_seed(s.seed, self.layout)
-        layout = self.layout
+        layout = self.layout = s.layout.build(s.timeout)
+        model_parallel_manual_seed(s.seed, layout)
         self.fail_fast.start(f"rank {dist.get_rank()} (TP rank {layout.tensor_model_parallel_rank}, PP rank "
                              f"{layout.pipeline_model_parallel_rank}, DP rank {layout.data_parallel_rank})")
 
@@ -285,23 +208,21 @@ class ParallelRuntime:
             nonlocal peak
             peak = max(peak, meter.live_bytes(extra=held))
 
-        tensor_shape = module.pipeline_tensor_shape(microbatches[0])  # refuses a bad batch on every rank
+        config = ScheduleConfig(
+            layout=self.layout,
+            tensor_shape=module.pipeline_tensor_shape(microbatches[0]),  # refuses a bad batch on every rank
+            dtype=pipeline_dtype(module),
+            forward_only=forward_only,
+            deallocate_pipeline_outputs=self.settings.deallocate_pipeline_outputs,
+            timeout=self.settings.timeout,
+            probe=probe if measure else None,
+            on_last_backward=self._overlap(module, forward_only or not reduce_this_step, accumulate),
+        )
         with meter if measure else contextlib.nullcontext(), self.fail_fast.waiting():
             chunked = self.layout.virtual_pipeline_model_parallel_size > 1
             result = forward_backward_pipelining(
                 [ModuleChunk(module, i) for i in range(len(module.model_chunks()))] if chunked else module,
-                microbatches,
-                lambda mod, mb: mod.forward_step(mb),
-                loss_func,
-                layout=self.layout,
-                tensor_shape=tensor_shape,
-                dtype=pipeline_dtype(module),
-                deallocate_pipeline_outputs=self.settings.deallocate_pipeline_outputs,
-                forward_only=forward_only,
-                timeout=self.settings.timeout,
-                probe=probe if measure else None,
-                on_last_backward=self._overlap(module, forward_only or not reduce_this_step, accumulate),
-            )
+                microbatches, lambda mod, mb: mod.forward_step(mb), loss_func, config)
         if measure:
             self.activation_bytes = int(self.max_over_ranks(peak, self.device))
         loss = result.loss * accumulate
@@ -346,7 +267,7 @@ class ParallelRuntime:
         if self.distributed_optimizer is not None:
             self.distributed_optimizer.remove()
         chunks = module.model_chunks() if has_model_chunks(module) else [module]
-        optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])  # Lightning's wrapper
+        optimizer = unwrap_optimizer(optimizers[0])
         self.distributed_optimizer = DistributedOptimizer(
             optimizer, chunks, self.layout, self.settings.gradient_bucket_bytes,
             shard=self.settings.use_distributed_optimizer)
@@ -360,7 +281,7 @@ class ParallelRuntime:
         """``(piece, parameter, flat range)`` of what the distributed optimizer steps in place of
         ``optimizer``'s parameters (none for another optimizer): for the checkpoint."""
         taken = self.distributed_optimizer
-        if taken is None or getattr(optimizer, "_optimizer", optimizer) is not taken.optimizer:
+        if taken is None or unwrap_optimizer(optimizer) is not taken.optimizer:
             return []
         return [(pc.main, pc.param, pc.flat_range) for pc in taken.pieces.values()]
 
@@ -384,8 +305,8 @@ class ParallelRuntime:
         """Bytes of optimizer state this rank holds (the distributed optimizer's: its pieces' and
         their fp32 main weights)."""
         taken = self.distributed_optimizer
-        return sum(taken.state_bytes() if taken is not None and getattr(o, "_optimizer", o) is taken.optimizer
-                   else optimizer_state_bytes(getattr(o, "_optimizer", o)) for o in optimizers)
+        return sum(taken.state_bytes() if taken is not None and unwrap_optimizer(o) is taken.optimizer
+                   else optimizer_state_bytes(unwrap_optimizer(o)) for o in optimizers)
 
     def model_loaded(self, module: torch.nn.Module) -> None:
         """``module``'s weights were just loaded: the fp32 main weights of bf16 ones follow."""
@@ -431,6 +352,11 @@ class ParallelRuntime:
         return tensor.item()
 
 
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` (or the optimizer itself)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
 def pipeline_dtype(module: torch.nn.Module) -> torch.dtype:
     """What crosses stages: the parameters' dtype (megatron's ``pipeline_dtype`` is its
     ``params_dtype``): fp32 for fp32 and mixed precision, bf16 for ``bf16-true``."""
@@ -467,132 +393,3 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-class StrategyProcesses:
-    """What Lightning asks of any parallel strategy, the same for the Trainer's and Fabric's
-    (mixed in before their Lightning base class, which provides the devices and the cluster
-    environment): the constructor (the :class:`ParallelSettings` arguments, building
-    ``self.runtime``), devices and ranks, the launcher, the registry name, barrier and broadcast.
-    Everything else of the parallel run is ``self.runtime``."""
-
-    strategy_name = "mhc_parallel"
-    launcher_class: type
-    """The subprocess launcher (Fabric's or the Trainer's, with ``launcher.JobLauncherMixin``)."""
-
-    def __init__(
-        self,
-        tensor_model_parallel_size: int = 1,
-        pipeline_model_parallel_size: int = 1,
-        sequence_parallel: bool = False,
-        virtual_pipeline_model_parallel_size: int | None = None,
-        num_microbatches: int | None = None,
-        deallocate_pipeline_outputs: bool = True,
-        process_group_backend: str | None = None,
-        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
-        seed: int = 1234,
-        gradient_bucket_bytes: int = 25 * 2**20,
-        overlap_grad_reduce: bool = True,
-        raise_on_nonfinite_loss: bool = True,
-        measure_activation_memory: bool = False,
-        use_distributed_optimizer: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        """The arguments: :class:`ParallelSettings`; ``kwargs`` go to Lightning's strategy."""
-        super().__init__(**kwargs)
-        self.runtime = ParallelRuntime(ParallelSettings(
-            tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
-            virtual_pipeline_model_parallel_size, num_microbatches, deallocate_pipeline_outputs,
-            process_group_backend, timeout, seed, gradient_bucket_bytes, overlap_grad_reduce,
-            raise_on_nonfinite_loss, measure_activation_memory, use_distributed_optimizer,
-        ))
-        self._num_nodes = 1
-        self.last_grad_norm: float | None = None
-        """The global gradient norm of the last step (before clipping)."""
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="Tensor/pipeline/data parallelism for mHC transformers"
-            )
-
-    # --------------------------------------------- the settings, read through
-    @property
-    def settings(self) -> ParallelSettings:
-        return self.runtime.settings
-
-    @property
-    def tensor_model_parallel_size(self) -> int:
-        return self.settings.tensor_model_parallel_size
-
-    @property
-    def pipeline_model_parallel_size(self) -> int:
-        return self.settings.pipeline_model_parallel_size
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.settings.microbatches
-
-    @property
-    def layout(self) -> ParallelLayout | None:
-        """The parallel layout (degrees, ranks, process groups), once the processes have started."""
-        return self.runtime.layout
-
-    @property
-    def activation_bytes(self) -> int | None:
-        return self.runtime.activation_bytes
-
-    # ------------------------------------------------------ devices and ranks
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.runtime.distributed_sampler_kwargs
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self.settings.process_group_backend
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    def _set_world_ranks(self) -> None:  # the name Fabric's connector calls
-        self.set_world_ranks()
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def _start_processes(self, module: Any = None) -> None:
-        """In every process, from ``setup_environment``: ranks, seeds, then the runtime's groups."""
-        reset_seed()
-        self.set_world_ranks()
-        self.runtime.start(self.world_size, self.cluster_environment, self.root_device, module)
-
-    # ------------------------------------------------------------ collectives
-    def barrier(self, name: str | None = None) -> None:
-        if dist.is_initialized():
-            with self.runtime.fail_fast.waiting():
-                dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self.runtime.fail_fast.waiting():
-            return broadcast_object(obj, src)

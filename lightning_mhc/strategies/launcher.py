@@ -1,5 +1,6 @@
 """Lightning's subprocess launchers (Fabric's and the Trainer's), made to work inside a Hydra
-multirun, and the watch a launched rank keeps on its launcher.
+multirun; they record their pid for the watch a launched rank keeps on them
+(``distributed/launcher_watch.py``).
 
 Lightning re-runs ``sys.argv`` for every extra device; in a multirun that
 would start the whole sweep again in each child. Here a child re-runs the
@@ -10,10 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from lightning_mhc.distributed.launcher_watch import LAUNCHER_PID
 
 _DDP_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -41,31 +42,6 @@ def _job_command(local_rank: int) -> tuple[list[str], str]:
     command += [f"hydra.run.dir={hc.runtime.output_dir}", "hydra.output_subdir=null",
                 f"hydra.job.name=train_rank_{local_rank}"]
     return command, get_original_cwd()
-
-
-LAUNCHER_PID = "LIGHTNING_MHC_LAUNCHER_PID"
-
-
-def watch_launcher(poll_s: float = 1.0) -> None:
-    """In a rank started by ``MHCSubprocessLauncher`` or ``MHCFabricLauncher``: exit when the
-    launching process is gone.
-
-    Without it, a rank whose launcher died (kill -9, OOM) before the process group formed keeps
-    waiting for the rendezvous store until its timeout; during training gloo notices the lost
-    peer anyway. The launcher's pid comes through the environment (the rank may be re-parented
-    before this runs)."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    started_by_it = os.environ.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
-    if launcher is None or not started_by_it or int(launcher) == os.getpid():
-        return
-
-    def watch() -> None:
-        while os.getppid() == int(launcher):
-            time.sleep(poll_s)
-        os.write(2, f"[pid {os.getpid()}] the launching process {launcher} is gone: exiting\n".encode())
-        os._exit(1)
-
-    threading.Thread(target=watch, name="lightning_mhc-launcher-watch", daemon=True).start()
 
 
 class JobLauncherMixin:

@@ -1,12 +1,11 @@
-"""One-process use of a checkpoint of any layout: the whole model, a safetensors export, and
-loading the export back without the strategy.
+"""The whole GPT in one process, exported and loaded back without the strategy.
 
     <out>/model.safetensors   every tensor of the whole GPTModel (its state-dict names)
     <out>/config.json         the model configuration (``model_config_to_dict``: the fields
                               that differ from MHCTransformerConfig's defaults)
 
-    lightning-mhc-export <checkpoint dir> <out dir>
-    model = load_exported("<out dir>")            # a GPTModel, TP = PP = 1, in eval mode
+``lightning-mhc-export <checkpoint dir> <out dir>`` writes one from a checkpoint of any layout
+(``MHCGPTModule.load_from_checkpoint`` builds the whole model); ``load_exported(out)`` reads it.
 """
 from __future__ import annotations
 
@@ -17,14 +16,10 @@ from typing import Any, Mapping
 
 import torch
 
-from lightning_mhc.checkpoint import legacy
-from lightning_mhc.checkpoint.commit import read_metadata
-from lightning_mhc.checkpoint.format import load_whole, read_trainer_state
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
 from lightning_mhc.model.config import PARALLEL_LAYOUT_FIELDS, MHCTransformerConfig, with_parallel_layout
 from lightning_mhc.model.config_dict import model_config_from_dict, model_config_to_dict
 from lightning_mhc.model.gpt import GPTModel
-from lightning_mhc.distributed.layout import single_process_layout
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -32,43 +27,18 @@ WEIGHTS_FILE = "model.safetensors"
 
 def whole_model_config(values: Mapping[str, Any] | MHCTransformerConfig) -> MHCTransformerConfig:
     """The configuration of the whole model in one process (TP = PP = 1, no recompute), from a
-    checkpoint's recorded ``model_config`` (its parallel layout is dropped)."""
+    recorded ``model_config`` (its parallel layout is dropped)."""
     if isinstance(values, Mapping):
         values = model_config_from_dict({k: v for k, v in values.items() if k not in PARALLEL_LAYOUT_FIELDS})
-    return with_parallel_layout(values, 1, 1)
+    return with_parallel_layout(values, ParallelLayout())
 
 
-def checkpoint_model_config(path: Path) -> dict[str, Any]:
-    """The ``model_config`` hyperparameter a checkpoint of ``MHCGPTModule`` recorded."""
-    meta = read_metadata(path)  # a clear error for a missing or incomplete one, too
-    if legacy.is_legacy(meta):
-        raise ConfigError(legacy.not_reshardable(path, meta))
-    hparams = read_trainer_state(path).get("hyper_parameters") or {}
-    if "model_config" not in hparams:
-        raise ConfigError(
-            f"checkpoint {path} records no model_config hyperparameter (it was not saved from an MHCGPTModule): "
-            "build the model yourself and load it with lightning_mhc.checkpoint.format.load_whole(path, model)."
-        )
-    return dict(hparams["model_config"])
-
-
-def load_gpt(path: Path) -> GPTModel:
-    """The whole GPTModel of an ``MHCGPTModule`` checkpoint of any layout, in this process (eval mode)."""
-    config = checkpoint_model_config(path)  # refuses a missing or unusable checkpoint first
-    single_process_layout()
-    model = GPTModel(whole_model_config(config))
-    load_whole(path, model, prefix="model.")
-    return model.eval()
-
-
-def export(path: Path, out: Path) -> dict[str, Any]:
-    """Write ``out/model.safetensors`` and ``out/config.json`` from a checkpoint of any layout;
-    returns what was written (files, bytes, seconds)."""
+def save_exported(model: GPTModel, out: Path) -> dict[str, Any]:
+    """Write ``out/model.safetensors`` and ``out/config.json`` from a whole GPTModel; returns what was
+    written (files, tensors, bytes, seconds)."""
     from safetensors.torch import save_file
 
-    start = time.perf_counter()
-    path, out = Path(path), Path(out)
-    model = load_gpt(path)
+    start, out = time.perf_counter(), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "lightning_mhc.gpt/1"})
