@@ -79,7 +79,7 @@ def test_mhc_implementation_reaches_the_model_config():
          "parallel.tensor_model_parallel_size=2 \\* parallel.pipeline_model_parallel_size=2 = 4 does not divide trainer.devices x trainer.num_nodes = 2"),
         (["parallel=pp4", "trainer.devices=4", "model.num_layers=6"], ConfigError,
          "model.num_layers=6 cannot be split evenly over parallel.pipeline_model_parallel_size=4"),
-        (["parallel=tp2", "trainer.devices=2", "model.num_attention_heads=3", "model.hidden_size=63"], ConfigError,
+        (["parallel=tp2", "trainer.devices=2", "model.num_attention_heads=3", "model.hidden_size=66"], ConfigError,
          "model.num_attention_heads=3 is not divisible by parallel.tensor_model_parallel_size=2"),
         (["parallel=dp2", "trainer.devices=2", "data.global_batch_size=6", "data.micro_batch_size=4"], ConfigError,
          "data.global_batch_size=6 must be a positive multiple of data.micro_batch_size=4 x data-parallel size 2"),

@@ -151,18 +151,19 @@ def _trainer(strategy, callbacks=()):
                       enable_checkpointing=False, enable_progress_bar=False, callbacks=list(callbacks))
 
 
-def test_bad_layout_fails_before_training():
-    trainer = _trainer(MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+def test_bad_layout_fails_when_the_trainer_is_made():
+    """The world (devices x nodes) is known when the Trainer is made: a layout it cannot hold is
+    refused there, before any process starts."""
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 \* pipeline_model_parallel_size=2 = 4 "
                                           r"does not divide the world size 1"):
-        trainer.fit(_tiny_module())
-    assert trainer.global_step == 0
+        _trainer(MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
 
 
 def test_plain_module_cannot_ask_for_model_parallelism():
-    trainer = _trainer(MHCParallelStrategy(tensor_model_parallel_size=2))
+    """What every process checks when it starts, before the rendezvous (``runtime.start``)."""
+    strategy = MHCParallelStrategy(tensor_model_parallel_size=2)
     with pytest.raises(ConfigError, match="BoringModel does not implement the pipeline contract"):
-        trainer.fit(BoringModel())
+        strategy.runtime.check_module(BoringModel())
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,7 @@ def test_bad_input_is_refused_before_launch(tmp_path, monkeypatch, capsys):
         (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio=1.5: must be in [0, 1]"),
         (["trainer.max_steps=0"], "trainer.max_steps=0: must be >= 1"),
         (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps=0: must be >= 1"),
-        (["parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be > 0"),
+        (["parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be positive"),
         (["+foo=1"], "foo=1: the top level has no key 'foo', so nothing would read it. Remove the addition"),
         (["+model.bar=2"], "model.bar=2: the model group has no key 'bar'"),
         (["model.num_layer=3"], "model.num_layer=3: the model group has no key 'num_layer' (did you mean "
@@ -202,14 +202,14 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
     (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0: must be >= 1"),
     (["trainer.limit_val_batches=-1"], "trainer.limit_val_batches=-1: must be >= 0"),
     (["trainer.precision=fp8"], "trainer.precision='fp8': must be one of 32-true"),
-    (["parallel.timeout_s=-5"], "parallel.timeout_s=-5.0: must be > 0"),
+    (["parallel.timeout_s=-5"], "parallel.timeout_s=-5.0: must be positive"),
+    (["parallel.timeout_s=inf"], "parallel.timeout_s=inf: must be a finite number of seconds"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size"
                                           " >= 2 (it is 1)"),
     (["parallel=tp2sp", "trainer.devices=2", "data.seq_length=63"],
      "parallel.sequence_parallel=true splits data.seq_length=63 over parallel.tensor_model_parallel_size=2 ranks"),
     (["parallel.virtual_pipeline_model_parallel_size=2"],
-     "parallel.virtual_pipeline_model_parallel_size=2 needs a positive size and parallel.pipeline_model_parallel_size"
-     " >= 2 (it is 1)"),
+     "parallel.virtual_pipeline_model_parallel_size=2 needs parallel.pipeline_model_parallel_size >= 2 (it is 1)"),
     (["parallel=pp2v2", "trainer.devices=2", "model.num_layers=6"],
      "model.num_layers=6 cannot be split into parallel.pipeline_model_parallel_size=2 x "
      "parallel.virtual_pipeline_model_parallel_size=2 = 4 equal chunks"),
@@ -222,7 +222,7 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
     (["model.num_attention_heads=0"], "model.num_attention_heads=0: must be >= 1"),
     (["model.hidden_dropout=1"], "model.hidden_dropout=1.0: must be in [0, 1)"),
     (["logger.name=tensorboard"], "logger.name='tensorboard': must be one of csv, wandb, none"),
-    (["seed=-1"], "seed=-1: must be in [0, 2**32)"),
+    (["seed=-1"], "seed=-1: must be an integer in [0, 2**32)"),
     (["recompute=mhc_block", "recompute.mhc_recompute_layer_num=0"], "recompute.mhc_recompute_layer_num=0: a recompute "
                                                                       "block holds a whole, positive number of layers"),
     (["+trainer.max_step=5", "+parallel.zigzag=2"],

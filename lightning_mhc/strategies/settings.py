@@ -89,8 +89,8 @@ class ParallelSettings:
             raise ConfigError(f"{term('process_group_backend', self.process_group_backend)}: name a backend "
                               "('gloo', 'nccl'), or leave it None for the device's default.")
         if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
-            raise ConfigError(f"{term('timeout', self.timeout)}: must be a positive datetime.timedelta, the longest a "
-                              "collective may wait (default 10 minutes).")
+            raise ConfigError(f"{term('timeout', self.timeout)}: must be positive: the longest a collective may wait "
+                              "(default 10 minutes).")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ConfigError(f"{term('seed', self.seed)}: must be an integer in [0, 2**32).")
         bucket = self.gradient_bucket_bytes

@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
-    parser.add_argument("--vp", type=int, default=None, help="virtual pipeline chunks per stage")
+    parser.add_argument("--vp", type=int, default=1, help="virtual pipeline chunks per stage")
     parser.add_argument("--policy", default="mhc_block")
     parser.add_argument("--scenario", choices=["equivalence", "resume", "reshard", "fail", "fabric_example", "zero"],
                         required=True)
@@ -253,8 +253,8 @@ def main() -> None:
         # --ckpt: continue from it on --tp/--pp (steps 3 to 5). SwiGLU (a strided TP split) and
         # tied embeddings (a copy on the last stage)
         extra = dict(activation="swiglu", share_embeddings_and_output_weights=True)
-        layouts = {"tp2_pp2": dict(tp=2, pp=2, sp=False, vp=None), "pp2_dp2": dict(tp=1, pp=2, sp=False, vp=None),
-                   "pp4": dict(tp=1, pp=4, sp=False, vp=None), "tp2_sp_pp2_v2": dict(tp=2, pp=2, sp=True, vp=2)}
+        layouts = {"tp2_pp2": dict(tp=2, pp=2, sp=False, vp=1), "pp2_dp2": dict(tp=1, pp=2, sp=False, vp=1),
+                   "pp4": dict(tp=1, pp=4, sp=False, vp=1), "tp2_sp_pp2_v2": dict(tp=2, pp=2, sp=True, vp=2)}
         if args.ckpt is None:
             ckpt_dir = args.out.parent / "ckpt"
             result["uninterrupted"], trainer = fit(args, 5, dropout=0.0, ckpt_dir=str(ckpt_dir), every_n_train_steps=2,
@@ -271,7 +271,7 @@ def main() -> None:
         # the distributed optimizer: DP 4, TP 2 x DP 2 (also with SP) and PP 2 x DP 2 (also with 2
         # virtual chunks) on 4 devices (DP 4 saves at step 5); DP 2 on 2 devices; one process;
         # --ckpt: continue from DP 4's checkpoint
-        one = dict(tp=1, pp=1, sp=False, vp=None)
+        one = dict(tp=1, pp=1, sp=False, vp=1)
         layouts = {4: {"dp4": one, "tp2_dp2": dict(one, tp=2), "pp2_dp2": dict(one, pp=2),
                        "tp2_sp_dp2": dict(one, tp=2, sp=True), "pp2_v2_dp2": dict(one, pp=2, vp=2)},
                    2: {"dp2": one}, 1: {"single": one}}[args.devices]

@@ -48,7 +48,7 @@ def sgd(parameters):
     sqrt(v): on elements whose exact gradient is zero, such as a key bias, fp32 rounding noise
     becomes a full-size step.)"""
     return torch.optim.SGD(parameters, lr=LR, momentum=0.9)
-LAYOUTS = {"single": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "pp2v2": (1, 2, 2), "tp2pp2": (2, 2, None)}
+LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2v2": (1, 2, 2), "tp2pp2": (2, 2, 1)}
 
 
 class ParallelLM(ParallelLMModule):

@@ -86,7 +86,7 @@ class _Interleaved:
         self.v, self.m = len(chunks), len(microbatches)
         self.pp, rank = layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_rank
         self.total = self.m * self.v
-        self.warmup = self.total if forward_only else min(2 * (self.pp - rank - 1) + (self.v - 1) * group, self.total)
+        self.warmup = self.total if self.forward_only else min(2 * (self.pp - rank - 1) + (self.v - 1) * group, self.total)
         self.all_warmup = self.warmup == self.total
         self.remaining = self.total - self.warmup
         self.total_loss: Tensor | None = None
