@@ -2,9 +2,9 @@
 are imported.
 
 Lightning finds the strategy by name only after ``lightning_mhc.lightning`` and
-``lightning_mhc.fabric`` have run (they call the Trainer's and Fabric's registries). Yet ``import lightning_mhc`` must not import
-Lightning: the layers below ``lightning_mhc.lightning`` (``recompute``, ``model``,
-``parallel``) are used without it. So ``import lightning_mhc`` calls
+``lightning_mhc.fabric`` have run (they call the Trainer's and Fabric's registries). Yet
+``import lightning_mhc`` must not import Lightning: the rooms below ``lightning_mhc.strategies``
+(``recompute``, ``distributed``, ``model``, ``checkpoint``, ``parallelize`` ...) are used without it. So ``import lightning_mhc`` calls
 :func:`register_with_lightning`, which
 
 - imports ``lightning_mhc.lightning`` at once (registering the strategy) when

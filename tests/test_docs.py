@@ -38,6 +38,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import shlex
 import subprocess
 import sys
@@ -262,15 +263,30 @@ def _tests_text() -> str:
 
 
 def _megatron_data(args: list[str], scratch: pathlib.Path) -> None:
-    """The indexed datasets a ``data=megatron`` command names, as the documents' preprocess command
-    writes them (the sample corpus, ``<prefix>_text_document``): that command is checked on its own."""
+    """The indexed datasets a ``data=megatron`` command, or an experiment of the repository's conf/
+    (copied into the scratch directory: the documents run from the repository root), names, as the
+    documents' preprocess command writes them (the sample corpus, ``<prefix>_text_document``): that
+    command is checked on its own."""
+    import yaml
+
     from lightning_mhc.data.megatron import parse_blend
     from lightning_mhc.data.preprocess import preprocess
 
-    blend = next((a.split("=", 1)[1] for a in args if a.startswith("data.blend=")), None)
-    if "data=megatron" not in args or blend is None:
+    if not (scratch / "conf").exists():
+        shutil.copytree(ROOT / "conf", scratch / "conf")
+    blend = next((a.split("=", 1)[1].strip("[]").split(",") for a in args if a.startswith("data.blend=")), None)
+    if "data=megatron" not in args:
+        blend = None
+    experiment = next((ROOT / "conf" / "experiment" / f"{a.split('=', 1)[1]}.yaml" for a in args
+                       if a.startswith("experiment=")), None)
+    while blend is None and experiment is not None and experiment.is_file():  # the experiment, or one it includes
+        values = yaml.safe_load(experiment.read_text())
+        blend = (values.get("data") or {}).get("blend")
+        included = [d for d in values.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+        experiment = experiment.parent / f"{included[0]}.yaml" if included else None
+    if blend is None:
         return
-    for prefix in parse_blend(blend.strip("[]").split(","))[0]:
+    for prefix in parse_blend(blend)[0]:
         if prefix.endswith("_text_document") and not (scratch / f"{prefix}.idx").exists():
             preprocess("sample", scratch / prefix.removesuffix("_text_document"), tokenizer="sample",
                        append_eod=True, progress=False)
@@ -396,6 +412,8 @@ def _check_make(command, scratch, monkeypatch, capsys):
     modules = re.findall(r" -m ([\w.]+)", proc.stdout)
     assert modules, proc.stdout
     for module in modules:
+        if module == "pip":  # a find_spec("pip") in this process makes setuptools' distutils shim fall back to the
+            continue         # stdlib's for good (its spec_for_pip), and a later `import setuptools` then fails
         assert importlib.util.find_spec(module) is not None, f"make {command.argv[1]} runs a missing module {module}"
 
 
@@ -558,14 +576,11 @@ def _table_first_column(text: str, after_heading: str) -> list[str]:
 
 
 def _arguments(strategy: type) -> list[str]:
-    """The constructor arguments of a strategy: the named parameters of every ``__init__`` of this
-    package in its class hierarchy, bases first (the rest, ``**kwargs``, go to Lightning's)."""
-    names: list[str] = []
-    for cls in reversed(strategy.__mro__):
-        if cls.__module__.startswith("lightning_mhc") and "__init__" in vars(cls):
-            names += [p.name for p in inspect.signature(cls.__init__).parameters.values()
-                      if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in names]
-    return names
+    """The keyword arguments of a strategy that are ours, in its signature's order: the settings'
+    fields and its own (not ``settings``, the whole value, nor its Lightning base's)."""
+    lightning_base = next(cls for cls in strategy.__mro__ if cls.__module__.startswith("lightning."))
+    theirs = set(inspect.signature(lightning_base.__init__).parameters) | {"self", "settings"}
+    return [name for name in inspect.signature(strategy.__init__).parameters if name not in theirs]
 
 
 def test_strategy_arguments_are_documented():

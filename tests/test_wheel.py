@@ -21,11 +21,23 @@ from subprocess_env import child_env
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_mhc"
 TIMEOUT = 600
-# 5 steps of the tiny model on the default data (the standard library's sources), offline:
-# the csv logger, one validation (2 batches) and one checkpoint, at the last step
-TRAIN_OVERRIDES = ["model=tiny", "logger=csv", "trainer.max_steps=5", "trainer.val_check_interval=5",
-                   "trainer.limit_val_batches=2", "trainer.checkpoint_every_n_steps=5",
-                   "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
+# The user's own experiment, in ./conf of the directory the command runs in: 5 steps of the tiny
+# model on the default data (the standard library's sources), offline: the csv logger, one
+# validation (2 batches) and one checkpoint, at the last step
+USER_EXPERIMENT = """\
+# @package _global_
+defaults:
+  - override /model: tiny
+  - override /logger: csv
+trainer:
+  max_steps: 5
+  val_check_interval: 5
+  limit_val_batches: 2
+  checkpoint_every_n_steps: 5
+  log_every_n_steps: 1
+  enable_progress_bar: false
+"""
+TRAIN_OVERRIDES = ["experiment=my_run"]
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -105,7 +117,8 @@ def test_wheel_installs_and_trains_from_an_empty_directory(tmp_path):
     installed = venv_site / "lightning_mhc"
 
     workdir = tmp_path / "empty"
-    workdir.mkdir()
+    (workdir / "conf" / "experiment").mkdir(parents=True)
+    (workdir / "conf" / "experiment" / "my_run.yaml").write_text(USER_EXPERIMENT)
     extensions = tmp_path / "torch_extensions"  # the CPU kernels compile from the wheel's sources
     env = {k: v for k, v in child_env().items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     # as in an activated fresh venv whose dependencies' scripts (ninja) are on PATH
@@ -144,7 +157,15 @@ def test_wheel_installs_and_trains_from_an_empty_directory(tmp_path):
     hydra_yaml = (run_dir / ".hydra" / "hydra.yaml").read_text()
     assert f"path: {installed / 'cli' / 'conf'}" in hydra_yaml, hydra_yaml
     assert str(ROOT) not in hydra_yaml
-    assert sorted(p.name for p in workdir.iterdir()) == ["outputs"]  # nothing written outside the run dir
+    # and the experiment from ./conf, on the search path after the packaged groups
+    assert f"- path: {workdir / 'conf'}\n      schema: file\n      provider: lightning_mhc-user" in hydra_yaml, hydra_yaml
+    assert "experiment: my_run" in hydra_yaml
+    assert sorted(p.name for p in workdir.iterdir()) == ["conf", "outputs"]  # nothing written outside the run dir
+    elsewhere = tmp_path / "no_conf"
+    elsewhere.mkdir()
+    refused = subprocess.run([str(script), *TRAIN_OVERRIDES], cwd=elsewhere, env=env, capture_output=True, text=True,
+                             timeout=TIMEOUT)
+    assert refused.returncode == 2 and "the experiment group has no option 'my_run'" in refused.stderr, refused.stderr
     # the fused hyper-connection's CPU kernels were compiled (ninja) from the wheel's .cpp files
     assert "CPU kernels did not build" not in proc.stderr, proc.stderr[-4000:]
     if shutil.which(os.environ.get("CXX", "c++")):

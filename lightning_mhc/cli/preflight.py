@@ -20,13 +20,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_mhc.cli import config_store
 from lightning_mhc.cli.config_store import register_configs
 from lightning_mhc.cli.schema import TrainConfig
 from lightning_mhc.cli.schema import KEYS_HINT, check_known_keys, describe_type, field_type, unknown_keys
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.ops import TRITON_NOT_HERE, triton_runs_on
 
-CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+CONF_DIR = str(config_store.CONF_DIR)
 PREFIX = "lightning-mhc-train: invalid configuration: "
 register_configs()
 
@@ -213,7 +214,7 @@ def hydra_error_message(error: BaseException, overrides: list[str]) -> str:
     if isinstance(error, MissingConfigException) and error.missing_cfg_file and error.options:
         group, _, option = error.missing_cfg_file.rpartition("/")
         return (f"{group}={option}: the {group} group has no option {option!r}. Choose one of "
-                f"{', '.join(sorted(error.options))} (the files in conf/{group}/).")
+                f"{', '.join(sorted(error.options))} (the files in conf/{group}/ of the package, and of ./conf where the command runs).")
     overridden = re.match(r"Could not override '([^']+)'", text)
     if overridden and isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         key = overridden.group(1)
