@@ -7,16 +7,21 @@ PyTorch transformer with a list of repeated blocks), without rewriting it on meg
 
 - ``record.py``: meta construction with recorded constructor arguments; materialising a module
   from them with name-seeded generators (layout-invariant initial weights);
-- ``plan.py``: TP plans by module-name patterns (built in: ``gpt2``, ``llama``) and their checks;
+- ``plan.py``: TP plans by module-name patterns (built in for 11 Hugging Face families, chosen by
+  ``model_type`` with ``plan="auto"``) and their checks;
 - ``tensor_parallel.py``: the styles applied in place with megatron-core's TP mappings;
 - ``pipeline.py``: the block list, the stage split, stubs for parts on other stages;
 - ``model.py``: :func:`parallelize`, :class:`ParallelModel` (the pipeline contract), and
   :func:`build_recorded_module` (the whole model in one process, same weights);
-- ``checkpoint.py``: a parallel run's checkpoint into the plain model (``load_checkpoint``) and
-  out as ``save_pretrained`` safetensors (``export_pretrained``).
+- ``weights.py``: pretrained safetensors read stage by stage and TP slice by slice;
+- ``export.py``: a parallel run's checkpoint into the plain model (``load_checkpoint``) and out as
+  ``save_pretrained`` safetensors (``export_pretrained``).
 
 No Lightning import: ``lightning_mhc.lightning.ParallelLMModule`` is the LightningModule side.
 """
+import sys
+import types
+
 from lightning_mhc.parallelize.export import consolidated_state_dict, export_pretrained, load_checkpoint
 from lightning_mhc.parallelize.model import MaterializedReport, ParallelModel, build_recorded_module, parallelize
 from lightning_mhc.parallelize.plan import (
@@ -30,3 +35,15 @@ __all__ = [
     "consolidated_state_dict", "export_pretrained",
     "load_checkpoint", "parallelize", "record_module_init",
 ]
+
+
+class _CallableModule(types.ModuleType):
+    """Once this package is imported, the import system binds ``lightning_mhc.parallelize`` to it, so
+    ``from lightning_mhc import parallelize`` gives the package, not the function of that public
+    name; calling the package calls the function, so the name works either way."""
+
+    def __call__(self, *args, **kwargs) -> ParallelModel:
+        return parallelize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,281 @@
+"""Each setting is checked in exactly one function and passed down as a value: a bad value of each
+is refused by that function, with that function's message, through every door that takes it (the
+CLI, the Trainer, Fabric, ``parallelize``); the rooms import only the rooms below them."""
+from __future__ import annotations
+
+import ast
+import datetime
+import pathlib
+import re
+from typing import Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_mhc import (
+    ConfigError,
+    MHCGPTModule,
+    MHCParallelStrategy,
+    MHCRecomputeCallback,
+    ParallelLayout,
+    RecomputePolicy,
+    parallelize,
+    record_module_init,
+)
+from lightning_mhc.fabric import MHCParallelStrategy as FabricStrategy
+from lightning_mhc.recompute import policy as policy_module
+from lightning_mhc.strategies.settings import ParallelSettings
+from train_cli import check_before_launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_mhc"
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=64,
+            max_sequence_length=8, hidden_dropout=0.0, attention_dropout=0.0)
+NO_HYPER_CONNECTIONS = dict(TINY, enable_hyper_connections=False, num_residual_streams=1)
+
+
+def _meta_model() -> nn.Module:
+    with record_module_init():
+        return nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 64))
+
+
+def _trainer_fit(strategy=None, callbacks=(), module=None) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy or MHCParallelStrategy(), max_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=list(callbacks))
+    if module is not None:
+        trainer.fit(module)
+
+
+def _fabric(strategy) -> None:
+    Fabric(accelerator="cpu", devices=1, strategy=strategy)
+
+
+# setting: (the function that holds its rule, {door: the call a user makes there}); a CLI door
+# is its overrides. A door that does not take the setting is absent.
+SETTINGS: dict[str, tuple[tuple[object, str], dict[str, object]]] = {
+    "tensor_model_parallel_size=0": ((ParallelLayout, "_check_degrees"), {
+        "cli": ["parallel.tensor_model_parallel_size=0"],
+        "trainer": lambda: MHCParallelStrategy(tensor_model_parallel_size=0),
+        "fabric": lambda: FabricStrategy(tensor_model_parallel_size=0),
+        "parallelize": lambda: parallelize(_meta_model(), layout=ParallelLayout(tensor_model_parallel_size=0)),
+    }),
+    "a virtual pipeline without PP": ((ParallelLayout, "_check_degrees"), {
+        "cli": ["parallel.virtual_pipeline_model_parallel_size=2"],
+        "trainer": lambda: MHCParallelStrategy(virtual_pipeline_model_parallel_size=2),
+        "fabric": lambda: FabricStrategy(virtual_pipeline_model_parallel_size=2),
+        "parallelize": lambda: parallelize(_meta_model(), layout=ParallelLayout(virtual_pipeline_model_parallel_size=2)),
+    }),
+    "sequence parallelism without TP": ((ParallelLayout, "_check_degrees"), {
+        "cli": ["parallel.sequence_parallel=true"],
+        "trainer": lambda: MHCParallelStrategy(sequence_parallel=True),
+        "fabric": lambda: FabricStrategy(sequence_parallel=True),
+        "parallelize": lambda: parallelize(_meta_model(), layout=ParallelLayout(sequence_parallel=True)),
+    }),
+    "TP 2 in a world of 1": ((ParallelLayout, "_check_world"), {
+        "cli": ["parallel=tp2"],
+        "trainer": lambda: _trainer_fit(MHCParallelStrategy(tensor_model_parallel_size=2)),
+        "fabric": lambda: _fabric(FabricStrategy(tensor_model_parallel_size=2)),
+        "parallelize": lambda: parallelize(_meta_model(), layout=ParallelLayout(tensor_model_parallel_size=2)),
+    }),
+    "3 microbatches on an interleaved PP 2": ((ParallelLayout, "check_microbatches"), {
+        "cli": ["parallel=pp2v2", "trainer.devices=2", "model.num_layers=4", "data.global_batch_size=6",
+                "data.micro_batch_size=2"],
+        "trainer": lambda: MHCParallelStrategy(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                               num_microbatches=3),
+        "fabric": lambda: FabricStrategy(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                         num_microbatches=3),
+    }),
+    "a timeout of 0": ((ParallelSettings, "__post_init__"), {
+        "cli": ["parallel.timeout_s=0"],
+        "trainer": lambda: MHCParallelStrategy(timeout=datetime.timedelta(0)),
+        "fabric": lambda: FabricStrategy(timeout=datetime.timedelta(0)),
+    }),
+    "seed -1": ((ParallelSettings, "__post_init__"), {
+        "cli": ["seed=-1"],
+        "trainer": lambda: MHCParallelStrategy(seed=-1),
+        "fabric": lambda: FabricStrategy(seed=-1),
+    }),
+    "an unknown recompute policy": ((RecomputePolicy, "__post_init__"), {
+        "cli": ["recompute.policy=bogus"],
+        "trainer": lambda: MHCRecomputeCallback("bogus"),
+        "fabric": lambda: MHCGPTModule(TINY, recompute_policy="bogus"),
+        "parallelize": lambda: parallelize(_meta_model(), recompute="bogus"),
+    }),
+    "mhc_block with recompute_mlp": ((RecomputePolicy, "__post_init__"), {
+        "cli": ["recompute=mhc_block", "recompute.recompute_mlp=true"],
+        "trainer": lambda: MHCRecomputeCallback("mhc_block", recompute_modules=["layernorm", "mlp"]),
+        "fabric": lambda: MHCGPTModule(TINY, recompute_policy=dict(name="mhc_block", modules=["layernorm", "mlp"])),
+        "parallelize": lambda: parallelize(_meta_model(), recompute=dict(name="mhc_block", modules=["layernorm", "mlp"])),
+    }),
+    "mhc_block without hyper-connections": ((policy_module, "_check_hyper_connections"), {
+        "cli": ["recompute=mhc_block", "model.enable_hyper_connections=false", "model.num_residual_streams=1"],
+        "trainer": lambda: _trainer_fit(callbacks=[MHCRecomputeCallback("mhc_block")],
+                                        module=MHCGPTModule(NO_HYPER_CONNECTIONS)),
+        "fabric": lambda: MHCGPTModule(NO_HYPER_CONNECTIONS, recompute_policy="mhc_block"),
+        "parallelize": lambda: parallelize(_meta_model(), recompute="mhc_block"),
+    }),
+}
+
+
+@pytest.fixture
+def refusals(monkeypatch):
+    """Every rule function of ``SETTINGS`` wrapped: the ConfigErrors it raises are recorded as
+    ``(function, message)``."""
+    raised: list[tuple[str, str]] = []
+
+    def spy(owner, name: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except ConfigError as error:
+                raised.append((name, str(error)))
+                raise
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for owner, name in {rule for rule, _ in SETTINGS.values()}:
+        spy(owner, name)
+    return raised
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_a_bad_setting_is_refused_by_its_one_function_through_every_door(setting, refusals, single_rank_group,
+                                                                         tmp_path, monkeypatch, capsys):
+    from lightning_mhc.cli.preflight import PREFIX
+    from lightning_mhc.distributed.layout import destroy_parallel
+
+    (_, function), doors = SETTINGS[setting]
+    messages = {}
+    for door, call in doors.items():
+        refusals.clear()
+        if door == "cli":
+            status, err = check_before_launch(call, tmp_path, monkeypatch, capsys)
+            assert status == 2, (door, err)
+            printed = err.strip()
+        else:
+            with pytest.raises(ConfigError) as error:
+                call()
+            printed = str(error.value)
+        destroy_parallel()
+        assert refusals, f"{setting} through the {door}: refused by no rule function ({printed})"
+        raised_by, message = refusals[0]  # the innermost: a caller's re-raise is recorded after it
+        assert raised_by == function, f"{setting} through the {door}: refused by {raised_by}, not {function}"
+        # the door passes the rule's message on as it is (the CLI: on one line, after its prefix)
+        expected = PREFIX + " ".join(message.split()) if door == "cli" else message
+        assert printed == expected, (door, printed, expected)
+        messages[door] = message
+    # the same words wherever Python arguments name the values (parallelize names the model's side
+    # of "mhc_block needs hyper-connections" its own way: a model it splits has none)
+    python_doors = {messages[d] for d in ("trainer", "fabric", "parallelize")
+                    if d in messages and (d, setting) != ("parallelize", "mhc_block without hyper-connections")}
+    assert len(python_doors) == 1, messages
+
+
+def test_the_values_are_made_once_and_handed_down(tmp_path, monkeypatch):
+    """What the CLI builds is what the strategy and the callback run with (the same objects, not
+    rebuilt); a strategy's layout is its settings' layout until the processes start."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mhc.cli import train
+    from lightning_mhc.cli.preflight import CONF_DIR, to_train_config
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = to_train_config(compose("config", overrides=["parallel=pp2v2", "trainer.devices=2", "model.num_layers=4",
+                                                           "recompute=mhc_block"]))
+    strategy = train._build_strategy(cfg)
+    assert strategy.settings is cfg.settings and strategy.settings.layout is cfg.layout
+    assert cfg.layout.virtual_pipeline_model_parallel_size == 2 and cfg.layout.world_size == 2
+    trainer, _ = train._build_trainer(cfg, strategy, tmp_path, None, None)
+    callback = next(c for c in trainer.callbacks if isinstance(c, MHCRecomputeCallback))
+    assert callback.policy is cfg.recompute_policy and callback.policy.name == "mhc_block"
+    with pytest.raises(TypeError, match="not both"):
+        MHCParallelStrategy(cfg.settings, seed=3)
+    assert MHCParallelStrategy(pipeline_model_parallel_size=2).settings.layout == ParallelLayout(1, 2)
+
+
+def test_the_virtual_size_is_an_int_everywhere():
+    """No ``None``-or-1 conversion of the virtual pipeline size is left in the package."""
+    conversions = re.compile(r"virtual\w*(?:\s+or\s+1\b|\s+if\s+\w+\s*>\s*1\s+else\s+None|\s+is\s+(?:not\s+)?None)")
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in PACKAGE.rglob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1) if conversions.search(line)]
+    assert not found, found
+    assert ParallelLayout().virtual_pipeline_model_parallel_size == 1
+    with pytest.raises(ConfigError, match="virtual_pipeline_model_parallel_size=None: must be a positive integer"):
+        MHCParallelStrategy(virtual_pipeline_model_parallel_size=None)
+
+
+# ------------------------------------------------------------------ the rooms
+ROOMS = ["ops", "recompute", "distributed", "model", "checkpoint", "parallelize", "data", "strategies", "fabric",
+         "lightning", "cli"]
+"""The package's rooms, each importing only those before it (fabric and lightning are peers)."""
+FIRST_ROOM_OF = {"lightning": "data", "hydra": "strategies", "omegaconf": "strategies"}
+"""The first room that may import each of these packages (data modules are Lightning's; the
+launchers know Hydra's multirun)."""
+ABOVE_ALL = set(FIRST_ROOM_OF)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every module a file imports, at the top or inside a function, absolute."""
+    names = set()
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names.add(base)
+    return names
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "lightning_mhc" and len(parts) > 1 and parts[1] in ROOMS else None
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    problems = []
+    for room in ROOMS:
+        allowed = set(ROOMS[:ROOMS.index(room) + 1]) - ({"lightning"} if room == "fabric" else set())
+        for path in (PACKAGE / room).rglob("*.py"):
+            for module in _imports(path):
+                other = _room(module)
+                if other is not None and other not in allowed:
+                    problems.append(f"{path.relative_to(ROOT)} imports {module}")
+                top = module.split(".")[0]
+                if top in FIRST_ROOM_OF and ROOMS.index(room) < ROOMS.index(FIRST_ROOM_OF[top]):
+                    problems.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not problems, "\n".join(problems)
+
+
+def test_distributed_imports_nothing_above_it_when_loaded():
+    """``distributed`` loaded whole pulls in no Lightning, Hydra, model, checkpoint or strategy."""
+    import subprocess
+    import sys
+
+    from subprocess_env import child_env
+
+    code = ("import pkgutil, importlib, sys, lightning_mhc.distributed as d\n"
+            "for m in pkgutil.walk_packages(d.__path__, 'lightning_mhc.distributed.'): importlib.import_module(m.name)\n"
+            "print(sorted({n.split('.')[0] if not n.startswith('lightning_mhc.') else '.'.join(n.split('.')[:2]) "
+            "for n in sys.modules}))")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = set(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
+    above = {f"lightning_mhc.{room}" for room in ROOMS[ROOMS.index("distributed") + 1:]} | ABOVE_ALL
+    assert not loaded & above, sorted(loaded & above)
+
+
+def test_the_public_name_parallelize_calls_the_function_after_its_package_is_imported():
+    import lightning_mhc.parallelize  # noqa: F401  (binds lightning_mhc.parallelize to the package)
+    from lightning_mhc import parallelize as public
+
+    with pytest.raises(ConfigError, match="unknown recompute policy 'bogus'"):
+        public(_meta_model(), recompute="bogus")
