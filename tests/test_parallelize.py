@@ -374,7 +374,8 @@ def test_parts_registered_on_the_wrong_side_of_the_blocks_are_refused(head_first
     refused when it runs, naming it (not zeros for logits)."""
     import dataclasses
 
-    layout = dataclasses.replace(model_parallel, pipeline_model_parallel_size=2, pipeline_model_parallel_rank=stage)
+    layout = dataclasses.replace(model_parallel, pipeline_model_parallel_size=2, pipeline_model_parallel_rank=stage,
+                                 world_size=2)  # a stage of PP 2 built on the one-rank groups
     model = parallelize(_meta(_Misordered, head_first=head_first), layout=layout, hidden_size=64)
     model.set_input_tensor(torch.zeros(2, 16, 64))
     with pytest.raises(ConfigError, match=match):
@@ -445,7 +446,8 @@ def test_a_model_no_pipeline_can_split_still_runs_without_one(model_parallel):
     assert torch.equal(model(input_ids=ids), reference(input_ids=ids))
     assert torch.equal(model.chunks[0].positions, reference.positions)
     with pytest.raises(ConfigError, match=r"the root \(_RootPositions\) holds tensors itself \(positions\)"):
-        parallelize(_meta(_RootPositions), layout=dataclasses.replace(model_parallel, pipeline_model_parallel_size=2))
+        parallelize(_meta(_RootPositions), layout=dataclasses.replace(model_parallel, pipeline_model_parallel_size=2,
+                                                                     world_size=2))
 
 
 def test_unrecorded_model_and_bad_split_are_refused(model_parallel):

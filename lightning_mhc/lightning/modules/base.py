@@ -19,8 +19,8 @@ class PipelinedLMModule(pl.LightningModule):
     (``forward_step``, ``loss_func``, ``set_input_tensor``, ``pipeline_tensor_shape``,
     ``model_chunks``) and :meth:`global_name_in_model`."""
 
-    recompute_policy: RecomputePolicy = RecomputePolicy()
-    """The recompute policy ``configure_model`` builds the model with."""
+    recompute_policy: RecomputePolicy | None = None
+    """The recompute policy ``configure_model`` builds the model with (None: none was chosen)."""
 
     def configure_recompute(self, policy: str | Any) -> None:
         """Build the model with ``policy`` (a name or a :class:`RecomputePolicy`); called before

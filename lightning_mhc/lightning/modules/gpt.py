@@ -200,7 +200,7 @@ class MHCGPTModule(PipelinedLMModule):
         from lightning_mhc.distributed.layout import single_process_layout
 
         path = Path(checkpoint_path)
-        if not path.is_dir():
+        if path.is_file():
             return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, **kwargs)
         meta = read_metadata(path)  # a clear error for a missing or incomplete checkpoint, before anything is built
         if legacy.is_legacy(meta):

@@ -55,18 +55,19 @@ class ParallelLMModule(PipelinedLMModule):
         """This rank's part of the model: set in ``configure_model`` with ``parallelize(...)``."""
 
     def parallelize(self, model: torch.nn.Module, plan: Any = None, **kwargs: Any) -> ParallelModel:
-        """:func:`lightning_mhc.parallelize.parallelize` with this module's recompute policy (the
-        one an ``MHCRecomputeCallback`` chose: ``none``, ``selective``, ``full``)."""
-        kwargs.setdefault("recompute", self.recompute_policy)
+        """:func:`lightning_mhc.parallelize.parallelize` with the recompute policy an
+        ``MHCRecomputeCallback`` chose (``none``, ``selective``, ``full``), if one did."""
+        if self.recompute_policy is not None:
+            kwargs.setdefault("recompute", self.recompute_policy)
         return parallelize(model, plan, **kwargs)
 
     def check_recompute_policy(self, policy: RecomputePolicy) -> None:
         check_recompute(policy, names=_CALLBACK_NAMES)
 
     def _check_built_policy(self) -> None:
-        """The model was built with this module's recompute policy (the callback's)."""
+        """The model was built with the recompute policy the callback chose (when one did)."""
         built = self._parallel_model().recompute
-        if built != self.recompute_policy:
+        if self.recompute_policy is not None and built != self.recompute_policy:
             raise ConfigError(
                 f"MHCRecomputeCallback({self.recompute_policy.name!r}) is given, but {type(self).__name__}."
                 f"configure_model built the model with recompute={built.name!r}: build it with "
