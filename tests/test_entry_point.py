@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_mhc.checkpoint import commit, legacy
-from train_cli import run_train, train_losses
+from train_cli import check_before_launch, run_train, train_losses
 
 # 6 steps of the tiny mHC model on synthetic tokens (64 steps per epoch at a global batch of 4)
 QUICK = ["trainer=debug", "data=synthetic", "trainer.log_every_n_steps=1"]
@@ -81,7 +81,9 @@ def test_resume_mid_epoch_continues_exactly(tmp_path, layout):
                                torch.tensor([uninterrupted[s] for s in (5, 6, 7)]), rtol=0, atol=1e-6)
 
 
-def test_bad_checkpoint_paths_are_refused_before_launch(tmp_path):
+def test_bad_checkpoint_paths_are_refused_before_launch(tmp_path, monkeypatch, capsys):
+    """The first case through a real ``python -m lightning_mhc.cli.train`` (the door), the others
+    through the same check before launch in this process."""
     partial = tmp_path / "partial.ckpt"
     partial.mkdir()
     (partial / "model_tp0_pp0.pt").write_bytes(b"")
@@ -98,10 +100,13 @@ def test_bad_checkpoint_paths_are_refused_before_launch(tmp_path):
         ([f"ckpt_path={other_layout}"], "was saved with tensor_model_parallel_size=2"),
         ([f"hydra.run.dir={earlier_run}", "ckpt_path=nope"], "does not exist"),
     ]
-    for overrides, message in cases:
-        proc = run_train(tmp_path, *QUICK, *overrides, timeout=120)
-        assert proc.returncode == 2, (overrides, proc.stderr[-3000:])
-        assert message in proc.stderr and "Initializing distributed" not in proc.stderr, overrides
+    (overrides, message), *others = cases
+    proc = run_train(tmp_path, *QUICK, *overrides, timeout=120)
+    assert proc.returncode == 2, (overrides, proc.stderr[-3000:])
+    assert message in proc.stderr and "Initializing distributed" not in proc.stderr, overrides
+    for overrides, message in others:
+        status, err = check_before_launch([*QUICK, *overrides], tmp_path, monkeypatch, capsys)
+        assert status == 2 and message in err, (overrides, err[-3000:])
     assert not (tmp_path / "outputs").exists(), "a run directory was left behind"
     assert (earlier_run / "metrics.csv").read_text() == "step,train_loss\n0,5.5\n"  # an earlier run is never removed
 

@@ -223,6 +223,8 @@ def main() -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--vp", type=int, default=1, help="virtual pipeline chunks per stage")
     parser.add_argument("--policy", default="mhc_block")
+    parser.add_argument("--then-sp-v2", action="store_true",
+                        help="equivalence: then, in the same processes, the same with SP and 2 virtual chunks")
     parser.add_argument("--scenario", choices=["equivalence", "resume", "reshard", "fail", "fabric_example", "zero"],
                         required=True)
     parser.add_argument("--steps", type=int, default=6, help="fabric_example: training steps")
@@ -235,6 +237,8 @@ def main() -> None:
     result = {}
     if args.scenario == "equivalence":
         result["losses"], trainer = fit(args, 6, dropout=0.0)
+        if args.then_sp_v2:
+            result["losses_sp_v2"], trainer = fit(args, 6, dropout=0.0, layout=dict(tp=args.tp, pp=args.pp, sp=True, vp=2))
     elif args.scenario == "resume":
         # 7 steps with a checkpoint every 2 (3 steps per epoch): resuming from step 2 and 4 starts
         # mid-epoch, from step 6 at an epoch boundary, from the end-of-epoch checkpoint of step 3
