@@ -8,7 +8,7 @@ from lightning_mhc.model.config import with_parallel_layout
 from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES, finalize_model_grads, global_grad_norm
-from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
+from lightning_mhc.distributed.random import model_parallel_manual_seed
 from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
 from lightning_mhc.model.stages import build_gpt_chunks
 from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
@@ -95,6 +95,5 @@ def train_layout(
     if reducer is not None:
         reducer.remove()
     destroy_parallel()
-    clear_parallel_seed()
     return dict(losses=losses, grad_norms=grad_norms, eval_loss=eval_loss, weights=merged, recomputes=recomputes,
                 layout=layout, overlapped=overlapped)

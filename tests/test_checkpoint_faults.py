@@ -19,6 +19,7 @@ import torch
 
 from lightning_mhc.checkpoint import commit as sc
 from lightning_mhc.checkpoint import format as cf
+from script_runs import left_behind
 from subprocess_env import child_env
 from train_cli import run_train
 
@@ -210,6 +211,7 @@ def test_sigkill_at_every_fault_point_leaves_only_loadable_checkpoints(tmp_path)
                             env=child_env(), start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=240)
+        assert not left_behind(proc.pid), "processes left behind (the driver kills the sessions it starts)"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -250,5 +252,3 @@ def test_sigkill_at_every_fault_point_leaves_only_loadable_checkpoints(tmp_path)
     assert final["record"]["end_step"] == final["record"]["start_step"] + 3
     assert not any(sc.is_leftover(pathlib.Path(n)) for n in final["entries"]), final["entries"]
     assert final["latest_step"] == final["record"]["end_step"]
-    leftover = subprocess.run(["pgrep", "-f", "scripts/checkpoint_faults.py"], capture_output=True, text=True).stdout
-    assert leftover.strip() == "", f"processes left behind: {leftover}"

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from script_runs import fit_gpt, run_script
+from script_runs import fit_gpt, left_behind, run_script
 from subprocess_env import child_env
 
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "fabric_train.py"
@@ -199,5 +199,4 @@ def test_an_uncaught_exception_in_a_fabric_loop_ends_every_rank_naming_it(tmp_pa
     assert (f"PeerFailure: rank {other} (TP rank 0, PP rank {other}, DP rank 0) stops: rank {rank} (TP rank 0, "
             f"PP rank {rank}, DP rank 0) failed: RuntimeError: boom on rank {rank} at step 2") in proc.stderr, \
         proc.stderr[-4000:]
-    leftover = subprocess.run(["pgrep", "-f", "scripts/fabric_fail.py"], capture_output=True, text=True).stdout
-    assert leftover.strip() == "", f"processes left behind: {leftover}"
+    assert not left_behind(proc.pgid), "processes left behind"

@@ -22,7 +22,7 @@ from lightning_mhc.distributed.pipeline.protocol import split_microbatches
 from lightning_mhc.distributed.fail_fast import FailFast, PeerFailure
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.testing.launch import free_port
-from script_runs import SCRIPTS, fit_gpt, run_script
+from script_runs import SCRIPTS, fit_gpt, left_behind, run_script
 from subprocess_env import child_env
 
 
@@ -111,9 +111,7 @@ def test_an_exception_on_one_rank_ends_every_rank_within_seconds(tmp_path, rank,
     for other in {0, 1, 2, 3} - {rank}:
         assert any(line.startswith(f"lightning_mhc: rank {other} (") and f"stops: rank {rank} (" in line
                    and line.endswith(boom) for line in lines), (other, lines)
-    time.sleep(2)
-    leftover = subprocess.run(["pgrep", "-f", "scripts/fit_gpt.py"], capture_output=True, text=True).stdout
-    assert leftover.strip() == "", f"processes left behind: {leftover}"
+    assert not left_behind(proc.pgid), "processes left behind"
 
 
 def test_the_fail_fast_watch_is_one_per_process_and_ends_before_the_interpreter():

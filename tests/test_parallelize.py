@@ -464,24 +464,21 @@ def test_recompute_policies_are_bit_exact_with_dropout(name, model_parallel):
     """``full`` (every block) and ``selective`` (the plan's modules) recompute give the losses and
     gradients of no recompute, bit for bit, with dropout 0.1 on the randomizer's streams (a replicated
     region nested in a TP-split one included)."""
-    from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
+    from lightning_mhc.distributed.random import model_parallel_manual_seed
 
     make, plan = MODELS[name]
     layout = model_parallel
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     results = {}
-    try:
-        for policy in ("none", "full", "selective"):
-            model_parallel_manual_seed(3, layout)
-            with record_module_init():
-                meta = make(dropout=0.1)
-            model = parallelize(meta, plan, layout=layout, seed=4, recompute=policy)
-            logits = model(input_ids=ids)
-            loss = model.loss(logits, ids.roll(-1, 1))
-            loss.backward()
-            results[policy] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    finally:
-        clear_parallel_seed()
+    for policy in ("none", "full", "selective"):  # (the fixture's teardown removes the randomizer)
+        model_parallel_manual_seed(3, layout)
+        with record_module_init():
+            meta = make(dropout=0.1)
+        model = parallelize(meta, plan, layout=layout, seed=4, recompute=policy)
+        logits = model(input_ids=ids)
+        loss = model.loss(logits, ids.roll(-1, 1))
+        loss.backward()
+        results[policy] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
     loss, grads = results["none"]
     for policy in ("full", "selective"):
         other_loss, other_grads = results[policy]

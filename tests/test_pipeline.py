@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning_mhc.testing.launch import spawn_ranks
 from lightning_mhc.recompute import ActivationMemoryMeter
 from lightning_mhc.recompute.rng import rng_fork
-from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
+from lightning_mhc.distributed.random import model_parallel_manual_seed
 from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from model_utils import tiny_config
 from pipeline_utils import MICRO_BATCH, train_layout
@@ -173,7 +173,6 @@ def _randomizer_masks(rank: int, world: int) -> dict:
     gathered = [None] * world
     dist.all_gather_object(gathered, (layout, masks))
     destroy_parallel()
-    clear_parallel_seed()
     return gathered
 
 

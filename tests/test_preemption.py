@@ -15,20 +15,13 @@ import pytest
 import torch
 
 from lightning_mhc.checkpoint import commit as checkpoint_commit
+from script_runs import group_alive
 from subprocess_env import child_env
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_long.py"
 EXIT_BOUND_S = 30  # the target on CPU; the strategy's collective timeout is 120 s here
 
 pytestmark = pytest.mark.slow
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 class Run:

@@ -140,3 +140,59 @@ def test_retained_activation_bytes(model_parallel, dropout):
     assert _retained_bytes("mhc_block", True, dropout, "reference") == mhc_block
     # deterministic: a second measurement gives the same bytes
     assert _retained_bytes("mhc_block", True, dropout) == mhc_block
+
+
+@pytest.fixture(scope="module")
+def refused_fit_leftovers(single_rank_group):
+    """What a Trainer.fit refused in ``setup`` leaves in its process: the strategy started (its
+    layout built, the parallel randomizer seeded for it) before the callback refused the policy."""
+    import lightning.pytorch as pl
+
+    from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
+    from lightning_mhc.recompute.rng import get_parallel_randomizer
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(seed=7), max_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         callbacks=[MHCRecomputeCallback("mhc_block")])
+    config = dict(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64, max_sequence_length=8,
+                  enable_hyper_connections=False, num_residual_streams=1)
+    with pytest.raises(ConfigError, match="needs enable_hyper_connections=True"):
+        trainer.fit(MHCGPTModule(config))
+    assert get_parallel_randomizer() is not None  # the state this module's tests start from, on purpose
+    return trainer.strategy.layout
+
+
+@pytest.mark.parametrize("implementation", ["reference", "fused", "triton", "compile"])
+def test_block_recompute_replays_the_dropout_after_a_refused_fit(refused_fit_leftovers, implementation):
+    """After a refused ``Trainer.fit`` left its layout and parallel randomizer: runs seeded through
+    the randomizer (``model_parallel_manual_seed``) give ``mhc_block`` the losses and gradients of
+    ``none`` bit for bit with dropout, every implementation (the recompute replays the masks it
+    drew, randomizer included); and once the layout is destroyed (as the ``model_parallel`` fixture
+    does), the randomizer goes with it, so ``torch.manual_seed`` alone repeats a run."""
+    from lightning_mhc.distributed.layout import ParallelLayout, active_layout, destroy_parallel
+    from lightning_mhc.distributed.random import model_parallel_manual_seed
+    from lightning_mhc.recompute.rng import get_parallel_randomizer
+
+    if implementation == "compile":
+        torch._dynamo.reset()
+
+    def run(policy: str, reseed: bool):
+        if reseed:
+            model_parallel_manual_seed(7, active_layout())
+        cfg = tiny_config(num_layers=2, hidden_size=32, ffn_hidden_size=64, hidden_dropout=0.1, attention_dropout=0.1,
+                          mhc_sinkhorn_iterations=3, mhc_implementation=implementation)
+        torch.manual_seed(0)
+        model = GPTModel(RecomputePolicy(policy, layer_num=2 if policy == "mhc_block" else None).apply(cfg))
+        attach_recompute(model)
+        return train_steps(model, steps=1, batch=2, seq=8)
+
+    def same(a, b) -> bool:
+        return all(torch.equal(la, lb) and all(torch.equal(ga[k], gb[k]) for k in ga) for (la, ga), (lb, gb) in zip(a, b))
+
+    assert get_parallel_randomizer() is not None
+    assert same(run("none", reseed=True), run("mhc_block", reseed=True)), "with the randomizer left installed"
+    destroy_parallel()
+    assert get_parallel_randomizer() is None
+    ParallelLayout().build()
+    assert same(run("none", reseed=False), run("mhc_block", reseed=False)), "after the layout was destroyed"
+    model_parallel_manual_seed(7, active_layout())  # the leftover state again, for the next implementation

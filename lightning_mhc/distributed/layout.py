@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.recompute.rng import set_parallel_randomizer
 
 RUNTIME_NAMES = KeyNames({
     "world_size": "the world size {}",
@@ -351,13 +352,17 @@ def active_layout() -> ParallelLayout:
 
 
 def destroy_parallel() -> None:
-    """Tear the model-parallel groups down (the default group stays).
+    """Tear the model-parallel groups down (the default group stays), and the parallel randomizer
+    seeded for their ranks (``distributed.random``): its streams belong to this layout, and left
+    installed they would keep feeding dropout after ``torch.manual_seed`` (which does not reach
+    them), so two runs meant to start alike would not.
 
     megatron's ``destroy_model_parallel`` only forgets its groups; with gloo each group
     keeps its own threads and sockets, so a process that builds layouts again and again
     (tests, sweeps in one process) would pile them up. The groups are destroyed here."""
     global _ACTIVE
     _ACTIVE = None
+    set_parallel_randomizer(None)
     groups = {id(g): g for g in vars(parallel_state).values()
               if isinstance(g, dist.ProcessGroup) and g is not dist.GroupMember.WORLD}
     if parallel_state.model_parallel_is_initialized():

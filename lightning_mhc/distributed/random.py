@@ -34,6 +34,3 @@ def model_parallel_manual_seed(seed: int, layout: ParallelLayout) -> MultiDimPar
     set_parallel_randomizer(randomizer)
     return randomizer
 
-
-def clear_parallel_seed() -> None:
-    set_parallel_randomizer(None)

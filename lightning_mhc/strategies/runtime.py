@@ -42,7 +42,7 @@ from lightning_mhc.distributed.pipeline.protocol import (
     is_pipeline_module,
     split_microbatches,
 )
-from lightning_mhc.distributed.random import clear_parallel_seed, model_parallel_manual_seed
+from lightning_mhc.distributed.random import model_parallel_manual_seed
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.recompute.memory import ActivationMemoryMeter
 from lightning_mhc.strategies.settings import ParallelSettings
@@ -151,7 +151,6 @@ class ParallelRuntime:
         """Tear the groups and the parallel randomizer down (``layout`` stays readable: degrees and
         ranks; its groups are gone)."""
         destroy_parallel()
-        clear_parallel_seed()
 
     # ------------------------------------------------------------------ data
     @property
