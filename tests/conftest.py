@@ -49,11 +49,20 @@ CLI_REFERENCE_RUN = ["trainer=debug", "data=synthetic", "trainer.log_every_n_ste
 
 
 @pytest.fixture(scope="session")
-def cli_reference_losses(tmp_path_factory) -> dict[int, float]:
-    """``{step: train_loss}`` of ``CLI_REFERENCE_RUN`` (run once per session)."""
-    from train_cli import run_train, train_losses
+def cli_reference_run(tmp_path_factory):
+    """The run directory of ``CLI_REFERENCE_RUN`` (run once per session; checkpoints at steps 3
+    and 6, validation after steps 3 and 6)."""
+    from train_cli import run_train
 
     cwd = tmp_path_factory.mktemp("cli_reference")
     proc = run_train(cwd, *CLI_REFERENCE_RUN, f"hydra.run.dir={cwd / 'run'}")
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return train_losses(cwd / "run" / "metrics.csv")
+    return cwd / "run"
+
+
+@pytest.fixture(scope="session")
+def cli_reference_losses(cli_reference_run) -> dict[int, float]:
+    """``{step: train_loss}`` of ``CLI_REFERENCE_RUN``."""
+    from train_cli import train_losses
+
+    return train_losses(cli_reference_run / "metrics.csv")

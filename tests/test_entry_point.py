@@ -112,10 +112,13 @@ def test_bad_checkpoint_paths_are_refused_before_launch(tmp_path, monkeypatch, c
 
 
 @pytest.mark.slow
-def test_validate_and_test_a_checkpoint_on_another_layout(tmp_path):
-    """mode=validate / mode=test: a one-process run's step-6 checkpoint evaluated on TP 2 x PP 2
-    (4 processes) and on one process gives the validation loss the run logged at step 6."""
-    first = _fit(tmp_path, "first", "parallel=single", *NO_DROPOUT)
+def test_validate_and_test_a_checkpoint_on_another_layout(tmp_path, cli_reference_run, monkeypatch, capsys):
+    """mode=validate / mode=test: a one-process run's step-6 checkpoint (conftest's
+    ``cli_reference_run``) evaluated on TP 2 x PP 2 (4 processes) and on one process gives the
+    validation loss the run logged at step 6."""
+    from conftest import CLI_REFERENCE_RUN
+
+    first = cli_reference_run
     with open(first / "metrics.csv") as handle:
         logged = {int(row["step"]): float(row["val_loss"]) for row in csv.DictReader(handle) if row.get("val_loss")}
     checkpoint = first / "checkpoints" / "step-000006.ckpt"
@@ -123,10 +126,10 @@ def test_validate_and_test_a_checkpoint_on_another_layout(tmp_path):
     logged[6] = logged[5]
     for name, mode, layout in (("validate_tp2pp2", "validate", ["parallel=tp2pp2", "trainer.devices=4"]),
                                ("test_single", "test", ["parallel=single"])):
-        run_dir = _fit(tmp_path, name, *layout, *NO_DROPOUT, f"mode={mode}", f"ckpt_path={checkpoint}")
+        run_dir = _fit(tmp_path, name, *CLI_REFERENCE_RUN, *layout, f"mode={mode}", f"ckpt_path={checkpoint}")
         summary = json.loads((run_dir / "summary.json").read_text())
         key = "val_loss" if mode == "validate" else "test_loss"
         print(f"mode={mode} {' '.join(layout)}: {summary[key]:.6f}, logged at step 6: {logged[6]:.6f}")
         assert summary["mode"] == mode and abs(summary[key] - logged[6]) <= 1e-5, (summary, logged)
-    proc = run_train(tmp_path, *QUICK, "mode=validate")
-    assert proc.returncode == 2 and "mode=validate evaluates a checkpoint: give ckpt_path=" in proc.stderr
+    status, err = check_before_launch([*QUICK, "mode=validate"], tmp_path, monkeypatch, capsys)
+    assert status == 2 and "mode=validate evaluates a checkpoint: give ckpt_path=" in err

@@ -103,10 +103,15 @@ class StateBytes(Callback):
             self.overlapped = runtime.distributed_optimizer.overlapped_buckets
 
 
+ZERO_STEPS, ZERO_SAVE_AT = 6, 3
+"""The distributed optimizer's runs: steps, and the step of the checkpoints resumed from
+(tests/test_distributed_optimizer.py reads the same numbers)."""
+
+
 def zero_runs(args, layouts: dict, ckpt: pathlib.Path | None, out_dir: pathlib.Path) -> dict:
-    """Each layout of ``layouts`` with and without the distributed optimizer: 10 AdamW steps with
-    clipping (losses, optimizer-state bytes per rank); SGD with momentum on the first; with
-    ``ckpt``: steps 6 to 10 from it, with and without."""
+    """Each layout of ``layouts`` with and without the distributed optimizer: ``ZERO_STEPS`` AdamW
+    steps with clipping (losses, optimizer-state bytes per rank); SGD with momentum on the first;
+    with ``ckpt`` (saved at step ``ZERO_SAVE_AT``): the steps after it, with and without."""
     result = {}
     for name, layout in layouts.items():
         for zero in (False, True):
@@ -114,43 +119,43 @@ def zero_runs(args, layouts: dict, ckpt: pathlib.Path | None, out_dir: pathlib.P
             key = f"{name}{'_zero' if zero else ''}"
             saving = zero and name in ("dp4", "tp2_dp2")
             ckpt_dir = out_dir / f"{key}_ckpt" if saving else None
-            result[key], trainer = fit(args, 10, dropout=0.0, layout=layout, use_distributed_optimizer=zero,
+            result[key], trainer = fit(args, ZERO_STEPS, dropout=0.0, layout=layout, use_distributed_optimizer=zero,
                                        extra_callbacks=[state], ckpt_dir=str(ckpt_dir) if saving else None,
-                                       every_n_train_steps=5, num_samples=80)
+                                       every_n_train_steps=ZERO_SAVE_AT, num_samples=80)
             result[f"{key}_state_bytes"] = state.per_rank
             result[f"{key}_overlapped_buckets"] = state.overlapped
             if saving:
-                result[f"{key}_checkpoint"] = str(next(ckpt_dir.glob("*step=5.ckpt")))
+                result[f"{key}_checkpoint"] = str(next(ckpt_dir.glob(f"*step={ZERO_SAVE_AT}.ckpt")))
     if "dp4" in layouts:  # its checkpoints onto other TP/PP layouts, with and without it
         for source, target, zero in (("dp4", "tp2_dp2", True), ("dp4", "pp2_dp2", True),
                                      ("tp2_dp2", "pp2_dp2", False), ("tp2_dp2", "dp4", True)):
             result[f"{source}_zero_to_{target}{'_zero' if zero else ''}"], trainer = fit(
-                args, 10, dropout=0.0, layout=layouts[target], use_distributed_optimizer=zero,
+                args, ZERO_STEPS, dropout=0.0, layout=layouts[target], use_distributed_optimizer=zero,
                 ckpt_path=result[f"{source}_zero_checkpoint"], num_samples=80)
     first = next(iter(layouts.values()))
     for zero in (False, True):
-        result[f"sgd{'_zero' if zero else ''}"], trainer = fit(args, 10, dropout=0.0, layout=first, module_cls=SGDModule,
+        result[f"sgd{'_zero' if zero else ''}"], trainer = fit(args, ZERO_STEPS, dropout=0.0, layout=first, module_cls=SGDModule,
                                                              use_distributed_optimizer=zero, num_samples=80)
     if ckpt is not None:
         for zero in (False, True):
             result[f"resumed{'_zero' if zero else ''}"], trainer = fit(
-                args, 10, dropout=0.0, layout=first, use_distributed_optimizer=zero, ckpt_path=str(ckpt),
+                args, ZERO_STEPS, dropout=0.0, layout=first, use_distributed_optimizer=zero, ckpt_path=str(ckpt),
                 num_samples=80)
     if args.devices == 2:  # every other recompute policy (mhc_block is the default)
         for policy in ("none", "full", "selective"):
-            result[f"zero_{policy}"], trainer = fit(args, 10, dropout=0.0, layout=first, use_distributed_optimizer=True,
+            result[f"zero_{policy}"], trainer = fit(args, ZERO_STEPS, dropout=0.0, layout=first, use_distributed_optimizer=True,
                                                     num_samples=80, policy=policy)
     if args.devices <= 2:  # bf16 weights, fp32 main weights; with the distributed optimizer a resume
         for zero in (False, True):
             key, state = f"bf16{'_zero' if zero else ''}", StateBytes()
             bf16_ckpt = out_dir / f"{key}_ckpt"
-            result[key], trainer = fit(args, 10, dropout=0.0, layout=first, use_distributed_optimizer=zero,
+            result[key], trainer = fit(args, ZERO_STEPS, dropout=0.0, layout=first, use_distributed_optimizer=zero,
                                        precision="bf16-true", num_samples=80, ckpt_dir=str(bf16_ckpt),
-                                       every_n_train_steps=5, extra_callbacks=[state])
+                                       every_n_train_steps=ZERO_SAVE_AT, extra_callbacks=[state])
             result[f"{key}_state_bytes"] = state.per_rank
             result[f"{key}_resumed"], trainer = fit(
-                args, 10, dropout=0.0, layout=first, use_distributed_optimizer=zero, precision="bf16-true",
-                num_samples=80, ckpt_path=str(next(bf16_ckpt.glob("*step=5.ckpt"))))
+                args, ZERO_STEPS, dropout=0.0, layout=first, use_distributed_optimizer=zero, precision="bf16-true",
+                num_samples=80, ckpt_path=str(next(bf16_ckpt.glob(f"*step={ZERO_SAVE_AT}.ckpt"))))
     return result, trainer
 
 
