@@ -44,16 +44,24 @@ _BUILD_BY_NAME = """
 """
 
 
-@pytest.mark.parametrize("imports", [
-    "import lightning_mhc\nimport lightning.pytorch as pl",
-    "import lightning.pytorch as pl\nimport lightning_mhc",
-    "import lightning_mhc\nfrom lightning.fabric import Fabric",
-    "from lightning.fabric import Fabric\nimport lightning_mhc",
-], ids=["lightning_mhc-first", "lightning-first", "lightning_mhc-then-fabric", "fabric-first"])
-def test_strategy_name_works_after_import_lightning_mhc(imports):
-    """``strategy="mhc_parallel"`` names the Trainer's strategy in a Trainer and Fabric's in Fabric."""
-    proc = run_python("import sys\n" + imports + textwrap.dedent(_BUILD_BY_NAME))
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+IMPORT_ORDERS = {
+    "lightning_mhc-first": "import lightning_mhc\nimport lightning.pytorch as pl",
+    "lightning-first": "import lightning.pytorch as pl\nimport lightning_mhc",
+    "lightning_mhc-then-fabric": "import lightning_mhc\nfrom lightning.fabric import Fabric",
+    "fabric-first": "from lightning.fabric import Fabric\nimport lightning_mhc",
+}
+
+
+def test_strategy_name_works_after_import_lightning_mhc():
+    """``strategy="mhc_parallel"`` names the Trainer's strategy in a Trainer and Fabric's in Fabric,
+    whatever the import order (each order in a fresh interpreter; the four run side by side)."""
+    procs = {order: subprocess.Popen([sys.executable, "-W", "ignore", "-c",
+                                      "import sys\n" + imports + textwrap.dedent(_BUILD_BY_NAME)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+             for order, imports in IMPORT_ORDERS.items()}
+    for order, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0 and "OK" in stdout, (order, stdout[-2000:] + stderr[-4000:])
 
 
 def test_lower_layers_do_not_import_lightning():
