@@ -26,6 +26,7 @@ _PUBLIC = {
     "MHCGPTModule": "lightning_mhc.lightning",
     "ParallelLMModule": "lightning_mhc.lightning",
     "parallelize": "lightning_mhc.parallelize",
+    "add_hyper_connections": "lightning_mhc.parallelize",
     "record_module_init": "lightning_mhc.parallelize",
     "build_recorded_module": "lightning_mhc.parallelize",
     "MHCTransformerConfig": "lightning_mhc.model",

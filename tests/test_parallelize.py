@@ -491,7 +491,7 @@ def test_recompute_callback_applies_its_policy_through_trainer_fit():
     """``MHCRecomputeCallback("full")`` with a ParallelLMModule built by ``self.parallelize``: every
     block's attention runs twice per training forward (once more in backward) and the losses equal
     those without recompute, bit for bit, with dropout 0.1; a model built without the policy, or
-    ``mhc_block``, is refused before any step."""
+    ``mhc_block`` for a model without hyper-connections, is refused before any step."""
     from torch.utils.data import DataLoader
 
     from lightning_mhc import MHCRecomputeCallback
@@ -532,7 +532,7 @@ def test_recompute_callback_applies_its_policy_through_trainer_fit():
     assert all(torch.equal(a, b) for a, b in zip(plain.losses, full.losses)) and len(full.losses) == 3
     with pytest.raises(ConfigError, match=r"built the model with recompute='none': build it with self.parallelize"):
         fit(RecomputedLM(use_policy=False), MHCRecomputeCallback("full"))
-    with pytest.raises(ConfigError, match=r"MHCRecomputeCallback\('mhc_block'\) needs a model with hyper-connections"):
+    with pytest.raises(ConfigError, match=r"recompute='mhc_block' needs a model with hyper-connections \(parallelize"):
         fit(RecomputedLM(), MHCRecomputeCallback("mhc_block"))
 
 

@@ -14,6 +14,9 @@ PyTorch transformer with a list of repeated blocks), without rewriting it on meg
 - ``model.py``: :func:`parallelize`, :class:`ParallelModel` (the pipeline contract), and
   :func:`build_recorded_module` (the whole model in one process, same weights);
 - ``weights.py``: pretrained safetensors read stage by stage and TP slice by slice;
+- ``hyper_connections.py``: mHC for any model: ``add_hyper_connections`` (``parallelize(...,
+  hyper_connections=n)``) rewires each block's branches around the project's hyper-connection
+  module, exactly preserving the model's function at step 0;
 - ``export.py``: a parallel run's checkpoint into the plain model (``load_checkpoint``) and out as
   ``save_pretrained`` safetensors (``export_pretrained``).
 
@@ -22,6 +25,8 @@ No Lightning import: ``lightning_mhc.lightning.ParallelLMModule`` is the Lightni
 import sys
 import types
 
+from lightning_mhc.parallelize.hyper_connections import (
+    HC_PLANS, Branch, HyperConnectionPlan, HyperConnectionSettings, add_hyper_connections)
 from lightning_mhc.parallelize.export import consolidated_state_dict, export_pretrained, load_checkpoint
 from lightning_mhc.parallelize.model import MaterializedReport, ParallelModel, build_recorded_module, parallelize
 from lightning_mhc.parallelize.plan import (
@@ -30,7 +35,8 @@ from lightning_mhc.parallelize.plan import (
 from lightning_mhc.parallelize.record import record_module_init
 
 __all__ = [
-    "GPT2", "GPT_NEOX", "LLAMA", "OPT", "PHI3", "PLANS", "QWEN3", "Column", "MaterializedReport", "ParallelModel",
+    "Branch", "GPT2", "GPT_NEOX", "HC_PLANS", "HyperConnectionPlan", "HyperConnectionSettings",
+    "add_hyper_connections", "LLAMA", "OPT", "PHI3", "PLANS", "QWEN3", "Column", "MaterializedReport", "ParallelModel",
     "Replicate", "ReplicateOnSplit", "Row", "TPPlan", "VocabEmbedding", "build_recorded_module", "check_plan",
     "consolidated_state_dict", "export_pretrained",
     "load_checkpoint", "parallelize", "record_module_init",

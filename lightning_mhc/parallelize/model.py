@@ -38,6 +38,12 @@ from lightning_mhc.parallelize.pipeline import (
     stage_block_list,
 )
 from lightning_mhc.parallelize.plan import Column, TPPlan, check_plan, linear_dims, resolve_plan
+from lightning_mhc.parallelize.hyper_connections import (
+    HyperConnectionPlan,
+    HyperConnectionSettings,
+    apply_hyper_connections,
+    attach_block_recompute,
+)
 from lightning_mhc.parallelize.record import InitFn, Materializer, is_meta
 from lightning_mhc.parallelize.weights import check_weights, load_weights
 from lightning_mhc.parallelize.tensor_parallel import apply_style, divide_attributes, random_region
@@ -242,6 +248,8 @@ def parallelize(
     hidden_size: int | None = None,
     loss_parallel: bool = True,
     weights: str | Any | None = None,
+    hyper_connections: int | HyperConnectionSettings | None = None,
+    hyper_connection_plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto",
 ) -> ParallelModel:
     """This rank's part of ``model`` (built under :func:`record_module_init`) on ``layout``
     (default: the running strategy's, see ``distributed.layout.active_layout``; a layout not built
@@ -265,18 +273,28 @@ def parallelize(
         weights: pretrained weights instead of ``seed``'s: a Hugging Face directory of
             safetensors (indexed or not) or a list of files. Each rank reads only its stage's
             tensors and its TP slices (``weights.py``); names, shapes and dtypes are checked
-            against the model first.
+            against the model first (hyper-connection parameters the files lack are drawn from
+            ``seed``).
+        hyper_connections: ``n`` residual streams with a hyper-connection around every branch
+            (``hyper_connections.py``: exact at step 0 with the default settings), or their
+            :class:`HyperConnectionSettings`; None: as the model is (or as
+            ``add_hyper_connections`` left it). ``recompute="mhc_block"`` needs them.
+        hyper_connection_plan: where they go: ``"auto"`` (by ``model_type``), or a
+            :class:`HyperConnectionPlan`.
     """
     layout = layout if layout is not None else active_layout()
     layout = layout if layout.is_built else layout.build()
     recompute = RecomputePolicy.of(recompute)
     _check_arguments(model, layout, recompute)
+    _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
+    check_recompute(recompute, hyper_connections=_hyper_connection_streams(model) > 1)
     checked = check_weights(model, weights) if weights is not None else None  # before the build changes the model
     plan, parts, ranges = _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute,
                                                  recompute_modules)
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     whole = _unique_numel(model)
     hidden = _hidden_size(model, parts, hidden_size) if parts else hidden_size or 0  # (crosses no stage)
+    hidden *= _hyper_connection_streams(model)  # the n streams cross the stages
     materializer = Materializer(model, seed, init_fn, loaded=checked.tensor_ids if checked is not None else None)
     aliases = _tied_aliases(model, materializer)
     ties = _tied_tensors(model)  # of the recorded model: materialising replaces the tensors
@@ -317,18 +335,36 @@ def _check_arguments(model: nn.Module, layout: ParallelLayout, recompute: Recomp
     if layout.sequence_parallel:
         raise ConfigError("sequence_parallel=True is not supported for a model split by parallelize(): its norms and "
                           "dropouts run on the whole sequence. Set sequence_parallel=False.")
-    check_recompute(recompute)
 
 
-def check_recompute(policy: RecomputePolicy, names: KeyNames = WITHOUT_HYPER_CONNECTIONS) -> None:
-    """What ``parallelize`` runs of a recompute policy: not the block recompute (the model has no
-    hyper-connections), and no named ``modules`` (it checkpoints the modules its plan or
-    ``recompute_modules`` name by pattern). ``names``: how the error names the policy."""
-    if policy.modules is not None:
+def check_recompute(policy: RecomputePolicy, names: KeyNames = WITHOUT_HYPER_CONNECTIONS,
+                    hyper_connections: bool | None = None) -> None:
+    """What ``parallelize`` runs of a recompute policy: no named ``modules`` (it checkpoints the
+    modules its plan or ``recompute_modules`` name by pattern), and the block recompute only for a
+    model with hyper-connections (``hyper_connections``; None: not known yet, checked when the
+    model is split). ``names``: how the error names the policy."""
+    if policy.modules is not None and not (policy.block_recompute and policy.modules == ("layernorm",)):
         raise ConfigError(f"{names.term('policy', policy.name)} with recompute_modules={list(policy.modules)}: a model "
                           "split by parallelize() names the selectively recomputed modules by pattern, "
                           "parallelize(recompute_modules=[patterns]) (default: the plan's selective list).")
-    policy.check_model(hyper_connections=False, names=names)
+    if hyper_connections is not None:
+        policy.check_model(hyper_connections=hyper_connections, names=names)
+
+
+def _add_hyper_connections(model: nn.Module, hyper_connections: int | HyperConnectionSettings | None,
+                           plan: str | HyperConnectionPlan | Mapping[str, Any], seed: int) -> None:
+    """``parallelize(hyper_connections=...)``: added to the recorded model before it is split (a
+    model ``add_hyper_connections`` rewired already keeps its own)."""
+    if hyper_connections is None:
+        return
+    settings = (hyper_connections if isinstance(hyper_connections, HyperConnectionSettings)
+                else HyperConnectionSettings(hyper_connections, seed=seed))
+    apply_hyper_connections(model, settings, plan)
+
+
+def _hyper_connection_streams(model: nn.Module) -> int:
+    settings = getattr(model, "hyper_connection_settings", None)
+    return settings.num_residual_streams if settings is not None else 1
 
 
 def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] | None, layout: ParallelLayout,
@@ -500,6 +536,8 @@ def _build_stages(model: nn.Module, parts: ModelParts, ranges: list[tuple[int, i
             build(parts.block_name(index), block)
             if recompute.name == "full":
                 _checkpointed(block)
+        if recompute.block_recompute:  # groups within the stage
+            attach_block_recompute(list(local.values()), recompute.layer_num)
         chunks.append(skeleton)
         stage_ends.append((stage, local[start], local[end - 1]))
 

@@ -173,8 +173,8 @@ class Materializer:
             self._fill(sub_name, sub)
         if self.init_fn is not None:
             for sub_name, sub in post_order(module, name):
-                if self._only_loaded(sub):
-                    continue
+                if self._only_loaded(sub) or getattr(sub, "initialises_itself", False):
+                    continue  # (a module whose constructor draws its tensors by name: hyper-connections)
                 with seeded(self.seed, sub_name + "#init"), self._holding_only_own(sub):
                     self.init_fn(sub)
 

@@ -26,6 +26,7 @@ from torch import nn
 from lightning_mhc.checkpoint.sharding import tp_placement
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.parallelize.hyper_connections import drawn_from_seed
 from lightning_mhc.parallelize.tensor_parallel import strided_runs
 
 INDEX = "model.safetensors.index.json"
@@ -123,7 +124,8 @@ def _check(files: dict[str, Path], expected: dict[str, tuple[tuple[int, ...], to
         return None
 
     to_file = {name: in_files(name) for name in expected}
-    missing = sorted(n for n, f in to_file.items() if f is None and not n.endswith(("inv_freq", "masked_bias")))
+    missing = sorted(n for n, f in to_file.items()
+                     if f is None and not n.endswith(("inv_freq", "masked_bias")) and not drawn_from_seed(n))
     unexpected = sorted(set(files) - {f for f in to_file.values() if f})
     problems = []
     if missing:

@@ -34,8 +34,9 @@ POLICY_NAMES = KeyNames({"policy": "recompute policy {}", "recompute_modules": "
                          "mhc_recompute_layer_num": "mhc_recompute_layer_num"}, show=repr)
 """How policy errors name values by default (the Python arguments)."""
 WITHOUT_HYPER_CONNECTIONS = KeyNames({"policy": "recompute={}", "enable_hyper_connections": lambda _: (
-    "a model with hyper-connections (MHCGPTModule; a model split by parallelize() has none)")}, show=repr)
-"""How the model half of a policy error is named for a model without hyper-connections (``parallelize``)."""
+    "a model with hyper-connections (parallelize(..., hyper_connections=n), add_hyper_connections(model), or "
+    "MHCGPTModule)")}, show=repr)
+"""How the model half of a policy error is named for a model split by ``parallelize`` without them."""
 
 
 def _is_layer_count(value: Any) -> bool:

@@ -29,9 +29,9 @@ from lightning_mhc.parallelize.model import ParallelModel, check_recompute, para
 from lightning_mhc.recompute.policy import RecomputePolicy
 
 
-_CALLBACK_NAMES = KeyNames({"policy": "MHCRecomputeCallback({})", "enable_hyper_connections": lambda _: (
-    "a model with hyper-connections (MHCGPTModule; a model split by parallelize() has none)")}, show=repr)
-"""How the recompute policy's rules name the callback's choice for a model split by parallelize()."""
+_CALLBACK_NAMES = KeyNames({"policy": "MHCRecomputeCallback({})"}, show=repr)
+"""How the recompute policy's rules name the callback's choice for a model split by parallelize()
+(whether the model has hyper-connections, which ``mhc_block`` needs, ``parallelize`` checks)."""
 
 
 class ParallelLMModule(PipelinedLMModule):
@@ -56,7 +56,8 @@ class ParallelLMModule(PipelinedLMModule):
 
     def parallelize(self, model: torch.nn.Module, plan: Any = None, **kwargs: Any) -> ParallelModel:
         """:func:`lightning_mhc.parallelize.parallelize` with the recompute policy an
-        ``MHCRecomputeCallback`` chose (``none``, ``selective``, ``full``), if one did."""
+        ``MHCRecomputeCallback`` chose (``none``, ``selective``, ``full``; ``mhc_block`` with
+        ``hyper_connections=n``), if one did."""
         if self.recompute_policy is not None:
             kwargs.setdefault("recompute", self.recompute_policy)
         return parallelize(model, plan, **kwargs)
