@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
-from lm_models import FAMILIES, MODELS, PLAIN_PLAN, PlainTransformer, gpt2, hf_model, llama  # noqa: E402
+from lm_models import FAMILIES, MODELS, PLAIN_PLAN, SEQ, VOCAB, PlainTransformer, gpt2, hf_model, llama  # noqa: E402
 from subprocess_env import child_env  # noqa: E402
 
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule  # noqa: E402
@@ -53,15 +53,38 @@ def pretrained(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
+def family_weights(tmp_path_factory) -> pathlib.Path:
+    """Each built-in family's weights, other than any seed's (norms off one), as sharded
+    ``save_pretrained`` files: ``<dir>/<model>``."""
+    root = tmp_path_factory.mktemp("families")
+    torch.manual_seed(12)
+    for name in HC_FAMILIES:
+        model = MODELS[name][0]()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        model.save_pretrained(root / name, max_shard_size="40KB")
+    return root
+
+
+HC_FAMILIES = ("gpt2", "llama", *FAMILIES)
+"""The families with a built-in hyper-connection plan."""
+HC_MODELS = ("llama", "mistral")
+"""The models trained with hyper-connections on every layout."""
+
+
+@pytest.fixture(scope="module")
 def references(tmp_path_factory, pretrained) -> dict:
     return run_group(tmp_path_factory.mktemp("reference"), 1,
-                     [f"{m}:single" for m in (*MODEL_NAMES, "tiedllama", *FAMILIES)] + ["tiedllama:single:pretrained"],
-                     "--weights", str(pretrained))
+                     [f"{m}:single" for m in (*MODEL_NAMES, "tiedllama", *FAMILIES)] + ["tiedllama:single:pretrained"]
+                     + [f"{m}:single:hc" for m in HC_MODELS], "--weights", str(pretrained))
 
 
 def check_case(case: str, result: dict, references: dict) -> None:
     model, _, variant = (case.split(":") + [""])[:3]
-    reference = references[f"{model}:single" + (":pretrained" if variant == "pretrained" else "")]
+    flags = set(variant.split("-"))
+    reference = references[f"{model}:single" + (":pretrained" if "pretrained" in flags else "")
+                           + (":hc" if "hc" in flags else "")]
     losses, ref_losses = torch.tensor(result["losses"]), torch.tensor(reference["losses"])
     assert len(losses) == len(ref_losses) == 4
     assert set(result["weights"]) == set(reference["weights"])  # the model's own names, every tensor
@@ -82,12 +105,20 @@ def check_case(case: str, result: dict, references: dict) -> None:
 def test_tp2_and_pp2(tmp_path, references):
     """TP 2 and PP 2 (2 processes), PP 2 with the interleaved schedule (v = 2) for GPT-2, and TP 2
     with the logits gathered (``loss_parallel=False``) for GPT-2 (its head is tied) and the plain model;
-    on PP 2, batches without labels refused by both stages."""
+    Llama and Mistral with 4 hyper-connection streams on TP 2, PP 2 and PP 2 x v 2 against
+    ``add_hyper_connections`` in one process, and with dropout, the block recompute (``mhc_block``)
+    bit for bit equal to none on TP 2 and PP 2; on PP 2, batches without labels refused by both stages."""
     cases = ([f"{m}:{layout}" for m in MODEL_NAMES for layout in ("tp2", "pp2")]
-             + ["gpt2:pp2v2", "gpt2:tp2:gather", "plain:tp2:gather"])
-    results = run_group(tmp_path, 2, cases + ["gpt2:pp2:nolabels"])
+             + ["gpt2:pp2v2", "gpt2:tp2:gather", "plain:tp2:gather"]
+             + [f"{m}:{layout}:hc" for m in HC_MODELS for layout in ("tp2", "pp2", "pp2v2")])
+    recomputed = [f"llama:{layout}:hc-dropout{block}" for layout in ("tp2", "pp2") for block in ("", "-block")]
+    results = run_group(tmp_path, 2, cases + recomputed + ["gpt2:pp2:nolabels"])
     for case in cases:
         check_case(case, results[case], references)
+    for layout in ("tp2", "pp2"):
+        plain, block = (results[f"llama:{layout}:hc-dropout{b}"] for b in ("", "-block"))
+        assert block["losses"] == plain["losses"] and block["weights"] == plain["weights"], layout  # bit for bit
+        assert block["masks"] == plain["masks"] and plain["masks"][0]["masks"], layout  # dropout acted
     # batches without labels: both stages refuse them before the schedule (the first stage does
     # not wait for a loss that the last stage cannot compute)
     refused = results["gpt2:pp2:nolabels"]
@@ -97,10 +128,10 @@ def test_tp2_and_pp2(tmp_path, references):
             in message, refused
 
 
-RESUMED = ("gpt2:pp2:resume", "gpt2:tp2:resume", "llama:pp2:resume", "plain:tp2:resume")
+RESUMED = ("gpt2:pp2:resume", "gpt2:tp2:resume", "llama:pp2:resume", "plain:tp2:resume", "llama:pp2:hc-resume")
 
 
-def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained, model_parallel):
+def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained, family_weights, model_parallel):
     """TP 2 x PP 2 against one process (also a Llama whose head is tied to its embedding, under a dict
     plan that names no output layer, and the families of ``lm_models.FAMILIES`` under their
     built-in plans: sliding windows, per-layer masks, fused projections, per-head norms, scaled
@@ -108,18 +139,33 @@ def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained, model_p
     DP 2 and TP 2 x DP 2 as they would have on TP 2 x PP 2 (resharding), and load into the plain
     model in one process, and through save_pretrained / from_pretrained and back through
     parallelize(weights=), with its logits."""
-    cases = [f"{m}:tp2pp2" for m in MODEL_NAMES] + ["tiedllama:tp2pp2"]  # a tied head under the README's dict plan
+    cases = ([f"{m}:tp2pp2" for m in MODEL_NAMES] + ["tiedllama:tp2pp2"]  # a tied head under the README's dict plan
+             + [f"{m}:tp2pp2:hc" for m in HC_MODELS])
     families = [f"{m}:tp2pp2" for m in FAMILIES]
-    results = run_group(tmp_path, 4, cases + list(RESUMED) + ["tiedllama:tp2pp2:pretrained"] + families,
-                        "--checkpoints", str(tmp_path / "ckpt"), "--weights", str(pretrained))
-    for case in cases + families:
+    retrofits = [f"{m}:tp2pp2:hc-pretrained-start" for m in HC_FAMILIES]
+    results = run_group(tmp_path, 4, cases + list(RESUMED) + ["tiedllama:tp2pp2:pretrained"] + families + retrofits,
+                        "--checkpoints", str(tmp_path / "ckpt"), "--weights", str(pretrained),
+                        "--family-weights", str(family_weights))
+    for case in cases + families + ["llama:pp2:hc-resume"]:
         check_case(case, results[case], references)
+    # hyper-connections added to every built-in family's pretrained weights (sharded files), on
+    # TP 2 x PP 2: the logits before the first step are the unmodified model's (from_pretrained)
+    for name in HC_FAMILIES:
+        plain = MODELS[name][0]().__class__.from_pretrained(family_weights / name).eval()
+        tokens = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            expected = plain(input_ids=tokens).logits
+        got = torch.tensor(results[f"{name}:tp2pp2:hc-pretrained-start"]["start_logits"])
+        print(f"{name} + 4 hyper-connection streams on TP 2 x PP 2: max |logit diff| from the pretrained model "
+              f"{(got - expected).abs().max():.2e}")
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     # pretrained weights (sharded safetensors) read slice by slice on TP 2 x PP 2: the fine-tune of
     # from_pretrained in one process, and not the seeded model's
     check_case("tiedllama:tp2pp2:pretrained", results["tiedllama:tp2pp2:pretrained"], references)
     assert abs(results["tiedllama:tp2pp2:pretrained"]["losses"][0] - references["tiedllama:single"]["losses"][0]) > 1e-3
     for case in RESUMED:  # saved at step 2 of 4 on TP 2 x PP 2
-        saved = results[case.split(":")[0] + ":tp2pp2"]
+        model, _, flags = case.split(":")
+        saved = results[f"{model}:tp2pp2" + (":hc" if "hc" in flags else "")]
         resumed = results[case]
         loss_diff = (torch.tensor(resumed["losses"]) - torch.tensor(saved["losses"][2:])).abs().max().item()
         weight_diff = max((torch.tensor(resumed["weights"][k]) - torch.tensor(w)).abs().max().item()
@@ -180,7 +226,7 @@ DROPOUT_RUNS = ("gpt2:tp2pp2:dropout", "gpt2:tp2pp2:dropout-again", "gpt2:tp2pp2
 
 @pytest.mark.slow
 def test_tp2_x_pp2_x_dp2_and_its_dropout_masks(tmp_path, references):
-    cases = [f"{m}:tp2pp2" for m in MODEL_NAMES]
+    cases = [f"{m}:tp2pp2" for m in MODEL_NAMES] + [f"llama:tp2pp2:hc{zero}" for zero in ("", "-zero")]
     results = run_group(tmp_path, 8, cases + list(DROPOUT_RUNS))
     for case in cases:
         assert results[case]["dp"] == 2

@@ -4,7 +4,7 @@ transformer split by ``parallelize``, several cases per process group.
     python fit_parallelize.py --devices 4 --cases gpt2:tp2pp2 llama:tp2pp2 --out result.json
     python fit_parallelize.py --devices 1 --cases gpt2:single ...        # the one-process references
 
-A case is ``<model>:<layout>``; DP is what the devices leave. ``single`` trains the unmodified
+A case is ``<model>:<layout>[:<flags>]``, the flags joined by ``-``; DP is what the devices leave. ``single`` trains the unmodified
 model (``build_recorded_module``: the same initial weights) as a plain LightningModule. Every case
 fits a shuffled DataLoader for ``STEPS`` steps and records the per-step losses, the whole model's
 final weights by name (gathered from every rank's pieces), and each rank's materialised share.
@@ -12,11 +12,15 @@ final weights by name (gathered from every rank's pieces), and each rank's mater
 With ``--checkpoints DIR`` a parallel case (but a family's: ``lm_models.FAMILIES``) also saves ``DIR/<model>/step=2.ckpt`` (mid-run),
 ``DIR/<model>/final.ckpt`` and the logits of a fixed batch on its layout (``logits.pt``); a case
 ``<model>:<layout>:resume`` continues from ``step=2.ckpt`` on its own layout (resharding).
-A case ``<model>:<layout>:dropout[-<tag>]`` trains with dropout 0.1 and records, per rank, a
-digest of each dropout module's mask in the first forward (``:dropout-full``: with full recompute).
-A case ``<model>:<layout>:gather`` gathers the logits over TP (``loss_parallel=False``).
-A case ``<model>:<layout>:pretrained`` starts from ``--weights`` (``parallelize(weights=...)``;
-one process: ``from_pretrained``).
+The flag ``dropout`` trains with dropout 0.1 and records, per rank, a digest of each dropout
+module's mask in the first forward; ``full`` / ``block``: with the full / block (``mhc_block``)
+recompute. ``gather`` gathers the logits over TP (``loss_parallel=False``). ``pretrained``
+starts from ``--weights`` (``parallelize(weights=...)``; one process: ``from_pretrained``), or from
+``--family-weights DIR/<model>`` where that exists. ``hc``: with 4 hyper-connection streams
+(``parallelize(hyper_connections=4)``; one process: ``add_hyper_connections`` on the materialised
+model); its checkpoints go to ``DIR/<model>-hc``. ``start``: records the logits of a fixed batch
+before the first step (``start_logits``, the last stage's, gathered over TP). ``zero``: with the
+distributed optimizer.
 A case ``<model>:<layout>:nolabels`` fits batches without ``labels`` and records each rank's
 ``ConfigError`` message (or ``None``): every rank must refuse them, before the schedule.
 """
@@ -38,9 +42,11 @@ from torch.utils.data import DataLoader
 from lm_models import FAMILIES, MODELS, SEQ, VOCAB
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule
 from lightning_mhc.data.sources import SyntheticTokens
-from lightning_mhc.parallelize import build_recorded_module, parallelize, record_module_init
+from lightning_mhc.parallelize import add_hyper_connections, build_recorded_module, parallelize, record_module_init
 
 GLOBAL_BATCH, STEPS, SEED, LR = 8, 4, 5, 0.5
+STREAMS = 4
+"""Hyper-connection streams of the ``hc`` cases."""
 
 
 def sgd(parameters):
@@ -53,10 +59,10 @@ LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2v2": (1,
 
 class ParallelLM(ParallelLMModule):
     def __init__(self, model: str, dropout: float = 0.0, recompute: str = "none", loss_parallel: bool = True,
-                 weights: str | None = None) -> None:
+                 weights: str | None = None, hyper_connections: int | None = None) -> None:
         super().__init__()
         self.model_name, self.dropout, self.recompute, self.loss_parallel = model, dropout, recompute, loss_parallel
-        self.weights = weights
+        self.weights, self.hyper_connections = weights, hyper_connections
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -64,7 +70,8 @@ class ParallelLM(ParallelLMModule):
             with record_module_init():
                 model = make(dropout=self.dropout)
             self.model = parallelize(model, plan, seed=SEED, recompute=self.recompute,
-                                     loss_parallel=self.loss_parallel, weights=self.weights)
+                                     loss_parallel=self.loss_parallel, weights=self.weights,
+                                     hyper_connections=self.hyper_connections)
 
     def configure_optimizers(self):
         return sgd(self.parameters())
@@ -73,13 +80,15 @@ class ParallelLM(ParallelLMModule):
 class ReferenceLM(pl.LightningModule):
     """The unmodified model in one process: its own forward, cross entropy on its logits."""
 
-    def __init__(self, model: str, weights: str | None = None) -> None:
+    def __init__(self, model: str, weights: str | None = None, hyper_connections: int | None = None) -> None:
         super().__init__()
         make, _ = MODELS[model]
         with record_module_init():
             meta = make()
         # pretrained: Hugging Face's own loading of the same files
         self.model = type(meta).from_pretrained(weights) if weights else build_recorded_module(meta, seed=SEED)
+        if hyper_connections:
+            add_hyper_connections(self.model, hyper_connections, seed=SEED)
 
     def training_step(self, batch, batch_idx):
         output = self.model(input_ids=batch["tokens"])
@@ -107,20 +116,40 @@ class FinalCheckpointAndLogits(Callback):
 
     def on_train_end(self, trainer, module) -> None:
         trainer.save_checkpoint(self.out_dir / "final.ckpt")
-        tokens = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
-        captured = []
-        module.loss_func = lambda logits, mb: (captured.append(logits.detach().clone()), logits.sum() * 0)[1]
-        trainer.strategy.forward_backward(module, {"tokens": tokens, "labels": tokens}, forward_only=True)
-        del module.loss_func
+        logits = fixed_batch_logits(trainer, module)
         layout = trainer.strategy.layout
-        if captured:  # the last stage
-            logits = torch.cat(captured, dim=0)
-            if module.model.vocab_parallel_logits:
-                pieces = [torch.empty_like(logits) for _ in range(layout.tensor_model_parallel_size)]
-                dist.all_gather(pieces, logits.contiguous(), group=layout.tp_group)
-                logits = torch.cat(pieces, dim=-1)
-            if layout.tensor_model_parallel_rank == 0 and layout.data_parallel_rank == 0:
-                torch.save(dict(tokens=tokens, logits=logits), self.out_dir / "logits.pt")
+        if logits is not None and layout.tensor_model_parallel_rank == 0 and layout.data_parallel_rank == 0:
+            tokens = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
+            torch.save(dict(tokens=tokens, logits=logits), self.out_dir / "logits.pt")
+
+
+def fixed_batch_logits(trainer, module) -> torch.Tensor | None:
+    """The logits of a fixed batch on the training layout (forward only; the last stage's
+    vocabulary slices gathered over TP); None on other stages."""
+    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
+    captured = []
+    module.loss_func = lambda logits, mb: (captured.append(logits.detach().clone()), logits.sum() * 0)[1]
+    trainer.strategy.forward_backward(module, {"tokens": tokens, "labels": tokens}, forward_only=True)
+    del module.loss_func
+    if not captured:
+        return None
+    logits = torch.cat(captured, dim=0)
+    layout = trainer.strategy.layout
+    if getattr(module, "model", None) is not None and getattr(module.model, "vocab_parallel_logits", False):
+        pieces = [torch.empty_like(logits) for _ in range(layout.tensor_model_parallel_size)]
+        dist.all_gather(pieces, logits.contiguous(), group=layout.tp_group)
+        logits = torch.cat(pieces, dim=-1)
+    return logits
+
+
+class StartLogits(Callback):
+    """``fixed_batch_logits`` before the first step."""
+
+    def __init__(self) -> None:
+        self.logits: torch.Tensor | None = None
+
+    def on_train_start(self, trainer, module) -> None:
+        self.logits = fixed_batch_logits(trainer, module)
 
 
 class DropoutMasks(Callback):
@@ -190,36 +219,46 @@ def whole_weights(module: pl.LightningModule, strategy: MHCParallelStrategy) -> 
     return {name: t.flatten().tolist() for name, t in whole.items()}
 
 
-def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights: str | None = None) -> dict:
+def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights: str | None = None,
+             family_weights: pathlib.Path | None = None) -> dict:
     model, layout_name, variant = (case.split(":") + [""])[:3]
+    flags = set(variant.split("-")) - {""}
     tp, pp, v = LAYOUTS[layout_name]
     dp = devices // (tp * pp)
+    streams = STREAMS if "hc" in flags else None
     # ":nolabels": a stage left waiting for the other fails in a minute, not the default ten
     deadline = dict(timeout=datetime.timedelta(minutes=1)) if variant == "nolabels" else {}
     strategy = MHCParallelStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                    virtual_pipeline_model_parallel_size=v, num_microbatches=2 if pp > 1 else 1,
-                                   **deadline)
-    losses, masks = Losses(), DropoutMasks()
+                                   use_distributed_optimizer="zero" in flags, **deadline)
+    losses, masks, start = Losses(), DropoutMasks(), StartLogits()
     callbacks, ckpt_path = [losses], None
-    if variant.startswith("dropout"):
+    if "dropout" in flags:
         callbacks.append(masks)
-    if checkpoints is not None and variant == "resume":
-        ckpt_path = next((checkpoints / model).glob("*step=2.ckpt"))
-    elif checkpoints is not None and layout_name != "single" and not variant and model not in FAMILIES:
-        callbacks += [ModelCheckpoint(dirpath=checkpoints / model, filename="{step}", save_top_k=-1,
-                                      every_n_train_steps=2),
-                      FinalCheckpointAndLogits(checkpoints / model)]
+    if "start" in flags:
+        callbacks.append(start)
+    saved = checkpoints / (model + ("-hc" if streams else "")) if checkpoints is not None else None
+    if saved is not None and "resume" in flags:
+        ckpt_path = next(saved.glob("*step=2.ckpt"))
+    elif saved is not None and layout_name != "single" and flags <= {"hc"} and model not in FAMILIES:
+        callbacks += [ModelCheckpoint(dirpath=saved, filename="{step}", save_top_k=-1, every_n_train_steps=2),
+                      FinalCheckpointAndLogits(saved)]
     saving = any(isinstance(c, ModelCheckpoint) for c in callbacks)
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+    # "start": the logits before training are the point (one step: the run is checked to start)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
+                         max_steps=1 if "start" in flags else STEPS, logger=False,
                          enable_checkpointing=saving, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
-    weights = weights if variant == "pretrained" else None
+    if "pretrained" not in flags:
+        weights = None
+    elif family_weights is not None and (family_weights / model).is_dir():
+        weights = str(family_weights / model)
+    recompute = "full" if "full" in flags else "mhc_block" if "block" in flags else "none"
     if layout_name == "single":
-        module = ReferenceLM(model, weights)
-    elif variant.startswith("dropout"):
-        module = ParallelLM(model, dropout=0.1, recompute="full" if variant == "dropout-full" else "none")
-    else:  # ":gather": the logits gathered over TP (loss_parallel=False); ":pretrained": --weights
-        module = ParallelLM(model, loss_parallel=variant != "gather", weights=weights)
+        module = ReferenceLM(model, weights, streams)
+    else:
+        module = ParallelLM(model, dropout=0.1 if "dropout" in flags else 0.0, recompute=recompute,
+                            loss_parallel="gather" not in flags, weights=weights, hyper_connections=streams)
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
     if variant == "nolabels":
@@ -231,11 +270,15 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
             refused = str(error)
         return dict(refused=_gather(refused), steps=trainer.global_step)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
-    result = dict(losses=losses.losses, tp=tp, pp=pp, dp=dp, weights=whole_weights(module, strategy))
+    result = dict(losses=losses.losses, tp=tp, pp=pp, dp=dp,
+                  weights=whole_weights(module, strategy) if "start" not in flags else None)
     if isinstance(module, ParallelLM):
         report = module.model.report
         result["materialised"] = _gather((report.rank_parameters, report.whole_parameters))
-    if variant.startswith("dropout"):
+    if "start" in flags:  # the last stage's (each of its ranks holds the gathered logits)
+        mine = start.logits.tolist() if start.logits is not None else None
+        result["start_logits"] = next(r for r in _gather(mine) if r is not None)
+    if "dropout" in flags:
         layout = strategy.layout
         result["masks"] = _gather(dict(tp=layout.tensor_model_parallel_rank, pp=layout.pipeline_model_parallel_rank,
                                        dp=layout.data_parallel_rank, masks=masks.masks))
@@ -249,9 +292,12 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--checkpoints", type=pathlib.Path, help="save checkpoints here / resume from them")
     parser.add_argument("--weights", help="the pretrained weights of the :pretrained cases (a save_pretrained dir)")
+    parser.add_argument("--family-weights", type=pathlib.Path,
+                        help="a directory of save_pretrained dirs by model name, for their :pretrained cases")
     args = parser.parse_args()
     pl.seed_everything(7, verbose=False)
-    results = {case: fit_case(case, args.devices, args.checkpoints, args.weights) for case in args.cases}
+    results = {case: fit_case(case, args.devices, args.checkpoints, args.weights, args.family_weights)
+               for case in args.cases}
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.out.write_text(json.dumps(results))
 
