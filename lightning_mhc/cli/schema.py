@@ -16,6 +16,7 @@ import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
@@ -30,6 +31,9 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-t
               "transformer-engine-float16", "32", "16", "bf16", "64")
 """Lightning's precision names (``Trainer(precision=...)``)."""
 DATA_SOURCES = ("stdlib", "text", "synthetic", "megatron")
+MODEL_SOURCES = ("gpt", "hf")
+HF_MODEL_KEYS = ("source", "pretrained", "config", "hyper_connections", "plan", "mhc_implementation")
+"""The model group's keys a Hugging Face model (model=hf) reads; the others are the project's GPT's."""
 BYTE_VOCAB = 256
 """The vocabulary of the byte-level sources (stdlib, text)."""
 LOGGERS = ("csv", "wandb", "none")
@@ -87,8 +91,20 @@ def _one_of(key: str, value: Any, choices: tuple[str, ...], fix: str | None = No
 
 @dataclass
 class ModelConfig:
-    """The model group: MHCTransformerConfig fields a run chooses."""
+    """The model group: the project's mHC GPT (``source: gpt``, the MHCTransformerConfig fields a run
+    chooses), or a Hugging Face causal LM (``source: hf``: ``pretrained`` or ``config``,
+    ``hyper_connections``, ``plan``, ``mhc_implementation``)."""
 
+    source: str = "gpt"
+    """'gpt': the project's mHC GPT; 'hf': a Hugging Face causal LM (model=hf)."""
+    pretrained: Optional[str] = None
+    """model=hf: a save_pretrained directory to continue training (its config, safetensors and tokenizer)."""
+    config: Optional[str] = None
+    """model=hf: a directory (or its config.json) to train from fresh weights (drawn from the seed)."""
+    hyper_connections: Optional[int] = None
+    """model=hf: n residual streams with hyper-connections added, exact at step 0 (null or 1: the model as it is)."""
+    plan: str = "auto"
+    """model=hf: the tensor-parallel plan ('auto': by the config's model_type)."""
     num_layers: int = 4
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -114,6 +130,12 @@ class ModelConfig:
     mhc_implementation: str = "auto"
 
     def __post_init__(self) -> None:
+        _one_of("model.source", self.source, MODEL_SOURCES, "Choose model=<a GPT: tiny, small, gpt_125m> or model=hf.")
+        if self.source == "hf":
+            self._check_hf()
+        elif self.hyper_connections is not None or self.pretrained or self.config:
+            raise ConfigError("model.pretrained / model.config / model.hyper_connections are for a Hugging Face model "
+                              "(model=hf); the project's GPT sets its streams with model.num_residual_streams.")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"model.activation={self.activation!r}: choose one of {', '.join(ACTIVATIONS)}.")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "max_sequence_length",
@@ -137,8 +159,53 @@ class ModelConfig:
                 f"{self.num_attention_heads}. Pick sizes whose ratio (the head dimension) is an integer."
             )
 
+    @property
+    def is_hf(self) -> bool:
+        return self.source == "hf"
+
+    @property
+    def hf_dir(self) -> str:
+        """model=hf: the directory the model comes from (``pretrained``, or ``config`` or its folder)."""
+        path = Path(self.pretrained or self.config)
+        return str(path.parent if path.name == "config.json" else path)
+
+    @property
+    def hf_key(self) -> str:
+        """model=hf: ``model.pretrained=<dir>`` or ``model.config=<dir>``, as errors name it."""
+        return f"model.pretrained={self.pretrained}" if self.pretrained else f"model.config={self.config}"
+
+    def _check_hf(self) -> None:
+        from hydra.utils import to_absolute_path
+
+        if bool(self.pretrained) == bool(self.config):
+            raise ConfigError("model=hf needs one of model.pretrained=<save_pretrained dir> (continue its weights) or "
+                              "model.config=<dir or config.json> (fresh weights), not "
+                              + ("both." if self.pretrained else "neither."))
+        defaults = ModelConfig()
+        changed = [k for k in _fields(ModelConfig) if k not in HF_MODEL_KEYS and getattr(self, k) != getattr(defaults, k)]
+        if changed:
+            raise ConfigError(f"model.{changed[0]}={show(getattr(self, changed[0]))}: the project's GPT reads it, not "
+                              f"model=hf, whose config.json sets its sizes. Remove model.{changed[0]}.")
+        if self.pretrained:
+            self.pretrained = to_absolute_path(os.path.expanduser(self.pretrained))
+        else:
+            self.config = to_absolute_path(os.path.expanduser(self.config))
+        try:
+            self.hyper_connection_settings()
+        except ConfigError as error:
+            raise ConfigError(f"model.hyper_connections={show(self.hyper_connections)}: "
+                              + str(error).split(": ", 1)[-1]) from None
+
+    def hyper_connection_settings(self):
+        """model=hf: the hyper-connections (``HyperConnectionSettings``; 1 stream: none)."""
+        from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
+
+        n = 1 if self.hyper_connections is None else self.hyper_connections
+        return HyperConnectionSettings(n, implementation=self.mhc_implementation)
+
     def transformer_kwargs(self) -> dict[str, Any]:
-        kwargs = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "activation"}
+        kwargs = {k: getattr(self, k) for k in self.__dataclass_fields__
+                  if k not in ("activation", *HF_MODEL_KEYS[:5])}
         kwargs["activation_func"], kwargs["gated_linear_unit"] = ACTIVATIONS[self.activation]
         return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -185,6 +252,11 @@ class RecomputeConfig:
         return RecomputePolicy(self.policy, self.modules(), self.mhc_recompute_layer_num, names=names)
 
 
+MEGATRON_NEEDS = ("data=megatron reads indexed datasets: give data.blend=<prefix> (or [0.7,PATH_A,0.3,PATH_B]) and "
+                  "data.tokenizer=<tokenizer.json> (lightning-mhc-preprocess writes the prefix "
+                  "<output-prefix>_text_document).")
+
+
 @dataclass
 class DataConfig:
     source: str = "stdlib"
@@ -221,10 +293,8 @@ class DataConfig:
     def _check_megatron(self) -> None:
         from lightning_mhc.data.megatron import check_split, parse_blend
 
-        if self.blend is None or not self.tokenizer:
-            raise ConfigError("data=megatron reads indexed datasets: give data.blend=<prefix> (or "
-                              "[0.7,PATH_A,0.3,PATH_B]) and data.tokenizer=<tokenizer.json> (lightning-mhc-preprocess "
-                              "writes the prefix <output-prefix>_text_document).")
+        if self.blend is None:  # (data.tokenizer: the run's check, where model=hf gives a default)
+            raise ConfigError(MEGATRON_NEEDS)
         prefixes, weights = parse_blend(self.blend)
         self.blend = prefixes if weights is None else [x for pair in zip(weights, prefixes) for x in pair]
         if isinstance(self.split, (list, tuple)):  # data.split=[90,10,0]: Hydra reads 90,10,0 unquoted as a sweep
@@ -312,7 +382,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         from lightning_mhc.distributed.optimizer import check_shardable
-        from lightning_mhc.lightning.modules.gpt import OPTIMIZERS
+        from lightning_mhc.lightning.modules.base import OPTIMIZERS
 
         _one_of("optim.name", self.name, tuple(OPTIMIZERS))
         if self.use_distributed_optimizer:
@@ -363,13 +433,20 @@ class TrainConfig:
                               "(or ckpt_path=last with hydra.run.dir=<the run>).")
         self.recompute_policy = self.recompute.to_policy()
         """The run's recompute policy, checked (handed to ``MHCRecomputeCallback``)."""
-        self.recompute_policy.check_model(self.model.enable_hyper_connections)
+        if self.model.is_hf:
+            self.recompute_policy.check_model(self.model.hyper_connection_settings().enabled, names=HF_POLICY_NAMES)
+        else:
+            self.recompute_policy.check_model(self.model.enable_hyper_connections)
         self.layout = ParallelLayout(**{name: getattr(self.parallel, name) for name in DEGREES},
                                      world_size=self.world_size, names=CONFIG_NAMES)
         """The run's layout, checked (its degrees in this world)."""
+        self._take_tokenizer()
         self._check_batches()
         self.settings = self._strategy_settings()
         """The strategy's settings, checked (``MHCParallelStrategy(settings)``)."""
+        if self.model.is_hf:
+            self._check_hf_model()
+            return
         try:
             config = self.transformer_config()  # megatron's and the model's own checks, with their messages
         except ConfigError as error:
@@ -407,6 +484,48 @@ class TrainConfig:
         d = self.data
         return d.global_batch_size // (d.micro_batch_size * self.data_parallel_size)
 
+    def _take_tokenizer(self) -> None:
+        """data=megatron: the tokenizer the data was made with; for model=hf by default the model's
+        directory's (its tokenizer.json)."""
+        d = self.data
+        if d.source != "megatron" or d.tokenizer:
+            return
+        if not self.model.is_hf:
+            raise ConfigError(MEGATRON_NEEDS)
+        if not (Path(self.model.hf_dir) / "tokenizer.json").is_file():
+            raise ConfigError(f"data.tokenizer=null: {self.model.hf_key} has no tokenizer.json to read the data with; "
+                              "give data.tokenizer=<the tokenizer.json the data was preprocessed with>.")
+        d.tokenizer = self.model.hf_dir
+
+    def _check_hf_model(self) -> None:
+        """model=hf: the model's config against the data, and everything ``parallelize`` refuses on
+        this layout (a family without a plan, sizes TP does not divide, too few layers for the
+        stages, the hyper-connection plan against the model, the pretrained files' tensors), on the
+        model recorded on the meta device: nothing is allocated."""
+        from lightning_mhc.lightning.modules.hf import hf_config, recorded_hf_model
+        from lightning_mhc.parallelize.model import check_parallelize
+        from lightning_mhc.parallelize.weights import check_weights
+
+        m, d = self.model, self.data
+        try:
+            config = hf_config(m.hf_dir)
+            vocab = getattr(config, "vocab_size", None)
+            needed = d.tokenizer_vocab_size()
+            if d.source != "synthetic" and isinstance(vocab, int) and vocab < needed:
+                raise ConfigError(f"its vocab_size={vocab} is smaller than the data's vocabulary ({needed} tokens, "
+                                  f"data.source={d.source}); use the tokenizer the model was trained with.")
+            positions = getattr(config, "max_position_embeddings", getattr(config, "n_positions", None))
+            if isinstance(positions, int) and d.seq_length > positions:
+                raise ConfigError(f"data.seq_length={d.seq_length} exceeds its max_position_embeddings={positions}; "
+                                  "shorten the sequences.")
+            model = recorded_hf_model(m.hf_dir)
+            check_parallelize(model, m.plan, layout=self.layout, recompute=self.recompute_policy,
+                              hyper_connections=m.hyper_connection_settings())
+            if m.pretrained:
+                check_weights(model, m.pretrained)
+        except ConfigError as error:
+            raise ConfigError(f"{m.hf_key}: {error}") from None
+
     def _check_batches(self) -> None:
         d, dp = self.data, self.data_parallel_size
         per_step = d.micro_batch_size * dp
@@ -425,6 +544,8 @@ class TrainConfig:
             )
         if d.source == "text" and not d.path:
             raise ConfigError("data.source=text needs data.path (a text file or a folder): add data.path=/path/to/text.")
+        if self.model.is_hf:  # its config's vocabulary and positions: _check_hf_model
+            return
         needed, given = d.tokenizer_vocab_size(), self.model.vocab_size
         if d.source != "synthetic" and given is not None and given < needed:
             what = f"its tokenizer {d.tokenizer!r} has {needed} tokens" if d.source == "megatron" else "bytes need 256"
@@ -461,6 +582,11 @@ class TrainConfig:
         kwargs["vocab_size"] = self.vocab_size
         kwargs["max_sequence_length"] = max(kwargs["max_sequence_length"], self.data.seq_length)
         return MHCTransformerConfig(**kwargs)
+
+
+HF_POLICY_NAMES = KeyNames({"policy": "recompute.policy={}", "enable_hyper_connections": lambda _: (
+    "model.hyper_connections=<n >= 2> (model=hf)")}, show=lambda value: value if isinstance(value, str) else show(value))
+"""How the recompute policy's model check names the keys for model=hf."""
 
 
 def _with_group(message: str) -> str:

@@ -139,6 +139,15 @@ def _build_trainer(cfg: TrainConfig, strategy, output_dir: Path, resolved: dict[
 def _build_module_and_data(cfg: TrainConfig, output_dir: Path):
     from lightning_mhc.lightning import MHCGPTModule
 
+    if cfg.model.is_hf:
+        from lightning_mhc.lightning.modules.hf import HFCausalLMModule
+
+        m, o = cfg.model, cfg.optim
+        module = HFCausalLMModule(m.hf_dir, pretrained=bool(m.pretrained), hyper_connections=m.hyper_connections,
+                                  plan=m.plan, seed=cfg.seed, optimizer=o.name, lr=o.lr, weight_decay=o.weight_decay,
+                                  warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
+                                  implementation=m.mhc_implementation)
+        return module, _build_data(cfg, output_dir)
     module = MHCGPTModule(cfg.transformer_config(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                           warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
                           optimizer=cfg.optim.name,

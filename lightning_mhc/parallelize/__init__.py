@@ -27,8 +27,9 @@ import types
 
 from lightning_mhc.parallelize.hyper_connections import (
     HC_PLANS, Branch, HyperConnectionPlan, HyperConnectionSettings, add_hyper_connections)
-from lightning_mhc.parallelize.export import consolidated_state_dict, export_pretrained, load_checkpoint
-from lightning_mhc.parallelize.model import MaterializedReport, ParallelModel, build_recorded_module, parallelize
+from lightning_mhc.parallelize.export import consolidated_state_dict, export_pretrained, load_checkpoint, load_pretrained
+from lightning_mhc.parallelize.model import (
+    MaterializedReport, ParallelModel, build_recorded_module, check_parallelize, parallelize)
 from lightning_mhc.parallelize.plan import (
     GPT2, GPT_NEOX, LLAMA, OPT, PHI3, PLANS, QWEN3, Column, Replicate, ReplicateOnSplit, Row, TPPlan, VocabEmbedding,
     check_plan)
@@ -37,9 +38,9 @@ from lightning_mhc.parallelize.record import record_module_init
 __all__ = [
     "Branch", "GPT2", "GPT_NEOX", "HC_PLANS", "HyperConnectionPlan", "HyperConnectionSettings",
     "add_hyper_connections", "LLAMA", "OPT", "PHI3", "PLANS", "QWEN3", "Column", "MaterializedReport", "ParallelModel",
-    "Replicate", "ReplicateOnSplit", "Row", "TPPlan", "VocabEmbedding", "build_recorded_module", "check_plan",
+    "Replicate", "ReplicateOnSplit", "Row", "TPPlan", "VocabEmbedding", "build_recorded_module", "check_parallelize", "check_plan",
     "consolidated_state_dict", "export_pretrained",
-    "load_checkpoint", "parallelize", "record_module_init",
+    "load_checkpoint", "load_pretrained", "parallelize", "record_module_init",
 ]
 
 

@@ -13,6 +13,11 @@ shape the model uses:
     model.save_pretrained("export/")                     # Hugging Face's own safetensors
     # or, in one call: export_pretrained("run/checkpoints/step=100.ckpt", model, "export/")
 
+A model with hyper-connections (``add_hyper_connections``) is written as its base model (what
+``from_pretrained`` of its class reads) plus ``hyper_connections.safetensors`` and
+``hyper_connections.json`` (the settings and the plan) beside it; :func:`load_pretrained` reads
+both back into the mHC model.
+
 Resharding onto another layout needs nothing from here: ``Trainer.fit(ckpt_path=...)`` with
 another ``MHCParallelStrategy`` reads the same global names (``checkpoint/format.py``).
 """
@@ -27,6 +32,13 @@ from torch import nn
 
 from lightning_mhc.checkpoint.format import MODEL, read_tensors
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.parallelize.hyper_connections import (
+    Branch,
+    HyperConnectionPlan,
+    HyperConnectionSettings,
+    apply_hyper_connections,
+    drawn_from_seed,
+)
 
 MODULE_PREFIX = "model."
 """Where ``ParallelLMModule`` keeps the model: its checkpoints name tensors ``model.<name>``."""
@@ -96,7 +108,9 @@ def export_pretrained(path: str | Path, model: nn.Module, out: str | Path,
     load_checkpoint(model, path, prefix)
     out.mkdir(parents=True, exist_ok=True)
     if callable(getattr(model, "save_pretrained", None)):
-        model.save_pretrained(out)
+        base = {name: t for name, t in model.state_dict().items() if not drawn_from_seed(name)}
+        model.save_pretrained(out, state_dict=base)  # the base model: transformers reads it as it is
+        save_hyper_connections(model, out)
     else:
         from safetensors.torch import save_model
 
@@ -104,3 +118,54 @@ def export_pretrained(path: str | Path, model: nn.Module, out: str | Path,
     files = sorted(p.name for p in out.iterdir())
     return dict(out=str(out), files=files, bytes=sum((out / f).stat().st_size for f in files),
                 tensors=len(model.state_dict()), seconds=time.perf_counter() - start)
+
+
+HYPER_CONNECTION_WEIGHTS = "hyper_connections.safetensors"
+HYPER_CONNECTION_SETTINGS = "hyper_connections.json"
+
+
+def save_hyper_connections(model: nn.Module, out: str | Path) -> None:
+    """``model``'s hyper-connection tensors and settings (if it has any) beside its base model in ``out``."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    settings = getattr(model, "hyper_connection_settings", None)
+    if settings is None:
+        return
+    out = Path(out)
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items() if drawn_from_seed(name)}
+    save_file(tensors, str(out / HYPER_CONNECTION_WEIGHTS), metadata={"format": "pt"})
+    plan = model.hyper_connection_plan
+    (out / HYPER_CONNECTION_SETTINGS).write_text(json.dumps(dict(
+        settings=dataclasses.asdict(settings),
+        plan=dict(branches=[dataclasses.asdict(b) for b in plan.branches], blocks=plan.blocks)), indent=2))
+
+
+def load_pretrained(directory: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
+    """The model of an exported directory in this process: ``AutoModelForCausalLM.from_pretrained``
+    (``from_pretrained_kwargs`` passed on), and, where ``hyper_connections.json`` is beside it, its
+    hyper-connections added with the saved settings and plan and filled from
+    ``hyper_connections.safetensors`` (every tensor, checked)."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, **from_pretrained_kwargs)
+    settings_file = directory / HYPER_CONNECTION_SETTINGS
+    if not settings_file.is_file():
+        return model
+    saved = json.loads(settings_file.read_text())
+    plan = HyperConnectionPlan(tuple(Branch(**b) for b in saved["plan"]["branches"]), saved["plan"].get("blocks"))
+    apply_hyper_connections(model, HyperConnectionSettings(**saved["settings"]), plan)
+    tensors = load_file(str(directory / HYPER_CONNECTION_WEIGHTS))
+    expected = {name for name in model.state_dict() if drawn_from_seed(name)}
+    if set(tensors) != expected:
+        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ConfigError(f"{directory / HYPER_CONNECTION_WEIGHTS} does not fit the model's hyper-connections "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]}): was it written with this directory?")
+    model.load_state_dict(tensors, strict=False)
+    return model

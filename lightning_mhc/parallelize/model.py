@@ -285,12 +285,11 @@ def parallelize(
     layout = layout if layout is not None else active_layout()
     layout = layout if layout.is_built else layout.build()
     recompute = RecomputePolicy.of(recompute)
-    _check_arguments(model, layout, recompute)
-    _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
-    check_recompute(recompute, hyper_connections=_hyper_connection_streams(model) > 1)
+    plan, parts, ranges = check_parallelize(model, plan, layout=layout, blocks=blocks, pipeline_split=pipeline_split,
+                                            seed=seed, recompute=recompute, recompute_modules=recompute_modules,
+                                            hyper_connections=hyper_connections,
+                                            hyper_connection_plan=hyper_connection_plan)
     checked = check_weights(model, weights) if weights is not None else None  # before the build changes the model
-    plan, parts, ranges = _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute,
-                                                 recompute_modules)
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     whole = _unique_numel(model)
     hidden = _hidden_size(model, parts, hidden_size) if parts else hidden_size or 0  # (crosses no stage)
@@ -327,14 +326,30 @@ def _build_chunks(model: nn.Module, parts: ModelParts | None, ranges: list[tuple
     return chunks, stage_ends
 
 
-def _check_arguments(model: nn.Module, layout: ParallelLayout, recompute: RecomputePolicy) -> None:
-    """What ``parallelize`` refuses before it looks at the plan."""
+def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] | None = None, *,
+                      layout: ParallelLayout, blocks: str | None = None,
+                      pipeline_split: list[int] | list[str] | None = None, seed: int = 0,
+                      recompute: str | RecomputePolicy = "none",
+                      recompute_modules: tuple[str, ...] | list[str] | None = None,
+                      hyper_connections: int | HyperConnectionSettings | None = None,
+                      hyper_connection_plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto",
+                      ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
+    """Everything :func:`parallelize` refuses, before anything is built (the CLI runs it before
+    launch, on a layout not built yet): the recorded model, the layout, the recompute policy, the
+    plan against the model at the layout's TP size, the stage split; the hyper-connections are
+    added to ``model`` (recorded: nothing is allocated). Returns the checked plan, the model's
+    parts and each (virtual) stage's block range (see :func:`_plan_and_stage_ranges`)."""
+    recompute = RecomputePolicy.of(recompute)
     if not is_meta(model):
         raise ConfigError(f"parallelize() takes a model built on the meta device with its constructor arguments "
                           f"recorded: construct {type(model).__name__} inside `with record_module_init():`.")
     if layout.sequence_parallel:
-        raise ConfigError("sequence_parallel=True is not supported for a model split by parallelize(): its norms and "
-                          "dropouts run on the whole sequence. Set sequence_parallel=False.")
+        raise ConfigError(f"{layout.names.term('sequence_parallel', True)} is not supported for a model split by "
+                          "parallelize(): its norms and dropouts run on the whole sequence. Turn sequence "
+                          f"parallelism off ({layout.names.key('sequence_parallel')}).")
+    _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
+    check_recompute(recompute, hyper_connections=_hyper_connection_streams(model) > 1)
+    return _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
 
 
 def check_recompute(policy: RecomputePolicy, names: KeyNames = WITHOUT_HYPER_CONNECTIONS,
@@ -378,7 +393,7 @@ def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, A
     if recompute_modules is not None:
         plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
     stages = layout.num_virtual_stages
-    check_plan(model, plan, layout.tensor_model_parallel_size)
+    check_plan(model, plan, layout.tensor_model_parallel_size, names=layout.names)
     parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute.name == "full", after_blocks=plan.after_blocks)
     ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
     if recompute.name == "selective" and not plan.selective:

@@ -34,7 +34,7 @@ from typing import Mapping, Union
 
 from torch import nn
 
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, KeyNames
 
 
 @dataclass(frozen=True)
@@ -259,11 +259,14 @@ def _get_path(obj, path: str):
     return obj
 
 
-def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None = None) -> None:
+def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None = None,
+               names: KeyNames = KeyNames()) -> None:
     """Refuse a plan that cannot apply to ``model`` at TP size ``tp`` (ConfigError, one line naming
     the module and the fix): a pattern that matches no module, a style on a module it cannot split,
-    a size or attribute that does not divide by ``tp``, an unknown random region."""
+    a size or attribute that does not divide by ``tp``, an unknown random region. ``names``: how
+    the error names the TP size (a layout's: the CLI's config key)."""
     model_name = model_name or type(model).__name__
+    tp_term = names.term("tensor_model_parallel_size", tp)
     names = [name for name, _ in model.named_modules() if name]
     example = next((n for n in reversed(names) if n.count(".") >= 2), names[-1] if names else "")
     for section, patterns in (("layers", plan.layers), ("divide", plan.divide), ("divisible", plan.divisible),
@@ -286,13 +289,13 @@ def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None =
     for name, module in modules.items():
         style = plan.style_of(name) if name else None
         if style is not None:
-            _check_style(name, module, style, tp)
+            _check_style(name, module, style, tp, tp_term)
         for pattern, attrs in plan.divide.items():
             if name and fnmatch.fnmatchcase(name, pattern):
-                _check_divisible(name, module, attrs, tp, "divided by")
+                _check_divisible(name, module, attrs, tp, "divided by", tp_term)
         for pattern, attrs in plan.divisible.items():
             if name and fnmatch.fnmatchcase(name, pattern):
-                _check_divisible(name, module, attrs, tp, "split across")
+                _check_divisible(name, module, attrs, tp, "split across", tp_term)
         for pattern, attrs in plan.equal.items():
             if name and fnmatch.fnmatchcase(name, pattern):
                 _check_equal(name, module, attrs, tp)
@@ -325,7 +328,7 @@ def _check_ties(model: nn.Module, plan: TPPlan) -> None:
                               "the head), or 'replicate' for all.")
 
 
-def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
+def _check_style(name: str, module: nn.Module, style: Style, tp: int, tp_term: str) -> None:
     kind = type(module).__name__
     if isinstance(style, (Column, Row)):
         dims = linear_dims(module)
@@ -343,32 +346,31 @@ def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
             if style.stride < 1 or size % (parts * tp):
                 raise ConfigError(
                     f"{name} ({kind}) has {size} output features: {parts} part(s) of {size // max(parts, 1)} cannot be "
-                    f"split across tensor_model_parallel_size={tp} ranks. Use a TP size that divides "
+                    f"split across {tp_term} ranks. Use a TP size that divides "
                     f"{size // max(parts, 1)}, or map {name} to 'replicate'.")
         elif getattr(module, in_attr) % tp:
             raise ConfigError(
                 f"{name} ({kind}) has {getattr(module, in_attr)} input features, not divisible by "
-                f"tensor_model_parallel_size={tp}. Use a TP size that divides it, or map {name} to 'replicate'.")
+                f"{tp_term}. Use a TP size that divides it, or map {name} to 'replicate'.")
     elif isinstance(style, VocabEmbedding):
         if not isinstance(module, nn.Embedding):
             raise ConfigError(f"plan maps {name} ({kind}) to 'vocab', which splits nn.Embedding rows only: map it to "
                               "'column'/'row' (linear layers) or 'replicate'.")
         if module.num_embeddings % tp:
             raise ConfigError(
-                f"{name} (nn.Embedding) has {module.num_embeddings} rows, not divisible by tensor_model_parallel_size="
-                f"{tp}. Pad the vocabulary to a multiple of {tp} (e.g. vocab_size={module.num_embeddings + (-module.num_embeddings) % tp}) "
+                f"{name} (nn.Embedding) has {module.num_embeddings} rows, not divisible by {tp_term}. Pad the vocabulary to a multiple of {tp} (e.g. vocab_size={module.num_embeddings + (-module.num_embeddings) % tp}) "
                 f"or map {name} to 'replicate'.")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ConfigError(f"{name}: nn.Embedding with max_norm, sparse=True or scale_grad_by_freq=True cannot be "
                               "split by 'vocab'; map it to 'replicate'.")
 
 
-def _check_divisible(name: str, module: nn.Module, attrs: tuple[str, ...], tp: int, verb: str) -> None:
+def _check_divisible(name: str, module: nn.Module, attrs: tuple[str, ...], tp: int, verb: str, tp_term: str) -> None:
     for attr in attrs:
         value = _attribute(name, module, attr)
         if not isinstance(value, int) or value % tp:
             raise ConfigError(
-                f"{name}.{attr}={value} cannot be {verb} tensor_model_parallel_size={tp}: each TP rank must hold whole "
+                f"{name}.{attr}={value} cannot be {verb} {tp_term}: each TP rank must hold whole "
                 f"attention heads. Use a TP size that divides {value}.")
 
 

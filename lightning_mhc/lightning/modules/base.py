@@ -1,14 +1,24 @@
-"""What the two LightningModules share: the recompute policy they build their model with, the
-steps that hand a batch to the strategy's schedule, and the global names their checkpoints are
-keyed by."""
+"""What the LightningModules share: the recompute policy they build their model with, the steps
+that hand a batch to the strategy's schedule, the run's logs (throughput, learning rate, gradient
+norm, validation history), the warm-up + cosine optimizer recipe, and the global names their
+checkpoints are keyed by."""
 from __future__ import annotations
 
-from typing import Any
+import math
+import resource
+import time
+from typing import Any, Iterable
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 
+from lightning_mhc.lightning.modules.throughput import ThroughputMeter
+from lightning_mhc.model.flops import device_peak_flops
 from lightning_mhc.recompute.policy import RecomputePolicy
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
+"""The optimizers of :meth:`PipelinedLMModule.warmup_cosine_optimizer` (``optimizer=...``)."""
 
 
 class PipelinedLMModule(pl.LightningModule):
@@ -17,10 +27,25 @@ class PipelinedLMModule(pl.LightningModule):
     ``MHCParallelStrategy.forward_backward`` (the loss is then the mean over its microbatches
     and the data-parallel replicas). A subclass implements the pipeline contract
     (``forward_step``, ``loss_func``, ``set_input_tensor``, ``pipeline_tensor_shape``,
-    ``model_chunks``) and :meth:`global_name_in_model`."""
+    ``model_chunks``) and :meth:`global_name_in_model`.
+
+    Logged: ``train_loss``, ``val_loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``,
+    ``tokens_consumed``, ``step_time_ms``, ``mfu`` (where :meth:`flops_per_token` and the device's
+    peak are known), the optimizer state's bytes and memory (``max_rss_mb``, ``max_cuda_mb``)."""
 
     recompute_policy: RecomputePolicy | None = None
     """The recompute policy ``configure_model`` builds the model with (None: none was chosen)."""
+    peak_flops: float | None = None
+    """One device's peak FLOP/s for ``mfu`` (None: a known GPU's figure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._step_started: float | None = None
+        self._val_losses: list[float] = []
+        self.val_history: list[tuple[int, float]] = []
+        """(global step, mean validation loss); step 0 comes from the sanity check."""
+        self.throughput = ThroughputMeter()
+        """Whole-job tokens/s per step (warm-up excluded): ``throughput.summary()``."""
 
     def configure_recompute(self, policy: str | Any) -> None:
         """Build the model with ``policy`` (a name or a :class:`RecomputePolicy`); called before
@@ -50,7 +75,83 @@ class PipelinedLMModule(pl.LightningModule):
         return loss
 
     def on_validation_loss(self, loss: Tensor) -> None:
-        """Called with each validation batch's loss (``MHCGPTModule`` keeps a history)."""
+        """Called with each validation batch's loss (kept for ``val_history``)."""
+        self._val_losses.append(loss.item())
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_losses:
+            self.val_history.append((self.global_step, sum(self._val_losses) / len(self._val_losses)))
+        self._val_losses = []
+
+    # ------------------------------------------------------------ the run's logs
+    def flops_per_token(self, seq_length: int) -> float | None:
+        """Training FLOPs per token of this model (for ``mfu``); None: not known, no ``mfu``."""
+        return None
+
+    def on_train_start(self) -> None:
+        self.throughput.start_fit()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        norm = getattr(self.trainer.strategy, "last_grad_norm", None)
+        if norm is not None:
+            self.log("grad_norm", norm)
+        self.log("lr", optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._log_throughput(batch)
+        runtime = getattr(self.trainer.strategy, "runtime", None)
+        if runtime is not None:  # this rank's (rank 0's in the logs); 1/DP with the distributed optimizer
+            self.log("optimizer_state_bytes", float(runtime.optimizer_state_bytes(self.trainer.optimizers)))
+
+    def _log_throughput(self, batch: Any) -> None:
+        """tokens/s of the whole job for this step (see ``lightning_mhc.lightning.modules.throughput``)."""
+        tokens_of_batch = _batch_tokens(batch)
+        if self._step_started is None or tokens_of_batch is None:
+            return
+        step_end = getattr(self.trainer.strategy, "last_step_end", None)
+        if step_end is None or step_end < self._step_started:  # no optimizer step timed in this batch
+            step_end = time.perf_counter()
+        seconds = step_end - self._step_started
+        layout = getattr(self.trainer.strategy, "layout", None)
+        tokens = tokens_of_batch.numel() * (layout.data_parallel_size if layout is not None else 1)
+        self.log("tokens_consumed", float(self.trainer.global_step * tokens))
+        if self.throughput.record(seconds, tokens):
+            self.log("tokens_per_sec", tokens / seconds)
+            self.log("step_time_ms", 1000 * seconds)
+            peak = self.peak_flops or device_peak_flops(self.device)
+            per_token = self.flops_per_token(tokens_of_batch.shape[-1]) if peak else None
+            if per_token:
+                self.log("mfu", per_token * tokens / seconds / (peak * self.trainer.world_size))
+        self.log("max_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.log("max_cuda_mb", torch.cuda.max_memory_allocated() / 2**20)
+
+    # ------------------------------------------------------------ optimizer recipe
+    def warmup_cosine_optimizer(self, name: str, lr: float, weight_decay: float, betas: Iterable[float],
+                                warmup_steps: int, min_lr_ratio: float, max_steps: int | None = None) -> dict:
+        """``OPTIMIZERS[name]`` (SGD: momentum ``betas[0]``; no weight decay on vectors and
+        hyper-connections) with linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at
+        ``max_steps`` (default: the Trainer's; constant after warm-up without one). Lightning's dict:
+        ``["optimizer"]`` and ``["lr_scheduler"]["scheduler"]`` (stepped every optimizer step)."""
+        betas = tuple(betas)
+        decay, no_decay = [], []
+        for param_name, p in self.named_parameters():
+            (no_decay if p.ndim < 2 or "hyper_connection" in param_name else decay).append(p)
+        groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        if name == "adamw":
+            optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas)
+        elif name == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=lr, momentum=betas[0])
+        else:  # factored second moments: not element-wise, so not for the distributed optimizer
+            optimizer = OPTIMIZERS[name](groups, lr=lr)
+        if max_steps is None and self._trainer is not None:
+            max_steps = self._trainer.max_steps
+        total = max_steps if max_steps and max_steps > 0 else None
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(warmup_steps, total, min_lr_ratio))
+        return dict(optimizer=optimizer, lr_scheduler=dict(scheduler=scheduler, interval="step"))
 
     def global_parameter_name(self, name: str) -> str:
         """A state-dict name of this rank's stage as the one-process module names it: the key of
@@ -63,3 +164,24 @@ class PipelinedLMModule(pl.LightningModule):
     def global_name_in_model(self, name: str) -> str:
         """``name`` (relative to ``self.model`` on this rank) in the whole model."""
         raise NotImplementedError
+
+
+def _batch_tokens(batch: Any) -> Tensor | None:
+    """The token ids of a batch (``tokens`` or ``input_ids``), for the throughput."""
+    if isinstance(batch, dict):
+        for key in ("tokens", "input_ids"):
+            if isinstance(batch.get(key), Tensor):
+                return batch[key]
+    return None
+
+
+def _warmup_cosine(warmup: int, total: int | None, min_ratio: float):
+    def factor(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if total is None or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

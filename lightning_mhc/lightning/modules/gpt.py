@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import copy
-import math
-import resource
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,8 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.lightning.modules.base import PipelinedLMModule
-from lightning_mhc.lightning.modules.throughput import ThroughputMeter
+from lightning_mhc.lightning.modules.base import OPTIMIZERS, PipelinedLMModule
 from lightning_mhc.model.config import (
     PARALLEL_LAYOUT_FIELDS,
     MHCTransformerConfig,
@@ -21,15 +17,11 @@ from lightning_mhc.model.config import (
     with_parallel_layout,
 )
 from lightning_mhc.model.config_dict import is_plain, model_config_from_dict, model_config_to_dict
-from lightning_mhc.model.flops import device_peak_flops, training_flops_per_token
+from lightning_mhc.model.flops import training_flops_per_token
 from lightning_mhc.model.gpt import GPTModel, gpt_forward_step, gpt_loss_func
 from lightning_mhc.model.stages import build_gpt_chunks
 from lightning_mhc.distributed.layout import ParallelLayout, active_layout
 from lightning_mhc.recompute.policy import RecomputePolicy
-
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
-"""``MHCGPTModule(optimizer=...)``: what ``configure_optimizers`` builds."""
-
 
 class MHCGPTModule(PipelinedLMModule):
     """An mHC GPT trained with ``MHCParallelStrategy`` (any TP/PP/DP layout).
@@ -114,14 +106,8 @@ class MHCGPTModule(PipelinedLMModule):
         self.optimizer_name = optimizer
         self.model: GPTModel | torch.nn.ModuleList | None = None
         """This rank's stage (a ModuleList of its chunks with a virtual pipeline; see model_chunks)."""
-        self._step_started: float | None = None
-        self._val_losses: list[float] = []
-        self.val_history: list[tuple[int, float]] = []
-        """(global step, mean validation loss); step 0 comes from the sanity check."""
         self.generation_kwargs: dict[str, Any] = dict(max_new_tokens=32)
         """What ``predict_step`` passes to ``GPTModel.generate``."""
-        self.throughput = ThroughputMeter()
-        """Whole-job tokens/s per step (warm-up excluded): ``throughput.summary()``."""
 
     # ---------------------------------------------------------- the stage
     def configure_model(self) -> None:
@@ -166,14 +152,6 @@ class MHCGPTModule(PipelinedLMModule):
         return self.model_chunks()[0].pipeline_tensor_shape(batch, seq)
 
     # ------------------------------------------------------------- steps
-    def on_validation_loss(self, loss: Tensor) -> None:
-        self._val_losses.append(loss.item())
-
-    def on_validation_epoch_end(self) -> None:
-        if self._val_losses:
-            self.val_history.append((self.global_step, sum(self._val_losses) / len(self._val_losses)))
-        self._val_losses = []
-
     def predict_step(self, batch: dict, batch_idx: int = 0) -> Tensor:
         """Continue ``batch["tokens"]`` (``[b, s]``) by ``generation_kwargs`` (``GPTModel.generate``:
         ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``stop_token``); the whole model
@@ -220,77 +198,15 @@ class MHCGPTModule(PipelinedLMModule):
             module.to(map_location)
         return module.eval()
 
-    def on_train_start(self) -> None:
-        self.throughput.start_fit()
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_started = time.perf_counter()
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        norm = getattr(self.trainer.strategy, "last_grad_norm", None)
-        if norm is not None:
-            self.log("grad_norm", norm)
-        self.log("lr", optimizer.param_groups[0]["lr"])
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._log_throughput(batch)
-        runtime = getattr(self.trainer.strategy, "runtime", None)
-        if runtime is not None:  # this rank's (rank 0's in the logs); 1/DP with the distributed optimizer
-            self.log("optimizer_state_bytes", float(runtime.optimizer_state_bytes(self.trainer.optimizers)))
-
-    def _log_throughput(self, batch: dict) -> None:
-        """tokens/s of the whole job for this step (see ``lightning_mhc.lightning.modules.throughput``)."""
-        if self._step_started is None:
-            return
-        step_end = getattr(self.trainer.strategy, "last_step_end", None)
-        if step_end is None or step_end < self._step_started:  # no optimizer step timed in this batch
-            step_end = time.perf_counter()
-        seconds = step_end - self._step_started
-        layout = getattr(self.trainer.strategy, "layout", None)
-        tokens = batch["tokens"].numel() * (layout.data_parallel_size if layout is not None else 1)
-        self.log("tokens_consumed", float(self.trainer.global_step * tokens))
-        if self.throughput.record(seconds, tokens):
-            self.log("tokens_per_sec", tokens / seconds)
-            self.log("step_time_ms", 1000 * seconds)
-            peak = self.peak_flops or device_peak_flops(self.device)
-            if peak:
-                per_token = training_flops_per_token(self.model_config, batch["tokens"].shape[-1])
-                self.log("mfu", per_token * tokens / seconds / (peak * self.trainer.world_size))
-        self.log("max_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self.log("max_cuda_mb", torch.cuda.max_memory_allocated() / 2**20)
-
     # -------------------------------------------------------- optimizer
     def configure_optimizers(self, max_steps: int | None = None):
         """AdamW (or ``optimizer``: SGD with momentum ``betas[0]``, Adafactor; no weight decay on vectors
-        and hyper-connections) with linear warm-up, then cosine
-        decay to ``min_lr_ratio * lr`` at ``max_steps`` (default: the Trainer's ``max_steps``; in a
-        Fabric loop, pass it). Returns Lightning's dict: ``["optimizer"]`` and
-        ``["lr_scheduler"]["scheduler"]`` (stepped every optimizer step)."""
-        decay, no_decay = [], []
-        for name, p in self.named_parameters():
-            (no_decay if p.ndim < 2 or "hyper_connection" in name else decay).append(p)
-        groups = [dict(params=decay, weight_decay=self.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-        if self.optimizer_name == "adamw":
-            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
-        elif self.optimizer_name == "sgd":
-            optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=self.betas[0])
-        else:  # factored second moments: not element-wise, so not for the distributed optimizer
-            optimizer = torch.optim.Adafactor(groups, lr=self.lr)
-        if max_steps is None and self._trainer is not None:
-            max_steps = self._trainer.max_steps
-        total = max_steps if max_steps and max_steps > 0 else None
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(self.warmup_steps, total, self.min_lr_ratio))
-        return dict(optimizer=optimizer, lr_scheduler=dict(scheduler=scheduler, interval="step"))
+        and hyper-connections) with linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at
+        ``max_steps`` (default: the Trainer's ``max_steps``; in a Fabric loop, pass it). Returns
+        Lightning's dict: ``["optimizer"]`` and ``["lr_scheduler"]["scheduler"]`` (stepped every
+        optimizer step)."""
+        return self.warmup_cosine_optimizer(self.optimizer_name, self.lr, self.weight_decay, self.betas,
+                                            self.warmup_steps, self.min_lr_ratio, max_steps)
 
-
-def _warmup_cosine(warmup: int, total: int | None, min_ratio: float):
-    def factor(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
-        if total is None or total <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / (total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
+    def flops_per_token(self, seq_length: int) -> float | None:
+        return training_flops_per_token(self.model_config, seq_length)

@@ -117,6 +117,7 @@ class ParallelLMModule(PipelinedLMModule):
     def on_fit_start(self) -> None:
         """The model was built with the recompute policy; every rank prints what it materialised
         against the whole model (about 1/(TP*PP))."""
+        super().on_train_start()
         self._check_built_policy()
         layout = getattr(self.trainer.strategy, "layout", None)
         where = (f" (tp {layout.tensor_model_parallel_rank}, pp {layout.pipeline_model_parallel_rank}, "

@@ -1,0 +1,99 @@
+"""``HFCausalLMModule``: a Hugging Face causal LM from its directory, split by ``parallelize``, with
+hyper-connections added when asked (``lightning-mhc-train model=hf``).
+
+    module = HFCausalLMModule("path/to/llama", pretrained=True, hyper_connections=4)
+    Trainer(strategy=MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+            callbacks=[MHCRecomputeCallback("mhc_block")], devices=4).fit(module, datamodule=data)
+
+Every rank builds the model from the directory's ``config.json`` on the meta device and
+materialises only its part: with ``pretrained=True`` from the directory's safetensors (read slice
+by slice), else drawn from ``seed``. The hyperparameters (saved in checkpoints) are the directory
+and these settings, so ``HFCausalLMModule.whole_model(hparams)`` rebuilds the model in one process.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.lightning.modules.base import OPTIMIZERS
+from lightning_mhc.lightning.modules.parallel_lm import ParallelLMModule
+from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings, apply_hyper_connections
+from lightning_mhc.parallelize.record import record_module_init
+
+
+def hf_config(model_dir: str | Path):
+    """The ``transformers`` config of a directory (or of its ``config.json``), refused in one line
+    when there is none."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError("a Hugging Face model needs transformers: pip install 'lightning-mhc[hf]'.") from None
+    path = Path(model_dir)
+    directory = path.parent if path.name == "config.json" else path
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"{model_dir}: no config.json there (a directory written by save_pretrained holds one).")
+    return AutoConfig.from_pretrained(directory)
+
+
+def recorded_hf_model(model_dir: str | Path) -> nn.Module:
+    """The model of ``model_dir``'s config on the meta device (``record_module_init``), in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(model_dir)
+    with record_module_init():
+        return AutoModelForCausalLM.from_config(config, dtype="float32")
+
+
+class HFCausalLMModule(ParallelLMModule):
+    """A Hugging Face causal LM of any built-in family (``parallelize``'s plans), on any TP x PP x DP.
+
+    Args:
+        model_dir: a ``save_pretrained`` directory (its ``config.json``; with ``pretrained`` its
+            safetensors too).
+        pretrained: start from the directory's weights; False: fresh weights drawn from ``seed``.
+        hyper_connections: ``n`` residual streams with hyper-connections added (exact at step 0:
+            ``lightning_mhc.parallelize.hyper_connections``); None or 1: the model as it is.
+        plan: the tensor-parallel plan (``"auto"``: by the config's ``model_type``).
+        seed: the initialisation seed (fresh weights, and the hyper-connections' parameters).
+        optimizer, lr, weight_decay, betas, warmup_steps, min_lr_ratio: the optimizer recipe
+            (``warmup_cosine_optimizer``).
+        implementation: the hyper-connections' ops (``mhc_implementation``).
+    """
+
+    def __init__(self, model_dir: str, pretrained: bool = False, hyper_connections: int | None = None,
+                 plan: str = "auto", seed: int = 0, optimizer: str = "adamw", lr: float = 3e-4,
+                 weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0,
+                 min_lr_ratio: float = 0.1, implementation: str = "auto") -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay, betas=betas)
+        if optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}.")
+        self.save_hyperparameters()
+        self.model_dir, self.pretrained, self.plan, self.seed = str(model_dir), pretrained, plan, seed
+        self.hyper_connection_settings = HyperConnectionSettings(hyper_connections or 1, seed=seed,
+                                                                 implementation=implementation)
+        self.optimizer_name, self.warmup_steps, self.min_lr_ratio = optimizer, warmup_steps, min_lr_ratio
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self.parallelize(recorded_hf_model(self.model_dir), self.plan, seed=self.seed,
+                                          weights=self.model_dir if self.pretrained else None,
+                                          hyper_connections=self.hyper_connection_settings)
+
+    def configure_optimizers(self, max_steps: int | None = None):
+        return self.warmup_cosine_optimizer(self.optimizer_name, self.lr, self.weight_decay, self.betas,
+                                            self.warmup_steps, self.min_lr_ratio, max_steps)
+
+    @staticmethod
+    def whole_model(hparams: dict[str, Any]) -> nn.Module:
+        """The whole model of a run with these hyperparameters, in this process, materialised
+        (its base weights as the directory's config builds them; load a checkpoint into it with
+        ``lightning_mhc.parallelize.load_checkpoint``), its hyper-connections added."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(hf_config(hparams["model_dir"]), dtype="float32")
+        settings = HyperConnectionSettings(hparams.get("hyper_connections") or 1, seed=hparams.get("seed", 0),
+                                           implementation=hparams.get("implementation", "auto"))
+        return apply_hyper_connections(model, settings)

@@ -1,0 +1,188 @@
+"""``lightning-mhc-train model=hf``: a Hugging Face checkpoint continued (or a config trained from
+fresh weights), with hyper-connections added by ``model.hyper_connections``, from the command line.
+
+Every bad setting is refused before launch in one line naming its key (exit 2, no run directory);
+the slow test continues a saved Llama with 4 streams on the shipped sample corpus on TP 2 x PP 2
+with the block recompute (the loss falls), exports it, and ``load_pretrained`` rebuilds it in one
+process with the parallel run's logits."""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from subprocess_env import child_env  # noqa: E402
+from train_cli import check_before_launch, run_train, train_losses  # noqa: E402
+
+from lightning_mhc.data.sample import SAMPLE_DIR, SAMPLE_VOCAB  # noqa: E402
+
+WIDTH, LAYERS = 64, 4
+
+
+def save_llama(directory: pathlib.Path, **config) -> pathlib.Path:
+    """A small Llama as ``save_pretrained`` writes it (sharded), with the sample corpus's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(**{**dict(
+        num_hidden_layers=LAYERS, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=SAMPLE_VOCAB, max_position_embeddings=128, bos_token_id=0,
+        eos_token_id=0, attn_implementation="eager"), **config}))
+    model.save_pretrained(directory, max_shard_size="200KB")
+    shutil.copy(SAMPLE_DIR / "tokenizer.json", directory / "tokenizer.json")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> pathlib.Path:
+    return save_llama(tmp_path_factory.mktemp("hf") / "llama")
+
+
+@pytest.fixture(scope="module")
+def sample_data(tmp_path_factory) -> pathlib.Path:
+    """The sample corpus in Megatron's indexed format, tokenized by the sample BPE (the Llama's)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("data")
+    subprocess.run([sys.executable, "-m", "lightning_mhc.cli.preprocess", "--input", "sample", "--json-keys", "text",
+                    "--tokenizer", "sample", "--output-prefix", str(out / "sample"), "--workers", "1",
+                    "--append-eod"], check=True, capture_output=True, env=child_env(), timeout=300)
+    return out / "sample_text_document"
+
+
+def _hf(llama_dir, *extra):
+    return ["model=hf", f"model.pretrained={llama_dir}", "data=synthetic", *extra]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], None),  # the valid run: accepted
+    (["model.hyper_connections=4", "parallel=tp2pp2", "trainer.devices=4", "recompute=mhc_block"], None),
+    (["model.hyper_connections=0"], r"model.hyper_connections=0: the residual stream is n >= 1 streams"),
+    (["recompute=mhc_block"], r"recompute.policy=mhc_block needs model.hyper_connections=<n >= 2> \(model=hf\)"),
+    (["parallel=tp2", "trainer.devices=2", "model.hyper_connections=4"], None),
+    (["parallel.tensor_model_parallel_size=8", "trainer.devices=8"],
+     r"model.pretrained=.*: model.layers.0.self_attn.config.num_attention_heads=4 cannot be split across "
+     r"parallel.tensor_model_parallel_size=8: each TP rank must hold whole attention heads"),
+    (["parallel=tp2sp", "trainer.devices=2"], r"parallel.sequence_parallel=true is not supported for a model split"),
+    (["parallel=pp4", "trainer.devices=4", "parallel.virtual_pipeline_model_parallel_size=2",
+      "data.global_batch_size=16", "data.micro_batch_size=2"],
+     r"4 blocks cannot fill 8 pipeline stages"),
+    (["model.num_layers=8"], r"model.num_layers=8: the project's GPT reads it, not model=hf"),
+    (["model.plan=bloom"], r"plan='bloom': no such built-in plan"),
+    (["data.seq_length=256"], r"data.seq_length=256 exceeds its max_position_embeddings=128"),
+])
+def test_the_command_line_checks_a_hugging_face_model_before_launch(llama_dir, extra, message, tmp_path, monkeypatch,
+                                                                   capsys):
+    status, err = check_before_launch(_hf(llama_dir, *extra), tmp_path, monkeypatch, capsys)
+    if message is None:
+        assert status == 0, err
+        return
+    import re
+
+    assert status == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err), err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_family_without_a_plan_and_a_missing_model_are_refused(tmp_path, monkeypatch, capsys):
+    """A config of a family with no built-in plan, a directory without config.json, both model keys."""
+    from transformers import BloomConfig
+
+    BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=300).save_pretrained(tmp_path / "bloom")
+    cases = [
+        (["model=hf", f"model.config={tmp_path / 'bloom'}", "data=synthetic"],
+         r"model.config=.*bloom: plan='auto': BloomForCausalLM has model_type 'bloom', which has no built-in plan"),
+        (["model=hf", f"model.pretrained={tmp_path}", "data=synthetic"], r"model.pretrained=.*: .* no config.json there"),
+        (["model=hf", "data=synthetic"], r"model=hf needs one of model.pretrained=.* or model.config=.*not neither"),
+        (["model.hyper_connections=4"], r"model.pretrained / model.config / model.hyper_connections are for a Hugging"),
+    ]
+    import re
+
+    for argv, message in cases:
+        status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
+        assert status == 2 and re.search(message, err), (argv, err)
+
+
+def test_the_tokenizer_comes_from_the_model_directory(llama_dir, sample_data, tmp_path, monkeypatch, capsys):
+    """data=megatron without data.tokenizer reads the model's tokenizer.json; a directory without one
+    is refused naming data.tokenizer."""
+    argv = ["model=hf", f"model.pretrained={llama_dir}", "data=megatron", f"data.blend=[{sample_data}]",
+            "data.split=[90,10,0]"]
+    status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
+    assert status == 0, err
+    bare = tmp_path / "bare"
+    shutil.copytree(llama_dir, bare)
+    (bare / "tokenizer.json").unlink()
+    argv[1] = f"model.pretrained={bare}"
+    status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
+    assert status == 2 and "data.tokenizer=null: model.pretrained=" in err and "has no tokenizer.json" in err, err
+
+
+@pytest.mark.slow
+def test_continue_a_pretrained_llama_with_hyper_connections_on_tp2_pp2(llama_dir, sample_data, tmp_path):
+    """The issue's command: a saved Llama continued with 4 hyper-connection streams on the sample
+    corpus, TP 2 x PP 2, block recompute: the loss falls; ``lightning-mhc-export`` writes a directory
+    ``from_pretrained`` reads (the base model) with the hyper-connections beside it, and
+    ``load_pretrained`` rebuilds the mHC model in one process with the parallel run's logits."""
+    result = run_train(tmp_path, "model=hf", f"model.pretrained={llama_dir}", "model.hyper_connections=4",
+                       "data=megatron", f"data.blend=[{sample_data}]", "data.split=[90,10,0]", "data.seq_length=64",
+                       "data.micro_batch_size=2", "data.global_batch_size=8", "parallel=tp2pp2", "trainer.devices=4",
+                       "recompute=mhc_block", "trainer.max_steps=12", "trainer.val_check_interval=12",
+                       "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "optim.lr=3e-3",
+                       "optim.warmup_steps=2", "hydra.run.dir=run", timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    run = tmp_path / "run"
+    losses = train_losses(run / "metrics.csv")
+    summary = json.loads((run / "summary.json").read_text())
+    print(f"model=hf + 4 streams on TP 2 x PP 2: train loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}; "
+          f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}")
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.1
+    checkpoint = pathlib.Path(summary["last_checkpoint"])
+    export = tmp_path / "export"
+    import subprocess
+    import sys
+
+    exported = subprocess.run([sys.executable, "-m", "lightning_mhc.cli.export", str(checkpoint), str(export)],
+                              capture_output=True, text=True, env=child_env(), timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    from transformers import LlamaForCausalLM
+
+    from lightning_mhc import load_pretrained
+
+    base = LlamaForCausalLM.from_pretrained(export)  # transformers reads the base model
+    assert not any("hyper_connections" in name for name in base.state_dict())
+    model = load_pretrained(export).eval()
+    assert model.hyper_connection_settings.num_residual_streams == 4
+    # the parallel run's last validation (TP 2 x PP 2, step 12) against the rebuilt model on the same batches
+    loss = validation_loss(model, tmp_path, sample_data)
+    print(f"validation loss: TP 2 x PP 2 {summary['final_val_loss']:.6f}, load_pretrained {loss:.6f}")
+    assert abs(loss - summary["final_val_loss"]) < 1e-4
+    with torch.no_grad():
+        tokens = torch.randint(0, SAMPLE_VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+        assert (model(input_ids=tokens).logits - base.eval()(input_ids=tokens).logits).abs().max() > 1e-4  # mHC acts
+
+
+def validation_loss(model, tmp_path: pathlib.Path, blend: pathlib.Path) -> float:
+    """The mean loss of ``model`` over the 2 validation batches the run evaluated (the same data
+    module: blend, tokenizer, split, seed, sizes)."""
+    from lightning_mhc.data.megatron import MegatronDataModule, blend_num_samples, megatron_num_samples
+
+    sizes = megatron_num_samples(8, 12, 2, evaluated=("validation",))
+    data = MegatronDataModule(blend=[str(blend)], tokenizer=str(SAMPLE_DIR / "tokenizer.json"), seq_length=64,
+                              global_batch_size=8, split="90,10,0", seed=1234, cache_dir=str(tmp_path / "cache"),
+                              num_samples=blend_num_samples(sizes, False, "90,10,0", 8))
+    data.setup("fit")
+    losses = []
+    with torch.no_grad():
+        for _, batch in zip(range(2), data.val_dataloader()):
+            logits = model(input_ids=batch["tokens"]).logits
+            # ParallelLMModule's loss: the mean over every label (no loss mask)
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item())
+    return sum(losses) / len(losses)
