@@ -10,44 +10,29 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import sys
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
+from lm_models import save_sample_llama  # noqa: E402
 from subprocess_env import child_env  # noqa: E402
 from train_cli import check_before_launch, run_train, train_losses  # noqa: E402
 
 from lightning_mhc.data.sample import SAMPLE_DIR, SAMPLE_VOCAB  # noqa: E402
 
-WIDTH, LAYERS = 64, 4
-
-
-def save_llama(directory: pathlib.Path, **config) -> pathlib.Path:
-    """A small Llama as ``save_pretrained`` writes it (sharded), with the sample corpus's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(LlamaConfig(**{**dict(
-        num_hidden_layers=LAYERS, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=SAMPLE_VOCAB, max_position_embeddings=128, bos_token_id=0,
-        eos_token_id=0, attn_implementation="eager"), **config}))
-    model.save_pretrained(directory, max_shard_size="200KB")
-    shutil.copy(SAMPLE_DIR / "tokenizer.json", directory / "tokenizer.json")
-    return directory
-
-
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> pathlib.Path:
-    return save_llama(tmp_path_factory.mktemp("hf") / "llama")
+    return save_sample_llama(tmp_path_factory.mktemp("hf") / "llama")
 
 
 @pytest.fixture(scope="module")
 def sample_data(tmp_path_factory) -> pathlib.Path:
     """The sample corpus in Megatron's indexed format, tokenized by the sample BPE (the Llama's)."""
     import subprocess
-    import sys
 
     out = tmp_path_factory.mktemp("data")
     subprocess.run([sys.executable, "-m", "lightning_mhc.cli.preprocess", "--input", "sample", "--json-keys", "text",
@@ -147,7 +132,6 @@ def test_continue_a_pretrained_llama_with_hyper_connections_on_tp2_pp2(llama_dir
     checkpoint = pathlib.Path(summary["last_checkpoint"])
     export = tmp_path / "export"
     import subprocess
-    import sys
 
     exported = subprocess.run([sys.executable, "-m", "lightning_mhc.cli.export", str(checkpoint), str(export)],
                               capture_output=True, text=True, env=child_env(), timeout=300)

@@ -50,6 +50,7 @@ from subprocess_env import child_env
 from train_cli import check_before_launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))  # lm_models: the documents' $HOME/llama
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md"]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 ENTRY_POINTS = PYPROJECT["project"]["scripts"]  # lightning-mhc-train = "lightning_mhc.cli.train:main", ...
@@ -239,11 +240,16 @@ def _substitute(argv: list[str], scratch: pathlib.Path, checkpoint: pathlib.Path
     return out
 
 
-def _user_files(scratch: pathlib.Path, monkeypatch) -> None:
+def _user_files(scratch: pathlib.Path, monkeypatch, text: str = "") -> None:
     """The user's own files the documents name: ``$HOME/corpus`` (a text folder: HOME points at the
-    scratch directory, holding this repository's documents as text) and ``notes.txt`` (the
-    188-byte file of the transcript in docs/cli.md)."""
+    scratch directory, holding this repository's documents as text), ``notes.txt`` (the 188-byte
+    file of the transcript in docs/cli.md) and, for a command ``text`` that names it,
+    ``$HOME/llama`` (a small Llama's ``save_pretrained`` directory with the sample tokenizer)."""
     home = scratch / "home"
+    if "$HOME/llama" in text:
+        from lm_models import save_sample_llama
+
+        save_sample_llama(home / "llama")
     (home / "corpus").mkdir(parents=True, exist_ok=True)
     (home / "corpus" / "docs.txt").write_text("\n".join(doc.read_text() for doc in DOCS))
     monkeypatch.setenv("HOME", str(home))
@@ -471,7 +477,7 @@ def test_every_shell_line_is_a_known_command():
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.id for c in COMMANDS])
 def test_command_as_written(command, tmp_path, monkeypatch, capsys):
-    _user_files(tmp_path, monkeypatch)
+    _user_files(tmp_path, monkeypatch, command.text)
     kind = _kind(command)
     assert kind in CHECKS, f"{command.text!r}: no check for {kind!r} commands"
     CHECKS[kind](command, tmp_path, monkeypatch, capsys)

@@ -169,3 +169,21 @@ FAMILIES = {"mistral": (mistral, "mistral"), "qwen2": (qwen2, "qwen2"), "qwen3":
 
 MODELS = {"gpt2": (gpt2, "gpt2"), "llama": (llama, "llama"), "plain": (PlainTransformer, PLAIN_PLAN),
           "tiedllama": (tied_llama, DICT_PLAN), **FAMILIES}
+
+
+def save_sample_llama(directory, **config):
+    """A small Llama as ``save_pretrained`` writes it (sharded), with the tokenizer of the shipped
+    sample corpus (``tokenizer.json``): what ``lightning-mhc-train model=hf model.pretrained=DIR``
+    continues (its documents' ``$HOME/llama``)."""
+    import shutil
+    from pathlib import Path
+
+    from lightning_mhc.data.sample import SAMPLE_DIR, SAMPLE_VOCAB
+
+    directory = Path(directory)
+    torch.manual_seed(3)
+    model = tied_llama(**{**dict(vocab_size=SAMPLE_VOCAB, max_position_embeddings=128, tie_word_embeddings=False),
+                          **config})
+    model.save_pretrained(directory, max_shard_size="200KB")
+    shutil.copy(SAMPLE_DIR / "tokenizer.json", directory / "tokenizer.json")
+    return directory
