@@ -119,7 +119,7 @@ def test_continue_a_pretrained_llama_with_hyper_connections_on_tp2_pp2(llama_dir
     result = run_train(tmp_path, "model=hf", f"model.pretrained={llama_dir}", "model.hyper_connections=4",
                        "data=megatron", f"data.blend=[{sample_data}]", "data.split=[90,10,0]", "data.seq_length=64",
                        "data.micro_batch_size=2", "data.global_batch_size=8", "parallel=tp2pp2", "trainer.devices=4",
-                       "recompute=mhc_block", "trainer.max_steps=12", "trainer.val_check_interval=12",
+                       "recompute=mhc_block", "trainer.max_steps=8", "trainer.val_check_interval=8",
                        "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "optim.lr=3e-3",
                        "optim.warmup_steps=2", "hydra.run.dir=run", timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
@@ -144,7 +144,7 @@ def test_continue_a_pretrained_llama_with_hyper_connections_on_tp2_pp2(llama_dir
     assert not any("hyper_connections" in name for name in base.state_dict())
     model = load_pretrained(export).eval()
     assert model.hyper_connection_settings.num_residual_streams == 4
-    # the parallel run's last validation (TP 2 x PP 2, step 12) against the rebuilt model on the same batches
+    # the parallel run's last validation (TP 2 x PP 2, step 8) against the rebuilt model on the same batches
     loss = validation_loss(model, tmp_path, sample_data)
     print(f"validation loss: TP 2 x PP 2 {summary['final_val_loss']:.6f}, load_pretrained {loss:.6f}")
     assert abs(loss - summary["final_val_loss"]) < 1e-4
@@ -158,7 +158,7 @@ def validation_loss(model, tmp_path: pathlib.Path, blend: pathlib.Path) -> float
     module: blend, tokenizer, split, seed, sizes)."""
     from lightning_mhc.data.megatron import MegatronDataModule, blend_num_samples, megatron_num_samples
 
-    sizes = megatron_num_samples(8, 12, 2, evaluated=("validation",))
+    sizes = megatron_num_samples(8, 8, 2, evaluated=("validation",))
     data = MegatronDataModule(blend=[str(blend)], tokenizer=str(SAMPLE_DIR / "tokenizer.json"), seq_length=64,
                               global_batch_size=8, split="90,10,0", seed=1234, cache_dir=str(tmp_path / "cache"),
                               num_samples=blend_num_samples(sizes, False, "90,10,0", 8))

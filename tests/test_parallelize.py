@@ -226,7 +226,7 @@ DROPOUT_RUNS = ("gpt2:tp2pp2:dropout", "gpt2:tp2pp2:dropout-again", "gpt2:tp2pp2
 
 @pytest.mark.slow
 def test_tp2_x_pp2_x_dp2_and_its_dropout_masks(tmp_path, references):
-    cases = [f"{m}:tp2pp2" for m in MODEL_NAMES] + [f"llama:tp2pp2:hc{zero}" for zero in ("", "-zero")]
+    cases = [f"{m}:tp2pp2" for m in MODEL_NAMES] + [f"llama:tp2pp2:hc{zero}" for zero in ("", "-zero")] + ["mistral:tp2pp2:hc-zero"]
     results = run_group(tmp_path, 8, cases + list(DROPOUT_RUNS))
     for case in cases:
         assert results[case]["dp"] == 2
