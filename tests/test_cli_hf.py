@@ -54,7 +54,9 @@ def _hf(llama_dir, *extra):
     (["parallel.tensor_model_parallel_size=8", "trainer.devices=8"],
      r"model.pretrained=.*: model.layers.0.self_attn.config.num_attention_heads=4 cannot be split across "
      r"parallel.tensor_model_parallel_size=8: each TP rank must hold whole attention heads"),
-    (["parallel=tp2sp", "trainer.devices=2"], r"parallel.sequence_parallel=true is not supported for a model split"),
+    (["parallel=tp2sp", "trainer.devices=2", "model.hyper_connections=4"], None),
+    (["parallel=tp2sp", "trainer.devices=2", "data.seq_length=63"],
+     r"parallel.sequence_parallel=true splits data.seq_length=63 over parallel.tensor_model_parallel_size=2 ranks"),
     (["parallel=pp4", "trainer.devices=4", "parallel.virtual_pipeline_model_parallel_size=2",
       "data.global_batch_size=16", "data.micro_batch_size=2"],
      r"4 blocks cannot fill 8 pipeline stages"),

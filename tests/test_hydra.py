@@ -55,11 +55,21 @@ def _options():
 
 
 @pytest.mark.parametrize("group, option", list(_options()))
-def test_every_config_composes_and_validates(group, option):
+def test_every_config_composes_and_validates(group, option, tmp_path):
     overrides = [f"{group}={option}"]
+    if (group, option) == ("model", "hf"):  # a Hugging Face config to build (on the meta device)
+        pytest.importorskip("transformers")
+        from transformers import LlamaConfig
+
+        LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                    vocab_size=300).save_pretrained(tmp_path)
+        overrides.append(f"model.config={tmp_path}")
     cfg = compose_config(*overrides, *COMPANIONS.get((group, option), []))
     assert isinstance(cfg, TrainConfig)
-    assert cfg.transformer_config().num_layers == cfg.model.num_layers
+    if cfg.model.is_hf:
+        assert cfg.model.hf_dir == str(tmp_path)
+    else:
+        assert cfg.transformer_config().num_layers == cfg.model.num_layers
 
 
 def test_mhc_implementation_reaches_the_model_config():

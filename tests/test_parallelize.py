@@ -40,7 +40,8 @@ def run_group(tmp_path: pathlib.Path, devices: int, cases: list[str], *options: 
     proc = subprocess.run([sys.executable, str(SCRIPT), "--devices", str(devices), "--cases", *cases,
                            "--out", str(out), *options], capture_output=True, text=True, timeout=900,
                           env=child_env(), cwd=SCRIPT.parent)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    errors = [line for line in proc.stderr.splitlines() if re.search(r"\w(Error|Exception): ", line)]
+    assert proc.returncode == 0, "\n".join(errors[-3:]) + "\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 
 
@@ -98,24 +99,27 @@ def check_case(case: str, result: dict, references: dict) -> None:
     torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5)
     assert weight_diff <= 1e-5
     assert losses[-1] != losses[0]  # it trained
-    # each rank holds about 1/(TP*PP) of the model (embeddings, norms and biases stay whole)
-    assert max(shares) <= 1.25 / (tp * pp)
+    # each rank holds about 1/(TP*PP) of the model (embeddings, norms and biases stay whole; so do
+    # the hyper-connections, as in the project's GPT: measured 0.321 of a tiny Llama on TP 2 x PP 2)
+    assert max(shares) <= (1.3 if "hc" in flags else 1.25) / (tp * pp)
 
 
 def test_tp2_and_pp2(tmp_path, references):
     """TP 2 and PP 2 (2 processes), PP 2 with the interleaved schedule (v = 2) for GPT-2, and TP 2
     with the logits gathered (``loss_parallel=False``) for GPT-2 (its head is tied) and the plain model;
-    Llama and Mistral with 4 hyper-connection streams on TP 2, PP 2 and PP 2 x v 2 against
-    ``add_hyper_connections`` in one process, and with dropout, the block recompute (``mhc_block``)
-    bit for bit equal to none on TP 2 and PP 2; on PP 2, batches without labels refused by both stages."""
+    TP 2 with sequence parallelism for GPT-2 and OPT (whose MLP runs on flattened tokens); Llama and
+    Mistral with 4 hyper-connection streams on TP 2, TP 2 with sequence parallelism, PP 2 and PP 2 x
+    v 2 against ``add_hyper_connections`` in one process, and with dropout, the block recompute
+    (``mhc_block``) bit for bit equal to none on TP 2, TP 2 with SP and PP 2; on PP 2, batches
+    without labels refused by both stages."""
     cases = ([f"{m}:{layout}" for m in MODEL_NAMES for layout in ("tp2", "pp2")]
-             + ["gpt2:pp2v2", "gpt2:tp2:gather", "plain:tp2:gather"]
-             + [f"{m}:{layout}:hc" for m in HC_MODELS for layout in ("tp2", "pp2", "pp2v2")])
-    recomputed = [f"llama:{layout}:hc-dropout{block}" for layout in ("tp2", "pp2") for block in ("", "-block")]
+             + ["gpt2:pp2v2", "gpt2:tp2:gather", "plain:tp2:gather", "gpt2:tp2sp", "opt:tp2sp"]
+             + [f"{m}:{layout}:hc" for m in HC_MODELS for layout in ("tp2", "tp2sp", "pp2", "pp2v2")])
+    recomputed = [f"llama:{layout}:hc-dropout{block}" for layout in ("tp2", "tp2sp", "pp2") for block in ("", "-block")]
     results = run_group(tmp_path, 2, cases + recomputed + ["gpt2:pp2:nolabels"])
     for case in cases:
         check_case(case, results[case], references)
-    for layout in ("tp2", "pp2"):
+    for layout in ("tp2", "tp2sp", "pp2"):
         plain, block = (results[f"llama:{layout}:hc-dropout{b}"] for b in ("", "-block"))
         assert block["losses"] == plain["losses"] and block["weights"] == plain["weights"], layout  # bit for bit
         assert block["masks"] == plain["masks"] and plain["masks"][0]["masks"], layout  # dropout acted
@@ -140,13 +144,13 @@ def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained, family_
     model in one process, and through save_pretrained / from_pretrained and back through
     parallelize(weights=), with its logits."""
     cases = ([f"{m}:tp2pp2" for m in MODEL_NAMES] + ["tiedllama:tp2pp2"]  # a tied head under the README's dict plan
-             + [f"{m}:tp2pp2:hc" for m in HC_MODELS])
+             + [f"{m}:tp2pp2:hc" for m in HC_MODELS] + ["llama:tp2pp2sp:hc"])
     families = [f"{m}:tp2pp2" for m in FAMILIES]
     retrofits = [f"{m}:tp2pp2:hc-pretrained-start" for m in HC_FAMILIES]
     results = run_group(tmp_path, 4, cases + list(RESUMED) + ["tiedllama:tp2pp2:pretrained"] + families + retrofits,
                         "--checkpoints", str(tmp_path / "ckpt"), "--weights", str(pretrained),
                         "--family-weights", str(family_weights))
-    for case in cases + families + ["llama:pp2:hc-resume"]:
+    for case in cases + families:
         check_case(case, results[case], references)
     # hyper-connections added to every built-in family's pretrained weights (sharded files), on
     # TP 2 x PP 2: the logits before the first step are the unmodified model's (from_pretrained)

@@ -507,6 +507,7 @@ class TrainConfig:
         from lightning_mhc.parallelize.weights import check_weights
 
         m, d = self.model, self.data
+        self.layout.check_model({}, d.seq_length)  # the sequence, where sequence parallelism splits it
         try:
             config = hf_config(m.hf_dir)
             vocab = getattr(config, "vocab_size", None)

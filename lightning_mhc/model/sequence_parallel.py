@@ -55,7 +55,8 @@ def reduce_scatter_sequence(x: Tensor) -> Tensor:
     return out
 
 
-def _split(x: Tensor) -> Tensor:
+def split_sequence(x: Tensor) -> Tensor:
+    """``[s, ...]`` -> this rank's ``[s/TP, ...]`` (no autograd)."""
     return x.chunk(_shards(x), dim=0)[dist.get_rank(_group())].contiguous()
 
 
@@ -76,7 +77,7 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        return _split(x)
+        return split_sequence(x)
 
     @staticmethod
     def backward(ctx, grad):

@@ -208,7 +208,8 @@ class _Streams:
     """The residual streams inside one forward of one block: set by the entries and exits, read by
     the block's output hook. ``current``: the streams after the branches that ran; ``pending``: a
     branch's ``(H_res, H_post)`` from its entry to its exit; ``manager``: the block recompute's,
-    while a group of blocks runs; ``ran``: the exits that ran."""
+    while a group of blocks runs; ``ran``: the exits that ran; ``sequence_parallel``: set by
+    ``parallelize`` when the block runs on this rank's part of the sequence."""
 
     def __init__(self) -> None:
         self.current: Tensor | None = None
@@ -216,6 +217,7 @@ class _Streams:
         self.manager: MHCBlockRecomputeManager | None = None
         self.last_in_group = False
         self.ran = 0
+        self.sequence_parallel = False  # this rank's part of the sequence: its dropout masks are its own
 
 
 @dataclass(frozen=True)
@@ -402,7 +404,8 @@ def _exit_hook(block: nn.Module, hc: HyperConnectionModule, streams: _Streams, i
     out = out.reshape(*current.shape[:-1], wiring.hidden_size)
     prob = float(getattr(block, branch.dropout)) if branch.dropout is not None else 0.0
     add = functools.partial(h_res_h_post_bias_dropout_add, prob=prob, training=block.training,
-                            implementation=hc.config.mhc_implementation)
+                            implementation=hc.config.mhc_implementation,
+                            sequence_parallel=streams.sequence_parallel)
     last = index == len(wiring.plan.branches) - 1
     if streams.manager is not None and not (last and streams.last_in_group):
         ckpt = CheckpointWithoutOutput(ckpt_manager=streams.manager, name=f"{wiring.name}.{branch.exit}+h_res_h_post")

@@ -46,7 +46,15 @@ from lightning_mhc.parallelize.hyper_connections import (
 )
 from lightning_mhc.parallelize.record import InitFn, Materializer, is_meta
 from lightning_mhc.parallelize.weights import check_weights, load_weights
-from lightning_mhc.parallelize.tensor_parallel import apply_style, divide_attributes, random_region
+from lightning_mhc.model.sequence_parallel import mark_sequence_parallel_parameters
+from lightning_mhc.parallelize.tensor_parallel import (
+    apply_style,
+    divide_attributes,
+    gather_replicated_sequence,
+    gather_sequence_into,
+    random_region,
+    scatter_sequence,
+)
 from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, RecomputePolicy
 from lightning_mhc.recompute.without_output import checkpoint
 from lightning_mhc.recompute.rng import rng_fork
@@ -94,8 +102,11 @@ class ParallelModel(nn.Module):
 
     def __init__(self, chunks: list[nn.Module], num_virtual_stages: int, hidden_size: int,
                  vocab_parallel_logits: bool, aliases: dict[str, str], report: MaterializedReport,
-                 forward_kwargs: dict[str, Any], recompute: RecomputePolicy = RecomputePolicy()) -> None:
+                 forward_kwargs: dict[str, Any], recompute: RecomputePolicy = RecomputePolicy(),
+                 sequence_shards: int = 1) -> None:
         super().__init__()
+        self.sequence_shards = sequence_shards
+        """TP under sequence parallelism (each rank's blocks hold ``seq / sequence_shards`` tokens), else 1."""
         self.recompute = recompute
         """The recompute policy the blocks were built with (``parallelize(recompute=...)``)."""
         self.chunks = nn.ModuleList(chunks)
@@ -147,9 +158,10 @@ class ParallelModel(nn.Module):
         return per_token.sum() / keep.sum().clamp(min=1)  # 0, not NaN, when every label is ignored (as above)
 
     def pipeline_tensor_shape(self, inputs: Mapping[str, Any]) -> tuple[int, ...]:
-        """What crosses stages: the hidden states ``[batch, seq, hidden]``."""
+        """What crosses stages: the hidden states ``[batch, seq, hidden]`` (``seq / TP`` under
+        sequence parallelism; ``hidden``: ``n * C`` with ``n`` hyper-connection streams)."""
         first = next(v for v in inputs.values() if isinstance(v, Tensor))
-        return (*first.shape[:2], self.hidden_size)
+        return (first.shape[0], first.shape[1] // self.sequence_shards, self.hidden_size)
 
     def global_parameter_name(self, name: str) -> str:
         """A state-dict name of this module as the whole model names it: no chunk prefix, and a
@@ -303,8 +315,9 @@ def parallelize(
     chunks, stage_ends = _build_chunks(model, parts, ranges, layout, build, recompute)
     report = MaterializedReport(_unique_numel(nn.ModuleList(chunks)), whole, tp, pp)
     model_parallel = ParallelModel(chunks, layout.num_virtual_stages, hidden, vocab_parallel, aliases, report,
-                                   _forward_kwargs(model), recompute)
-    _connect_stages(model_parallel, stage_ends, last_stage)
+                                   _forward_kwargs(model), recompute,
+                                   tp if layout.sequence_parallel else 1)
+    _connect_stages(model_parallel, stage_ends, last_stage, layout.sequence_parallel and tp > 1)
     _mark_shared_embeddings(model_parallel, materializer,
                             _tied_across_stages(ties, parts, ranges, last_stage) if parts else ())
     if checked is not None:
@@ -343,10 +356,6 @@ def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] |
     if not is_meta(model):
         raise ConfigError(f"parallelize() takes a model built on the meta device with its constructor arguments "
                           f"recorded: construct {type(model).__name__} inside `with record_module_init():`.")
-    if layout.sequence_parallel:
-        raise ConfigError(f"{layout.names.term('sequence_parallel', True)} is not supported for a model split by "
-                          "parallelize(): its norms and dropouts run on the whole sequence. Turn sequence "
-                          f"parallelism off ({layout.names.key('sequence_parallel')}).")
     _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
     check_recompute(recompute, hyper_connections=_hyper_connection_streams(model) > 1)
     return _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
@@ -394,7 +403,8 @@ def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, A
         plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
     stages = layout.num_virtual_stages
     check_plan(model, plan, layout.tensor_model_parallel_size, names=layout.names)
-    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute.name == "full", after_blocks=plan.after_blocks)
+    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute.name == "full" or layout.sequence_parallel,
+                         after_blocks=plan.after_blocks)
     ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
     if recompute.name == "selective" and not plan.selective:
         raise ConfigError("recompute='selective' needs the modules to checkpoint: pass recompute_modules=[patterns] "
@@ -449,10 +459,14 @@ def _default_output(model: nn.Module, plan: TPPlan, parts: ModelParts | None, la
 
 
 def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout,
-                    recompute: RecomputePolicy) -> Callable[[str, nn.Module], nn.Module]:
-    """``build(name, module)``: materialise ``module`` under its whole-model ``name`` and apply the
-    plan to it and its submodules (TP styles, divided attributes, random regions, selective
-    recompute); a module met again (shared by several parts) is returned as it is."""
+                    recompute: RecomputePolicy) -> Callable[..., nn.Module]:
+    """``build(name, module, block=False)``: materialise ``module`` under its whole-model ``name``
+    and apply the plan to it and its submodules (TP styles, divided attributes, random regions,
+    selective recompute); a module met again (shared by several parts) is returned as it is. Under
+    sequence parallelism a block runs on this rank's part of the sequence: its linears gather and
+    reduce-scatter it, every dropout in it draws this rank's own mask, and its TP-replicated
+    parameters (norms, biases after a row layer, hyper-connections) get partial gradients, summed
+    over TP by the runtime (megatron's ``sequence_parallel`` mark)."""
     tp = layout.tensor_model_parallel_size
 
     def replace(old: Tensor, new: Tensor) -> Tensor:
@@ -463,34 +477,64 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
 
     built: set[int] = set()
 
-    def build(name: str, module: nn.Module) -> nn.Module:
+    def build(name: str, module: nn.Module, block: bool = False) -> nn.Module:
         if id(module) in built:
             return module
         built.add(id(module))
         materializer.materialize(name, module)
+        split_sequence = block and layout.sequence_parallel and tp > 1
+        regions = _gathering_regions(module, name, plan) if split_sequence else {}
         for sub_name, sub in module.named_modules(prefix=name):
             style = plan.style_of(sub_name)
             if style is not None:
-                apply_style(sub, style, layout, replace)
+                apply_style(sub, style, layout, replace, sequence_parallel=split_sequence,
+                            gathered=sub_name.rpartition(".")[0] in regions)
             for pattern, attrs in plan.divide.items():
                 if _matches(sub_name, pattern):
                     divide_attributes(sub, attrs, tp)
             for pattern, region in plan.random.items():
-                if _matches(sub_name, pattern):
+                if _matches(sub_name, pattern) and not split_sequence:  # (all of the block is, below)
                     random_region(sub, region)
             if recompute.name == "selective" and any(_matches(sub_name, p) for p in plan.selective):
                 _checkpointed(sub)
+        if split_sequence:
+            for region in regions.values():
+                gather_sequence_into(region)
+            mark_sequence_parallel_parameters(module)
+            random_region(module, "parallel")
+            streams = getattr(module, "hyper_connection_streams", None)
+            if streams is not None:
+                streams.sequence_parallel = True
         return module
 
     return build
 
 
+def _gathering_regions(block: nn.Module, name: str, plan: TPPlan) -> dict[str, nn.Module]:
+    """Under sequence parallelism, the modules of ``block`` that gather the sequence for their
+    column layers: the parent of each column layer (its attention, its MLP), unless that parent
+    is the block itself (OPT's ``fc1``, which then gathers its own input)."""
+    regions = {}
+    for sub_name, sub in block.named_modules(prefix=name):
+        parent = sub_name.rpartition(".")[0]
+        if isinstance(plan.style_of(sub_name), Column) and parent != name:
+            regions[parent] = block.get_submodule(parent[len(name) + 1:])
+    return regions
+
+
 def _connect_stages(model_parallel: ParallelModel, stage_ends: list[tuple[int, nn.Module, nn.Module]],
-                    last_stage: int) -> None:
+                    last_stage: int, sequence_parallel: bool = False) -> None:
     """The hooks of the pipeline contract: a stage's first block takes the previous stage's
     activations, its last block ends the forward before the last stage, and a first-stage part
-    run after the blocks is refused (``FirstStageStub``)."""
+    run after the blocks is refused (``FirstStageStub``). Under sequence parallelism the blocks
+    run on this rank's part of the sequence: it is scattered before the first block and gathered
+    after the last (the embeddings, masks and positions before, and the final norm and head after,
+    see the whole sequence)."""
     for chunk, (stage, first_block, last_block) in enumerate(stage_ends):
+        if sequence_parallel and stage == 0:
+            first_block.register_forward_pre_hook(_scatter_hidden, with_kwargs=True)
+        if sequence_parallel and stage == last_stage:
+            last_block.register_forward_hook(_gather_hidden)
         if stage > 0:  # takes the previous stage's activations
             first_block.register_forward_pre_hook(functools.partial(model_parallel._take_input, chunk),
                                                   with_kwargs=True)
@@ -500,6 +544,18 @@ def _connect_stages(model_parallel: ParallelModel, stage_ends: list[tuple[int, n
         for stub in chunk.modules():
             if isinstance(stub, FirstStageStub):
                 stub.register_forward_pre_hook(model_parallel._stub_called)
+
+
+def _scatter_hidden(module: nn.Module, args: tuple, kwargs: dict):
+    if args:
+        return (scatter_sequence(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": scatter_sequence(kwargs["hidden_states"])}
+
+
+def _gather_hidden(module: nn.Module, args: tuple, output: Any):
+    if isinstance(output, Tensor):
+        return gather_replicated_sequence(output)
+    return (gather_replicated_sequence(output[0]), *output[1:])
 
 
 def _mark_shared_embeddings(model_parallel: ParallelModel, materializer: Materializer,
@@ -525,7 +581,7 @@ def _model_parts(model: nn.Module, blocks: str | None, pipelined: bool, after_bl
 
 
 def _build_stages(model: nn.Module, parts: ModelParts, ranges: list[tuple[int, int]], layout: ParallelLayout,
-                  build: Callable[[str, nn.Module], nn.Module], recompute: RecomputePolicy, chunks: list[nn.Module],
+                  build: Callable[..., nn.Module], recompute: RecomputePolicy, chunks: list[nn.Module],
                   stage_ends: list[tuple[int, nn.Module, nn.Module]]) -> None:
     """This rank's (virtual) stages of ``model``, built, into ``chunks``, and each one's
     ``(stage, first block, last block)`` into ``stage_ends``."""
@@ -548,7 +604,7 @@ def _build_stages(model: nn.Module, parts: ModelParts, ranges: list[tuple[int, i
         for name in parts.everywhere:
             set_submodule(skeleton, name, build(name, part_modules[name]))
         for index, block in local.items():
-            build(parts.block_name(index), block)
+            build(parts.block_name(index), block, block=True)
             if recompute.name == "full":
                 _checkpointed(block)
         if recompute.block_recompute:  # groups within the stage

@@ -29,6 +29,12 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.model.sequence_parallel import (
+    all_gather_sequence,
+    reduce_scatter_sequence,
+    scatter_to_sequence_parallel_region,
+    split_sequence,
+)
 from lightning_mhc.parallelize.plan import Column, Replicate, ReplicateOnSplit, Row, Style, VocabEmbedding, linear_dims
 from lightning_mhc.recompute.rng import rng_fork
 
@@ -56,10 +62,14 @@ def _sharded_parameter(param: torch.Tensor, dim: int, stride: int, layout: Paral
 
 
 def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
-                replace: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                replace: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sequence_parallel: bool = False,
+                gathered: bool = False) -> None:
     """Split ``module`` (materialised, whole) by ``style``. ``replace(old, new)`` records that the
     tensor ``old`` became ``new`` (tied holders get the slice) and returns the tensor to use: the
-    slice already made for a tied tensor, if one was."""
+    slice already made for a tied tensor, if one was. ``sequence_parallel``: the module runs in a
+    block on this rank's part of the sequence: a row layer reduce-scatters its output, and a column
+    layer gathers its input, unless it is ``gathered`` already (by the module around it:
+    :func:`gather_sequence_into`)."""
     if isinstance(style, Replicate):
         return
     if isinstance(style, ReplicateOnSplit):  # its gradients are summed over TP (``grads.is_partial_over_tp``)
@@ -85,18 +95,23 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
         if getattr(module, "bias", None) is not None:
             _split(module, "bias", 0, style.stride, layout, replace)
         setattr(module, out_attr, getattr(module, out_attr) // tp)
-        if tp > 1:
+        if tp > 1 and sequence_parallel and not gathered:  # the sequence is gathered before the split features
+            module.register_forward_pre_hook(lambda _m, args: (gather_sequence(args[0]), *args[1:]))
+        elif tp > 1 and not sequence_parallel:
             group = layout.tp_group
             module.register_forward_pre_hook(lambda _m, args: (copy_to_tensor_model_parallel_region(args[0], group),
                                                                *args[1:]))
+        if tp > 1:
+            group = layout.tp_group
             if style.gather_output:
                 module.register_forward_hook(lambda _m, _a, out: _GatherLastDim.apply(out, group))
     elif isinstance(style, Row):
         _split(module, "weight", in_dim, 1, layout, replace)
         setattr(module, in_attr, getattr(module, in_attr) // tp)
         if tp > 1:  # the bias is added once, after the partial products are summed
-            module.forward = types.MethodType(functools.partial(_row_forward, group=layout.tp_group,
-                                                                transposed=in_dim == 0), module)
+            module.forward = types.MethodType(functools.partial(
+                _row_forward, group=layout.tp_group, transposed=in_dim == 0,
+                sequence_parallel=sequence_parallel), module)
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -127,15 +142,110 @@ def _split(module: nn.Module, attr: str, dim: int, stride: int, layout: Parallel
     module._parameters[attr] = replace(whole, _sharded_parameter(whole, dim, stride, layout))
 
 
-def _row_forward(module: nn.Module, input_: torch.Tensor, group, transposed: bool) -> torch.Tensor:
+def _row_forward(module: nn.Module, input_: torch.Tensor, group, transposed: bool,
+                 sequence_parallel: bool = False) -> torch.Tensor:
     """``nn.Linear`` / ``Conv1D`` on the rank's input features: the partial products summed over
-    TP, then the (whole) bias."""
+    TP (under sequence parallelism: reduce-scattered, this rank keeping its part of the sequence),
+    then the (whole) bias."""
     if transposed:  # Conv1D: weight [in, out]
         partial = torch.matmul(input_, module.weight)
     else:
         partial = F.linear(input_, module.weight)
-    output = reduce_from_tensor_model_parallel_region(partial, group)
+    if sequence_parallel:
+        output = _ReduceScatterSequence.apply(partial)
+    else:
+        output = reduce_from_tensor_model_parallel_region(partial, group)
     return output if module.bias is None else output + module.bias
+
+
+# ------------------------------------------------------------------ sequence parallelism
+# A model as written keeps its activations batch first: ``[b, s, C]`` (the sequence is dim 1), or
+# ``[tokens, C]`` where a block flattens them (OPT's MLP; then the tokens are dim 0, and a gather
+# followed by the reduce-scatter of the next row-parallel layer returns each rank its own tokens,
+# which is all a per-token MLP needs). The sequence mappings of the project's GPT work on dim 0;
+# these move the sequence there and back.
+def _sequence_dim(x: torch.Tensor) -> int:
+    return 1 if x.dim() >= 3 else 0
+
+
+def _on_sequence_first(fn, x: torch.Tensor) -> torch.Tensor:
+    dim = _sequence_dim(x)
+    if dim == 0:
+        return fn(x.contiguous())
+    return fn(x.transpose(0, dim).contiguous()).transpose(0, dim).contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather the sequence before a column-parallel layer; backward: reduce-scatter (the
+    layer's TP-split consumers each give a partial gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _on_sequence_first(all_gather_sequence, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _on_sequence_first(reduce_scatter_sequence, grad)
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sum a row-parallel layer's partial outputs, keeping this rank's part of the sequence;
+    backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _on_sequence_first(reduce_scatter_sequence, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _on_sequence_first(all_gather_sequence, grad)
+
+
+class _GatherReplicatedSequence(torch.autograd.Function):
+    """All-gather the sequence after the blocks, for the parts that run on the whole sequence on
+    every TP rank (final norm, head); backward: this rank's part of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _on_sequence_first(all_gather_sequence, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _on_sequence_first(split_sequence, grad)
+
+
+def gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """``[b, s/TP, C]`` -> ``[b, s, C]`` before a column-parallel layer (backward: reduce-scatter)."""
+    return _GatherSequence.apply(x)
+
+
+def gather_sequence_into(module: nn.Module) -> None:
+    """Under sequence parallelism, ``module`` (an attention or an MLP holding column layers) gets
+    the whole sequence: its input (the first positional argument, or ``hidden_states``) is gathered
+    once before its forward, which may size its reshapes by it (Hugging Face's attention takes its
+    ``input_shape`` from its input); its column layers then take it as it is."""
+
+    def gather_input(mod: nn.Module, args: tuple, kwargs: dict):
+        if args:
+            return (gather_sequence(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": gather_sequence(kwargs["hidden_states"])}
+        raise RuntimeError(f"{type(mod).__name__} was called without a positional or 'hidden_states' input: "
+                           "sequence parallelism cannot gather its sequence")
+
+    module.register_forward_pre_hook(gather_input, with_kwargs=True)
+
+
+def gather_replicated_sequence(x: torch.Tensor) -> torch.Tensor:
+    """``[b, s/TP, C]`` -> ``[b, s, C]`` after the blocks, for the parts every TP rank runs whole
+    (backward: this rank's part of the gradient)."""
+    return _GatherReplicatedSequence.apply(x)
+
+
+def scatter_sequence(x: torch.Tensor) -> torch.Tensor:
+    """``[b, s, C]`` (TP-replicated, before the blocks) -> this rank's ``[b, s/TP, C]`` (backward: all-gather)."""
+    return _on_sequence_first(scatter_to_sequence_parallel_region, x)
+
 
 
 def _vocab_parallel(module: nn.Embedding, group) -> None:

@@ -16,6 +16,7 @@ file may name tensors with or without the model's ``base_model_prefix`` (``model
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -72,7 +73,8 @@ def check_weights(whole: nn.Module, weights) -> CheckedWeights:
     """Check ``weights`` against ``whole``, the recorded (meta) model, before anything is built:
     a ConfigError names every tensor that is missing, unexpected, or of another shape or dtype."""
     files = weight_files(weights)
-    to_file = _check(files, _expected(whole), getattr(whole, "base_model_prefix", ""), weights)
+    to_file = _check(files, _expected(whole), getattr(whole, "base_model_prefix", ""), weights,
+                     _renamed_prefixes(whole))
     filled = {id(tensor) for name, tensor in whole.state_dict(keep_vars=True).items() if name in to_file}
     return CheckedWeights(files, to_file, filled)
 
@@ -110,15 +112,40 @@ def _expected(whole: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]
     return expected
 
 
+def _renamed_prefixes(whole: nn.Module) -> list[tuple[str, str]]:
+    """``(the model's name prefix, the files' prefix)`` where Hugging Face renames a tensor between
+    its files and its model (transformers 5 loads GPT-NeoX's ``embed_out.weight`` as
+    ``lm_head.weight``, and writes it back under the old name): the anchored, literal renamings of
+    ``transformers.conversion_mapping`` (none for other models or without transformers)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        renamings = get_model_conversion_mapping(whole)
+    except Exception:  # not a transformers model, or a transformers without these
+        return []
+    pairs = []
+    for renaming in renamings:
+        if not isinstance(renaming, WeightRenaming) or len(renaming.source_patterns) != 1 \
+                or len(renaming.target_patterns) != 1:
+            continue
+        source, target = renaming.source_patterns[0], renaming.target_patterns[0]
+        literal = source[1:].replace("\\.", ".")
+        if source.startswith("^") and re.escape(literal) == source[1:]:
+            pairs.append((target, literal))
+    return pairs
+
+
 def _check(files: dict[str, Path], expected: dict[str, tuple[tuple[int, ...], torch.dtype]], prefix: str,
-           weights) -> dict[str, str]:
+           weights, renamed: list[tuple[str, str]] = ()) -> dict[str, str]:
     """``{model name: file name}``, once every model tensor is found with its shape and dtype and
     no file tensor is left over; else a ConfigError naming them."""
     from safetensors import safe_open
 
     def in_files(name: str) -> str | None:
+        old_names = [f"{old}{name[len(new):]}" for new, old in renamed if name.startswith(new)]
         for candidate in (name, name.removeprefix(f"{prefix}.") if prefix else None,
-                          f"{prefix}.{name}" if prefix else None):
+                          f"{prefix}.{name}" if prefix else None, *old_names):
             if candidate and candidate in files:
                 return candidate
         return None

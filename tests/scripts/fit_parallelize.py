@@ -54,7 +54,9 @@ def sgd(parameters):
     sqrt(v): on elements whose exact gradient is zero, such as a key bias, fp32 rounding noise
     becomes a full-size step.)"""
     return torch.optim.SGD(parameters, lr=LR, momentum=0.9)
-LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2v2": (1, 2, 2), "tp2pp2": (2, 2, 1)}
+LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2v2": (1, 2, 2), "tp2pp2": (2, 2, 1),
+           "tp2sp": (2, 1, 1), "tp2pp2sp": (2, 2, 1)}
+"""(TP, PP, v); ``...sp``: with sequence parallelism."""
 
 
 class ParallelLM(ParallelLMModule):
@@ -230,6 +232,7 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
     deadline = dict(timeout=datetime.timedelta(minutes=1)) if variant == "nolabels" else {}
     strategy = MHCParallelStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                    virtual_pipeline_model_parallel_size=v, num_microbatches=2 if pp > 1 else 1,
+                                   sequence_parallel=layout_name.endswith("sp"),
                                    use_distributed_optimizer="zero" in flags, **deadline)
     losses, masks, start = Losses(), DropoutMasks(), StartLogits()
     callbacks, ckpt_path = [losses], None
