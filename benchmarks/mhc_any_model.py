@@ -2,6 +2,7 @@
 retrofit is for every built-in family.
 
     python benchmarks/mhc_any_model.py [--rounds 3] [--steps 8] [--out PATH] [--no-parallel]
+                                       [--hidden 512] [--layers 8] [--plot PATH]
 
 - **one process**: a ``LlamaForCausalLM`` (hidden 512, 8 layers, 8 heads, vocabulary 2048, sequence
   128, batch 4) split by ``parallelize`` at TP = PP = 1, without and with ``hyper_connections=4``:
@@ -38,19 +39,20 @@ STREAMS, WARMUP = 4, 2
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def llama():
+def llama(hidden: int = HIDDEN, layers: int = LAYERS):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_mhc.parallelize import record_module_init
 
     with record_module_init():
         return LlamaForCausalLM(LlamaConfig(
-            num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=1376, num_attention_heads=HEADS,
-            num_key_value_heads=HEADS, vocab_size=VOCAB, max_position_embeddings=SEQ, attn_implementation="eager"))
+            num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 43 // 16,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=VOCAB, max_position_embeddings=SEQ,
+            attn_implementation="eager"))
 
 
 # ------------------------------------------------------------------ one process
-def one_process(rounds: int) -> dict:
+def one_process(rounds: int, hidden: int, layers: int) -> dict:
     import torch.distributed as dist
 
     from lightning_mhc.distributed.layout import ParallelLayout
@@ -65,7 +67,8 @@ def one_process(rounds: int) -> dict:
     steps, retained = {}, {}
     for label, streams, policy in (("plain, none", None, "none"), ("mHC, none", STREAMS, "none"),
                                    ("plain, full", None, "full"), ("mHC, mhc_block", STREAMS, "mhc_block")):
-        model = parallelize(llama(), "llama", layout=layout, hyper_connections=streams, recompute=policy).train()
+        model = parallelize(llama(hidden, layers), "llama", layout=layout, hyper_connections=streams,
+                            recompute=policy).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         with ActivationMemoryMeter(model) as meter:
             loss = model.loss(model(input_ids=tokens), tokens)
@@ -90,7 +93,7 @@ def one_process(rounds: int) -> dict:
 
 
 # ------------------------------------------------------------------ TP 2 x PP 2 (a launched group)
-def fit(streams: int | None, steps: int) -> dict:
+def fit(streams: int | None, steps: int, hidden: int, layers: int) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -100,7 +103,7 @@ def fit(streams: int | None, steps: int) -> dict:
     class Llama(ParallelLMModule):
         def configure_model(self):
             if self.model is None:
-                self.model = self.parallelize(llama(), plan="llama", hyper_connections=streams)
+                self.model = self.parallelize(llama(hidden, layers), plan="llama", hyper_connections=streams)
 
     class StepTimes(pl.Callback):
         def __init__(self) -> None:
@@ -125,23 +128,26 @@ def fit(streams: int | None, steps: int) -> dict:
     return dict(step_seconds=durations[WARMUP:], rank=trainer.global_rank)
 
 
-def run_fit(streams: int | None, steps: int) -> dict:
+def run_fit(streams: int | None, steps: int, hidden: int, layers: int) -> dict:
+    """One fit in a fresh 4-process group (this script with ``--fit-streams``; Lightning launches the rest)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "fit.json"
         command = [sys.executable, __file__, "--fit-streams", str(streams or 1), "--steps", str(steps),
-                   "--fit-out", str(out)]
+                   "--hidden", str(hidden), "--layers", str(layers), "--fit-out", str(out)]
+        # (not this process's rendezvous: the one-process part set MASTER_ADDR / MASTER_PORT)
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
         proc = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=pathlib.Path(__file__).parent,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                              env={**env, "PYTHONWARNINGS": "ignore"})
         if proc.returncode != 0:
             raise RuntimeError(f"fit with {streams} streams failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         return json.loads(out.read_text())
 
 
-def tp2_pp2(rounds: int, steps: int) -> dict:
+def tp2_pp2(rounds: int, steps: int, hidden: int, layers: int) -> dict:
     fits: dict[str, list[float]] = {"plain": [], "mHC": []}
     for r in range(rounds):
         for label, streams in (("plain", None), ("mHC", STREAMS)):
-            result = run_fit(streams, steps)
+            result = run_fit(streams, steps, hidden, layers)
             fits[label].append(median(result["step_seconds"]))
             print(f"TP 2 x PP 2 round {r + 1}/{rounds} {label}: median step {fits[label][-1] * 1e3:.0f} ms", flush=True)
     seconds = {label: median(values) for label, values in fits.items()}
@@ -187,7 +193,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
     labels = list(one["retained_bytes"])
     memory.bar(labels, [one["retained_bytes"][k] / 2**20 for k in labels], color=["#888", "#c55", "#bbb", "#35a"])
     memory.set_ylabel("MiB retained for backward")
-    memory.set_title("Llama 512 x 8 layers, batch 4 x 128: one forward")
+    size = result["model"]
+    memory.set_title(f"Llama {size['hidden']} x {size['layers']} layers, batch {BATCH} x {SEQ}: one forward")
     memory.tick_params(axis="x", labelrotation=20)
     ratios = {"1 process": one["step_time_ratio"], "1 process, mhc_block": one["block_recompute_ratio"]}
     if "tp2_pp2" in result:
@@ -207,28 +214,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="training steps per TP 2 x PP 2 fit (2 untimed)")
     parser.add_argument("--no-parallel", action="store_true", help="skip the TP 2 x PP 2 fits")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "mhc_any_model.json")
+    parser.add_argument("--plot", type=pathlib.Path, default=ROOT / "docs" / "benchmarks" / "mhc_any_model.png")
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--fit-streams", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--fit-out", type=pathlib.Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than the {WARMUP} untimed warm-up steps")
     if args.fit_streams:  # one launched fit
-        result = fit(args.fit_streams if args.fit_streams > 1 else None, args.steps)
+        result = fit(args.fit_streams if args.fit_streams > 1 else None, args.steps, args.hidden, args.layers)
         if result.pop("rank") == 0:
             args.fit_out.write_text(json.dumps(result))
         return
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    result = dict(model=dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, vocab=VOCAB, seq=SEQ, batch=BATCH,
+    result = dict(model=dict(hidden=args.hidden, layers=args.layers, heads=HEADS, vocab=VOCAB, seq=SEQ, batch=BATCH,
                              streams=STREAMS), torch=torch.__version__, exactness=exactness(),
-                  one_process=one_process(args.rounds * 2))
+                  one_process=one_process(args.rounds * 2, args.hidden, args.layers))
     one = result["one_process"]
     print(f"one process: step time 4 streams / plain {one['step_time_ratio']:.3f} (mhc_block "
           f"{one['block_recompute_ratio']:.3f}); retained mhc_block with mHC / plain none {one['retained_ratio']:.3f}")
     if not args.no_parallel:
-        result["tp2_pp2"] = tp2_pp2(args.rounds, args.steps)
+        result["tp2_pp2"] = tp2_pp2(args.rounds, args.steps, args.hidden, args.layers)
         print(f"TP 2 x PP 2: step time 4 streams / plain {result['tp2_pp2']['step_time_ratio']:.3f}")
     write_json(args.out, result)
-    plot(result, ROOT / "docs" / "benchmarks" / "mhc_any_model.png")
+    plot(result, args.plot)
 
 
 if __name__ == "__main__":

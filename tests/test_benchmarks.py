@@ -57,6 +57,19 @@ def test_byom_vs_model_parallel(tmp_path):
         assert abs(losses[0] - math.log(result["model"]["vocab"])) < 0.5
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
+def test_mhc_any_model(tmp_path):
+    out = tmp_path / "mhc_any_model.json"
+    _run("mhc_any_model.py", "--no-parallel", "--hidden", "64", "--layers", "2", "--out", str(out),
+         "--plot", str(tmp_path / "plot.png"))
+    result = json.loads(out.read_text())
+    one = result["one_process"]
+    assert set(one["retained_bytes"]) == {"plain, none", "mHC, none", "plain, full", "mHC, mhc_block"}
+    assert one["step_time_ratio"] > 0 and one["retained_ratio"] > 0
+    assert len(result["exactness"]) == 10  # every built-in family
+    assert all(diff <= 1e-5 for row in result["exactness"].values() for diff in row.values())
+
+
 def test_distributed_optimizer(tmp_path):
     """Its state per rank is the ideal (AdamW's / DP) within 2 %, on DP 1 and 2 (4 in the figures)."""
     out = tmp_path / "zero.json"
