@@ -52,7 +52,7 @@ from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
-from lightning_mhc.parallelize.pipeline import find_parts
+from lightning_mhc.parallelize.pipeline import find_parts, replace_hidden_states
 from lightning_mhc.parallelize.record import record_module_init
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput
@@ -351,12 +351,9 @@ def _wire_block(block: nn.Module, wiring: _BlockWiring, hyper_connections: nn.Mo
 
 def _expand(n: int, module: nn.Module, args: tuple, kwargs: dict):
     """Before the first block: the embedding output copied into the ``n`` streams."""
-    if args:
-        return (HyperConnectionModule.input_expand(args[0], n).contiguous(), *args[1:]), kwargs
-    if "hidden_states" in kwargs:
-        return args, {**kwargs, "hidden_states": HyperConnectionModule.input_expand(kwargs["hidden_states"], n).contiguous()}
-    raise RuntimeError(f"{type(module).__name__} was called without a positional or 'hidden_states' input: the "
-                       "hyper-connections cannot find the residual stream")
+    return replace_hidden_states(module, args, kwargs,
+                                 lambda x: HyperConnectionModule.input_expand(x, n).contiguous(),
+                                 "the hyper-connections cannot find the residual stream")
 
 
 def _entry_forward(forward: Callable, hc: HyperConnectionModule, streams: _Streams, index: int, branch: Branch,

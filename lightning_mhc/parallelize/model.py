@@ -33,6 +33,7 @@ from lightning_mhc.parallelize.pipeline import (
     chunk_skeleton,
     cut_per_layer_config,
     find_parts,
+    replace_hidden_states,
     set_submodule,
     split_blocks,
     stage_block_list,
@@ -178,12 +179,8 @@ class ParallelModel(nn.Module):
         received = self._inputs[chunk]
         if received is None:
             raise RuntimeError("no input tensor was set for a stage after the first (set_input_tensor)")
-        if args:
-            return (received, *args[1:]), kwargs
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": received}
-        raise RuntimeError(f"{type(module).__name__} was called without a positional or 'hidden_states' input: "
-                           "the pipeline cannot hand it the previous stage's activations")
+        return replace_hidden_states(module, args, kwargs, lambda _: received,
+                                     "the pipeline cannot hand it the previous stage's activations")
 
     def _stub_called(self, stub: FirstStageStub, args: tuple) -> None:
         if self._blocks_ran:
@@ -547,9 +544,8 @@ def _connect_stages(model_parallel: ParallelModel, stage_ends: list[tuple[int, n
 
 
 def _scatter_hidden(module: nn.Module, args: tuple, kwargs: dict):
-    if args:
-        return (scatter_sequence(args[0]), *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": scatter_sequence(kwargs["hidden_states"])}
+    return replace_hidden_states(module, args, kwargs, scatter_sequence,
+                                 "sequence parallelism cannot split its sequence")
 
 
 def _gather_hidden(module: nn.Module, args: tuple, output: Any):

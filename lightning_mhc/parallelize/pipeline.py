@@ -204,6 +204,17 @@ class NotOnThisStage(nn.Module):
             "__init__ (parts are placed by registration order).")
 
 
+def replace_hidden_states(module: nn.Module, args: tuple, kwargs: dict, fn, purpose: str) -> tuple[tuple, dict]:
+    """A forward pre-hook's ``(args, kwargs)`` with the module's activations (its first positional
+    argument, or ``hidden_states``, as Hugging Face blocks and attentions take them) replaced by
+    ``fn(activations)``; ``purpose``: what needed them, for the error when there are none."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise RuntimeError(f"{type(module).__name__} was called without a positional or 'hidden_states' input: {purpose}")
+
+
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     root.get_submodule(parent_name)._modules[child] = module

@@ -35,6 +35,7 @@ from lightning_mhc.model.sequence_parallel import (
     scatter_to_sequence_parallel_region,
     split_sequence,
 )
+from lightning_mhc.parallelize.pipeline import replace_hidden_states
 from lightning_mhc.parallelize.plan import Column, Replicate, ReplicateOnSplit, Row, Style, VocabEmbedding, linear_dims
 from lightning_mhc.recompute.rng import rng_fork
 
@@ -152,7 +153,7 @@ def _row_forward(module: nn.Module, input_: torch.Tensor, group, transposed: boo
     else:
         partial = F.linear(input_, module.weight)
     if sequence_parallel:
-        output = _ReduceScatterSequence.apply(partial)
+        output = _SequenceMapping.apply(partial, reduce_scatter_sequence, all_gather_sequence)
     else:
         output = reduce_from_tensor_model_parallel_region(partial, group)
     return output if module.bias is None else output + module.bias
@@ -175,48 +176,24 @@ def _on_sequence_first(fn, x: torch.Tensor) -> torch.Tensor:
     return fn(x.transpose(0, dim).contiguous()).transpose(0, dim).contiguous()
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather the sequence before a column-parallel layer; backward: reduce-scatter (the
-    layer's TP-split consumers each give a partial gradient)."""
+class _SequenceMapping(torch.autograd.Function):
+    """A sequence communication ``forward`` whose gradient is ``backward`` (both dim-0 mappings of
+    ``model/sequence_parallel.py``), on the sequence dimension of a batch-first tensor."""
 
     @staticmethod
-    def forward(ctx, x):
-        return _on_sequence_first(all_gather_sequence, x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _on_sequence_first(reduce_scatter_sequence, grad)
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Sum a row-parallel layer's partial outputs, keeping this rank's part of the sequence;
-    backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return _on_sequence_first(reduce_scatter_sequence, x)
+    def forward(ctx, x, forward, backward):
+        ctx.backward_mapping = backward
+        return _on_sequence_first(forward, x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _on_sequence_first(all_gather_sequence, grad)
-
-
-class _GatherReplicatedSequence(torch.autograd.Function):
-    """All-gather the sequence after the blocks, for the parts that run on the whole sequence on
-    every TP rank (final norm, head); backward: this rank's part of the (replicated) gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return _on_sequence_first(all_gather_sequence, x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _on_sequence_first(split_sequence, grad)
+        return _on_sequence_first(ctx.backward_mapping, grad), None, None
 
 
 def gather_sequence(x: torch.Tensor) -> torch.Tensor:
-    """``[b, s/TP, C]`` -> ``[b, s, C]`` before a column-parallel layer (backward: reduce-scatter)."""
-    return _GatherSequence.apply(x)
+    """``[b, s/TP, C]`` -> ``[b, s, C]`` before a column-parallel layer (backward: reduce-scatter,
+    the layer's TP-split consumers each giving a partial gradient)."""
+    return _SequenceMapping.apply(x, all_gather_sequence, reduce_scatter_sequence)
 
 
 def gather_sequence_into(module: nn.Module) -> None:
@@ -226,12 +203,7 @@ def gather_sequence_into(module: nn.Module) -> None:
     ``input_shape`` from its input); its column layers then take it as it is."""
 
     def gather_input(mod: nn.Module, args: tuple, kwargs: dict):
-        if args:
-            return (gather_sequence(args[0]), *args[1:]), kwargs
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": gather_sequence(kwargs["hidden_states"])}
-        raise RuntimeError(f"{type(mod).__name__} was called without a positional or 'hidden_states' input: "
-                           "sequence parallelism cannot gather its sequence")
+        return replace_hidden_states(mod, args, kwargs, gather_sequence, "sequence parallelism cannot gather its sequence")
 
     module.register_forward_pre_hook(gather_input, with_kwargs=True)
 
@@ -239,7 +211,7 @@ def gather_sequence_into(module: nn.Module) -> None:
 def gather_replicated_sequence(x: torch.Tensor) -> torch.Tensor:
     """``[b, s/TP, C]`` -> ``[b, s, C]`` after the blocks, for the parts every TP rank runs whole
     (backward: this rank's part of the gradient)."""
-    return _GatherReplicatedSequence.apply(x)
+    return _SequenceMapping.apply(x, all_gather_sequence, split_sequence)
 
 
 def scatter_sequence(x: torch.Tensor) -> torch.Tensor:
