@@ -190,18 +190,15 @@ class ModelConfig:
             self.pretrained = to_absolute_path(os.path.expanduser(self.pretrained))
         else:
             self.config = to_absolute_path(os.path.expanduser(self.config))
-        try:
-            self.hyper_connection_settings()
-        except ConfigError as error:
-            raise ConfigError(f"model.hyper_connections={show(self.hyper_connections)}: "
-                              + str(error).split(": ", 1)[-1]) from None
-
-    def hyper_connection_settings(self):
-        """model=hf: the hyper-connections (``HyperConnectionSettings``; 1 stream: none)."""
         from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
 
         n = 1 if self.hyper_connections is None else self.hyper_connections
-        return HyperConnectionSettings(n, implementation=self.mhc_implementation)
+        try:
+            self.hyper_connection_settings = HyperConnectionSettings(n, implementation=self.mhc_implementation)
+            """model=hf: the hyper-connections, checked once (1 stream: none)."""
+        except ConfigError as error:
+            raise ConfigError(f"model.hyper_connections={show(self.hyper_connections)}: "
+                              + str(error).split(": ", 1)[-1]) from None
 
     def transformer_kwargs(self) -> dict[str, Any]:
         kwargs = {k: getattr(self, k) for k in self.__dataclass_fields__
@@ -434,7 +431,7 @@ class TrainConfig:
         self.recompute_policy = self.recompute.to_policy()
         """The run's recompute policy, checked (handed to ``MHCRecomputeCallback``)."""
         if self.model.is_hf:
-            self.recompute_policy.check_model(self.model.hyper_connection_settings().enabled, names=HF_POLICY_NAMES)
+            self.recompute_policy.check_model(self.model.hyper_connection_settings.enabled, names=HF_POLICY_NAMES)
         else:
             self.recompute_policy.check_model(self.model.enable_hyper_connections)
         self.layout = ParallelLayout(**{name: getattr(self.parallel, name) for name in DEGREES},
@@ -521,7 +518,7 @@ class TrainConfig:
                                   "shorten the sequences.")
             model = recorded_hf_model(m.hf_dir)
             check_parallelize(model, m.plan, layout=self.layout, recompute=self.recompute_policy,
-                              hyper_connections=m.hyper_connection_settings())
+                              hyper_connections=m.hyper_connection_settings)
             if m.pretrained:
                 check_weights(model, m.pretrained)
         except ConfigError as error:
