@@ -1,17 +1,22 @@
 """Shared fixtures: a one-rank gloo group with megatron-core's model-parallel state.
 
-``TRITON_INTERPRET=1`` is set here, before anything imports Triton (megatron-core does, when it is
-installed): Triton reads it when its language module loads, and then runs the hyper-connection's
-kernels on CPU tensors (tests/test_triton_kernels.py). Without Triton it changes nothing."""
+Where no CUDA device is present, ``TRITON_INTERPRET=1`` is set here, before anything imports
+Triton (megatron-core does, when it is installed): Triton reads it when its language module
+loads, and then runs the hyper-connection's kernels on CPU tensors (tests/test_triton_kernels.py).
+On a GPU it stays unset: there the kernels (and torch.compile's Inductor, which obeys the same
+variable) must be compiled, or the GPU test set would time the interpreter (tests/test_gpu.py
+checks). Without Triton it changes nothing."""
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
 import torch
-import torch.distributed as dist
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from lightning_mhc.testing.launch import free_port
 

@@ -623,7 +623,7 @@ def test_stale_build_lock_of_a_killed_process_does_not_hang_the_next_one():
         pytest.skip("the CPU kernels did not build here")
     from torch.utils.cpp_extension import _get_build_directory
 
-    name = f"lightning_mhc_cpu_kernels_{cpu_kernels._sources_digest()}"
+    name = f"lightning_mhc_cpu_kernels_{cpu_kernels._build_digest(['-fopenmp'])}"
     stale = pathlib.Path(_get_build_directory(name, verbose=False)) / "lock"
     stale.touch()
     script = "from lightning_mhc.ops.cpu_kernels import load_cpu_kernels, kernel_status; load_cpu_kernels(); " \
@@ -632,6 +632,22 @@ def test_stale_build_lock_of_a_killed_process_does_not_hang_the_next_one():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["available"] is True
     assert not stale.exists()
+
+
+def test_a_built_kernel_loads_without_ninja_whatever_the_path():
+    """A later process loads the finished build without asking ninja: the system's ninja and the
+    ``ninja`` package's hash command lines differently, so processes whose ``PATH`` finds the
+    other one rebuilt the kernels (about 30 s on two cores, each time the two alternated; the
+    multi-process tests alternate). Here a child with no ninja on its ``PATH`` at all."""
+    if load_cpu_kernels() is None:
+        pytest.skip("the CPU kernels did not build here")
+    script = "from lightning_mhc.ops.cpu_kernels import load_cpu_kernels, kernel_status; load_cpu_kernels(); " \
+             "import json; print(json.dumps(kernel_status()))"
+    proc = subprocess.run([sys.executable, "-c", script], env=child_env(PATH="/nonexistent"), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    status = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert status["available"] is True and status["load_s"] < 5, status
 
 
 def test_fused_ops_backward_inside_autocast_and_fresh_output():

@@ -47,6 +47,29 @@ def _hc_inputs(dtype: torch.dtype):
     return x, phi, alpha, bias
 
 
+@cuda_only
+def test_the_kernels_run_compiled_not_in_the_interpreter():
+    """On a GPU every Triton kernel runs compiled: under ``TRITON_INTERPRET=1`` (conftest.py sets it
+    only without CUDA) ``triton.jit`` makes interpreted Python functions, and this set would time
+    the interpreter (one aggregate forward at its shape: ~25 minutes) and test nothing of the GPU.
+    No kernel of the ops is an interpreted function, and one launched holds a compiled binary."""
+    triton = pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from lightning_mhc.ops import triton_kernels
+
+    kernels = {name: f for name, f in vars(triton_kernels).items()
+               if isinstance(f, (triton.runtime.JITFunction, InterpretedFunction))}
+    assert len(kernels) >= 6, sorted(kernels)
+    assert [name for name, f in kernels.items() if isinstance(f, InterpretedFunction)] == [], \
+        f"interpreted kernels (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})"
+    x, phi, _, _ = _hc_inputs(torch.float32)
+    triton_kernels.projection(x, phi, 1e-6)
+    torch.cuda.synchronize()
+    compiled, *_ = triton_kernels._projection_fwd.device_caches[torch.cuda.current_device()]
+    assert compiled, "the projection kernel ran but holds no compiled binary for this device"
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 def test_triton_kernels_match_the_reference_at_real_shapes(dtype, tolerance):
     """One hyper-connected sub-layer (20 Sinkhorn iterations, a linear branch with a bias) with

@@ -4,11 +4,16 @@ small shapes, fp32 (1e-5 relative) and bf16 (2e-2), with ``n`` of 2, 3, 4 and 5 
 token counts that leave a masked tail and a ``C`` that is no multiple of the block."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-# conftest.py sets TRITON_INTERPRET=1 before anything imports Triton: the kernels run on CPU tensors
+# conftest.py sets TRITON_INTERPRET=1 (without CUDA) before anything imports Triton: the kernels
+# run on CPU tensors. On a GPU the interpreter is off: tests/test_gpu.py runs the compiled kernels.
 pytest.importorskip("triton", reason="the triton extra: pip install -e '.[triton]'")
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU tensors under Triton's interpreter (on a GPU: pytest -m gpu)")
 
 from lightning_mhc.ops.hyper_connection import EagerKernels  # noqa: E402
 from lightning_mhc.ops.sinkhorn import SINKHORN_EPS  # noqa: E402
@@ -27,6 +32,7 @@ def _params(n: int, c: int, seed: int = 0):
     return phi, alpha, bias
 
 
+@interpreted
 @pytest.mark.parametrize("n, c, tokens", SHAPES)
 def test_each_kernel_matches_the_eager_one(n, c, tokens):
     g = torch.Generator().manual_seed(n * 100 + c)
@@ -52,6 +58,7 @@ def test_each_kernel_matches_the_eager_one(n, c, tokens):
         assert rel_err(ours, eager) < 1e-5, (name, rel_err(ours, eager))
 
 
+@interpreted
 def test_sinkhorn_backward_where_sums_clamp():
     """Logits far apart: column sums fall below the clamp while their entries still carry gradient,
     and the maximum logit gets a gradient; the kernel's reverse walk with recomputed steps matches
@@ -70,6 +77,7 @@ def test_sinkhorn_backward_where_sums_clamp():
     assert rel_err(h["triton"][2], h["eager"][2]) < 1e-5 and rel_err(dz["triton"], dz["eager"]) < 1e-5
 
 
+@interpreted
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("n, c, tokens", [(4, 24, 7), (3, 10, 5)])
 def test_the_sublayer_and_its_gradients_match_the_reference(n, c, tokens, dtype, tolerance):
@@ -103,7 +111,7 @@ def test_a_cpu_tensor_without_the_interpreter_is_refused_in_one_line(monkeypatch
     ``TRITON_INTERPRET=1`` or use the C++ kernels."""
     from train_cli import check_before_launch
 
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
         TritonKernels.project(torch.zeros(2, 8), torch.zeros(8, 8), 1e-6)
     status, err = check_before_launch(["trainer=debug", "data=synthetic", "model.mhc_implementation=triton"], tmp_path,
@@ -120,6 +128,7 @@ def _res_post_leaves(n: int, c: int, tokens: int, seed: int = 0):
                                              torch.randn(tokens, c, generator=g), torch.randn(c, generator=g))]
 
 
+@interpreted
 @pytest.mark.parametrize("prob", [0.0, 0.3])
 @pytest.mark.parametrize("n, c, tokens", [(4, 24, 7), (3, 70, 5)])
 def test_res_post_bias_dropout_add_with_the_kernels_dropout(n, c, tokens, prob):
@@ -148,6 +157,7 @@ def test_res_post_bias_dropout_add_with_the_kernels_dropout(n, c, tokens, prob):
     assert torch.equal(fused_res_post(x, h_res, h_post, out, bias, prob, TritonKernels), y)
 
 
+@interpreted
 def test_the_kernels_dropout_drops_at_the_rate_asked_and_varies_by_draw():
     from lightning_mhc.ops.hyper_connection import fused_res_post, reference_apply_h_res, reference_res_post
 
@@ -165,6 +175,7 @@ def test_the_kernels_dropout_drops_at_the_rate_asked_and_varies_by_draw():
     assert rel_err(bf16, reference_res_post(x, h_res, h_post, out + bias)) < 2e-2
 
 
+@interpreted
 def test_a_model_with_triton_kernels_trains_like_the_eager_one_and_recomputes_bit_exactly(model_parallel):
     """A 2-layer mHC GPT, ``mhc_implementation='triton'``: three AdamW steps give the eager fused
     path's losses (1e-5) and gradients (1e-3) without dropout (the kernel draws its own dropout
@@ -211,6 +222,7 @@ def test_every_kernel_compiles_for_an_h100_ahead_of_time(tmp_path):
     assert proc.stdout.count("ok   ") == 46, proc.stdout
 
 
+@interpreted
 def test_lightning_mhc_train_with_triton_and_compile_matches_the_eager_paths(tmp_path):
     """Through the public door: ``lightning-mhc-train`` (Trainer.fit on the synthetic DataLoader) with
     ``model.mhc_implementation=triton`` (its kernels under the interpreter the child inherits) gives

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import pathlib
@@ -47,10 +48,11 @@ def load_cpu_kernels():
             try:
                 from torch.utils.cpp_extension import load
 
-                name = f"lightning_mhc_cpu_kernels{kind}_{_sources_digest()}"
+                name = f"lightning_mhc_cpu_kernels{kind}_{_build_digest(flags)}"
                 with _exclusive_build(name) as (build_dir, sources):
-                    _state["module"] = load(name=name, sources=sources, build_directory=build_dir,
-                                            extra_cflags=["-O3", *flags], extra_ldflags=flags, verbose=False)
+                    _state["module"] = _built(name, build_dir) or load(
+                        name=name, sources=sources, build_directory=build_dir,
+                        extra_cflags=["-O3", *flags], extra_ldflags=flags, verbose=False)
                 break
             except Exception as exc:  # no compiler, no headers: the eager path works everywhere
                 errors.append(f"{type(exc).__name__}: {exc}")
@@ -64,11 +66,30 @@ def load_cpu_kernels():
     return _state["module"]
 
 
-def _sources_digest() -> str:
-    digest = hashlib.sha256()
+def _build_digest(flags: list[str]) -> str:
+    """Names a build by what its binary depends on: the sources, the flags and torch's version."""
+    digest = hashlib.sha256(f"{torch.__version__}\0{' '.join(flags)}\0".encode())
     for path in _SOURCES:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
+
+
+def _built(name: str, build_dir: str):
+    """The module a finished build left (called under the build lock, so none is half written),
+    imported without asking ninja: ninja rebuilds when the ninja binary differs from the one that
+    built (the system's and the ``ninja`` package's hash command lines differently), and processes
+    of one run see either, by their ``PATH``. None when there is none or it does not load."""
+    path = pathlib.Path(build_dir) / f"{name}.so"
+    if not path.exists():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (ImportError, OSError) as exc:  # a build killed while linking: build again
+        log.warning("rebuilding the CPU kernels: %s did not load (%s)", path, exc)
+        return None
 
 
 @contextlib.contextmanager
