@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 TRAIN_ARGS ?=
 
-.PHONY: install install-dev train test clean
+.PHONY: install install-dev train test gpu-check gpu-wheels clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,5 +39,17 @@ train: install
 test: install-dev
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
+# A lent GPU machine: its image's Python (CUDA PyTorch, Triton, Lightning) runs the checkout;
+# what the image lacks comes from .whl/ (make gpu-wheels, here) or the index. See
+# benchmarks/gpu_check.py.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	$(PYTHON) benchmarks/gpu_check.py --download-wheels .whl
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .gpu-site

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import os
 
-import torch
+# One intra-op thread per process unless the caller says otherwise: the suite runs two pytest
+# workers and groups of up to 8 ranks on 2 cores, where more threads only contend (a 4-rank run
+# beside a busy process took 121 s with torch's default of one thread per core, 85 s with one)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -107,17 +107,34 @@ def test_preprocess_throughput(tmp_path):
     assert result["corpus"]["tokens"] > 100_000 and all(v > 0 for v in result["median_tokens_per_sec"].values())
 
 
-def test_gpu_mhc_runs_on_cpu_with_the_gpu_columns_absent(tmp_path):
-    """Without CUDA the GPU benchmark runs what runs on CPU and says why the rest is absent: Triton's
-    times, peak memory, the kernel's bandwidth, and (without a Megatron-LM checkout) Megatron's mHC."""
-    out = tmp_path / "gpu_mhc.json"
-    _run("gpu_mhc.py", "--hidden", "64", "--tokens", "64", "--model-hidden", "64", "--out", str(out))
-    result = json.loads(out.read_text())
-    rows = result["table"]["64"]["sublayer"]
+@pytest.mark.slow
+def test_gpu_check_without_cuda_is_a_dry_run_of_every_step(tmp_path):
+    """``make gpu-check``'s command on a machine without CUDA: the GPU test set's CPU dry run (so a
+    broken GPU test shows here before a lent GPU's minutes are spent on it), ``gpu_mhc.py`` at CPU
+    sizes with the GPU columns absent and why (Triton's times, peak memory, the kernel's bandwidth,
+    Megatron's mHC without a checkout), and 4 training steps with ``mhc_block``; one JSON holds the
+    device, the versions and every step."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--out-dir", str(tmp_path)],
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["dry_run"] and report["device"]["name"].startswith("CPU") and report["versions"]["torch"]
+    tests = report["steps"]["gpu_tests"]
+    assert tests["counts"]["failed"] == 0 and tests["counts"]["passed"] >= 6, tests["counts"]
+    assert tests["tests"]["test_the_kernels_run_compiled_not_in_the_interpreter"]["outcome"] == "skipped"
+
+    result = report["steps"]["gpu_mhc"]["figures"]
+    (hidden,) = result["table"]
+    rows = result["table"][hidden]["sublayer"]
     assert set(rows) == {"no_hc", "reference", "compile", "fused", "triton", "megatron_eager", "megatron_compiled"}
     for name in ("no_hc", "reference", "compile", "fused"):
         assert rows[name]["median_s"] > 0 and rows[name]["peak_bytes"] is None
-    assert "needs CUDA" in rows["triton"]["absent"] and "needs CUDA" in result["table"]["64"]["mappings_bandwidth"]["absent"]
+    assert "needs CUDA" in rows["triton"]["absent"]
+    assert "needs CUDA" in result["table"][hidden]["mappings_bandwidth"]["absent"]
     assert "--megatron-lm" in rows["megatron_eager"]["absent"]
     assert rows["fused"]["saved_bytes_per_token"] < rows["reference"]["saved_bytes_per_token"]
     assert result["model"]["hc_vs_no_hc"] > 0 and result["model"]["mhc_block_vs_none"] > 0
+
+    train = report["steps"]["train_small"]
+    assert len(train["losses"]) == 4 and train["median_step_time_ms"] > 0 and train["max_cuda_mb"] is None
+    assert {p.name for p in tmp_path.iterdir()} >= {"gpu_check.json", "gpu_tests.xml", "gpu_mhc.json"}
