@@ -416,7 +416,10 @@ def _check_make(command, scratch, monkeypatch, capsys):
     proc = subprocess.run(["make", "-n", *command.argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     modules = re.findall(r" -m ([\w.]+)", proc.stdout)
-    assert modules, proc.stdout
+    scripts = re.findall(r" ([\w/]+\.py)\b", proc.stdout)
+    assert modules or scripts, proc.stdout
+    for script in scripts:
+        assert (ROOT / script).is_file(), f"make {command.argv[1]} runs a missing script {script}"
     for module in modules:
         if module == "pip":  # a find_spec("pip") in this process makes setuptools' distutils shim fall back to the
             continue         # stdlib's for good (its spec_for_pip), and a later `import setuptools` then fails
@@ -537,7 +540,7 @@ OUTPUT_PATHS = ("benchmarks/results/",)  # written by the benchmarks, not in the
 def test_repository_paths_exist():
     problems = []
     for doc, line, span in _inline_spans():
-        if " " in span or "/" not in span or "<" in span or span in OUTPUT_PATHS:
+        if " " in span or "/" not in span or "<" in span or span.startswith(OUTPUT_PATHS):
             continue
         path = span.rstrip(".,:;")
         if path.split("/")[0] not in ROOTS + PACKAGE_DIRS:
