@@ -184,8 +184,8 @@ def test_a_plan_out_of_the_blocks_order_is_refused_when_it_runs():
     forward, not wrong numbers."""
     model = add_hyper_connections(llama(), 4, plan=HyperConnectionPlan((
         Branch("post_attention_layernorm", "mlp"), Branch("input_layernorm", "self_attn"))))
-    with pytest.raises(RuntimeError, match=r"model.layers.0.input_layernorm: expected the 4 residual streams "
-                                           r"\(width 256\), got None \(is the plan's branch order"):
+    with pytest.raises(RuntimeError, match=r"model.layers.0.input_layernorm ran as branch 1 of the block, but the "
+                                           r"hyper-connection plan names it branch 2: the plan's branches must name"):
         _logits(model)
 
 

@@ -206,13 +206,15 @@ HYPER_CONNECTIONS = "hyper_connections"
 
 class _Streams:
     """The residual streams inside one forward of one block: set by the entries and exits, read by
-    the block's output hook. ``current``: the streams after the branches that ran; ``pending``: a
+    the block's output hook. ``current``: the streams after the branches that ran; ``block_input``:
+    the block's input streams (what a parallel branch reads); ``pending``: a
     branch's ``(H_res, H_post)`` from its entry to its exit; ``manager``: the block recompute's,
     while a group of blocks runs; ``ran``: the exits that ran; ``sequence_parallel``: set by
     ``parallelize`` when the block runs on this rank's part of the sequence."""
 
     def __init__(self) -> None:
         self.current: Tensor | None = None
+        self.block_input: Tensor | None = None
         self.pending: dict[int, tuple[Tensor, Tensor]] = {}
         self.manager: MHCBlockRecomputeManager | None = None
         self.last_in_group = False
@@ -346,7 +348,28 @@ def _wire_block(block: nn.Module, wiring: _BlockWiring, hyper_connections: nn.Mo
             functools.partial(_exit_hook, block, hyper_connections[index], streams, index, branch, wiring))
     if wiring.first:
         block.register_forward_pre_hook(functools.partial(_expand, wiring.n), with_kwargs=True)
+    block.forward = _block_forward(block, block.forward, streams)
     block.register_forward_hook(functools.partial(_block_output, streams, wiring))
+
+
+def _block_forward(block: nn.Module, forward: Callable, streams: _Streams) -> Callable:
+    """The block's own forward on a one-wide view of its input streams, the streams kept for the
+    entries: the block's residual adds (``x + F``, whose results the block's output hook replaces
+    by the streams) then add zeros to that view instead of writing ``n * C`` wide tensors no one
+    reads (two per block)."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any):
+        def keep(x: Tensor) -> Tensor:  # a new forward (one that failed midway left nothing behind)
+            streams.current = streams.block_input = x
+            streams.ran = 0
+            streams.pending.clear()
+            return x[..., :1]
+
+        args, kwargs = replace_hidden_states(block, args, kwargs, keep, "the hyper-connections need the streams")
+        return forward(*args, **kwargs)
+
+    return run
 
 
 def _expand(n: int, module: nn.Module, args: tuple, kwargs: dict):
@@ -363,14 +386,14 @@ def _entry_forward(forward: Callable, hc: HyperConnectionModule, streams: _Strea
 
     @functools.wraps(forward)
     def entry(x: Tensor, *args: Any, **kwargs: Any):
-        if index == 0:  # a new forward of the block (one that failed midway left nothing behind)
-            streams.current, streams.ran = x, 0
-            streams.pending.clear()
-        source = x if branch.parallel or index == 0 else streams.current
+        if index != streams.ran:  # the exits' order decides which one ends a block recompute group
+            raise RuntimeError(f"{wiring.name}.{branch.entry} ran as branch {streams.ran + 1} of the block, but the "
+                               f"hyper-connection plan names it branch {index + 1}: the plan's branches must name "
+                               "the modules in the order the block runs them")
+        source = streams.block_input if branch.parallel else streams.current
         if source is None or source.shape[-1] != wiring.n * wiring.hidden_size:
             raise RuntimeError(f"{wiring.name}.{branch.entry}: expected the {wiring.n} residual streams "
-                               f"(width {wiring.n * wiring.hidden_size}), got {None if source is None else tuple(source.shape)}"
-                               " (is the plan's branch order the order the block runs them?)")
+                               f"(width {wiring.n * wiring.hidden_size}), got {None if source is None else tuple(source.shape)}")
         lead = x.shape[:-1]
 
         def hyper_connection_and_entry(streams_in: Tensor):
@@ -420,7 +443,7 @@ def _block_output(streams: _Streams, wiring: _BlockWiring, module: nn.Module, ar
     if streams.ran != len(wiring.plan.branches) or streams.pending:
         raise RuntimeError(f"{wiring.name} ran {streams.ran} of the {len(wiring.plan.branches)} branches of its "
                            "hyper-connection plan: each branch's entry and exit must run once per forward")
-    result, streams.current = streams.current, None
+    result, streams.current, streams.block_input = streams.current, None, None
     manager = streams.manager
     if manager is not None and streams.last_in_group:
         manager.discard_all_outputs_and_register_unified_recompute(result)
