@@ -13,8 +13,9 @@ streams ``x`` the mappings ``H_pre, H_post, H_res``; then:
 
 - the entry's forward runs on ``H_pre x`` (``[..., C]``) instead of on the stream;
 - after the exit, the streams become ``H_res x + H_post^T F`` (``F``: the exit's output, after the
-  dropout the block applies to it when the plan names one), and the exit returns a zero scalar, so
-  the block's own ``residual + F`` still runs (on a stale copy of the stream, never used);
+  dropout the block applies to it when the plan names one), and the exit returns a zero scalar;
+  the block's own code runs on a one-wide view of the streams, so its ``residual + F`` adds that
+  zero to a ``[..., 1]`` tensor (cheap, and never used);
 - the block's output is the new streams; before the first block the embedding output is copied
   into the ``n`` streams, after the last one the streams are contracted by their mean.
 
@@ -413,8 +414,8 @@ def _entry_forward(forward: Callable, hc: HyperConnectionModule, streams: _Strea
 
 def _exit_hook(block: nn.Module, hc: HyperConnectionModule, streams: _Streams, index: int, branch: Branch,
                wiring: _BlockWiring, module: nn.Module, args: tuple, output: Any):
-    """After the exit: the streams become ``H_res x + H_post^T F``; the exit returns a zero the
-    block's own residual add leaves the (unused) old stream with."""
+    """After the exit: the streams become ``H_res x + H_post^T F``; the exit returns a zero, which
+    the block's own residual add adds to its one-wide view (a result nothing reads)."""
     if index not in streams.pending:
         raise RuntimeError(f"{wiring.name}.{branch.exit} ran before its entry {branch.entry}: the plan's branches "
                            "must name the modules in the order the block runs them")
