@@ -17,7 +17,8 @@ device, around the torch optimizer the user built (nothing of the update is writ
   backward when the reduction overlaps), in fp32: a bf16 parameter's gradient is added into an
   fp32 ``main_grad`` as each backward produces it and dropped;
 - the sequence-parallel TP sum, the tied embedding's sum between stages, the global norm and
-  clipping run on the pieces;
+  clipping run on the pieces; a parameter no DP rank got a gradient for in a step is not stepped
+  (as torch's optimizers skip a ``.grad`` of None: no weight decay, no momentum);
 - after the step the pieces are written back into the parameters and every bucket is
   all-gathered over DP.
 
@@ -81,6 +82,12 @@ def main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return getattr(param, "main_grad", None) if param.dtype != torch.float32 else param.grad
 
 
+def got_gradient(param: torch.nn.Parameter) -> bool:
+    """Whether backward gave ``param`` a gradient since the last step (a low-precision parameter's
+    ``main_grad`` exists all along: its hook marks it)."""
+    return param.grad is not None if param.dtype == torch.float32 else getattr(param, "main_grad_fresh", False)
+
+
 class ShardBucket:
     """Parameters of one dtype, their gradients reduce-scattered over ``parts`` DP ranks
     (all-reduced when ``parts == 1``) into this rank's range, in fp32."""
@@ -94,6 +101,8 @@ class ShardBucket:
         self.start = index * self.shard_numel
         self.grad: torch.Tensor | None = None
         """This rank's range of the DP-averaged gradient (fp32), once :meth:`complete` ran."""
+        self.got_gradients: list[bool] = [False] * len(params)
+        """Which parameters had a gradient on this rank when the bucket was reduced."""
         self.ready: set[int] = set()
         self.work = None
 
@@ -112,6 +121,7 @@ class ShardBucket:
     def launch(self, group) -> None:
         device = self.params[0].device
         flat = torch.zeros(self.shard_numel * self.parts, dtype=torch.float32, device=device)
+        self.got_gradients = [got_gradient(p) for p in self.params]
         for p, offset in zip(self.params, self.offsets):
             grad = main_grad(p)
             if grad is not None:
@@ -224,6 +234,23 @@ class DistributedOptimizer:
         sum_partial_grads_over_tp([(pc.param, pc.main.grad) for pc in self.pieces.values()], self.layout)
         shared = [pc.main.grad for pc in self.pieces.values() if getattr(pc.param, "shared_embedding", False)]
         sum_embedding_grads(shared, self.layout)
+        unused = self._without_gradients()
+        for pc in self.pieces.values():
+            if id(pc.param) in unused:  # as torch's optimizers skip a parameter whose .grad is None:
+                pc.main.grad = None    # no weight decay, no momentum step, no state made for it
+
+    def _without_gradients(self) -> set[int]:
+        """The parameters no DP rank gave a gradient to in this step (one small all-reduce of
+        every bucket's flags over DP): reduced as zeros, but not to be stepped."""
+        got = torch.tensor([g for bucket in self.buckets for g in bucket.got_gradients], dtype=torch.int32)
+        group = self.layout.dp_group
+        if got.numel() and dist.get_world_size(group) > 1:
+            device = self.buckets[0].params[0].device
+            got = got.to(device)
+            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=group)
+            got = got.cpu()
+        params = [p for bucket in self.buckets for p in bucket.params]
+        return {id(p) for p, g in zip(params, got.tolist()) if not g}
 
     def grad_norm(self) -> float:
         """The whole model's gradient L2 norm (each element counted once over TP, PP and DP)."""
@@ -258,6 +285,7 @@ class DistributedOptimizer:
                 p.grad = None
                 if getattr(p, "main_grad", None) is not None:
                     p.main_grad.zero_()
+                    p.main_grad_fresh = False
         for pc in self.pieces.values():
             pc.main.grad = None
 
@@ -304,10 +332,11 @@ class DistributedOptimizer:
         for bucket in self.buckets:
             for p in bucket.params:
                 if hasattr(p, "main_grad"):
-                    del p.main_grad
+                    del p.main_grad, p.main_grad_fresh
 
 
 def _accumulate_in_fp32(param: torch.nn.Parameter) -> None:
     """A low-precision gradient accumulates in fp32 (megatron's ``main_grad``), then is dropped."""
     param.main_grad.add_(param.grad)
+    param.main_grad_fresh = True
     param.grad = None
