@@ -101,6 +101,23 @@ def test_an_optimizer_that_cannot_be_cut_is_refused(make):
         check_shardable(optimizer)
 
 
+def test_bf16_weights_with_an_optimizer_that_cannot_be_cut_are_refused(model_parallel, tmp_path, monkeypatch, capsys):
+    """bf16-true steps fp32 main weights in flat pieces (without the distributed optimizer too):
+    Adafactor there would silently run unfactored. Refused when the strategy takes the optimizer
+    over, and by ``lightning-mhc-train`` before launch, in one line."""
+    from train_cli import check_before_launch
+
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="bf16 weights are stepped as flat fp32 main pieces, which only an "
+                                          "element-wise update allows; Adafactor is not one of"):
+        DistributedOptimizer(torch.optim.Adafactor(model.parameters()), [model], model_parallel, shard=False)
+    DistributedOptimizer(torch.optim.AdamW(model.parameters()), [model], model_parallel, shard=False).remove()
+    status, err = check_before_launch(["trainer=debug", "data=synthetic", "optim.name=adafactor",
+                                       "trainer.precision=bf16-true"], tmp_path, monkeypatch, capsys)
+    assert status == 2 and "trainer.precision=bf16-true: bf16 weights are stepped" in err, err
+    assert "trainer.precision=bf16-mixed (optim.name=adafactor)" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_stepped_optimizer_is_refused():
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())

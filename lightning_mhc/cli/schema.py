@@ -434,6 +434,12 @@ class TrainConfig:
             self.recompute_policy.check_model(self.model.hyper_connection_settings.enabled, names=HF_POLICY_NAMES)
         else:
             self.recompute_policy.check_model(self.model.enable_hyper_connections)
+        if self.trainer.precision == "bf16-true" and not self.optim.use_distributed_optimizer:
+            from lightning_mhc.distributed.optimizer import BF16_WEIGHTS, check_shardable
+            from lightning_mhc.lightning.modules.base import OPTIMIZERS
+
+            check_shardable(OPTIMIZERS[self.optim.name], f"trainer.precision=bf16-mixed (optim.name={self.optim.name})",
+                            f"trainer.precision=bf16-true: {BF16_WEIGHTS}")
         self.layout = ParallelLayout(**{name: getattr(self.parallel, name) for name in DEGREES},
                                      world_size=self.world_size, names=CONFIG_NAMES)
         """The run's layout, checked (its degrees in this world)."""

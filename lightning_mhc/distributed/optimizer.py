@@ -26,7 +26,8 @@ Without ``use_distributed_optimizer`` a bf16 model still trains on fp32 main wei
 class with one part per bucket (each rank holds all of them) and an all-reduce.
 
 Only an element-wise update can be cut anywhere (SGD, Adam, AdamW, ...); another optimizer
-(Adafactor's factored moments, LBFGS's line search, Muon's orthogonalisation) is refused.
+(Adafactor's factored moments, LBFGS's line search, Muon's orthogonalisation) is refused, with
+bf16 weights too (the pieces are flat there as well).
 """
 from __future__ import annotations
 
@@ -54,15 +55,20 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 """Torch optimizers whose update of an element reads only that element's gradient and state."""
 
 
-def check_shardable(optimizer: torch.optim.Optimizer | type, switch: str = "use_distributed_optimizer=False") -> None:
+SHARDED = "the distributed optimizer cuts parameters into pieces"
+BF16_WEIGHTS = "bf16 weights are stepped as flat fp32 main pieces"
+
+
+def check_shardable(optimizer: torch.optim.Optimizer | type, switch: str = "use_distributed_optimizer=False",
+                    why: str = SHARDED) -> None:
     """Refuse an optimizer (or optimizer class) whose update is not element-wise: it cannot run
-    on pieces. ``switch``: how the message says to turn the distributed optimizer off."""
+    on flat pieces (it would run, as another optimizer: Adafactor unfactored). ``switch``: how the
+    message says to avoid the pieces; ``why``: what cuts them (``SHARDED`` or ``BF16_WEIGHTS``)."""
     cls = optimizer if isinstance(optimizer, type) else type(optimizer)
     if not issubclass(cls, ELEMENTWISE):
         names = ", ".join(c.__name__ for c in ELEMENTWISE)
-        raise ConfigError(
-            f"the distributed optimizer cuts parameters into pieces, which only an element-wise update allows; "
-            f"{cls.__name__} is not one of {names}. Use one of them, or {switch}.")
+        raise ConfigError(f"{why}, which only an element-wise update allows; {cls.__name__} is not one of {names}. "
+                          f"Use one of them, or {switch}.")
 
 
 MAIN_PARAM = "main_param"
@@ -187,6 +193,8 @@ class DistributedOptimizer:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, shard: bool = True) -> None:
         if shard:
             check_shardable(optimizer)
+        else:
+            check_shardable(optimizer, "precision='bf16-mixed' (fp32 weights)", BF16_WEIGHTS)
         if optimizer.state:
             raise ConfigError(f"{type(optimizer).__name__} has stepped already: the distributed optimizer takes it "
                               "over before the first step.")
@@ -331,8 +339,9 @@ class DistributedOptimizer:
         self._hooks = []
         for bucket in self.buckets:
             for p in bucket.params:
-                if hasattr(p, "main_grad"):
-                    del p.main_grad, p.main_grad_fresh
+                for attribute in ("main_grad", "main_grad_fresh"):
+                    if hasattr(p, attribute):
+                        delattr(p, attribute)
 
 
 def _accumulate_in_fp32(param: torch.nn.Parameter) -> None:
