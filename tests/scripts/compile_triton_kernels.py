@@ -1,5 +1,8 @@
-"""Compile every Triton kernel of lightning_mhc ahead of time for an H100 (sm_90), on a machine without
-a GPU: Triton's frontend, MLIR, LLVM, PTX and ptxas, for fp32 and bf16 streams and n = 4 and 3.
+"""Compile every Triton kernel of lightning_mhc ahead of time, on a machine without a GPU: Triton's
+frontend, MLIR, LLVM, PTX and ptxas, for every variant the code can launch: n = 2, 3, 4, 6 and 8
+(6 pads to 8), fp32, bf16 and fp16 streams, a bf16 or fp16 sub-layer output on an fp32 stream
+(bf16-mixed: the stream stays fp32), every bias/dropout variant; for sm_90 (the H100) all of
+them, for sm_80 and sm_100 (when this ptxas knows them) n = 4.
 
 It catches what Triton's interpreter does not: a branch whose two sides give tensors of different
 shapes, a dot of unsupported shape, a type the compiler refuses. Run without ``TRITON_INTERPRET``
@@ -16,37 +19,43 @@ from triton.compiler import ASTSource
 
 from lightning_mhc.ops import triton_kernels as tk
 
-TARGET = GPUTarget("cuda", 90, 32)
+TARGETS = {"sm_90": (GPUTarget("cuda", 90, 32), (2, 3, 4, 6, 8)),
+           "sm_80": (GPUTarget("cuda", 80, 32), (4,)),
+           "sm_100": (GPUTarget("cuda", 100, 32), (4,))}
 F32, I32 = "*fp32", "*i32"
+STREAMS = (("*fp32", "*fp32"), ("*bf16", "*bf16"), ("*fp16", "*fp16"), ("*fp32", "*bf16"), ("*fp32", "*fp16"))
+"""(stream, sub-layer output) pointer types."""
 
 
-def _cases():
+def _cases(ns: tuple[int, ...]):
     """``(kernel, pointer and scalar types by argument name, constexprs)`` for every kernel."""
-    for stream in ("*fp32", "*bf16"):
-        for n in (4, 3):
+    for stream, out in STREAMS:
+        for n in ns:
             shape = dict(N=n, NP=triton.next_power_of_2(n))
             stream_mix = dict(**shape, BLOCK_C=64)
             variants = [dict(**stream_mix, HAS_BIAS=bias, DROPOUT=drop) for bias in (True, False) for drop in (True, False)]
-            yield tk._aggregate_fwd, dict(x_ptr=stream, hpre_ptr=F32, agg_ptr=stream, C="i32"), stream_mix
-            yield tk._aggregate_bwd, dict(x_ptr=stream, hpre_ptr=F32, gagg_ptr=stream, dx_ptr=stream, dhpre_ptr=F32,
-                                          C="i32"), stream_mix
+            if out == stream:  # the aggregate reads and writes the stream's type
+                yield tk._aggregate_fwd, dict(x_ptr=stream, hpre_ptr=F32, agg_ptr=stream, C="i32"), stream_mix
+                yield tk._aggregate_bwd, dict(x_ptr=stream, hpre_ptr=F32, gagg_ptr=stream, dx_ptr=stream,
+                                              dhpre_ptr=F32, C="i32"), stream_mix
             for variant in variants:
-                yield tk._res_post_fwd, dict(x_ptr=stream, hres_ptr=F32, hpost_ptr=F32, out_ptr=stream,
-                                             bias_ptr=stream, seed_ptr=I32, y_ptr=stream, C="i32", p="fp32",
+                yield tk._res_post_fwd, dict(x_ptr=stream, hres_ptr=F32, hpost_ptr=F32, out_ptr=out,
+                                             bias_ptr=out, seed_ptr=I32, y_ptr=stream, C="i32", p="fp32",
                                              scale="fp32"), variant
-                yield tk._res_post_bwd, dict(x_ptr=stream, hres_ptr=F32, hpost_ptr=F32, out_ptr=stream,
-                                             bias_ptr=stream, seed_ptr=I32, g_ptr=stream, dx_ptr=stream,
-                                             dhres_ptr=F32, dhpost_ptr=F32, dout_ptr=stream, C="i32", p="fp32",
+                yield tk._res_post_bwd, dict(x_ptr=stream, hres_ptr=F32, hpost_ptr=F32, out_ptr=out,
+                                             bias_ptr=out, seed_ptr=I32, g_ptr=stream, dx_ptr=stream,
+                                             dhres_ptr=F32, dhpost_ptr=F32, dout_ptr=out, C="i32", p="fp32",
                                              scale="fp32"), variant
-            if stream == "*fp32":  # the mappings are fp32 whatever the stream
+            if (stream, out) == ("*fp32", "*fp32"):  # the mappings are fp32 whatever the stream
                 mappings = dict(raw_ptr=F32, r_ptr=F32, alpha_ptr=F32, bias_ptr=F32, T="i32", M="i32",
                                 iterations="i32", eps="fp32")
                 yield tk._mappings_fwd, dict(**mappings, hpre_ptr=F32, hpost_ptr=F32, hres_ptr=F32), \
                     dict(**shape, BLOCK_T=16)
                 yield tk._mappings_bwd, dict(**mappings, hpre_ptr=F32, hpost_ptr=F32, ghpre_ptr=F32, ghpost_ptr=F32,
                                              ghres_ptr=F32, dz_ptr=F32), dict(**shape, BLOCK_T=16)
-        yield tk._projection_fwd, dict(x_ptr=stream, phi_ptr=F32, raw_ptr=F32, r_ptr=F32, T="i32", K="i32", M="i32",
-                                       eps="fp32"), dict(MP=32, BLOCK_T=16, BLOCK_K=32)
+        if out == stream:
+            yield tk._projection_fwd, dict(x_ptr=stream, phi_ptr=F32, raw_ptr=F32, r_ptr=F32, T="i32", K="i32",
+                                           M="i32", eps="fp32"), dict(MP=32, BLOCK_T=16, BLOCK_K=32)
 
 
 def _source(kernel, types: dict, constexprs: dict) -> ASTSource:
@@ -61,14 +70,15 @@ def main() -> int:
         print("unset TRITON_INTERPRET: under the interpreter nothing is compiled")
         return 2
     failed = 0
-    for kernel, types, constexprs in _cases():
-        label = f"{kernel.__name__} {next(iter(types.values()))} {constexprs}"
-        try:
-            triton.compile(_source(kernel, types, constexprs), target=TARGET)
-            print(f"ok   {label}")
-        except Exception as error:  # report every kernel, then fail
-            failed += 1
-            print(f"FAIL {label}: {type(error).__name__}: {str(error)[:2000]}")
+    for arch, (target, ns) in TARGETS.items():
+        for kernel, types, constexprs in _cases(ns):
+            label = f"{arch} {kernel.__name__} {types.get('x_ptr')}/{types.get('out_ptr', '-')} {constexprs}"
+            try:
+                triton.compile(_source(kernel, types, constexprs), target=target)
+                print(f"ok   {label}")
+            except Exception as error:  # report every kernel, then fail
+                failed += 1
+                print(f"FAIL {label}: {type(error).__name__}: {str(error)[:2000]}")
     return 1 if failed else 0
 
 
