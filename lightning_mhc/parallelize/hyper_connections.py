@@ -392,9 +392,9 @@ def _entry_forward(forward: Callable, hc: HyperConnectionModule, streams: _Strea
                                f"hyper-connection plan names it branch {index + 1}: the plan's branches must name "
                                "the modules in the order the block runs them")
         source = streams.block_input if branch.parallel else streams.current
-        if source is None or source.shape[-1] != wiring.n * wiring.hidden_size:
+        if source.shape[-1] != wiring.n * wiring.hidden_size:  # the block's forward set it
             raise RuntimeError(f"{wiring.name}.{branch.entry}: expected the {wiring.n} residual streams "
-                               f"(width {wiring.n * wiring.hidden_size}), got {None if source is None else tuple(source.shape)}")
+                               f"(width {wiring.n * wiring.hidden_size}), got {tuple(source.shape)}")
         lead = x.shape[:-1]
 
         def hyper_connection_and_entry(streams_in: Tensor):
