@@ -52,6 +52,17 @@ def model_parallel(single_rank_group):
     destroy_parallel()
 
 
+@pytest.fixture
+def no_model_parallel():
+    """A process holding no model-parallel layout, for tests that check nothing gets built: an
+    earlier in-process ``Trainer.fit`` keeps its layout on purpose (for ``save_checkpoint`` after
+    ``fit``), so it is destroyed first."""
+    from lightning_mhc.distributed.layout import destroy_parallel
+
+    destroy_parallel()
+    yield
+
+
 # ``lightning-mhc-train`` in one process: 6 steps of the tiny model on synthetic tokens, global
 # batch 8 in 2 microbatches of 4, dropout off; the reference of the CLI's multi-process runs
 CLI_REFERENCE_RUN = ["trainer=debug", "data=synthetic", "trainer.log_every_n_steps=1", "data.global_batch_size=8",

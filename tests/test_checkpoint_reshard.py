@@ -80,7 +80,7 @@ def test_data_position_is_by_global_sample_and_refuses_another_global_batch():
         loader(8, 2).load_state_dict(state)
 
 
-def test_export_refuses_missing_incomplete_and_earlier_format(tmp_path, capsys):
+def test_export_refuses_missing_incomplete_and_earlier_format(tmp_path, capsys, no_model_parallel):
     from lightning_mhc.checkpoint import commit, legacy
     from lightning_mhc.cli.export import main
 
