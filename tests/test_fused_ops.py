@@ -650,6 +650,32 @@ def test_a_built_kernel_loads_without_ninja_whatever_the_path():
     assert status["available"] is True and status["load_s"] < 5, status
 
 
+def test_the_streams_two_gradients_are_added_in_place():
+    """The stream feeds both fused nodes of a sub-layer (the mappings and aggregate, and ``H_res x``
+    in the next stream): autograd adds their two gradients in place into the first one that
+    arrives, when that one holds its storage alone; a view of the kernel's output (or a tensor
+    ``set_`` on its Python storage object) made it allocate a new ``[..., n*C]`` sum each time."""
+    from torch.profiler import profile
+
+    n, C = 4, 16
+    g = torch.Generator().manual_seed(0)
+    leaf = torch.randn(3, 2, n * C, generator=g, requires_grad=True)
+    params = [p.requires_grad_() for p in (
+        torch.randn(n * C, n, generator=g) * 0.1, torch.randn(n * C, n, generator=g) * 0.1,
+        torch.randn(n * C, n * n, generator=g) * 0.1, torch.tensor(1.0), torch.tensor(1.0), torch.tensor(1.0),
+        torch.zeros(n), torch.zeros(n), torch.zeros(n, n))]
+    weight = torch.randn(C, C, generator=g, requires_grad=True)
+    x = leaf * 1.0  # the stream as a layer gets it: the output of an op
+    aggregated, h_res, h_post = fused_pre(x, params, n, 1e-5, 20)
+    out = h_res_h_post_bias_dropout_add((aggregated @ weight, None), x, h_res, h_post, 0.0, True)
+    loss = out.sum()
+    with profile(record_shapes=True) as prof:
+        loss.backward()
+    adds = [e.name for e in prof.events()
+            if e.name in ("aten::add", "aten::add_") and e.input_shapes and e.input_shapes[0] == list(x.shape)]
+    assert adds == ["aten::add_"], adds
+
+
 def test_fused_ops_backward_inside_autocast_and_fresh_output():
     """A pipeline schedule under bf16-mixed runs backward inside the autocast region: the fused
     backwards still run in fp32 (their forwards did), the stream (fp32) may meet a bf16 sub-layer

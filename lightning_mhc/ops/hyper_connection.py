@@ -235,11 +235,12 @@ class HyperConnectionPre(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, n, eps, iterations, kernels=EagerKernels):
+    def forward(ctx, stream, phi, alpha, bias, n, eps, iterations, kernels=EagerKernels):
+        x = stream.reshape(-1, stream.shape[-1])
         raw, r = kernels.project(x, phi, eps)
         h_pre, h_post, h_res = kernels.mappings(raw, r, alpha, bias, n, iterations, SINKHORN_EPS)
         aggregated = kernels.aggregate(x, h_pre, n)
-        ctx.save_for_backward(x, phi, alpha, bias, raw, r, h_pre, h_post)
+        ctx.save_for_backward(stream, phi, alpha, bias, raw, r, h_pre, h_post)
         ctx.n, ctx.iterations, ctx.kernels = n, iterations, kernels
         return aggregated, h_res, h_post
 
@@ -253,8 +254,9 @@ class HyperConnectionPre(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g_agg, g_res, g_post):
-        x, phi, alpha, bias, raw, r, h_pre, h_post = ctx.saved_tensors
+        stream, phi, alpha, bias, raw, r, h_pre, h_post = ctx.saved_tensors
         n, iterations, kernels = ctx.n, ctx.iterations, ctx.kernels
+        x = stream.reshape(-1, stream.shape[-1])
         width = x.shape[1]
         dx, g_h_pre = kernels.aggregate_backward(x, h_pre, g_agg, n)
         # mappings: z = alpha * (r * raw) + bias, then sigmoid / 2 sigmoid / Sinkhorn
@@ -275,7 +277,7 @@ class HyperConnectionPre(torch.autograd.Function):
             dx.addmm_(d_raw, phi.t()).addcmul_(coef, xf)
         else:
             dx = (dx.float().addmm_(d_raw, phi.t()).addcmul_(coef, xf)).to(x.dtype)
-        return dx, d_phi, d_alpha, d_bias, None, None, None, None
+        return _not_a_view(dx, stream.shape), d_phi, d_alpha, d_bias, None, None, None, None
 
 
 def fused_pre_packed(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, n: int, eps: float, iterations: int,
@@ -284,7 +286,7 @@ def fused_pre_packed(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, n: int
     lead = x.shape[:-1]
     with _no_autocast(x.device.type):
         aggregated, h_res, h_post = HyperConnectionPre.apply(
-            x.reshape(-1, x.shape[-1]), phi.float(), alpha.float(), bias.float(), n, eps, iterations, kernels
+            x, phi.float(), alpha.float(), bias.float(), n, eps, iterations, kernels
         )
     return aggregated.view(*lead, -1), h_res.view(*lead, n, n), h_post.view(*lead, n)
 
@@ -309,22 +311,24 @@ class ResPostBiasDropoutAdd(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, h_res, h_post, out, bias, prob: float, kernels=EagerKernels, shape=None):
-        """``shape``: the output's shape (default ``x``'s), given here so that the output is no view."""
+    def forward(ctx, stream, h_res, h_post, out, bias, prob: float, kernels=EagerKernels):
+        x = stream.reshape(-1, stream.shape[-1])
         seed = dropout_seed(x.device) if prob > 0 else None
         y = kernels.res_post(x, h_res, h_post, out, bias, prob, seed)
-        ctx.save_for_backward(x, h_res, h_post, out, bias, seed)
+        ctx.save_for_backward(stream, h_res, h_post, out, bias, seed)
         ctx.prob, ctx.kernels = prob, kernels
-        return y if shape is None else _not_a_view(y, shape)
+        return _not_a_view(y, stream.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        x, h_res, h_post, out, bias, seed = ctx.saved_tensors
+        stream, h_res, h_post, out, bias, seed = ctx.saved_tensors
+        x = stream.reshape(-1, stream.shape[-1])
         with _no_autocast(grad.device.type):  # as the forward (see HyperConnectionPre.backward)
             dx, d_h_res, d_h_post, d_out = ctx.kernels.res_post_backward(
                 x, h_res, h_post, out, bias, ctx.prob, seed, grad.reshape(x.shape).contiguous())
         d_bias = d_out.float().sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[4] else None
-        return dx, d_h_res.to(h_res.dtype), d_h_post.to(h_post.dtype), d_out.to(out.dtype), d_bias, None, None, None
+        return (_not_a_view(dx, stream.shape), d_h_res.to(h_res.dtype), d_h_post.to(h_post.dtype),
+                d_out.to(out.dtype), d_bias, None, None)
 
 
 def dropout_seed(device: torch.device) -> Tensor:
@@ -337,14 +341,17 @@ def dropout_seed(device: torch.device) -> Tensor:
 def fused_res_post(x: Tensor, h_res: Tensor, h_post: Tensor, out: Tensor, bias: Tensor | None, prob: float,
                    kernels=EagerKernels) -> Tensor:
     """``ResPostBiasDropoutAdd`` on ``[..., n*C]`` streams (leading dimensions flattened)."""
-    n, width = h_post.shape[-1], x.shape[-1]
+    n = h_post.shape[-1]
     with _no_autocast(x.device.type):
-        return ResPostBiasDropoutAdd.apply(x.reshape(-1, width), h_res.reshape(-1, n, n), h_post.reshape(-1, n),
-                                           out.reshape(-1, out.shape[-1]), bias, prob, kernels, x.shape)
+        return ResPostBiasDropoutAdd.apply(x, h_res.reshape(-1, n, n), h_post.reshape(-1, n),
+                                           out.reshape(-1, out.shape[-1]), bias, prob, kernels)
 
 
 def _not_a_view(t: Tensor, shape) -> Tensor:
-    """``t`` (contiguous, used by nobody else) as ``shape``, on its storage but not a view of it: a
-    pipeline stage frees its output's storage, which megatron's ``deallocate_output_tensor``
-    refuses for a view (``_base`` set)."""
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), tuple(shape))
+    """``t`` (used by nobody else) as ``shape``, on its storage but not a view of it: a pipeline
+    stage frees its output's storage, which megatron's ``deallocate_output_tensor`` refuses for a
+    view (``_base`` set); and autograd adds a second gradient of the stream in place into one that
+    holds its storage alone, where for a view's it allocates a new ``[..., n*C]`` sum. Detached,
+    not ``set_`` on ``untyped_storage()``: the Python storage object that makes keeps a second
+    reference to the storage, which stops the in-place add."""
+    return t.contiguous().view(tuple(shape)).detach()
