@@ -6,12 +6,15 @@ retrofit is for every built-in family.
 
 - **one process**: a ``LlamaForCausalLM`` (hidden 512, 8 layers, 8 heads, vocabulary 2048, sequence
   128, batch 4) split by ``parallelize`` at TP = PP = 1, without and with ``hyper_connections=4``:
-  the training step time (forward, backward, AdamW step; interleaved, median) and the activation
+  the training step time (forward, backward, AdamW step; 8 x ``--rounds`` interleaved rounds, median) and the activation
   bytes one training forward retains for backward (``ActivationMemoryMeter``) under the recompute
   policies ``none`` and ``mhc_block``.
 - **TP 2 x PP 2**: the same model through ``Trainer.fit`` on 4 CPU processes (``MHCParallelStrategy``,
-  4 microbatches), without and with 4 streams, one fit of each per round alternated; the median
-  step time (rank 0, barrier to barrier) after 2 warm-up steps.
+  4 microbatches; one intra-op thread each, as Lightning's launcher sets for 4 processes on 2 cores),
+  without and with 4 streams, one fit of each per round alternated; the median step time (rank 0,
+  barrier to barrier) after 2 warm-up steps. Then the same with sequence parallelism, which splits
+  the hyper-connections' work over the TP ranks with the sequence (without it, each TP rank
+  computes them for the whole sequence).
 - **exactness**: each built-in family's small test model (``tests/scripts/lm_models.py``) with weights
   off any seed's: the largest logit difference between the model and the same model after
   ``add_hyper_connections`` (n = 4 and 3; fp32; the fused ops and the reference ones).
@@ -93,7 +96,7 @@ def one_process(rounds: int, hidden: int, layers: int) -> dict:
 
 
 # ------------------------------------------------------------------ TP 2 x PP 2 (a launched group)
-def fit(streams: int | None, steps: int, hidden: int, layers: int) -> dict:
+def fit(streams: int | None, steps: int, hidden: int, layers: int, sequence_parallel: bool) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -118,22 +121,24 @@ def fit(streams: int | None, steps: int, hidden: int, layers: int) -> dict:
             self.starts.append(time.perf_counter())
 
     times = StepTimes()
-    strategy = MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_microbatches=4)
+    strategy = MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_microbatches=4,
+                                   sequence_parallel=sequence_parallel)
     trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[times])
     data = DataLoader(SyntheticTokens(steps * 4 * BATCH, SEQ, vocab_size=VOCAB), batch_size=4 * BATCH)
     trainer.fit(Llama(), train_dataloaders=data)
     durations = [b - a for a, b in zip(times.starts, times.starts[1:])]
-    return dict(step_seconds=durations[WARMUP:], rank=trainer.global_rank)
+    return dict(step_seconds=durations[WARMUP:], rank=trainer.global_rank, threads=torch.get_num_threads())
 
 
-def run_fit(streams: int | None, steps: int, hidden: int, layers: int) -> dict:
+def run_fit(streams: int | None, steps: int, hidden: int, layers: int, sequence_parallel: bool) -> dict:
     """One fit in a fresh 4-process group (this script with ``--fit-streams``; Lightning launches the rest)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "fit.json"
         command = [sys.executable, __file__, "--fit-streams", str(streams or 1), "--steps", str(steps),
-                   "--hidden", str(hidden), "--layers", str(layers), "--fit-out", str(out)]
+                   "--hidden", str(hidden), "--layers", str(layers), "--fit-out", str(out),
+                   *(["--fit-sequence-parallel"] if sequence_parallel else [])]
         # (not this process's rendezvous: the one-process part set MASTER_ADDR / MASTER_PORT)
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
         proc = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=pathlib.Path(__file__).parent,
@@ -143,15 +148,17 @@ def run_fit(streams: int | None, steps: int, hidden: int, layers: int) -> dict:
         return json.loads(out.read_text())
 
 
-def tp2_pp2(rounds: int, steps: int, hidden: int, layers: int) -> dict:
+def tp2_pp2(rounds: int, steps: int, hidden: int, layers: int, sequence_parallel: bool) -> dict:
     fits: dict[str, list[float]] = {"plain": [], "mHC": []}
+    name = "TP 2 x PP 2" + (" x SP" if sequence_parallel else "")
     for r in range(rounds):
         for label, streams in (("plain", None), ("mHC", STREAMS)):
-            result = run_fit(streams, steps, hidden, layers)
+            result = run_fit(streams, steps, hidden, layers, sequence_parallel)
             fits[label].append(median(result["step_seconds"]))
-            print(f"TP 2 x PP 2 round {r + 1}/{rounds} {label}: median step {fits[label][-1] * 1e3:.0f} ms", flush=True)
+            print(f"{name} round {r + 1}/{rounds} {label}: median step {fits[label][-1] * 1e3:.0f} ms", flush=True)
     seconds = {label: median(values) for label, values in fits.items()}
-    return dict(step_seconds=seconds, per_round=fits, step_time_ratio=seconds["mHC"] / seconds["plain"])
+    return dict(step_seconds=seconds, per_round=fits, step_time_ratio=seconds["mHC"] / seconds["plain"],
+                threads_per_rank=result["threads"])
 
 
 # ------------------------------------------------------------------ exactness per family
@@ -197,8 +204,9 @@ def plot(result: dict, path: pathlib.Path) -> None:
     memory.set_title(f"Llama {size['hidden']} x {size['layers']} layers, batch {BATCH} x {SEQ}: one forward")
     memory.tick_params(axis="x", labelrotation=20)
     ratios = {"1 process": one["step_time_ratio"], "1 process, mhc_block": one["block_recompute_ratio"]}
-    if "tp2_pp2" in result:
-        ratios["TP 2 x PP 2"] = result["tp2_pp2"]["step_time_ratio"]
+    for key, label in (("tp2_pp2", "TP 2 x PP 2"), ("tp2_pp2_sp", "TP 2 x PP 2 x SP")):
+        if key in result:
+            ratios[label] = result[key]["step_time_ratio"]
     speed.bar(list(ratios), list(ratios.values()), color="#35a")
     speed.axhline(1.25, color="#c55", linestyle="--", label="goal 1.25")
     speed.axhline(1.0, color="#888", linewidth=0.8)
@@ -219,24 +227,27 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--fit-streams", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--fit-out", type=pathlib.Path, help=argparse.SUPPRESS)
+    parser.add_argument("--fit-sequence-parallel", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than the {WARMUP} untimed warm-up steps")
     if args.fit_streams:  # one launched fit
-        result = fit(args.fit_streams if args.fit_streams > 1 else None, args.steps, args.hidden, args.layers)
+        result = fit(args.fit_streams if args.fit_streams > 1 else None, args.steps, args.hidden, args.layers,
+                     args.fit_sequence_parallel)
         if result.pop("rank") == 0:
             args.fit_out.write_text(json.dumps(result))
         return
     torch.set_num_threads(max(1, torch.get_num_threads()))
     result = dict(model=dict(hidden=args.hidden, layers=args.layers, heads=HEADS, vocab=VOCAB, seq=SEQ, batch=BATCH,
                              streams=STREAMS), torch=torch.__version__, exactness=exactness(),
-                  one_process=one_process(args.rounds * 2, args.hidden, args.layers))
+                  one_process=one_process(args.rounds * 8, args.hidden, args.layers))
     one = result["one_process"]
     print(f"one process: step time 4 streams / plain {one['step_time_ratio']:.3f} (mhc_block "
           f"{one['block_recompute_ratio']:.3f}); retained mhc_block with mHC / plain none {one['retained_ratio']:.3f}")
     if not args.no_parallel:
-        result["tp2_pp2"] = tp2_pp2(args.rounds, args.steps, args.hidden, args.layers)
-        print(f"TP 2 x PP 2: step time 4 streams / plain {result['tp2_pp2']['step_time_ratio']:.3f}")
+        for key, sequence_parallel in (("tp2_pp2", False), ("tp2_pp2_sp", True)):
+            result[key] = tp2_pp2(args.rounds, args.steps, args.hidden, args.layers, sequence_parallel)
+            print(f"{key}: step time 4 streams / plain {result[key]['step_time_ratio']:.3f}", flush=True)
     write_json(args.out, result)
     plot(result, args.plot)
 

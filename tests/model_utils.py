@@ -111,20 +111,57 @@ def train_steps(model, steps: int = 3, batch: int = 2, seq: int = 16, lr: float 
     return history
 
 
-def hc_sublayer(x, phi, alpha, bias, weight, out_bias, n: int, implementation: str):
+def hc_sublayer(x, phi, alpha, bias, weight, out_bias, n: int, implementation: str, iterations: int = 20):
     """One hyper-connected sub-layer with a linear branch, as a layer runs it: ``(next stream,
-    H_post)`` by the fused ops with Triton's kernels, or by the op-by-op reference."""
+    H_post)`` by the fused ops with Triton's kernels (``triton``) or the eager/C++ ones
+    (``fused``), or by the op-by-op reference (``reference``; in fp64 for an fp64 ``x``)."""
     from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
-    from lightning_mhc.ops.hyper_connection import fused_pre_packed, reference_pre
+    from lightning_mhc.ops.hyper_connection import EagerKernels, fused_pre_packed, reference_pre
 
-    if implementation == "triton":
-        from lightning_mhc.ops.triton_kernels import TritonKernels
-
-
-        aggregated, h_res, h_post = fused_pre_packed(x, phi, alpha, bias, n=n, eps=1e-6, iterations=8,
-                                                     kernels=TritonKernels)
+    if implementation in ("triton", "fused"):
+        if implementation == "triton":
+            from lightning_mhc.ops.triton_kernels import TritonKernels as kernels
+        else:
+            kernels = EagerKernels
+        aggregated, h_res, h_post = fused_pre_packed(x, phi, alpha, bias, n=n, eps=1e-6, iterations=iterations,
+                                                     kernels=kernels)
     else:
         params = (*phi.split([n, n, n * n], dim=1), *alpha.unbind(), bias[:n], bias[n:2 * n], bias[2 * n:].view(n, n))
-        aggregated, h_res, h_post = reference_pre(x, params, n, 1e-6, 8)
+        aggregated, h_res, h_post = reference_pre(x, params, n, 1e-6, iterations)
     branch = (aggregated @ weight.to(aggregated.dtype), out_bias.to(aggregated.dtype))
     return h_res_h_post_bias_dropout_add(branch, x, h_res, h_post, 0.0, True, implementation), h_post
+
+
+# Against an fp64 evaluation of the reference (errors_against_fp64): a fused implementation may be
+# at most ERROR_FACTOR times as far from it as the op-by-op reference at the stream's own precision
+# (fp32 mappings; bf16 products for a bf16 stream), plus a floor for results the reference gets
+# almost exactly (another summation order alone costs a few units in the last place).
+ERROR_FACTOR = 4.0
+ERROR_FLOOR = {torch.float32: 2e-6, torch.bfloat16: 2e-3}
+
+HC_SUBLAYER_RESULTS = ("next stream", "H_post", "dx", "dphi", "dalpha", "dbias", "dweight", "d out bias")
+
+
+def hc_sublayer_and_grads(implementation: str, inputs, upstream, n: int, iterations: int = 20) -> list[torch.Tensor]:
+    """``hc_sublayer``'s two outputs and the gradients of its six inputs (``x, phi, alpha, bias,
+    weight, out_bias``) for the ``upstream`` gradients of the outputs: ``HC_SUBLAYER_RESULTS``.
+    With an fp64 ``x`` every input and gradient is taken in fp64."""
+    wide = torch.float64 if inputs[0].dtype == torch.float64 else torch.float32
+    leaves = [(t.double() if wide == torch.float64 else t).clone().requires_grad_(True) for t in inputs]
+    outs = hc_sublayer(*leaves, n, implementation, iterations)
+    loss = sum((o.to(wide) * u.to(wide)).sum() for o, u in zip(outs, upstream))
+    return [*(o.detach() for o in outs), *torch.autograd.grad(loss, leaves)]
+
+
+def errors_against_fp64(implementation: str, inputs, upstream, n: int, iterations: int = 20) -> dict:
+    """``{result: (error of implementation, error of the reference)}``: each run at the inputs'
+    precision (the reference op by op, in the stream's dtype) against the reference evaluated in
+    fp64 on the same values; an error is ``max|a - exact| / max|exact|``, in fp64."""
+    exact = hc_sublayer_and_grads("reference", [t.double() for t in inputs], upstream, n, iterations)
+    ours = hc_sublayer_and_grads(implementation, inputs, upstream, n, iterations)
+    reference = hc_sublayer_and_grads("reference", inputs, upstream, n, iterations)
+
+    def error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+    return {name: (error(o, e), error(r, e)) for name, o, r, e in zip(HC_SUBLAYER_RESULTS, ours, reference, exact)}

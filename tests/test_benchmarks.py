@@ -70,6 +70,20 @@ def test_mhc_any_model(tmp_path):
     assert all(diff <= 1e-5 for row in result["exactness"].values() for diff in row.values())
 
 
+def test_fp64_accuracy(tmp_path):
+    """Every output and gradient of the sub-layer, fp32 and bf16, with both errors (not timed: no
+    rounds)."""
+    out = tmp_path / "accuracy.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "fp64_accuracy.py"), "--hidden", "32", "--tokens", "16",
+                           "--out", str(out)], cwd=BENCHMARKS, env=child_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    errors = json.loads(out.read_text())["errors"]
+    assert set(errors) == {"float32", "bfloat16"}
+    for table in errors.values():
+        assert len(table) == 8 and all(0 <= e["ours"] < 0.05 and 0 <= e["reference"] < 0.05 for e in table.values())
+
+
 def test_distributed_optimizer(tmp_path):
     """Its state per rank is the ideal (AdamW's / DP) within 2 %, on DP 1 and 2 (4 in the figures)."""
     out = tmp_path / "zero.json"

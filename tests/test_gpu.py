@@ -1,7 +1,8 @@
 """The GPU test set (``pytest -m gpu``): what only a CUDA GPU can show, on one GPU.
 
-- the Triton kernels against the op-by-op reference at real shapes (C = 4096, 8192 tokens, bf16,
-  and fp32), forward and every gradient, and the H_post bias-dropout-add kernel;
+- the Triton kernels at real shapes (C = 4096, 8192 tokens, 20 Sinkhorn iterations; bf16 and fp32),
+  forward and every gradient, against the reference evaluated in fp64 (their error a small
+  multiple of the op-by-op reference's own), and the H_post bias-dropout-add kernel;
 - block recompute bit-exact against ``none`` with dropout on CUDA (the CUDA generators captured and
   restored), with ``auto`` (Triton's kernels) and with the eager fused ops;
 - the retained activation bytes the recompute meter counts against the CUDA allocator's
@@ -72,32 +73,25 @@ def test_the_kernels_run_compiled_not_in_the_interpreter():
     assert compiled, "the projection kernel ran but holds no compiled binary for this device"
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
-def test_triton_kernels_match_the_reference_at_real_shapes(dtype, tolerance):
-    """One hyper-connected sub-layer (20 Sinkhorn iterations, a linear branch with a bias) with
-    Triton's kernels against the op-by-op reference in fp32 on the same values, under autograd:
-    the next stream, H_post and the gradients of the stream, phi, alpha, the bias, the branch's
-    weight and its bias."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_kernels_against_an_fp64_evaluation_at_real_shapes(dtype):
+    """One hyper-connected sub-layer (C = 4096, 8192 tokens, 20 Sinkhorn iterations, a linear branch
+    with a bias) with Triton's kernels under autograd, against the reference evaluated in fp64: the
+    next stream, H_post and the gradients of the stream, phi, alpha, the bias, the branch's weight
+    and its bias, each within ERROR_FACTOR times the op-by-op reference's own error at the same
+    precision, plus ERROR_FLOOR (model_utils.py). GPU arithmetic (approximate exp, division, square
+    root, another summation order) moves both; the bound is on the kernels' share."""
     pytest.importorskip("triton")
-    from model_utils import hc_sublayer
+    from model_utils import ERROR_FACTOR, ERROR_FLOOR, errors_against_fp64
 
     x, phi, alpha, bias = _hc_inputs(dtype)
     g = torch.Generator(device=DEVICE).manual_seed(1)
     weight = torch.randn(C, C, generator=g, device=DEVICE) / C ** 0.5
     out_bias = torch.randn(C, generator=g, device=DEVICE)
     upstream = [torch.randn(TOKENS, N * C, generator=g, device=DEVICE), torch.randn(TOKENS, N, generator=g, device=DEVICE)]
-
-    def run(implementation: str, stream):
-        leaves = [t.clone().requires_grad_(True) for t in (stream, phi, alpha, bias, weight, out_bias)]
-        outs = hc_sublayer(*leaves, N, implementation)
-        return [*(o.detach() for o in outs),
-                *torch.autograd.grad(sum((o.float() * w).sum() for o, w in zip(outs, upstream)), leaves)]
-
-    names = ("next stream", "H_post", "dx", "dphi", "dalpha", "dbias", "dweight", "d out bias")
-    ours = run("triton", x)
-    assert ours[0].dtype == dtype and ours[2].dtype == dtype
-    for name, mine, reference in zip(names, ours, run("reference", x.float())):
-        assert rel_err(mine, reference) < tolerance, (name, rel_err(mine, reference))
+    errors = errors_against_fp64("triton", (x, phi, alpha, bias, weight, out_bias), upstream, N, iterations=20)
+    for name, (ours, reference) in errors.items():
+        assert ours <= ERROR_FACTOR * reference + ERROR_FLOOR[dtype], (name, ours, reference)
 
 
 @pytest.mark.parametrize("prob", [0.0, 0.1])

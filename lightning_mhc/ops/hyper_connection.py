@@ -48,10 +48,11 @@ def reference_mappings(
     x: Tensor, phi_pre, phi_post, phi_res, a_pre, a_post, a_res, b_pre, b_post, b_res,
     n: int, eps: float, iterations: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``x [..., n*C]`` -> ``(H_pre [..., n], H_post [..., n], H_res [..., n, n])``, fp32."""
+    """``x [..., n*C]`` -> ``(H_pre [..., n], H_post [..., n], H_res [..., n, n])``, fp32 (fp64 for an
+    fp64 ``x``)."""
     with _no_autocast(x.device.type):
         xn = rms_normalize(x, eps)
-        phi = torch.cat([phi_pre, phi_post, phi_res], dim=1).float()
+        phi = torch.cat([phi_pre, phi_post, phi_res], dim=1).to(xn.dtype)
         proj = xn @ phi
         p_pre, p_post, p_res = proj.split([n, n, n * n], dim=-1)
         h_pre = torch.sigmoid(a_pre * p_pre + b_pre)

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_mhc.ops.cpu_kernels import kernels_for
+from lightning_mhc.ops.rms_norm import at_least_fp32
 
 SINKHORN_EPS = 1e-6
 
@@ -36,8 +37,8 @@ def _start(logits: Tensor) -> Tensor:
 
 
 def sinkhorn_knopp(logits: Tensor, iterations: int, eps: float = SINKHORN_EPS) -> Tensor:
-    """The reference: ``iterations`` column-then-row normalisations of ``exp(logits)``, fp32."""
-    p = _start(logits.float())  # exp(L - max L)
+    """The reference: ``iterations`` column-then-row normalisations of ``exp(logits)``, fp32 (or fp64)."""
+    p = _start(at_least_fp32(logits))  # exp(L - max L)
     for _ in range(iterations):
         p = p / p.sum(dim=-2, keepdim=True).clamp_min(eps)  # columns sum to 1
         p = p / p.sum(dim=-1, keepdim=True).clamp_min(eps)  # rows sum to 1
