@@ -211,6 +211,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     speed.axhline(1.25, color="#c55", linestyle="--", label="goal 1.25")
     speed.axhline(1.0, color="#888", linewidth=0.8)
     speed.set_ylabel("step time, 4 streams / plain")
+    speed.tick_params(axis="x", labelrotation=20)
     speed.set_title("mHC step time on CPU")
     speed.legend()
     save_figure(fig, path)
