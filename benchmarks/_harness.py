@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import pathlib
 import statistics
+import threading
 import time
 from typing import Callable
 
@@ -92,3 +93,44 @@ def save_figure(fig, path: pathlib.Path, dpi: int = 120) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     print(f"wrote {path}")
+
+
+def resident_mib() -> tuple[float, float]:
+    """``(anonymous, file-backed)`` resident MiB of this process (``/proc/self/status``): the
+    memory it allocated, and the pages of mapped files (memory-mapped files, such as safetensors
+    weights: the kernel's page cache, shared by every process that reads the file)."""
+    fields = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(("RssAnon:", "RssFile:")):
+                name, value, _ = line.split()
+                fields[name] = int(value) / 1024
+    return fields["RssAnon:"], fields["RssFile:"]
+
+
+class PeakGrowth:
+    """The peak growth of this process's anonymous and file-backed resident memory inside the
+    block, sampled every millisecond (the lifetime peak, ``ru_maxrss``, is set by the imports)."""
+
+    def __enter__(self) -> "PeakGrowth":
+        self.start = resident_mib()
+        self.peak = self.start
+        self._running = True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self._running:
+            self._record()
+            time.sleep(0.001)
+
+    def _record(self) -> None:
+        now = resident_mib()
+        self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
+
+    def __exit__(self, *exc) -> None:
+        self._running = False
+        self._thread.join()
+        self._record()
+        self.anon_mib, self.file_mib = (self.peak[0] - self.start[0], self.peak[1] - self.start[1])

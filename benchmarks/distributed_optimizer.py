@@ -9,9 +9,15 @@ stepped by ``torch.optim.AdamW`` after the DP all-reduce, one by the same AdamW 
 of ``--rounds``.
 
 Per rank, in bytes (deterministic: counted from the tensors, not a process's resident size, which
-holds both copies here): weights, gradients (ZeRO-1 keeps whole gradients; the reduced shard is
-counted with them), optimizer state, the activations one forward keeps for backward, and their sum.
-The distributed optimizer's state is compared with the ideal, the undistributed state / DP.
+holds both copies here): weights, gradients (ZeRO-1 keeps whole gradients, in its buckets' fp32
+buffers; the reduced shard is counted with them), optimizer state, the activations one forward
+keeps for backward, and their sum. The distributed optimizer's state is compared with the ideal,
+the undistributed state / DP.
+
+Then the peak, measured: at the largest DP (4) each variant alone in a fresh group, the growth of each rank's
+anonymous resident memory (sampled every millisecond) from before the model is built to the end
+of 3 steps: everything the step allocates, transient copies included (the flat all-reduce
+buffer of the plain path, the distributed optimizer's reduced shards).
 
 Writes JSON and a PNG (default ``benchmarks/results/distributed_optimizer.json``).
 """
@@ -22,9 +28,9 @@ import os
 import pathlib
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
-from _harness import RESULTS, interleaved_times, median, pyplot, save_figure, write_json
+from _harness import RESULTS, PeakGrowth, interleaved_times, median, pyplot, save_figure, write_json
 
-LAYERS, SEQ, MICRO_BATCH, DP_SIZES = 4, 128, 4, (1, 2, 4)
+LAYERS, SEQ, MICRO_BATCH, DP_SIZES, PEAK_STEPS = 4, 128, 4, (1, 2, 4), 3
 
 
 def _nbytes(tensors) -> int:
@@ -58,12 +64,12 @@ def _variant(args: argparse.Namespace, layout, zero: bool):
         if taken is not None:
             taken.reduce_gradients()
             taken.clip_grad_norm(1.0)
-            shard = _nbytes(b.grad for b in taken.buckets)
+            grads = [b.buffer for b in taken.buckets] + [b.grad for b in taken.buckets if b.parts > 1]
         else:
             finalize_model_grads(model, layout)
             clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0, layout)
-            shard = 0
-        counted.setdefault("gradients", _nbytes(p.grad for p in model.parameters() if p.grad is not None) + shard)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+        counted.setdefault("gradients", _nbytes(grads))
         optimizer.step()
         if taken is not None:
             taken.finish_step()
@@ -95,6 +101,25 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     return dict(times=times, bytes={label: counted for label, (_, counted) in variants.items()})
 
 
+def _peak(rank: int, world: int, args: argparse.Namespace, zero: bool) -> float:
+    """MiB this rank's anonymous resident memory grew by, at its peak, building one variant and
+    taking ``PEAK_STEPS`` steps."""
+    import torch
+
+    from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
+    from lightning_mhc.distributed.random import model_parallel_manual_seed
+
+    torch.set_num_threads(1)
+    layout = ParallelLayout().build()
+    model_parallel_manual_seed(0, layout)
+    with PeakGrowth() as rss:
+        step, _ = _variant(args, layout, zero)
+        for _ in range(PEAK_STEPS):
+            step()
+    destroy_parallel()
+    return rss.anon_mib
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -119,6 +144,9 @@ def main() -> None:
         row["state_vs_ideal"] = row["max_rank"]["optimizer_state"] / ideal if row["optimizer"] == "distributed" else None
         row["step_vs_adamw"] = row["step_s"] / plain["step_s"]
 
+    peak_dp = max(args.dp)
+    peak = {label: spawn_ranks(_peak, peak_dp, args, zero, timeout_s=1800)
+            for label, zero in (("AdamW", False), ("distributed", True))}
     mib = 2**20
     print(f"GPT {LAYERS} layers, hidden {args.hidden}, vocab {args.vocab}, micro-batch {MICRO_BATCH} x {SEQ} per rank, "
           f"fp32 AdamW; {os.cpu_count()} cores, 1 thread per rank; medians of {args.rounds} interleaved rounds")
@@ -130,8 +158,13 @@ def main() -> None:
         print(f"{r['dp']:>3} {r['optimizer']:<12} {b['weights'] / mib:>8.2f} {b['gradients'] / mib:>8.2f} "
               f"{b['optimizer_state'] / mib:>8.2f} {b['activations'] / mib:>8.2f} {b['total'] / mib:>10.2f} "
               f"{ideal:>12} {1e3 * r['step_s']:>9.1f} {r['step_vs_adamw']:>9.3f}")
+    print(f"peak growth of anonymous resident memory, DP {peak_dp}, largest rank: AdamW "
+          f"{max(peak['AdamW']):.1f} MiB, distributed {max(peak['distributed']):.1f} MiB, ratio "
+          f"{max(peak['distributed']) / max(peak['AdamW']):.3f}")
     write_json(args.out, dict(cpus=os.cpu_count(), rounds=args.rounds, hidden=args.hidden, vocab=args.vocab,
-                              layers=LAYERS, seq=SEQ, micro_batch=MICRO_BATCH, rows=rows))
+                              layers=LAYERS, seq=SEQ, micro_batch=MICRO_BATCH, rows=rows,
+                              peak_resident_growth_mib=dict(dp=peak_dp, steps=PEAK_STEPS, per_rank=peak,
+                                                            ratio=max(peak["distributed"]) / max(peak["AdamW"]))))
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.6))

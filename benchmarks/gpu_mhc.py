@@ -15,7 +15,9 @@ model's step time, side by side in one process.
    time of interleaved rounds, the bytes autograd saves per token, and on the GPU the peak memory
    the step allocates beyond its inputs.
 2. **Mappings kernel bandwidth** (GPU, Triton): the projection kernel (norm + ``x @ phi``) reads the
-   stream once; achieved bytes/s against the GPU's peak memory bandwidth.
+   stream once: its effective bandwidth (the bytes the work needs, the stream, ``phi`` and the
+   outputs once each, over its time) against the GPU's peak, and what its loads really request
+   (``phi`` again for every program of 16 tokens: ``triton_kernels.projection_bytes``).
 3. **Model**: 4 layers, sequence 2048 x micro-batch 2 on the GPU (128 x 2 on CPU), FFN 4C, AdamW,
    bf16-mixed on the GPU: step time HC / no-HC and ``mhc_block`` / ``none`` with
    ``mhc_implementation=auto``.
@@ -197,17 +199,19 @@ def _bandwidth(hidden: int, args, device, dtype) -> dict:
         _check_triton_runs(device)
     except Absent as why:
         return dict(absent=str(why))
-    from lightning_mhc.ops.triton_kernels import projection
+    from lightning_mhc.ops.triton_kernels import projection, projection_bytes
 
     x = torch.randn(args.tokens, N * hidden, device=device, dtype=dtype)
     phi = torch.randn(N * hidden, N * N + 2 * N, device=device)
     times = interleaved_times({"projection": lambda: (projection(x, phi, 1e-6), synchronize(device))}, args.rounds)
     seconds = median(times["projection"])
-    moved = x.numel() * x.element_size() + phi.numel() * 4 + args.tokens * (N * N + 2 * N + 1) * 4
+    traffic = projection_bytes(args.tokens, N * hidden, N * N + 2 * N, x.element_size())
+    moved = traffic["minimum"]  # effective bandwidth: the bytes the work needs over the time it took
     name = torch.cuda.get_device_name(device)
     peak = next((value for key, value in PEAK_BANDWIDTH.items() if key in name), None)
     return dict(device=name, median_s=seconds, bytes=moved, bytes_per_s=moved / seconds, peak_bytes_per_s=peak,
-                fraction_of_peak=moved / seconds / peak if peak else None)
+                fraction_of_peak=moved / seconds / peak if peak else None, requested_bytes=traffic["requested"],
+                requested_bytes_per_s=traffic["requested"] / seconds, phi_share_of_stream=traffic["phi_share"])
 
 
 # ------------------------------------------------------------------ the 4-layer model
@@ -312,8 +316,11 @@ def _report(result: dict, args) -> None:
             print(f"C = {hidden}: mappings kernel bandwidth absent ({bandwidth['absent']})")
         else:
             fraction = bandwidth["fraction_of_peak"]
-            print(f"C = {hidden}: mappings kernel {bandwidth['bytes_per_s'] / 1e9:,.0f} GB/s"
-                  + (f" = {fraction:.0%} of {bandwidth['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" if fraction else ""))
+            print(f"C = {hidden}: mappings kernel {bandwidth['bytes_per_s'] / 1e9:,.0f} GB/s effective (the bytes it "
+                  "needs / its time)"
+                  + (f" = {fraction:.0%} of {bandwidth['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" if fraction else "")
+                  + f"; its loads ask for {bandwidth['requested_bytes'] / bandwidth['bytes']:.2f}x those bytes "
+                  f"(phi re-read per program: {bandwidth['phi_share_of_stream']:.0%} of the stream's)")
     model = result["model"]
     print(f"model, 4 layers, C = {model['hidden']}, {model['precision']}: HC / no-HC {model['hc_vs_no_hc']:.3f}, "
           f"mhc_block / none {model['mhc_block_vs_none']:.3f}")

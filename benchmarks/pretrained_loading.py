@@ -17,11 +17,9 @@ import argparse
 import os
 import pathlib
 import tempfile
-import threading
-import time
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
-from _harness import RESULTS, write_json
+from _harness import RESULTS, PeakGrowth, write_json
 
 PLAN = {
     "model.embed_tokens": "vocab",
@@ -38,47 +36,6 @@ def _config(args: argparse.Namespace):
     return LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
                        num_attention_heads=8, num_key_value_heads=4, vocab_size=args.vocab,
                        max_position_embeddings=128, tie_word_embeddings=True)
-
-
-def _resident_mib() -> tuple[float, float]:
-    """``(anonymous, file-backed)`` resident MiB of this process (``/proc/self/status``): the
-    memory it allocated, and the pages of mapped files (the safetensors files are memory-mapped;
-    those pages are the kernel's page cache, shared by every process that reads the file)."""
-    fields = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(("RssAnon:", "RssFile:")):
-                name, value, _ = line.split()
-                fields[name] = int(value) / 1024
-    return fields["RssAnon:"], fields["RssFile:"]
-
-
-class PeakGrowth:
-    """The peak growth of this process's anonymous and file-backed resident memory inside the
-    block, sampled every millisecond (the lifetime peak, ``ru_maxrss``, is set by the imports)."""
-
-    def __enter__(self) -> "PeakGrowth":
-        self.start = _resident_mib()
-        self.peak = self.start
-        self._running = True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while self._running:
-            self._record()
-            time.sleep(0.001)
-
-    def _record(self) -> None:
-        now = _resident_mib()
-        self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
-
-    def __exit__(self, *exc) -> None:
-        self._running = False
-        self._thread.join()
-        self._record()
-        self.anon_mib, self.file_mib = (self.peak[0] - self.start[0], self.peak[1] - self.start[1])
 
 
 def _parallel_load(rank: int, world: int, args: argparse.Namespace, weights: str) -> dict:

@@ -153,7 +153,8 @@ def test_bf16_weights_train_on_fp32_main_weights_and_resume_exactly(runs):
 
 def _plain_module_on_two_ranks(rank: int, world: int) -> list[float]:
     """3 AdamW steps, clipped, of a plain module with a frozen layer, the parameters cut into
-    many small buckets (pieces end mid-tensor), each rank on its half of the batch."""
+    many small buckets (pieces end mid-tensor), each rank on its half of the batch. After each
+    backward the gradients are in the buckets' fp32 buffers only (no ``.grad`` left beside them)."""
     from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 
     layout = ParallelLayout().build()
@@ -165,6 +166,9 @@ def _plain_module_on_two_ranks(rank: int, world: int) -> list[float]:
     for x, y in batches:
         mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
         torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        for bucket in taken.buckets:  # the only copy of the gradients: views of the buckets' buffers
+            buffer = bucket.buffer.untyped_storage().data_ptr()
+            assert all(p.grad is None and p.main_grad.untyped_storage().data_ptr() == buffer for p in bucket.params)
         taken.reduce_gradients()
         taken.clip_grad_norm(0.5)
         optimizer.step()

@@ -59,6 +59,37 @@ def test_each_kernel_matches_the_eager_one(n, c, tokens):
 
 
 @interpreted
+def test_the_projection_tiles_the_tokens_and_splits_the_width():
+    """Tiles of 128 fp32 tokens, the width cut into splits whose partial products and sums of
+    squares are added after: 131 tokens (two tiles, the second masked) of width 640 in 2 splits,
+    against ``x @ phi`` and ``1/rms(x)`` of the eager set."""
+    from lightning_mhc.ops.triton_kernels import projection, projection_plan
+
+    block_t, _, splits = projection_plan(131, 640, 4)
+    assert (block_t, splits) == (128, 2)
+    g = torch.Generator().manual_seed(3)
+    x, phi = torch.randn(131, 640, generator=g), torch.randn(640, 24, generator=g) * 0.1
+    raw, r = projection(x, phi, 1e-6)
+    eager_raw, eager_r = EagerKernels.project(x, phi, 1e-6)
+    assert rel_err(raw, eager_raw) < 1e-5 and rel_err(r, eager_r) < 1e-6
+
+
+@pytest.mark.parametrize("element_size", [4, 2])
+def test_the_projection_reads_phi_for_at_most_a_quarter_of_the_streams_bytes(element_size):
+    """At C = 4096, n = 4, 16k tokens (fp32 and bf16 streams): the bytes its loads request for
+    ``phi`` are at most 25 % of the stream's (they were 200 % and 400 % with 16 tokens a program),
+    with a program for every few of an H100's 132 SMs."""
+    from lightning_mhc.ops.triton_kernels import projection_bytes, projection_plan
+
+    tokens, width = 16384, 4 * 4096
+    traffic = projection_bytes(tokens, width, 24, element_size)
+    assert traffic["phi_share"] <= 0.25, traffic
+    assert traffic["requested"] <= 1.3 * traffic["minimum"], traffic
+    block_t, _, splits = projection_plan(tokens, width, element_size)
+    assert -(-tokens // block_t) * splits >= 3 * 132
+
+
+@interpreted
 def test_sinkhorn_backward_where_sums_clamp():
     """Logits far apart: column sums fall below the clamp while their entries still carry gradient,
     and the maximum logit gets a gradient; the kernel's reverse walk with recomputed steps matches

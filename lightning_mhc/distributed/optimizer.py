@@ -13,9 +13,11 @@ device, around the torch optimizer the user built (nothing of the update is writ
   (its settings and learning-rate scheduler unchanged): views of the parameters when they are
   fp32, fp32 copies when the model holds bf16 weights (``bf16-true``). Its state (AdamW's
   moments) exists for ``1/DP`` of the parameters;
-- gradients are reduce-scattered over DP bucket by bucket into the owned range (during the last
-  backward when the reduction overlaps), in fp32: a bf16 parameter's gradient is added into an
-  fp32 ``main_grad`` as each backward produces it and dropped;
+- each bucket's gradients live in one contiguous fp32 buffer whose views are the parameters'
+  ``main_grad`` (megatron's grad buffer): each backward adds a parameter's gradient into it as
+  autograd produces it and drops ``.grad``, so no second copy of the gradients is made; the
+  buffers are reduce-scattered over DP bucket by bucket into the owned range (during the last
+  backward when the reduction overlaps) and zeroed after the step;
 - the sequence-parallel TP sum, the tied embedding's sum between stages, the global norm and
   clipping run on the pieces; a parameter no DP rank got a gradient for in a step is not stepped
   (as torch's optimizers skip a ``.grad`` of None: no weight decay, no momentum);
@@ -83,20 +85,16 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, also: Iterable[torch
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def main_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """The gradient to reduce: the fp32 accumulation of a low-precision parameter, else ``.grad``."""
-    return getattr(param, "main_grad", None) if param.dtype != torch.float32 else param.grad
-
-
 def got_gradient(param: torch.nn.Parameter) -> bool:
-    """Whether backward gave ``param`` a gradient since the last step (a low-precision parameter's
-    ``main_grad`` exists all along: its hook marks it)."""
-    return param.grad is not None if param.dtype == torch.float32 else getattr(param, "main_grad_fresh", False)
+    """Whether backward gave ``param`` a gradient since the last step (its ``main_grad`` exists
+    all along: the accumulation hook marks it)."""
+    return getattr(param, "main_grad_fresh", False)
 
 
 class ShardBucket:
-    """Parameters of one dtype, their gradients reduce-scattered over ``parts`` DP ranks
-    (all-reduced when ``parts == 1``) into this rank's range, in fp32."""
+    """Parameters of one dtype whose gradients accumulate in one fp32 buffer (each parameter's
+    ``main_grad`` a view of its range), reduce-scattered over ``parts`` DP ranks (all-reduced in
+    place when ``parts == 1``) into this rank's range."""
 
     def __init__(self, params: list[torch.nn.Parameter], chunk: int, parts: int, index: int) -> None:
         self.params, self.chunk, self.parts = params, chunk, parts
@@ -105,6 +103,12 @@ class ShardBucket:
             self.offsets.append(self.offsets[-1] + p.numel())
         self.shard_numel = -(-self.offsets[-1] // parts)
         self.start = index * self.shard_numel
+        self.buffer: torch.Tensor | None = torch.zeros(self.shard_numel * parts, dtype=torch.float32,
+                                                       device=params[0].device)
+        """The bucket's gradients in fp32, padded to a multiple of ``parts``."""
+        for p, offset in zip(params, self.offsets):
+            p.main_grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            p.main_grad_fresh = False
         self.grad: torch.Tensor | None = None
         """This rank's range of the DP-averaged gradient (fp32), once :meth:`complete` ran."""
         self.got_gradients: list[bool] = [False] * len(params)
@@ -125,19 +129,14 @@ class ShardBucket:
         return True  # every rank reduces every bucket (zeros where a parameter got no gradient)
 
     def launch(self, group) -> None:
-        device = self.params[0].device
-        flat = torch.zeros(self.shard_numel * self.parts, dtype=torch.float32, device=device)
         self.got_gradients = [got_gradient(p) for p in self.params]
-        for p, offset in zip(self.params, self.offsets):
-            grad = main_grad(p)
-            if grad is not None:
-                flat[offset:offset + p.numel()].copy_(grad.reshape(-1))
-        if self.parts > 1:
-            self.grad = torch.empty(self.shard_numel, dtype=torch.float32, device=device)
-            self.work = dist.reduce_scatter_tensor(self.grad, flat, group=group, async_op=True)
+        if self.parts > 1:  # into a range of its own (1/DP of the buffer): not every backend reduces in place
+            self.grad = torch.empty(self.shard_numel, dtype=torch.float32, device=self.buffer.device)
+            self.work = dist.reduce_scatter_tensor(self.grad, self.buffer, group=group, async_op=True)
         else:
-            self.grad = flat
-            self.work = dist.all_reduce(flat, group=group, async_op=True) if dist.get_world_size(group) > 1 else None
+            self.grad = self.buffer
+            self.work = dist.all_reduce(self.buffer, group=group, async_op=True) if dist.get_world_size(group) > 1 \
+                else None
 
     def complete(self, world: int) -> None:
         if self.work is not None:
@@ -147,6 +146,14 @@ class ShardBucket:
 
     def reset(self) -> None:
         self.ready, self.work = set(), None
+
+    def zero_grad(self) -> None:
+        """After the step: the buffer zeroed for the next step's accumulation."""
+        self.grad = None
+        self.buffer.zero_()
+        for p in self.params:
+            p.grad = None
+            p.main_grad_fresh = False
 
     def all_gather(self, group) -> None:
         """Every rank's updated range into every rank's parameters."""
@@ -201,11 +208,6 @@ class DistributedOptimizer:
         self.optimizer, self.layout = optimizer, layout
         parts, index = (layout.data_parallel_size, layout.data_parallel_rank) if shard else (1, 0)
         trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        self._hooks = [p.register_post_accumulate_grad_hook(_accumulate_in_fp32)
-                       for p in trained if p.dtype != torch.float32]
-        for p in trained:
-            if p.dtype != torch.float32:
-                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
         self.buckets = [
             ShardBucket(params, i, parts, index)
             for i, chunk in enumerate(chunks)
@@ -224,6 +226,10 @@ class DistributedOptimizer:
         if strangers:
             raise ConfigError(f"the optimizer holds {len(strangers)} parameter(s) that are not the model's trainable "
                               "ones: build it on the set-up module's parameters.")
+        # before the reduction's hooks (registered below), which may launch a bucket once its
+        # parameters' gradients are in the buffer
+        self._hooks = [p.register_post_accumulate_grad_hook(_accumulate_in_buffer)
+                       for bucket in self.buckets for p in bucket.params]
         for group in optimizer.param_groups:
             group["params"] = [self.pieces[id(p)].main for p in group["params"] if id(p) in self.pieces]
         self.reduction = OverlappedGradReduction(chunks, layout, bucket_list=self.buckets)
@@ -288,12 +294,7 @@ class DistributedOptimizer:
         self._keep_main_weights_in_state()
         for bucket in self.buckets:
             bucket.all_gather(self.layout.dp_group)
-            bucket.grad = None
-            for p in bucket.params:
-                p.grad = None
-                if getattr(p, "main_grad", None) is not None:
-                    p.main_grad.zero_()
-                    p.main_grad_fresh = False
+            bucket.zero_grad()
         for pc in self.pieces.values():
             pc.main.grad = None
 
@@ -338,14 +339,16 @@ class DistributedOptimizer:
             handle.remove()
         self._hooks = []
         for bucket in self.buckets:
+            bucket.buffer = bucket.grad = None
             for p in bucket.params:
                 for attribute in ("main_grad", "main_grad_fresh"):
                     if hasattr(p, attribute):
                         delattr(p, attribute)
 
 
-def _accumulate_in_fp32(param: torch.nn.Parameter) -> None:
-    """A low-precision gradient accumulates in fp32 (megatron's ``main_grad``), then is dropped."""
+def _accumulate_in_buffer(param: torch.nn.Parameter) -> None:
+    """The gradient autograd just accumulated is added into the bucket's fp32 buffer (megatron's
+    ``main_grad``), then dropped: the buffer is the only copy kept between backwards."""
     param.main_grad.add_(param.grad)
     param.main_grad_fresh = True
     param.grad = None

@@ -201,7 +201,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
             )
         super().backward(tensor, module, *args, **kwargs)
         for m in modules:
-            # (bf16 weights under the distributed optimizer leave .grad empty: it keeps fp32 main_grad)
+            # (under the distributed optimizer .grad stays empty: the gradients are in its fp32 buffers)
             if self._backward_sync_control.syncs(m) and (self.runtime.takes_over(m) or
                                                          any(p.grad is not None for p in m.parameters())):
                 self.runtime.reduce_gradients(m)

@@ -53,9 +53,14 @@ def _cases(ns: tuple[int, ...]):
                     dict(**shape, BLOCK_T=16)
                 yield tk._mappings_bwd, dict(**mappings, hpre_ptr=F32, hpost_ptr=F32, ghpre_ptr=F32, ghpost_ptr=F32,
                                              ghres_ptr=F32, dz_ptr=F32), dict(**shape, BLOCK_T=16)
-        if out == stream:
-            yield tk._projection_fwd, dict(x_ptr=stream, phi_ptr=F32, raw_ptr=F32, r_ptr=F32, T="i32", K="i32",
-                                           M="i32", eps="fp32"), dict(MP=32, BLOCK_T=16, BLOCK_K=32)
+        if out == stream:  # a tile of 128 fp32 or 256 bf16/fp16 tokens (projection_plan)
+            block_t = tk.PROJECTION_TILE_BYTES // (4 if stream == "*fp32" else 2)
+            yield tk._projection_fwd, dict(x_ptr=stream, phi_ptr=F32, part_ptr=F32, sq_ptr=F32, T="i32", K="i32",
+                                           M="i32", k_per_split="i32"), dict(MP=32, BLOCK_T=block_t, BLOCK_K=32)
+
+
+OPTIONS = {"_projection_fwd": dict(num_warps=8)}
+"""Launch options of kernels launched with other than Triton's defaults (as ``triton_kernels`` does)."""
 
 
 def _source(kernel, types: dict, constexprs: dict) -> ASTSource:
@@ -74,7 +79,8 @@ def main() -> int:
         for kernel, types, constexprs in _cases(ns):
             label = f"{arch} {kernel.__name__} {types.get('x_ptr')}/{types.get('out_ptr', '-')} {constexprs}"
             try:
-                triton.compile(_source(kernel, types, constexprs), target=target)
+                triton.compile(_source(kernel, types, constexprs), target=target,
+                               options=OPTIONS.get(kernel.__name__, {}))
                 print(f"ok   {label}")
             except Exception as error:  # report every kernel, then fail
                 failed += 1
