@@ -14,10 +14,12 @@ buffers; the reduced shard is counted with them), optimizer state, the activatio
 keeps for backward, and their sum. The distributed optimizer's state is compared with the ideal,
 the undistributed state / DP.
 
-Then the peak, measured: at the largest DP (4) each variant alone in a fresh group, the growth of each rank's
-anonymous resident memory (sampled every millisecond) from before the model is built to the end
-of 3 steps: everything the step allocates, transient copies included (the flat all-reduce
-buffer of the plain path, the distributed optimizer's reduced shards).
+Then the peak, measured: at the largest DP (4) each variant alone in a fresh group, each rank's
+anonymous resident memory (sampled every millisecond; allocations of 64 KiB and up unmapped when
+freed, so that it follows the tensors alive) above its level before the model was built, at the
+peak of the first step and of the 3 steps after it: everything a step holds, transient copies
+included (the plain path's flat all-reduce buffer, the distributed optimizer's reduced shards and
+its all-gather).
 
 Writes JSON and a PNG (default ``benchmarks/results/distributed_optimizer.json``).
 """
@@ -28,7 +30,7 @@ import os
 import pathlib
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
-from _harness import RESULTS, PeakGrowth, interleaved_times, median, pyplot, save_figure, write_json
+from _harness import RESULTS, PeakGrowth, interleaved_times, median, pyplot, resident_mib, save_figure, write_json
 
 LAYERS, SEQ, MICRO_BATCH, DP_SIZES, PEAK_STEPS = 4, 128, 4, (1, 2, 4), 3
 
@@ -101,23 +103,32 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     return dict(times=times, bytes={label: counted for label, (_, counted) in variants.items()})
 
 
-def _peak(rank: int, world: int, args: argparse.Namespace, zero: bool) -> float:
-    """MiB this rank's anonymous resident memory grew by, at its peak, building one variant and
-    taking ``PEAK_STEPS`` steps."""
+def _peak(rank: int, world: int, args: argparse.Namespace, zero: bool) -> dict:
+    """MiB of this rank's anonymous resident memory above its level before the model was built:
+    at the peak of the first step, and at the peak of the ``PEAK_STEPS`` steps after it (the
+    optimizer's state exists from the first step on)."""
+    import ctypes
+
     import torch
 
     from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
     from lightning_mhc.distributed.random import model_parallel_manual_seed
 
+    # glibc keeps freed memory for reuse (the resident size would show a high-water mark of its
+    # own): allocations of 64 KiB and up are mapped and unmapped on free, so the resident size
+    # follows the tensors alive
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     torch.set_num_threads(1)
     layout = ParallelLayout().build()
     model_parallel_manual_seed(0, layout)
-    with PeakGrowth() as rss:
-        step, _ = _variant(args, layout, zero)
+    base = resident_mib()[0]
+    with PeakGrowth() as first:
+        step, _ = _variant(args, layout, zero)  # built, and one step
+    with PeakGrowth() as steady:
         for _ in range(PEAK_STEPS):
             step()
     destroy_parallel()
-    return rss.anon_mib
+    return dict(first_step=first.anon_mib, steady=steady.start[0] - base + steady.anon_mib)
 
 
 def main() -> None:
@@ -158,13 +169,17 @@ def main() -> None:
         print(f"{r['dp']:>3} {r['optimizer']:<12} {b['weights'] / mib:>8.2f} {b['gradients'] / mib:>8.2f} "
               f"{b['optimizer_state'] / mib:>8.2f} {b['activations'] / mib:>8.2f} {b['total'] / mib:>10.2f} "
               f"{ideal:>12} {1e3 * r['step_s']:>9.1f} {r['step_vs_adamw']:>9.3f}")
-    print(f"peak growth of anonymous resident memory, DP {peak_dp}, largest rank: AdamW "
-          f"{max(peak['AdamW']):.1f} MiB, distributed {max(peak['distributed']):.1f} MiB, ratio "
-          f"{max(peak['distributed']) / max(peak['AdamW']):.3f}")
+    largest = {label: {when: max(rank[when] for rank in ranks) for when in ("first_step", "steady")}
+               for label, ranks in peak.items()}
+    ratio = largest["distributed"]["steady"] / largest["AdamW"]["steady"]
+    print(f"peak anonymous resident memory above the level before the build, DP {peak_dp}, largest rank: "
+          f"AdamW {largest['AdamW']['steady']:.1f} MiB, distributed {largest['distributed']['steady']:.1f} MiB "
+          f"(ratio {ratio:.3f}) in steps 2-{PEAK_STEPS + 1}; the first step (no optimizer state before it): "
+          f"{largest['AdamW']['first_step']:.1f} and {largest['distributed']['first_step']:.1f} MiB")
     write_json(args.out, dict(cpus=os.cpu_count(), rounds=args.rounds, hidden=args.hidden, vocab=args.vocab,
                               layers=LAYERS, seq=SEQ, micro_batch=MICRO_BATCH, rows=rows,
-                              peak_resident_growth_mib=dict(dp=peak_dp, steps=PEAK_STEPS, per_rank=peak,
-                                                            ratio=max(peak["distributed"]) / max(peak["AdamW"]))))
+                              peak_resident_mib=dict(dp=peak_dp, steps=PEAK_STEPS, per_rank=peak, largest=largest,
+                                                     steady_ratio=ratio)))
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.6))

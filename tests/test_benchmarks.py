@@ -88,8 +88,12 @@ def test_distributed_optimizer(tmp_path):
     """Its state per rank is the ideal (AdamW's / DP) within 2 %, on DP 1 and 2 (4 in the figures)."""
     out = tmp_path / "zero.json"
     _run("distributed_optimizer.py", "--hidden", "32", "--vocab", "256", "--dp", "1", "2", "--out", str(out))
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     assert {(r["dp"], r["optimizer"]) for r in rows} == {(dp, o) for dp in (1, 2) for o in ("AdamW", "distributed")}
+    peak = result["peak_resident_mib"]  # measured at the largest DP asked for, each variant alone
+    assert peak["dp"] == 2 and all(len(ranks) == 2 for ranks in peak["per_rank"].values())
+    assert all(v > 0 for sizes in peak["largest"].values() for v in sizes.values())
     for row in rows:
         if row["optimizer"] == "distributed":
             assert abs(row["state_vs_ideal"] - 1) <= 0.02, row
