@@ -32,7 +32,7 @@ def run_group(tmp_path: pathlib.Path, devices: int, cases: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict:
-    return run_group(tmp_path_factory.mktemp("reference"), 1, ["single", "plain_single"])
+    return run_group(tmp_path_factory.mktemp("reference"), 1, ["single", "plain_single", "plain_adamw_single"])
 
 
 def check_data_split(result: dict, reference: dict) -> None:
@@ -64,8 +64,18 @@ def check_losses(result: dict, reference: dict) -> None:
 
 
 def test_dp2_gpt_and_plain_module(tmp_path, references):
-    """DP = 2 (2 processes): MHCGPTModule and a plain LightningModule (SGD, lr 0.2)."""
-    result = run_group(tmp_path, 2, ["dp", "plain_dp"])
+    """DP = 2 (2 processes): MHCGPTModule and a plain LightningModule (SGD, lr 0.2); the plain
+    module with AdamW and a layer its loss never touches under ``use_distributed_optimizer=True``,
+    against plain AdamW in one process: the same weights, the unused layer not moved."""
+    result = run_group(tmp_path, 2, ["dp", "plain_dp", "plain_adamw_dp"])
+    zero, single = result["plain_adamw_dp"], references["plain_adamw_single"]
+    assert len(zero["weights"]) == 4 and zero["replicas_identical"]  # the layer, then the unused layer
+    for mine, ref in zip(zero["weights"], single["weights"]):
+        torch.testing.assert_close(torch.tensor(mine), torch.tensor(ref), rtol=0, atol=1e-6)
+    for run in (zero, single):  # AdamW skips a parameter without a gradient: no weight decay, no momentum
+        assert run["weights"][2:] == run["initial_weights"][2:]
+    assert zero["weights"][:2] != zero["initial_weights"][:2]
+    check_losses(zero, single)
     check_data_split(result["dp"], references["single"])
     check_losses(result["dp"], references["single"])
     check_data_split(result["plain_dp"], references["plain_single"])

@@ -118,6 +118,37 @@ def test_bf16_weights_with_an_optimizer_that_cannot_be_cut_are_refused(model_par
     assert "trainer.precision=bf16-mixed (optim.name=adafactor)" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_trainer_fit_in_bf16_true_with_adafactor_is_refused_in_one_line(tmp_path):
+    """The documented door: ``Trainer(precision="bf16-true").fit`` of a module whose optimizer is
+    Adafactor (not element-wise) stops before any step with the one-line reason, on one device
+    (the bf16 weights are stepped as flat fp32 pieces without the distributed optimizer too)."""
+    import lightning.pytorch as pl
+
+    from lightning_mhc import MHCParallelStrategy
+
+    class WithAdafactor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.Adafactor(self.parameters())
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(), precision="bf16-true",
+                         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    module = WithAdafactor()
+    with pytest.raises(ConfigError) as refused:
+        trainer.fit(module, train_dataloaders=data)
+    message = str(refused.value)
+    assert message.startswith("bf16 weights are stepped as flat fp32 main pieces") and "Adafactor" in message
+    assert "\n" not in message and trainer.global_step == 0
+
+
 def test_a_stepped_optimizer_is_refused():
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters())

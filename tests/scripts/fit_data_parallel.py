@@ -56,6 +56,19 @@ class PlainRegression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.2)
 
 
+class PlainWithUnusedLayer(PlainRegression):
+    """The plain module with AdamW and a trainable layer its loss never touches: AdamW skips a
+    parameter without a gradient (no weight decay, no momentum), so that layer must not move,
+    with the distributed optimizer too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(3, 3)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
+
+
 class Recorder(Callback):
     """Per step: the loss (rank 0's view) and every rank's sample indices."""
 
@@ -81,27 +94,32 @@ def gpt_config() -> dict:
 
 
 def fit_case(case: str, devices: int) -> dict:
-    plain = case.startswith("plain")
-    tp, pp = LAYOUTS[case.removeprefix("plain_")] if plain else LAYOUTS[case]
+    """``case``: a layout of LAYOUTS, prefixed ``plain_`` for the plain module, ``plain_adamw_`` for
+    the plain module with AdamW and an unused layer, stepped by the distributed optimizer on more
+    than one device."""
+    plain, adamw = case.startswith("plain"), case.startswith("plain_adamw_")
+    tp, pp = LAYOUTS[case.removeprefix("plain_").removeprefix("adamw_")]
     dp = devices // (tp * pp)
     # microbatches: 2 per DP rank under PP; the one-process reference takes the whole global batch
     micro = 2 if pp > 1 else 1
     strategy = MHCParallelStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                   num_microbatches=micro)
+                                   num_microbatches=micro, use_distributed_optimizer=adamw and devices > 1)
     recorder = Recorder()
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[recorder])
     if plain:
-        module, dataset = PlainRegression(), VectorData()
+        module, dataset = PlainWithUnusedLayer() if adamw else PlainRegression(), VectorData()
     else:
         module = MHCGPTModule(gpt_config(), lr=3e-3, warmup_steps=0)
         dataset = IndexedTokens(STEPS_PER_EPOCH * GLOBAL_BATCH, SEQ)
     loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp, shuffle=True, drop_last=True)
+    initial = [p.detach().flatten().tolist() for p in module.parameters()]
     trainer.fit(module, train_dataloaders=loader)
     result = dict(losses=recorder.losses, indices=recorder.indices, dp=dp, tp=tp, pp=pp,
                   dp_ranks=_gather(strategy.layout.data_parallel_rank))
     if plain:
+        result["initial_weights"] = initial
         result["weights"] = [p.detach().flatten().tolist() for p in module.parameters()]
         result["replicas_identical"] = all(_gather(p.detach().flatten().tolist()) == [p.detach().flatten().tolist()]
                                            * max(devices, 1) for p in module.parameters())
