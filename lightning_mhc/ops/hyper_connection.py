@@ -225,7 +225,9 @@ class EagerKernels:
 
 
 class HyperConnectionPre(torch.autograd.Function):
-    """``x [T, n*C]`` -> ``(aggregated [T, C], H_res [T, n, n], H_post [T, n])`` in one node.
+    """The stream ``x [..., n*C]`` (``T`` tokens) -> ``(aggregated [T, C], H_res [T, n, n],
+    H_post [T, n])`` in one node. ``x``'s gradient comes back in its shape, not as a view (see
+    ``_not_a_view``).
 
     Takes the packed parameters: ``phi = [phi_pre | phi_post | phi_res]`` ``[n*C, n^2+2n]``,
     ``alpha = [a_pre, a_post, a_res]`` and ``bias = [b_pre | b_post | b_res]`` ``[n^2+2n]``, and
@@ -302,9 +304,10 @@ def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterati
 
 
 class ResPostBiasDropoutAdd(torch.autograd.Function):
-    """``H_res @ x + dropout(H_post^T (out + bias))``: ``x [T, n*C]``, ``H_res [T, n, n]``,
-    ``H_post [T, n]``, ``out [T, C]``, ``bias [C]`` or None -> a new ``[T, n*C]`` (not a view, so a
-    pipeline stage may free it as its output), in one pass of the kernel set each way.
+    """``H_res @ x + dropout(H_post^T (out + bias))``: the stream ``x [..., n*C]`` (``T`` tokens),
+    ``H_res [T, n, n]``, ``H_post [T, n]``, ``out [T, C]``, ``bias [C]`` or None -> a new stream of
+    ``x``'s shape (not a view, so a pipeline stage may free it as its output; ``x``'s gradient is
+    no view either), in one pass of the kernel set each way.
 
     Saves ``x`` (held by the layer anyway), ``H_res``, ``H_post``, ``out``, the bias and, with
     dropout, the seed its kernel draws the mask from (not the mask). ``H_res @ x`` is never
