@@ -145,9 +145,9 @@ HC_SUBLAYER_RESULTS = ("next stream", "H_post", "dx", "dphi", "dalpha", "dbias",
 def hc_sublayer_and_grads(implementation: str, inputs, upstream, n: int, iterations: int = 20) -> list[torch.Tensor]:
     """``hc_sublayer``'s two outputs and the gradients of its six inputs (``x, phi, alpha, bias,
     weight, out_bias``) for the ``upstream`` gradients of the outputs: ``HC_SUBLAYER_RESULTS``.
-    With an fp64 ``x`` every input and gradient is taken in fp64."""
+    The loss is summed in fp64 for an fp64 ``x``, else in fp32."""
     wide = torch.float64 if inputs[0].dtype == torch.float64 else torch.float32
-    leaves = [(t.double() if wide == torch.float64 else t).clone().requires_grad_(True) for t in inputs]
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
     outs = hc_sublayer(*leaves, n, implementation, iterations)
     loss = sum((o.to(wide) * u.to(wide)).sum() for o, u in zip(outs, upstream))
     return [*(o.detach() for o in outs), *torch.autograd.grad(loss, leaves)]

@@ -685,6 +685,16 @@ def test_fused_sublayer_against_an_fp64_evaluation(dtype):
         assert ours <= ERROR_FACTOR * reference + ERROR_FLOOR[dtype], (name, ours, reference)
 
 
+def _sublayer_leaves(g: torch.Generator, n: int, C: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The nine hyper-connection parameters (``reference_pre``'s order; gates 1, biases 0) and a
+    branch weight ``[C, C]``, all requiring grad, drawn from ``g``."""
+    params = [p.requires_grad_() for p in (
+        torch.randn(n * C, n, generator=g) * 0.1, torch.randn(n * C, n, generator=g) * 0.1,
+        torch.randn(n * C, n * n, generator=g) * 0.1, torch.tensor(1.0), torch.tensor(1.0), torch.tensor(1.0),
+        torch.zeros(n), torch.zeros(n), torch.zeros(n, n))]
+    return params, torch.randn(C, C, generator=g, requires_grad=True)
+
+
 def test_the_streams_two_gradients_are_added_in_place():
     """The stream feeds both fused nodes of a sub-layer (the mappings and aggregate, and ``H_res x``
     in the next stream): autograd adds their two gradients in place into the first one that
@@ -695,11 +705,7 @@ def test_the_streams_two_gradients_are_added_in_place():
     n, C = 4, 16
     g = torch.Generator().manual_seed(0)
     leaf = torch.randn(3, 2, n * C, generator=g, requires_grad=True)
-    params = [p.requires_grad_() for p in (
-        torch.randn(n * C, n, generator=g) * 0.1, torch.randn(n * C, n, generator=g) * 0.1,
-        torch.randn(n * C, n * n, generator=g) * 0.1, torch.tensor(1.0), torch.tensor(1.0), torch.tensor(1.0),
-        torch.zeros(n), torch.zeros(n), torch.zeros(n, n))]
-    weight = torch.randn(C, C, generator=g, requires_grad=True)
+    params, weight = _sublayer_leaves(g, n, C)
     x = leaf * 1.0  # the stream as a layer gets it: the output of an op
     aggregated, h_res, h_post = fused_pre(x, params, n, 1e-5, 20)
     out = h_res_h_post_bias_dropout_add((aggregated @ weight, None), x, h_res, h_post, 0.0, True)
@@ -721,11 +727,7 @@ def test_fused_ops_backward_inside_autocast_and_fresh_output():
     n, C = 4, 16
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 2, n * C, generator=g, requires_grad=True)
-    params = [p.requires_grad_() for p in (
-        torch.randn(n * C, n, generator=g) * 0.1, torch.randn(n * C, n, generator=g) * 0.1,
-        torch.randn(n * C, n * n, generator=g) * 0.1, torch.tensor(1.0), torch.tensor(1.0), torch.tensor(1.0),
-        torch.zeros(n), torch.zeros(n), torch.zeros(n, n))]
-    weight = torch.randn(C, C, generator=g, requires_grad=True)
+    params, weight = _sublayer_leaves(g, n, C)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         aggregated, h_res, h_post = fused_pre(x, params, n, 1e-5, 20)
         out = h_res_h_post_bias_dropout_add((aggregated @ weight, None), x, h_res, h_post, 0.0, True)
