@@ -26,18 +26,10 @@ STREAMS = 4
 
 def measure(implementation: str, hidden: int, tokens: int, dtype: torch.dtype, device: str) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
-    from model_utils import errors_against_fp64
+    from model_utils import errors_against_fp64, hc_sublayer_inputs
 
-    n, m = STREAMS, STREAMS * STREAMS + 2 * STREAMS
-    g = torch.Generator(device=device).manual_seed(0)
-    phi = torch.randn(n * hidden, m, generator=g, device=device) / (n * hidden) ** 0.5
-    alpha, bias = torch.tensor([0.8, 0.6, 1.5], device=device), torch.randn(m, generator=g, device=device)
-    x = torch.randn(tokens, n * hidden, generator=g, device=device).to(dtype)
-    weight = torch.randn(hidden, hidden, generator=g, device=device) / hidden ** 0.5
-    out_bias = torch.randn(hidden, generator=g, device=device)
-    upstream = [torch.randn(tokens, n * hidden, generator=g, device=device),
-                torch.randn(tokens, n, generator=g, device=device)]
-    errors = errors_against_fp64(implementation, (x, phi, alpha, bias, weight, out_bias), upstream, n, iterations=20)
+    inputs, upstream = hc_sublayer_inputs(tokens, STREAMS, hidden, dtype, device)
+    errors = errors_against_fp64(implementation, inputs, upstream, STREAMS, iterations=20)
     return {name: dict(ours=ours, reference=reference) for name, (ours, reference) in errors.items()}
 
 

@@ -142,6 +142,24 @@ ERROR_FLOOR = {torch.float32: 2e-6, torch.bfloat16: 2e-3}
 HC_SUBLAYER_RESULTS = ("next stream", "H_post", "dx", "dphi", "dalpha", "dbias", "dweight", "d out bias")
 
 
+def hc_sublayer_inputs(tokens: int, n: int, c: int, dtype: torch.dtype = torch.float32, device="cpu",
+                       seed: int = 0) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    """``((x, phi, alpha, bias, weight, out_bias), upstream)`` for ``hc_sublayer_and_grads``: a
+    stream of ``tokens`` in ``dtype``, ``phi`` scaled to unit projections, gates 0.8 / 0.6 / 1.5,
+    a ``[c, c]`` branch with a bias, and the outputs' upstream gradients, drawn from ``seed``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    m = n * n + 2 * n
+    phi = torch.randn(n * c, m, generator=g, device=device) / (n * c) ** 0.5
+    bias = torch.randn(m, generator=g, device=device)
+    x = torch.randn(tokens, n * c, generator=g, device=device).to(dtype)
+    weight = torch.randn(c, c, generator=g, device=device) / c ** 0.5
+    out_bias = torch.randn(c, generator=g, device=device)
+    upstream = [torch.randn(tokens, n * c, generator=g, device=device),
+                torch.randn(tokens, n, generator=g, device=device)]
+    alpha = torch.tensor([0.8, 0.6, 1.5], device=device)
+    return (x, phi, alpha, bias, weight, out_bias), upstream
+
+
 def hc_sublayer_and_grads(implementation: str, inputs, upstream, n: int, iterations: int = 20) -> list[torch.Tensor]:
     """``hc_sublayer``'s two outputs and the gradients of its six inputs (``x, phi, alpha, bias,
     weight, out_bias``) for the ``upstream`` gradients of the outputs: ``HC_SUBLAYER_RESULTS``.

@@ -669,17 +669,10 @@ def test_fused_sublayer_against_an_fp64_evaluation(dtype):
     plus ERROR_FLOOR (model_utils.py; the GPU set holds Triton's kernels to the same bound at
     C = 4096, 8192 tokens). Measured at that size on CPU (fp32 / bf16, the largest ratio of the
     fused error to the reference's): docs/fused_hyper_connection.md."""
-    from model_utils import ERROR_FACTOR, ERROR_FLOOR, errors_against_fp64
+    from model_utils import ERROR_FACTOR, ERROR_FLOOR, errors_against_fp64, hc_sublayer_inputs
 
-    n, c, tokens = 4, 256, 96
-    g = torch.Generator().manual_seed(0)
-    m = n * n + 2 * n
-    phi, bias = torch.randn(n * c, m, generator=g) / (n * c) ** 0.5, torch.randn(m, generator=g)
-    x = torch.randn(tokens, n * c, generator=g).to(dtype)
-    weight, out_bias = torch.randn(c, c, generator=g) / c ** 0.5, torch.randn(c, generator=g)
-    upstream = [torch.randn(tokens, n * c, generator=g), torch.randn(tokens, n, generator=g)]
-    errors = errors_against_fp64("fused", (x, phi, torch.tensor([0.8, 0.6, 1.5]), bias, weight, out_bias),
-                                 upstream, n, iterations=20)
+    inputs, upstream = hc_sublayer_inputs(96, 4, 256, dtype)
+    errors = errors_against_fp64("fused", inputs, upstream, 4, iterations=20)
     assert len(errors) == 8
     for name, (ours, reference) in errors.items():
         assert ours <= ERROR_FACTOR * reference + ERROR_FLOOR[dtype], (name, ours, reference)

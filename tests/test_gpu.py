@@ -40,16 +40,6 @@ C, TOKENS = (4096, 8192) if ON_GPU else (40, 9)  # the dry run: a C that is no m
 MODEL_HIDDEN, MODEL_SEQ = (64, 32) if ON_GPU else (16, 8)
 
 
-def _hc_inputs(dtype: torch.dtype):
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    m = N * N + 2 * N
-    phi = torch.randn(N * C, m, generator=g, device=DEVICE) * (1.0 / (N * C) ** 0.5)
-    alpha = torch.tensor([0.8, 0.6, 1.5], device=DEVICE)
-    bias = torch.randn(m, generator=g, device=DEVICE)
-    x = torch.randn(TOKENS, N * C, generator=g, device=DEVICE).to(dtype)
-    return x, phi, alpha, bias
-
-
 @cuda_only
 def test_the_kernels_run_compiled_not_in_the_interpreter():
     """On a GPU every Triton kernel runs compiled: under ``TRITON_INTERPRET=1`` (conftest.py sets it
@@ -66,7 +56,9 @@ def test_the_kernels_run_compiled_not_in_the_interpreter():
     assert len(kernels) >= 6, sorted(kernels)
     assert [name for name, f in kernels.items() if isinstance(f, InterpretedFunction)] == [], \
         f"interpreted kernels (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})"
-    x, phi, _, _ = _hc_inputs(torch.float32)
+    from model_utils import hc_sublayer_inputs
+
+    (x, phi, *_), _ = hc_sublayer_inputs(TOKENS, N, C, torch.float32, DEVICE)
     triton_kernels.projection(x, phi, 1e-6)
     torch.cuda.synchronize()
     compiled, *_ = triton_kernels._projection_fwd.device_caches[torch.cuda.current_device()]
@@ -82,14 +74,10 @@ def test_triton_kernels_against_an_fp64_evaluation_at_real_shapes(dtype):
     precision, plus ERROR_FLOOR (model_utils.py). GPU arithmetic (approximate exp, division, square
     root, another summation order) moves both; the bound is on the kernels' share."""
     pytest.importorskip("triton")
-    from model_utils import ERROR_FACTOR, ERROR_FLOOR, errors_against_fp64
+    from model_utils import ERROR_FACTOR, ERROR_FLOOR, errors_against_fp64, hc_sublayer_inputs
 
-    x, phi, alpha, bias = _hc_inputs(dtype)
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    weight = torch.randn(C, C, generator=g, device=DEVICE) / C ** 0.5
-    out_bias = torch.randn(C, generator=g, device=DEVICE)
-    upstream = [torch.randn(TOKENS, N * C, generator=g, device=DEVICE), torch.randn(TOKENS, N, generator=g, device=DEVICE)]
-    errors = errors_against_fp64("triton", (x, phi, alpha, bias, weight, out_bias), upstream, N, iterations=20)
+    inputs, upstream = hc_sublayer_inputs(TOKENS, N, C, dtype, DEVICE)
+    errors = errors_against_fp64("triton", inputs, upstream, N, iterations=20)
     for name, (ours, reference) in errors.items():
         assert ours <= ERROR_FACTOR * reference + ERROR_FLOOR[dtype], (name, ours, reference)
 
