@@ -17,7 +17,8 @@ model's step time, side by side in one process.
 2. **Mappings kernel bandwidth** (GPU, Triton): the projection kernel (norm + ``x @ phi``) reads the
    stream once: its effective bandwidth (the bytes the work needs, the stream, ``phi`` and the
    outputs once each, over its time) against the GPU's peak, and what its loads really request
-   (``phi`` again for every program of 16 tokens: ``triton_kernels.projection_bytes``).
+   (``phi`` again for every tile of 128 fp32 / 256 bf16 tokens, the split partial sums:
+   ``triton_kernels.projection_bytes``).
 3. **Model**: 4 layers, sequence 2048 x micro-batch 2 on the GPU (128 x 2 on CPU), FFN 4C, AdamW,
    bf16-mixed on the GPU: step time HC / no-HC and ``mhc_block`` / ``none`` with
    ``mhc_implementation=auto``.
@@ -320,7 +321,7 @@ def _report(result: dict, args) -> None:
                   "needs / its time)"
                   + (f" = {fraction:.0%} of {bandwidth['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" if fraction else "")
                   + f"; its loads ask for {bandwidth['requested_bytes'] / bandwidth['bytes']:.2f}x those bytes "
-                  f"(phi re-read per program: {bandwidth['phi_share_of_stream']:.0%} of the stream's)")
+                  f"(phi re-read per tile of tokens: {bandwidth['phi_share_of_stream']:.0%} of the stream's)")
     model = result["model"]
     print(f"model, 4 layers, C = {model['hidden']}, {model['precision']}: HC / no-HC {model['hc_vs_no_hc']:.3f}, "
           f"mhc_block / none {model['mhc_block_vs_none']:.3f}")
