@@ -7,8 +7,13 @@ the fused ops to ``ERROR_FACTOR`` times the reference's error plus ``ERROR_FLOOR
     python benchmarks/fp64_accuracy.py [--hidden 4096] [--tokens 8192] [--implementation fused]
                                        [--out PATH]
 
-``--implementation triton`` measures Triton's kernels (on a GPU; on CPU only under
-``TRITON_INTERPRET=1``, and slowly). Writes JSON (default ``benchmarks/results/fp64_accuracy.json``).
+Cases: fp32 and bf16 streams as they run by default; then the projection's tensor-core precisions
+(``triton_kernels.projection_precision``): with ``fused``, its product emulated as the tensor cores
+compute it (``tensor_core_projection``: tf32x3 and tf32 on an fp32 stream, tf32 on a bf16 one);
+with ``triton`` (on a GPU; on CPU only under ``TRITON_INTERPRET=1``, slowly, and the interpreter
+ignores the precision), the kernels under ``torch.set_float32_matmul_precision("high")`` and
+``("medium")``, the reference's matmuls under the same setting. Writes JSON (default
+``benchmarks/results/fp64_accuracy.json``).
 """
 from __future__ import annotations
 
@@ -24,12 +29,31 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 STREAMS = 4
 
 
-def measure(implementation: str, hidden: int, tokens: int, dtype: torch.dtype, device: str) -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
+def cases(implementation: str):
+    """``(label, stream dtype, implementation or kernel set, torch's fp32 matmul precision)``."""
+    from model_utils import tensor_core_projection
+
+    yield "float32", torch.float32, implementation, "highest"
+    yield "bfloat16", torch.bfloat16, implementation, "highest"
+    if implementation == "triton":  # the projection takes its precision from torch's setting
+        yield "float32, matmul high (projection tf32x3)", torch.float32, implementation, "high"
+        yield "float32, matmul medium (projection tf32)", torch.float32, implementation, "medium"
+    else:
+        for dtype, precision in ((torch.float32, "tf32x3"), (torch.float32, "tf32"), (torch.bfloat16, "tf32")):
+            yield (f"{str(dtype).removeprefix('torch.')}, projection {precision} (emulated)", dtype,
+                   tensor_core_projection(precision), "highest")
+
+
+def measure(implementation, hidden: int, tokens: int, dtype: torch.dtype, device: str, matmul_precision: str) -> dict:
     from model_utils import errors_against_fp64, hc_sublayer_inputs
 
     inputs, upstream = hc_sublayer_inputs(tokens, STREAMS, hidden, dtype, device)
-    errors = errors_against_fp64(implementation, inputs, upstream, STREAMS, iterations=20)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul_precision)
+    try:
+        errors = errors_against_fp64(implementation, inputs, upstream, STREAMS, iterations=20)
+    finally:
+        torch.set_float32_matmul_precision(before)
     return {name: dict(ours=ours, reference=reference) for name, (ours, reference) in errors.items()}
 
 
@@ -40,13 +64,14 @@ def main() -> None:
     parser.add_argument("--implementation", choices=["fused", "triton"], default="fused")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "fp64_accuracy.json")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result = dict(hidden=args.hidden, tokens=args.tokens, streams=STREAMS, sinkhorn_iterations=20, device=device,
                   implementation=args.implementation, torch=torch.__version__, errors={})
-    for dtype in (torch.float32, torch.bfloat16):
-        errors = measure(args.implementation, args.hidden, args.tokens, dtype, device)
-        result["errors"][str(dtype).removeprefix("torch.")] = errors
-        print(f"{dtype}: error against fp64, {args.implementation} / op-by-op reference")
+    for label, dtype, implementation, matmul_precision in cases(args.implementation):
+        errors = measure(implementation, args.hidden, args.tokens, dtype, device, matmul_precision)
+        result["errors"][label] = errors
+        print(f"{label}: error against fp64, ours / op-by-op reference (torch matmul precision {matmul_precision})")
         for name, e in errors.items():
             print(f"  {name:12s} {e['ours']:.2e} / {e['reference']:.2e}  ratio {e['ours'] / e['reference']:.2f}")
     write_json(args.out, result)

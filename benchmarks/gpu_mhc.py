@@ -18,7 +18,8 @@ model's step time, side by side in one process.
    stream once: its effective bandwidth (the bytes the work needs, the stream, ``phi`` and the
    outputs once each, over its time) against the GPU's peak, and what its loads really request
    (``phi`` again for every tile of 128 fp32 / 256 bf16 tokens, the split partial sums:
-   ``triton_kernels.projection_bytes``).
+   ``triton_kernels.projection_bytes``); for a bf16 stream (tf32 products) and an fp32 stream under
+   each of torch's fp32 matmul precisions (fp32, tf32x3, tf32 products).
 3. **Model**: 4 layers, sequence 2048 x micro-batch 2 on the GPU (128 x 2 on CPU), FFN 4C, AdamW,
    bf16-mixed on the GPU: step time HC / no-HC and ``mhc_block`` / ``none`` with
    ``mhc_implementation=auto``.
@@ -193,26 +194,43 @@ def _sublayer(hidden: int, args, device, dtype) -> dict:
 
 
 # ------------------------------------------------------------------ the mappings kernel's bandwidth
-def _bandwidth(hidden: int, args, device, dtype) -> dict:
+PROJECTION_VARIANTS = (("bfloat16", "highest"), ("float32", "highest"), ("float32", "high"), ("float32", "medium"))
+"""(stream dtype, ``torch.set_float32_matmul_precision``): the bf16 stream's projection on the tensor
+cores (tf32), the fp32 stream's at each precision it takes (``triton_kernels.projection_precision``)."""
+
+
+def _bandwidth(hidden: int, args, device) -> dict:
+    """The projection kernel per ``PROJECTION_VARIANTS``: effective bandwidth against the GPU's
+    peak, the bytes its loads request, the precision its product ran at."""
     import torch
 
     try:
         _check_triton_runs(device)
     except Absent as why:
         return dict(absent=str(why))
-    from lightning_mhc.ops.triton_kernels import projection, projection_bytes
+    from lightning_mhc.ops.triton_kernels import projection, projection_bytes, projection_precision
 
-    x = torch.randn(args.tokens, N * hidden, device=device, dtype=dtype)
-    phi = torch.randn(N * hidden, N * N + 2 * N, device=device)
-    times = interleaved_times({"projection": lambda: (projection(x, phi, 1e-6), synchronize(device))}, args.rounds)
-    seconds = median(times["projection"])
-    traffic = projection_bytes(args.tokens, N * hidden, N * N + 2 * N, x.element_size())
-    moved = traffic["minimum"]  # effective bandwidth: the bytes the work needs over the time it took
     name = torch.cuda.get_device_name(device)
     peak = next((value for key, value in PEAK_BANDWIDTH.items() if key in name), None)
-    return dict(device=name, median_s=seconds, bytes=moved, bytes_per_s=moved / seconds, peak_bytes_per_s=peak,
+    phi = torch.randn(N * hidden, N * N + 2 * N, device=device)
+    before, variants = torch.get_float32_matmul_precision(), {}
+    try:
+        for dtype_name, matmul_precision in PROJECTION_VARIANTS:
+            torch.set_float32_matmul_precision(matmul_precision)
+            x = torch.randn(args.tokens, N * hidden, device=device, dtype=getattr(torch, dtype_name))
+            times = interleaved_times({"projection": lambda: (projection(x, phi, 1e-6), synchronize(device))},
+                                      args.rounds)
+            seconds = median(times["projection"])
+            traffic = projection_bytes(args.tokens, N * hidden, N * N + 2 * N, x.element_size())
+            moved = traffic["minimum"]  # effective bandwidth: the bytes the work needs over the time it took
+            variants[f"{dtype_name}, {projection_precision(x.dtype)}"] = dict(
+                stream=dtype_name, matmul_precision=matmul_precision, precision=projection_precision(x.dtype),
+                median_s=seconds, bytes=moved, bytes_per_s=moved / seconds, peak_bytes_per_s=peak,
                 fraction_of_peak=moved / seconds / peak if peak else None, requested_bytes=traffic["requested"],
                 requested_bytes_per_s=traffic["requested"] / seconds, phi_share_of_stream=traffic["phi_share"])
+    finally:
+        torch.set_float32_matmul_precision(before)
+    return dict(device=name, variants=variants)
 
 
 # ------------------------------------------------------------------ the 4-layer model
@@ -254,7 +272,7 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     table = {}
     for hidden in args.hidden:
         table[hidden] = dict(sublayer=_sublayer(hidden, args, device, dtype),
-                             mappings_bandwidth=_bandwidth(hidden, args, device, dtype))
+                             mappings_bandwidth=_bandwidth(hidden, args, device))
         _print_sublayer(hidden, table[hidden]["sublayer"])
     model = _model(args, device)
     destroy_parallel()
@@ -315,13 +333,13 @@ def _report(result: dict, args) -> None:
         bandwidth = entry["mappings_bandwidth"]
         if "absent" in bandwidth:
             print(f"C = {hidden}: mappings kernel bandwidth absent ({bandwidth['absent']})")
-        else:
-            fraction = bandwidth["fraction_of_peak"]
-            print(f"C = {hidden}: mappings kernel {bandwidth['bytes_per_s'] / 1e9:,.0f} GB/s effective (the bytes it "
-                  "needs / its time)"
-                  + (f" = {fraction:.0%} of {bandwidth['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" if fraction else "")
-                  + f"; its loads ask for {bandwidth['requested_bytes'] / bandwidth['bytes']:.2f}x those bytes "
-                  f"(phi re-read per tile of tokens: {bandwidth['phi_share_of_stream']:.0%} of the stream's)")
+        for variant in bandwidth.get("variants", {}).values():
+            fraction = variant["fraction_of_peak"]
+            print(f"C = {hidden}: projection kernel, {variant['stream']} stream, {variant['precision']} products: "
+                  f"{variant['bytes_per_s'] / 1e9:,.0f} GB/s effective (the bytes it needs / its time)"
+                  + (f" = {fraction:.0%} of {variant['peak_bytes_per_s'] / 1e12:.2f} TB/s peak" if fraction else "")
+                  + f"; its loads ask for {variant['requested_bytes'] / variant['bytes']:.2f}x those bytes "
+                  f"(phi re-read per tile of tokens: {variant['phi_share_of_stream']:.0%} of the stream's)")
     model = result["model"]
     print(f"model, 4 layers, C = {model['hidden']}, {model['precision']}: HC / no-HC {model['hc_vs_no_hc']:.3f}, "
           f"mhc_block / none {model['mhc_block_vs_none']:.3f}")

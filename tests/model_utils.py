@@ -113,16 +113,20 @@ def train_steps(model, steps: int = 3, batch: int = 2, seq: int = 16, lr: float 
 
 def hc_sublayer(x, phi, alpha, bias, weight, out_bias, n: int, implementation: str, iterations: int = 20):
     """One hyper-connected sub-layer with a linear branch, as a layer runs it: ``(next stream,
-    H_post)`` by the fused ops with Triton's kernels (``triton``) or the eager/C++ ones
-    (``fused``), or by the op-by-op reference (``reference``; in fp64 for an fp64 ``x``)."""
+    H_post)`` by the fused ops with Triton's kernels (``triton``), the eager/C++ ones (``fused``) or
+    a kernel set given as ``implementation`` (its ``H_res``/``H_post`` step by the eager ones), or by
+    the op-by-op reference (``reference``; in fp64 for an fp64 ``x``)."""
     from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
     from lightning_mhc.ops.hyper_connection import EagerKernels, fused_pre_packed, reference_pre
 
+    kernels = None
+    if not isinstance(implementation, str):  # a kernel set (tensor_core_projection): the fused ops with it
+        kernels, implementation = implementation, "fused"
     if implementation in ("triton", "fused"):
         if implementation == "triton":
             from lightning_mhc.ops.triton_kernels import TritonKernels as kernels
         else:
-            kernels = EagerKernels
+            kernels = kernels or EagerKernels
         aggregated, h_res, h_post = fused_pre_packed(x, phi, alpha, bias, n=n, eps=1e-6, iterations=iterations,
                                                      kernels=kernels)
     else:
@@ -183,3 +187,45 @@ def errors_against_fp64(implementation: str, inputs, upstream, n: int, iteration
         return ((a.double() - b).abs().max() / b.abs().max()).item()
 
     return {name: (error(o, e), error(r, e)) for name, o, r, e in zip(HC_SUBLAYER_RESULTS, ours, reference, exact)}
+
+
+def tf32(t: torch.Tensor, rounding: str = "truncate") -> torch.Tensor:
+    """fp32 ``t`` with 10 mantissa bits, as a tensor core takes it for a tf32 product: ``truncate``
+    drops the low 13 bits (an fp32 register handed to the MMA as it is: Triton's ``tf32`` dot, whose
+    PTX has no rounding instruction), ``nearest`` rounds half away from zero (``cvt.rna.tf32.f32``,
+    which Triton's ``tf32x3`` applies to the high part of each operand)."""
+    bits = t.float().contiguous().view(torch.int32)
+    if rounding == "nearest":
+        bits = bits + 0x1000  # on the magnitude: the sign bit is apart
+    return (bits & ~0x1FFF).view(torch.float32).view(t.shape)
+
+
+def tensor_core_projection(precision: str):
+    """The eager kernel set with its projection ``x @ phi`` as Triton's ``tl.dot`` computes it on
+    tensor cores at ``input_precision=precision`` (``triton_kernels.projection_precision``): ``tf32``
+    (both operands truncated to tf32), ``tf32x3`` (each operand split into ``hi`` (rounded to
+    nearest) + ``lo``, the sum of ``hi hi``, ``hi lo``, ``lo hi``) or ``ieee`` (fp32). The products
+    of two tf32 values are exact in fp32 and sums are fp32, as in the MMA; only the order differs.
+    For measuring on CPU what the GPU's tensor cores cost in accuracy (Triton's interpreter
+    ignores the precision)."""
+    from lightning_mhc.ops.hyper_connection import EagerKernels
+
+    def product(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+        if precision == "tf32":
+            return tf32(x) @ tf32(phi)
+        if precision == "tf32x3":
+            x_hi, phi_hi = tf32(x, "nearest"), tf32(phi, "nearest")
+            x_lo, phi_lo = tf32(x - x_hi), tf32(phi - phi_hi)
+            return x_lo @ phi_hi + x_hi @ phi_lo + x_hi @ phi_hi
+        assert precision == "ieee", precision
+        return x @ phi
+
+    class TensorCoreProjection(EagerKernels):
+        name = f"eager, projection {precision}"
+
+        @staticmethod
+        def project(x: torch.Tensor, phi: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+            _, r = EagerKernels.project(x, phi, eps)
+            return product(x.float(), phi.float()), r
+
+    return TensorCoreProjection

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -71,15 +72,16 @@ def test_mhc_any_model(tmp_path):
 
 
 def test_fp64_accuracy(tmp_path):
-    """Every output and gradient of the sub-layer, fp32 and bf16, with both errors (not timed: no
-    rounds)."""
+    """Every output and gradient of the sub-layer, fp32 and bf16 and the projection's emulated
+    tensor-core precisions, with both errors (not timed: no rounds)."""
     out = tmp_path / "accuracy.json"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "fp64_accuracy.py"), "--hidden", "32", "--tokens", "16",
                            "--out", str(out)], cwd=BENCHMARKS, env=child_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     errors = json.loads(out.read_text())["errors"]
-    assert set(errors) == {"float32", "bfloat16"}
+    assert set(errors) == {"float32", "bfloat16", "float32, projection tf32x3 (emulated)",
+                           "float32, projection tf32 (emulated)", "bfloat16, projection tf32 (emulated)"}
     for table in errors.values():
         assert len(table) == 8 and all(0 <= e["ours"] < 0.05 and 0 <= e["reference"] < 0.05 for e in table.values())
 
@@ -123,6 +125,41 @@ def test_preprocess_throughput(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["median_tokens_per_sec"]) == {"workers=1", "workers=2", "encode_batch"}
     assert result["corpus"]["tokens"] > 100_000 and all(v > 0 for v in result["median_tokens_per_sec"].values())
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs Triton's kernels in its interpreter")
+def test_gpu_mhc_triton_rows_run_their_gpu_code_under_the_interpreter(monkeypatch, capsys, tmp_path):
+    """``gpu_mhc.py``'s Triton rows run only on a GPU (their times mean nothing in the interpreter),
+    so their code would first run on a lent GPU's minutes: here it runs on CPU tensors in Triton's
+    interpreter, the CUDA check bypassed and the device named as an H100. The sub-layer row and the
+    projection at each variant (bf16 tf32; fp32 under each of torch's matmul precisions), their
+    report lines and the plot."""
+    import argparse
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_mhc = importlib.import_module("gpu_mhc")
+    monkeypatch.setattr(gpu_mhc, "_check_triton_runs", lambda device: None)
+    monkeypatch.setattr(gpu_mhc, "SUBLAYER", ("no_hc", "triton"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
+    args, cpu = argparse.Namespace(tokens=5, rounds=1, megatron_lm=None), torch.device("cpu")
+    rows = gpu_mhc._sublayer(8, args, cpu, torch.float32)
+    assert rows["triton"]["median_s"] > 0 and rows["triton"]["saved_bytes_per_token"] > 0
+    bandwidth = gpu_mhc._bandwidth(8, args, cpu)
+    variants = bandwidth["variants"]
+    assert [(v["stream"], v["matmul_precision"], v["precision"]) for v in variants.values()] == [
+        ("bfloat16", "highest", "tf32"), ("float32", "highest", "ieee"), ("float32", "high", "tf32x3"),
+        ("float32", "medium", "tf32")]
+    assert all(v["fraction_of_peak"] > 0 and v["requested_bytes"] >= v["bytes"] for v in variants.values())
+    assert torch.get_float32_matmul_precision() == "highest"  # restored
+    result = dict(device="NVIDIA H100 80GB HBM3", dtype="float32", megatron_lm="absent", model=dict(
+        hidden=8, precision="32-true", hc_vs_no_hc=1.0, mhc_block_vs_none=1.0),
+                  table={8: dict(sublayer=rows, mappings_bandwidth=bandwidth)})
+    gpu_mhc._report(result, args)
+    printed = capsys.readouterr().out
+    assert printed.count("projection kernel, ") == 4 and "tf32x3 products" in printed
+    gpu_mhc._plot(result, tmp_path / "plot.png", args.tokens)
 
 
 @pytest.mark.slow

@@ -34,9 +34,12 @@ def _fit(tmp_path: pathlib.Path, name: str, *overrides: str) -> pathlib.Path:
 def test_data_parallel_runs_match_one_process(tmp_path, cli_reference_losses):
     """Global batch 8: one process (2 microbatches of 4; conftest's ``cli_reference_losses``) vs
     DP = 2 (micro-batch 4 per rank) vs PP = 2 x DP = 2 (2 microbatches of 2 per rank), per-step
-    training losses."""
+    training losses. The DP 2 run sets ``trainer.float32_matmul_precision=high`` (torch's fp32
+    matmuls on this CPU unchanged by it, checked; ``medium`` would make them bf16 here), which its
+    summary reads back from the training process."""
     batch = ["data.global_batch_size=8", *NO_DROPOUT]
-    dp2 = _fit(tmp_path, "dp2", *batch, "data.micro_batch_size=4", "parallel=dp2", "trainer.devices=2")
+    dp2 = _fit(tmp_path, "dp2", *batch, "data.micro_batch_size=4", "parallel=dp2", "trainer.devices=2",
+               "trainer.float32_matmul_precision=high")
     pp2dp2 = _fit(tmp_path, "pp2dp2", *batch, "data.micro_batch_size=2", "parallel=pp2", "trainer.devices=4")
     reference = cli_reference_losses
     assert len(reference) == 6
@@ -49,6 +52,7 @@ def test_data_parallel_runs_match_one_process(tmp_path, cli_reference_losses):
                                    rtol=0, atol=1e-5, msg=lambda m: f"{run_dir}: {m}")
     summary = json.loads((dp2 / "summary.json").read_text())
     assert summary["data_parallel_size"] == 2 and summary["timed_steps"] == 5
+    assert summary["float32_matmul_precision"] == "high"
     assert summary["tokens_per_sec_p25"] <= summary["tokens_per_sec"] <= summary["tokens_per_sec_p75"]
 
 

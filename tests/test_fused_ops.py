@@ -678,6 +678,25 @@ def test_fused_sublayer_against_an_fp64_evaluation(dtype):
         assert ours <= ERROR_FACTOR * reference + ERROR_FLOOR[dtype], (name, ours, reference)
 
 
+@pytest.mark.parametrize("dtype, precision, within", [(torch.bfloat16, "tf32", True),
+                                                       (torch.float32, "tf32x3", True),
+                                                       (torch.float32, "tf32", False)])
+def test_the_projections_tensor_core_precisions_against_an_fp64_evaluation(dtype, precision, within):
+    """What the Triton projection's tensor-core precisions (``projection_precision``) cost, with the
+    product emulated as the tensor cores compute it (``tensor_core_projection``; Triton's interpreter
+    ignores the precision): tf32 on a bf16 stream (its default) and tf32x3 on an fp32 stream
+    (torch's ``high``) keep every output and gradient within the bound the fused path is held to;
+    plain tf32 on an fp32 stream does not (hundreds of times the fp32 reference's error), which is
+    why an fp32 stream multiplies in fp32 unless torch's matmul precision says otherwise."""
+    from model_utils import ERROR_FACTOR, ERROR_FLOOR, errors_against_fp64, hc_sublayer_inputs, \
+        tensor_core_projection
+
+    inputs, upstream = hc_sublayer_inputs(96, 4, 256, dtype)
+    errors = errors_against_fp64(tensor_core_projection(precision), inputs, upstream, 4, iterations=20)
+    bounded = {name: ours <= ERROR_FACTOR * reference + ERROR_FLOOR[dtype] for name, (ours, reference) in errors.items()}
+    assert all(bounded.values()) if within else not any(bounded.values()), (bounded, errors)
+
+
 def _sublayer_leaves(g: torch.Generator, n: int, C: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The nine hyper-connection parameters (``reference_pre``'s order; gates 1, biases 0) and a
     branch weight ``[C, C]``, all requiring grad, drawn from ``g``."""

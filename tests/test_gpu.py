@@ -2,7 +2,8 @@
 
 - the Triton kernels at real shapes (C = 4096, 8192 tokens, 20 Sinkhorn iterations; bf16 and fp32),
   forward and every gradient, against the reference evaluated in fp64 (their error a small
-  multiple of the op-by-op reference's own), and the H_post bias-dropout-add kernel;
+  multiple of the op-by-op reference's own; under each of torch's fp32 matmul precisions, so the
+  projection's tensor-core variants run), and the H_post bias-dropout-add kernel;
 - block recompute bit-exact against ``none`` with dropout on CUDA (the CUDA generators captured and
   restored), with ``auto`` (Triton's kernels) and with the eager fused ops;
 - the retained activation bytes the recompute meter counts against the CUDA allocator's
@@ -65,19 +66,28 @@ def test_the_kernels_run_compiled_not_in_the_interpreter():
     assert compiled, "the projection kernel ran but holds no compiled binary for this device"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_kernels_against_an_fp64_evaluation_at_real_shapes(dtype):
+@pytest.mark.parametrize("dtype, matmul_precision", [(torch.bfloat16, "highest"), (torch.float32, "highest"),
+                                                     (torch.float32, "high"), (torch.float32, "medium")])
+def test_triton_kernels_against_an_fp64_evaluation_at_real_shapes(dtype, matmul_precision):
     """One hyper-connected sub-layer (C = 4096, 8192 tokens, 20 Sinkhorn iterations, a linear branch
     with a bias) with Triton's kernels under autograd, against the reference evaluated in fp64: the
     next stream, H_post and the gradients of the stream, phi, alpha, the bias, the branch's weight
     and its bias, each within ERROR_FACTOR times the op-by-op reference's own error at the same
     precision, plus ERROR_FLOOR (model_utils.py). GPU arithmetic (approximate exp, division, square
-    root, another summation order) moves both; the bound is on the kernels' share."""
+    root, another summation order) moves both; the bound is on the kernels' share. Under each
+    ``torch.set_float32_matmul_precision`` the projection takes its own precision (bf16: tf32;
+    fp32: fp32, tf32x3, tf32: ``projection_precision``) and the reference's matmuls cuBLAS's (fp32
+    or tf32): the kernels no worse than torch at the same setting."""
     pytest.importorskip("triton")
     from model_utils import ERROR_FACTOR, ERROR_FLOOR, errors_against_fp64, hc_sublayer_inputs
 
     inputs, upstream = hc_sublayer_inputs(TOKENS, N, C, dtype, DEVICE)
-    errors = errors_against_fp64("triton", inputs, upstream, N, iterations=20)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul_precision)
+    try:
+        errors = errors_against_fp64("triton", inputs, upstream, N, iterations=20)
+    finally:
+        torch.set_float32_matmul_precision(before)
     for name, (ours, reference) in errors.items():
         assert ours <= ERROR_FACTOR * reference + ERROR_FLOOR[dtype], (name, ours, reference)
 

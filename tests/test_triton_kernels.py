@@ -74,6 +74,35 @@ def test_the_projection_tiles_the_tokens_and_splits_the_width():
     assert rel_err(raw, eager_raw) < 1e-5 and rel_err(r, eager_r) < 1e-6
 
 
+@interpreted
+def test_the_projection_multiplies_at_the_precision_torch_asks_of_fp32_matmuls(monkeypatch):
+    """An fp32 stream's projection follows ``torch.set_float32_matmul_precision`` (``highest`` ->
+    fp32 products, ``high`` -> tf32x3, ``medium`` -> tf32); a bf16 stream's is tf32 whatever it
+    says (its values are exact in tf32). Read off the kernel's launch."""
+    from lightning_mhc.ops import triton_kernels
+
+    kernel, launched = triton_kernels._projection_fwd, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["PRECISION"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "_projection_fwd", Recorder())
+    phi = torch.randn(64, 24) * 0.1
+    before = torch.get_float32_matmul_precision()
+    try:
+        for setting in ("highest", "high", "medium"):
+            torch.set_float32_matmul_precision(setting)
+            for dtype in (torch.float32, torch.bfloat16):
+                triton_kernels.projection(torch.randn(3, 64).to(dtype), phi, 1e-6)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert launched == ["ieee", "tf32", "tf32x3", "tf32", "tf32", "tf32"]
+
+
 @pytest.mark.parametrize("element_size", [4, 2])
 def test_the_projection_reads_phi_for_at_most_a_quarter_of_the_streams_bytes(element_size):
     """At C = 4096, n = 4, 16k tokens (fp32 and bf16 streams): the bytes its loads request for
@@ -241,7 +270,10 @@ def test_every_kernel_compiles_for_an_h100_ahead_of_time(tmp_path):
     way, passed here and could not compile). Every variant the code can launch (n = 2, 3, 4, 6, 8;
     fp32, bf16 and fp16 streams; a bf16 or fp16 sub-layer output on an fp32 stream; every bias and
     dropout variant) is compiled for sm_90 down to a cubin (ptxas), and n = 4 for sm_80 and sm_100,
-    in a child process without ``TRITON_INTERPRET``, no GPU needed: 345 kernels."""
+    in a child process without ``TRITON_INTERPRET``, no GPU needed: 351 kernels. The projection's
+    tf32 and tf32x3 variants multiply on the tensor cores (their PTX has ``mma``, ``wgmma`` or
+    ``tcgen05.mma``), its
+    ``ieee`` one does not."""
     import pathlib
     import subprocess
     import sys
@@ -252,7 +284,11 @@ def test_every_kernel_compiles_for_an_h100_ahead_of_time(tmp_path):
     script = pathlib.Path(__file__).parent / "scripts" / "compile_triton_kernels.py"
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("ok   ") == 345, proc.stdout
+    assert proc.stdout.count("ok   ") == 351, proc.stdout
+    projections = [line for line in proc.stdout.splitlines() if "_projection_fwd" in line]
+    assert len(projections) == 15, projections
+    for line in projections:
+        assert line.endswith("[tensor cores]") == ("'ieee'" not in line), line
 
 
 @interpreted

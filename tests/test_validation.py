@@ -202,6 +202,8 @@ def test_runs_started_together_get_their_own_directories(tmp_path):
     (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0: must be >= 1"),
     (["trainer.limit_val_batches=-1"], "trainer.limit_val_batches=-1: must be >= 0"),
     (["trainer.precision=fp8"], "trainer.precision='fp8': must be one of 32-true"),
+    (["trainer.float32_matmul_precision=low"],
+     "trainer.float32_matmul_precision='low': must be one of highest, high, medium"),
     (["parallel.timeout_s=-5"], "parallel.timeout_s=-5.0: must be positive"),
     (["parallel.timeout_s=inf"], "parallel.timeout_s=inf: must be a finite number of seconds"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size"

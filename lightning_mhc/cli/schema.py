@@ -30,6 +30,8 @@ ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "transformer-engine",
               "transformer-engine-float16", "32", "16", "bf16", "64")
 """Lightning's precision names (``Trainer(precision=...)``)."""
+FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")
+"""``torch.set_float32_matmul_precision``'s settings."""
 DATA_SOURCES = ("stdlib", "text", "synthetic", "megatron")
 MODEL_SOURCES = ("gpt", "hf")
 HF_MODEL_KEYS = ("source", "pretrained", "config", "hyper_connections", "plan", "mhc_implementation")
@@ -347,10 +349,14 @@ class TrainerConfig:
     """Lightning's Trainer(detect_anomaly=...): torch's autograd anomaly detection (slow)."""
     peak_tflops: Optional[float] = None
     """One device's peak TFLOP/s for the logged mfu; null: the figure of a known GPU, none on CPU."""
+    float32_matmul_precision: str = "highest"
+    """torch.set_float32_matmul_precision in every process: 'highest' (fp32), 'high' (cuBLAS tf32;
+    the mHC projection kernel tf32x3), 'medium' (tf32). trainer=gpu sets 'high'."""
 
     def __post_init__(self) -> None:
         _one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
         _one_of("trainer.precision", self.precision, PRECISIONS)
+        _one_of("trainer.float32_matmul_precision", self.float32_matmul_precision, FLOAT32_MATMUL_PRECISIONS)
         _at_least("trainer.devices", self.devices, 1, "Set trainer.devices to the number of processes per node, >= 1.")
         _at_least("trainer.num_nodes", self.num_nodes, 1, "Set trainer.num_nodes to the number of nodes, >= 1.")
         _at_least("trainer.max_steps", self.max_steps, 1, "Set trainer.max_steps to the optimizer steps to train, >= 1.")

@@ -85,8 +85,10 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
     """Train one configuration (from ``ckpt_path`` if given); returns (and on rank 0 writes) the
     run's summary."""
     import lightning.pytorch as pl
+    import torch
 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    torch.set_float32_matmul_precision(cfg.trainer.float32_matmul_precision)  # every rank runs this
     launched_here = not started_by_a_launcher()
     strategy = _build_strategy(cfg)
     trainer, checkpoints = _build_trainer(cfg, strategy, output_dir, resolved, ckpt_path)
@@ -187,6 +189,8 @@ def _fit(trainer, module, data, ckpt_path: str | None, output_dir: Path, launche
 
 
 def _fit_summary(cfg: TrainConfig, trainer, module, strategy, checkpoints, ckpt_path: str | None) -> dict[str, Any]:
+    import torch
+
     p = cfg.parallel
     return dict(
         name=cfg.name, policy=cfg.recompute.policy, devices=cfg.trainer.devices,
@@ -200,6 +204,7 @@ def _fit_summary(cfg: TrainConfig, trainer, module, strategy, checkpoints, ckpt_
         final_val_loss=module.val_history[-1][1] if module.val_history else None,
         **module.throughput.summary(),
         activation_bytes=strategy.activation_bytes,
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
         resumed_from=ckpt_path,
         last_checkpoint=checkpoints.last_saved,
     )

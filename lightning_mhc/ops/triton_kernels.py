@@ -8,7 +8,8 @@ may be any size: register tiles are padded to ``NP``, the next power of two, wit
 (``tl.arange`` needs powers of two); token and channel tails are masked too.
 
 - ``projection``: ``raw = x @ phi`` and ``r = 1/rms(x)`` in one read of ``x`` (the norm is applied
-  after the product, so the normalised stream is never formed).
+  after the product, so the normalised stream is never formed); the product on the tensor cores
+  where the precision allows (``projection_precision``).
 - ``mappings``: from ``raw`` and ``r``: ``H_pre = sigmoid``, ``H_post = 2 sigmoid`` and Sinkhorn in
   registers. Its backward re-runs the iterations instead of storing them, walking the steps in
   reverse with each step's matrix recomputed from the start (iterations^2 small normalisations
@@ -222,7 +223,7 @@ def res_post_backward(x, h_res, h_post, out, bias, prob: float, seed, grad, bloc
 # torch (deterministic: no atomics).
 @triton.jit
 def _projection_fwd(x_ptr, phi_ptr, part_ptr, sq_ptr, T, K, M, k_per_split, MP: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     cols = tl.arange(0, MP)
@@ -237,7 +238,7 @@ def _projection_fwd(x_ptr, phi_ptr, part_ptr, sq_ptr, T, K, M, k_per_split, MP: 
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=tmask[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)
         phi = tl.load(phi_ptr + ks[:, None] * M + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc = tl.dot(x, phi, acc, input_precision="ieee")
+        acc = tl.dot(x, phi, acc, input_precision=PRECISION)
         sumsq += tl.sum(x * x, axis=1)
     base = split.to(tl.int64) * T + rows.to(tl.int64)
     tl.store(sq_ptr + base, sumsq, mask=tmask)
@@ -248,6 +249,27 @@ PROJECTION_TILE_BYTES = 512
 """Stream bytes per token row of a projection tile: 128 fp32 or 256 bf16 tokens."""
 PROJECTION_PROGRAMS = 512
 """Programs the width is split for (a few per SM of an H100's 132)."""
+
+
+PRECISION_OF_FP32_MATMULS = {"highest": "ieee", "high": "tf32x3", "medium": "tf32"}
+"""``torch.get_float32_matmul_precision()`` -> the projection's ``tl.dot`` input precision."""
+
+
+def projection_precision(dtype: torch.dtype) -> str:
+    """How the projection of a ``dtype`` stream multiplies (``tl.dot``'s ``input_precision``;
+    accumulation is fp32 in every case):
+
+    - a bf16 or fp16 stream: ``tf32``, on the tensor cores. tf32 holds every bf16 and fp16 value
+      exactly, so only ``phi`` is rounded (to 10 mantissa bits); measured against an fp64
+      evaluation, the sub-layer's outputs and gradients stay within the bound the bf16 path is
+      held to (``benchmarks/fp64_accuracy.py``, docs/fused_hyper_connection.md);
+    - an fp32 stream: what ``torch.set_float32_matmul_precision`` asks of every fp32 matmul of the
+      model: ``highest`` (torch's default) -> ``ieee`` (fp32 FMAs, no tensor cores), ``high`` ->
+      ``tf32x3`` (three tf32 products that carry the low bits: about fp32's accuracy, measured),
+      ``medium`` -> ``tf32``."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return "tf32"
+    return PRECISION_OF_FP32_MATMULS[torch.get_float32_matmul_precision()]
 
 
 def projection_plan(tokens: int, width: int, element_size: int, block_k: int = 32) -> tuple[int, int, int]:
@@ -284,7 +306,8 @@ def projection(x: torch.Tensor, phi: torch.Tensor, eps: float, block_k: int = 32
     sq = torch.empty(splits, tokens, device=x.device, dtype=torch.float32)
     _projection_fwd[(triton.cdiv(tokens, block_t), splits)](x, phi.float().contiguous(), part, sq, tokens, width, m,
                                                             k_per_split, MP=_pow2(max(m, 16)), BLOCK_T=block_t,
-                                                            BLOCK_K=block_k, num_warps=8)
+                                                            BLOCK_K=block_k, PRECISION=projection_precision(x.dtype),
+                                                            num_warps=8)
     return part.sum(0), 1.0 / torch.sqrt(sq.sum(0) / width + eps)
 
 

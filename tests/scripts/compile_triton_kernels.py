@@ -1,16 +1,19 @@
 """Compile every Triton kernel of lightning_mhc ahead of time, on a machine without a GPU: Triton's
 frontend, MLIR, LLVM, PTX and ptxas, for every variant the code can launch: n = 2, 3, 4, 6 and 8
 (6 pads to 8), fp32, bf16 and fp16 streams, a bf16 or fp16 sub-layer output on an fp32 stream
-(bf16-mixed: the stream stays fp32), every bias/dropout variant; for sm_90 (the H100) all of
+(bf16-mixed: the stream stays fp32), every bias/dropout variant, the projection at each
+precision it can take (``projection_precision``); for sm_90 (the H100) all of
 them, for sm_80 and sm_100 (when this ptxas knows them) n = 4.
 
 It catches what Triton's interpreter does not: a branch whose two sides give tensors of different
 shapes, a dot of unsupported shape, a type the compiler refuses. Run without ``TRITON_INTERPRET``
-(under it the kernels are Python functions). Prints one line per kernel; exit 1 when one fails.
+(under it the kernels are Python functions). Prints one line per kernel, marked ``[tensor cores]``
+where its PTX multiplies on them; exit 1 when one fails.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import triton
@@ -53,12 +56,19 @@ def _cases(ns: tuple[int, ...]):
                     dict(**shape, BLOCK_T=16)
                 yield tk._mappings_bwd, dict(**mappings, hpre_ptr=F32, hpost_ptr=F32, ghpre_ptr=F32, ghpost_ptr=F32,
                                              ghres_ptr=F32, dz_ptr=F32), dict(**shape, BLOCK_T=16)
-        if out == stream:  # a tile of 128 fp32 or 256 bf16/fp16 tokens (projection_plan)
+        if out == stream:  # a tile of 128 fp32 or 256 bf16/fp16 tokens (projection_plan), each precision
             block_t = tk.PROJECTION_TILE_BYTES // (4 if stream == "*fp32" else 2)
-            yield tk._projection_fwd, dict(x_ptr=stream, phi_ptr=F32, part_ptr=F32, sq_ptr=F32, T="i32", K="i32",
-                                           M="i32", k_per_split="i32"), dict(MP=32, BLOCK_T=block_t, BLOCK_K=32)
+            precisions = tk.PRECISION_OF_FP32_MATMULS.values() if stream == "*fp32" else ("tf32",)
+            for precision in precisions:
+                yield tk._projection_fwd, dict(x_ptr=stream, phi_ptr=F32, part_ptr=F32, sq_ptr=F32, T="i32",
+                                               K="i32", M="i32", k_per_split="i32"), \
+                    dict(MP=32, BLOCK_T=block_t, BLOCK_K=32, PRECISION=precision)
 
 
+MMA = re.compile(r"\b(wgmma\.mma_async|mma\.sync|tcgen05\.mma)\.")
+TENSOR_CORES = " [tensor cores]"
+"""Marks a kernel whose PTX has a matrix-multiply-accumulate instruction (sm_80 ``mma``, sm_90
+``wgmma``, sm_100 ``tcgen05.mma``)."""
 OPTIONS = {"_projection_fwd": dict(num_warps=8)}
 """Launch options of kernels launched with other than Triton's defaults (as ``triton_kernels`` does)."""
 
@@ -79,9 +89,9 @@ def main() -> int:
         for kernel, types, constexprs in _cases(ns):
             label = f"{arch} {kernel.__name__} {types.get('x_ptr')}/{types.get('out_ptr', '-')} {constexprs}"
             try:
-                triton.compile(_source(kernel, types, constexprs), target=target,
-                               options=OPTIONS.get(kernel.__name__, {}))
-                print(f"ok   {label}")
+                compiled = triton.compile(_source(kernel, types, constexprs), target=target,
+                                          options=OPTIONS.get(kernel.__name__, {}))
+                print(f"ok   {label}{TENSOR_CORES if MMA.search(compiled.asm['ptx']) else ''}")
             except Exception as error:  # report every kernel, then fail
                 failed += 1
                 print(f"FAIL {label}: {type(error).__name__}: {str(error)[:2000]}")
