@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_mhc.checkpoint.sharding import _rectangles
-from lightning_mhc.distributed.optimizer import DistributedOptimizer, check_shardable
+from lightning_mhc.distributed.optimizer import DistributedOptimizer, check_shardable, got_gradient
 from lightning_mhc.errors import ConfigError
 from script_runs import fit_gpt
 
@@ -185,7 +185,9 @@ def test_bf16_weights_train_on_fp32_main_weights_and_resume_exactly(runs):
 def _plain_module_on_two_ranks(rank: int, world: int) -> list[float]:
     """3 AdamW steps, clipped, of a plain module with a frozen layer, the parameters cut into
     many small buckets (pieces end mid-tensor), each rank on its half of the batch. After each
-    backward the gradients are in the buckets' fp32 buffers only (no ``.grad`` left beside them)."""
+    backward the gradients are in the buckets' fp32 buffers only (no ``.grad`` left beside them);
+    no buffer exists before a step's first backward or after its step (they would live through
+    the forward, where activations peak)."""
     from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 
     layout = ParallelLayout().build()
@@ -196,14 +198,21 @@ def _plain_module_on_two_ranks(rank: int, world: int) -> list[float]:
                                           for pc in taken.pieces.values() if id(pc.param) in net)  # all parts
     for x, y in batches:
         mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        assert all(bucket.buffer is None for bucket in taken.buckets)
         torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
         for bucket in taken.buckets:  # the only copy of the gradients: views of the buckets' buffers
+            assert all(p.grad is None for p in bucket.params)
+            if not any(got_gradient(p) for p in bucket.params):  # the unused layer's: no buffer yet
+                assert bucket.buffer is None and all(p.main_grad is None for p in bucket.params)
+                continue
             buffer = bucket.buffer.untyped_storage().data_ptr()
-            assert all(p.grad is None and p.main_grad.untyped_storage().data_ptr() == buffer for p in bucket.params)
+            assert all(p.main_grad.untyped_storage().data_ptr() == buffer for p in bucket.params)
+        assert any(bucket.buffer is None for bucket in taken.buckets)
         taken.reduce_gradients()
         taken.clip_grad_norm(0.5)
         optimizer.step()
         taken.finish_step()
+        assert all(bucket.buffer is None and bucket.grad is None for bucket in taken.buckets)
         optimizer.zero_grad()
     destroy_parallel()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()

@@ -17,7 +17,9 @@ device, around the torch optimizer the user built (nothing of the update is writ
   ``main_grad`` (megatron's grad buffer): each backward adds a parameter's gradient into it as
   autograd produces it and drops ``.grad``, so no second copy of the gradients is made; the
   buffers are reduce-scattered over DP bucket by bucket into the owned range (during the last
-  backward when the reduction overlaps) and zeroed after the step;
+  backward when the reduction overlaps). A buffer is made at its bucket's first gradient of a
+  step and freed after the step (megatron keeps its buffers): it does not live through the
+  forward passes before the first backward, where the activations peak;
 - the sequence-parallel TP sum, the tied embedding's sum between stages, the global norm and
   clipping run on the pieces; a parameter no DP rank got a gradient for in a step is not stepped
   (as torch's optimizers skip a ``.grad`` of None: no weight decay, no momentum);
@@ -86,8 +88,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, also: Iterable[torch
 
 
 def got_gradient(param: torch.nn.Parameter) -> bool:
-    """Whether backward gave ``param`` a gradient since the last step (its ``main_grad`` exists
-    all along: the accumulation hook marks it)."""
+    """Whether backward gave ``param`` a gradient since the last step (the accumulation hook marks
+    it; its ``main_grad`` may be a view of zeros when another parameter of its bucket got one)."""
     return getattr(param, "main_grad_fresh", False)
 
 
@@ -103,18 +105,33 @@ class ShardBucket:
             self.offsets.append(self.offsets[-1] + p.numel())
         self.shard_numel = -(-self.offsets[-1] // parts)
         self.start = index * self.shard_numel
-        self.buffer: torch.Tensor | None = torch.zeros(self.shard_numel * parts, dtype=torch.float32,
-                                                       device=params[0].device)
-        """The bucket's gradients in fp32, padded to a multiple of ``parts``."""
-        for p, offset in zip(params, self.offsets):
-            p.main_grad = self.buffer[offset:offset + p.numel()].view_as(p)
-            p.main_grad_fresh = False
+        self.buffer: torch.Tensor | None = None
+        """The bucket's gradients in fp32, padded to a multiple of ``parts``: from the step's first
+        gradient (:meth:`accumulate`) to the end of the step (:meth:`zero_grad`)."""
+        for p in params:
+            p.main_grad, p.main_grad_fresh = None, False
         self.grad: torch.Tensor | None = None
         """This rank's range of the DP-averaged gradient (fp32), once :meth:`complete` ran."""
         self.got_gradients: list[bool] = [False] * len(params)
         """Which parameters had a gradient on this rank when the bucket was reduced."""
         self.ready: set[int] = set()
         self.work = None
+
+    def _allocate(self) -> None:
+        """The zeroed buffer, and each parameter's ``main_grad`` a view of its range."""
+        self.buffer = torch.zeros(self.shard_numel * self.parts, dtype=torch.float32, device=self.params[0].device)
+        for p, offset in zip(self.params, self.offsets):
+            p.main_grad = self.buffer[offset:offset + p.numel()].view_as(p)
+
+    def accumulate(self, param: torch.nn.Parameter) -> None:
+        """A post-accumulate hook: the gradient autograd just accumulated is added into the
+        buffer (megatron's ``main_grad``), then dropped: the buffer is the only copy kept between
+        backwards."""
+        if self.buffer is None:
+            self._allocate()
+        param.main_grad.add_(param.grad)
+        param.main_grad_fresh = True
+        param.grad = None
 
     def pieces(self) -> Iterable[tuple[torch.nn.Parameter, slice, slice]]:
         """``(parameter, its flat range, that range's place in this rank's shard)`` for every
@@ -130,6 +147,8 @@ class ShardBucket:
 
     def launch(self, group) -> None:
         self.got_gradients = [got_gradient(p) for p in self.params]
+        if self.buffer is None:  # no gradient on this rank: it still takes part, with zeros
+            self._allocate()
         if self.parts > 1:  # into a range of its own (1/DP of the buffer): not every backend reduces in place
             self.grad = torch.empty(self.shard_numel, dtype=torch.float32, device=self.buffer.device)
             self.work = dist.reduce_scatter_tensor(self.grad, self.buffer, group=group, async_op=True)
@@ -148,12 +167,10 @@ class ShardBucket:
         self.ready, self.work = set(), None
 
     def zero_grad(self) -> None:
-        """After the step: the buffer zeroed for the next step's accumulation."""
-        self.grad = None
-        self.buffer.zero_()
+        """After the step: the buffer freed (the next step's first gradient makes a new one)."""
+        self.grad = self.buffer = None
         for p in self.params:
-            p.grad = None
-            p.main_grad_fresh = False
+            p.grad, p.main_grad, p.main_grad_fresh = None, None, False
 
     def all_gather(self, group) -> None:
         """Every rank's updated range into every rank's parameters."""
@@ -228,7 +245,7 @@ class DistributedOptimizer:
                               "ones: build it on the set-up module's parameters.")
         # before the reduction's hooks (registered below), which may launch a bucket once its
         # parameters' gradients are in the buffer
-        self._hooks = [p.register_post_accumulate_grad_hook(_accumulate_in_buffer)
+        self._hooks = [p.register_post_accumulate_grad_hook(bucket.accumulate)
                        for bucket in self.buckets for p in bucket.params]
         for group in optimizer.param_groups:
             group["params"] = [self.pieces[id(p)].main for p in group["params"] if id(p) in self.pieces]
@@ -344,11 +361,3 @@ class DistributedOptimizer:
                 for attribute in ("main_grad", "main_grad_fresh"):
                     if hasattr(p, attribute):
                         delattr(p, attribute)
-
-
-def _accumulate_in_buffer(param: torch.nn.Parameter) -> None:
-    """The gradient autograd just accumulated is added into the bucket's fp32 buffer (megatron's
-    ``main_grad``), then dropped: the buffer is the only copy kept between backwards."""
-    param.main_grad.add_(param.grad)
-    param.main_grad_fresh = True
-    param.grad = None
