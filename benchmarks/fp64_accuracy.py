@@ -47,13 +47,11 @@ def cases(implementation: str):
 def measure(implementation, hidden: int, tokens: int, dtype: torch.dtype, device: str, matmul_precision: str) -> dict:
     from model_utils import errors_against_fp64, hc_sublayer_inputs
 
+    from lightning_mhc.testing.precision import float32_matmul_precision
+
     inputs, upstream = hc_sublayer_inputs(tokens, STREAMS, hidden, dtype, device)
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(matmul_precision)
-    try:
+    with float32_matmul_precision(matmul_precision):
         errors = errors_against_fp64(implementation, inputs, upstream, STREAMS, iterations=20)
-    finally:
-        torch.set_float32_matmul_precision(before)
     return {name: dict(ours=ours, reference=reference) for name, (ours, reference) in errors.items()}
 
 

@@ -209,27 +209,26 @@ def _bandwidth(hidden: int, args, device) -> dict:
     except Absent as why:
         return dict(absent=str(why))
     from lightning_mhc.ops.triton_kernels import projection, projection_bytes, projection_precision
+    from lightning_mhc.testing.precision import float32_matmul_precision
 
     name = torch.cuda.get_device_name(device)
     peak = next((value for key, value in PEAK_BANDWIDTH.items() if key in name), None)
     phi = torch.randn(N * hidden, N * N + 2 * N, device=device)
-    before, variants = torch.get_float32_matmul_precision(), {}
-    try:
-        for dtype_name, matmul_precision in PROJECTION_VARIANTS:
-            torch.set_float32_matmul_precision(matmul_precision)
-            x = torch.randn(args.tokens, N * hidden, device=device, dtype=getattr(torch, dtype_name))
+    variants = {}
+    for dtype_name, matmul_precision in PROJECTION_VARIANTS:
+        x = torch.randn(args.tokens, N * hidden, device=device, dtype=getattr(torch, dtype_name))
+        with float32_matmul_precision(matmul_precision):
+            precision = projection_precision(x.dtype)
             times = interleaved_times({"projection": lambda: (projection(x, phi, 1e-6), synchronize(device))},
                                       args.rounds)
-            seconds = median(times["projection"])
-            traffic = projection_bytes(args.tokens, N * hidden, N * N + 2 * N, x.element_size())
-            moved = traffic["minimum"]  # effective bandwidth: the bytes the work needs over the time it took
-            variants[f"{dtype_name}, {projection_precision(x.dtype)}"] = dict(
-                stream=dtype_name, matmul_precision=matmul_precision, precision=projection_precision(x.dtype),
-                median_s=seconds, bytes=moved, bytes_per_s=moved / seconds, peak_bytes_per_s=peak,
-                fraction_of_peak=moved / seconds / peak if peak else None, requested_bytes=traffic["requested"],
-                requested_bytes_per_s=traffic["requested"] / seconds, phi_share_of_stream=traffic["phi_share"])
-    finally:
-        torch.set_float32_matmul_precision(before)
+        seconds = median(times["projection"])
+        traffic = projection_bytes(args.tokens, N * hidden, N * N + 2 * N, x.element_size())
+        moved = traffic["minimum"]  # effective bandwidth: the bytes the work needs over the time it took
+        variants[f"{dtype_name}, {precision}"] = dict(
+            stream=dtype_name, matmul_precision=matmul_precision, precision=precision,
+            median_s=seconds, bytes=moved, bytes_per_s=moved / seconds, peak_bytes_per_s=peak,
+            fraction_of_peak=moved / seconds / peak if peak else None, requested_bytes=traffic["requested"],
+            requested_bytes_per_s=traffic["requested"] / seconds, phi_share_of_stream=traffic["phi_share"])
     return dict(device=name, variants=variants)
 
 

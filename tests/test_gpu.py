@@ -81,13 +81,11 @@ def test_triton_kernels_against_an_fp64_evaluation_at_real_shapes(dtype, matmul_
     pytest.importorskip("triton")
     from model_utils import ERROR_FACTOR, ERROR_FLOOR, errors_against_fp64, hc_sublayer_inputs
 
+    from lightning_mhc.testing.precision import float32_matmul_precision
+
     inputs, upstream = hc_sublayer_inputs(TOKENS, N, C, dtype, DEVICE)
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(matmul_precision)
-    try:
+    with float32_matmul_precision(matmul_precision):
         errors = errors_against_fp64("triton", inputs, upstream, N, iterations=20)
-    finally:
-        torch.set_float32_matmul_precision(before)
     for name, (ours, reference) in errors.items():
         assert ours <= ERROR_FACTOR * reference + ERROR_FLOOR[dtype], (name, ours, reference)
 

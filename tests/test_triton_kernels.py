@@ -80,6 +80,7 @@ def test_the_projection_multiplies_at_the_precision_torch_asks_of_fp32_matmuls(m
     fp32 products, ``high`` -> tf32x3, ``medium`` -> tf32); a bf16 stream's is tf32 whatever it
     says (its values are exact in tf32). Read off the kernel's launch."""
     from lightning_mhc.ops import triton_kernels
+    from lightning_mhc.testing.precision import float32_matmul_precision
 
     kernel, launched = triton_kernels._projection_fwd, []
 
@@ -92,14 +93,10 @@ def test_the_projection_multiplies_at_the_precision_torch_asks_of_fp32_matmuls(m
 
     monkeypatch.setattr(triton_kernels, "_projection_fwd", Recorder())
     phi = torch.randn(64, 24) * 0.1
-    before = torch.get_float32_matmul_precision()
-    try:
-        for setting in ("highest", "high", "medium"):
-            torch.set_float32_matmul_precision(setting)
+    for setting in ("highest", "high", "medium"):
+        with float32_matmul_precision(setting):
             for dtype in (torch.float32, torch.bfloat16):
                 triton_kernels.projection(torch.randn(3, 64).to(dtype), phi, 1e-6)
-    finally:
-        torch.set_float32_matmul_precision(before)
     assert launched == ["ieee", "tf32", "tf32x3", "tf32", "tf32", "tf32"]
 
 
@@ -272,8 +269,7 @@ def test_every_kernel_compiles_for_an_h100_ahead_of_time(tmp_path):
     dropout variant) is compiled for sm_90 down to a cubin (ptxas), and n = 4 for sm_80 and sm_100,
     in a child process without ``TRITON_INTERPRET``, no GPU needed: 351 kernels. The projection's
     tf32 and tf32x3 variants multiply on the tensor cores (their PTX has ``mma``, ``wgmma`` or
-    ``tcgen05.mma``), its
-    ``ieee`` one does not."""
+    ``tcgen05.mma``), its ``ieee`` one does not."""
     import pathlib
     import subprocess
     import sys
