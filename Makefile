@@ -39,17 +39,19 @@ train: install
 test: install-dev
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# A lent GPU machine: its image's Python (CUDA PyTorch, Triton, Lightning) runs the checkout;
-# what the image lacks comes from .whl/ (make gpu-wheels, here) or the index. See
-# benchmarks/gpu_check.py.
+# A lent GPU machine: its image's Python (CUDA PyTorch, Triton, Lightning) runs the checkout
+# within one time budget, results in $OUT; what the image lacks comes from .whl/, which
+# `make gpu-wheels` fills here (MEGATRON_LM=CHECKOUT also copies Megatron-LM's mHC into
+# .megatron-lm/) and which the device call must carry. See benchmarks/gpu_check.py.
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
+MEGATRON_LM ?=
 
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 gpu-wheels:
-	$(PYTHON) benchmarks/gpu_check.py --download-wheels .whl
+	$(PYTHON) benchmarks/gpu_check.py --download-wheels .whl $(if $(MEGATRON_LM),--megatron-lm $(MEGATRON_LM))
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .gpu-site

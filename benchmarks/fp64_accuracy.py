@@ -12,7 +12,7 @@ Cases: fp32 and bf16 streams as they run by default; then the projection's tenso
 compute it (``tensor_core_projection``: tf32x3 and tf32 on an fp32 stream, tf32 on a bf16 one);
 with ``triton`` (on a GPU; on CPU only under ``TRITON_INTERPRET=1``, slowly, and the interpreter
 ignores the precision), the kernels under ``torch.set_float32_matmul_precision("high")`` and
-``("medium")``, the reference's matmuls under the same setting. Writes JSON (default
+``("medium")``, the reference under ``highest``. Writes JSON (default
 ``benchmarks/results/fp64_accuracy.json``).
 """
 from __future__ import annotations
@@ -47,11 +47,9 @@ def cases(implementation: str):
 def measure(implementation, hidden: int, tokens: int, dtype: torch.dtype, device: str, matmul_precision: str) -> dict:
     from model_utils import errors_against_fp64, hc_sublayer_inputs
 
-    from lightning_mhc.testing.precision import float32_matmul_precision
-
     inputs, upstream = hc_sublayer_inputs(tokens, STREAMS, hidden, dtype, device)
-    with float32_matmul_precision(matmul_precision):
-        errors = errors_against_fp64(implementation, inputs, upstream, STREAMS, iterations=20)
+    errors = errors_against_fp64(implementation, inputs, upstream, STREAMS, iterations=20,
+                                 matmul_precision=matmul_precision)
     return {name: dict(ours=ours, reference=reference) for name, (ours, reference) in errors.items()}
 
 
@@ -69,7 +67,7 @@ def main() -> None:
     for label, dtype, implementation, matmul_precision in cases(args.implementation):
         errors = measure(implementation, args.hidden, args.tokens, dtype, device, matmul_precision)
         result["errors"][label] = errors
-        print(f"{label}: error against fp64, ours / op-by-op reference (torch matmul precision {matmul_precision})")
+        print(f"{label}: error against fp64, ours (torch matmul precision {matmul_precision}) / op-by-op reference")
         for name, e in errors.items():
             print(f"  {name:12s} {e['ours']:.2e} / {e['reference']:.2e}  ratio {e['ours'] / e['reference']:.2f}")
     write_json(args.out, result)

@@ -101,7 +101,10 @@ def _megatron_module(checkout: pathlib.Path | None):
         return HyperConnectionModule, "megatron-core"
     if checkout is None:
         raise Absent("no megatron-core release has mHC (up to 0.19.2): give --megatron-lm with a Megatron-LM checkout")
-    path = checkout / "megatron/core/transformer/hyper_connection.py" if checkout.is_dir() else checkout
+    path = checkout
+    if checkout.is_dir():  # a checkout, or a folder holding the module alone (gpu_check's .megatron-lm/)
+        path = next((p for p in (checkout / "megatron/core/transformer/hyper_connection.py",
+                                 checkout / "hyper_connection.py") if p.is_file()), checkout / "hyper_connection.py")
     if not path.is_file():
         raise Absent(f"{path} not found")
     import megatron.core.tensor_parallel.random as megatron_random
@@ -297,7 +300,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None, help="default: 8192 on a GPU, 1024 on CPU")
     parser.add_argument("--model-hidden", type=int, default=None, help="default: 4096 on a GPU, 256 on CPU")
     parser.add_argument("--megatron-lm", type=pathlib.Path, default=None,
-                        help="a Megatron-LM checkout (or its hyper_connection.py) for Megatron's mHC")
+                        help="a Megatron-LM checkout, its hyper_connection.py, or a folder holding that file alone")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "gpu_mhc.json")
     args = parser.parse_args()
     import torch

@@ -1,6 +1,7 @@
 """Small model configurations and independent reference math for the tests."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -175,12 +176,19 @@ def hc_sublayer_and_grads(implementation: str, inputs, upstream, n: int, iterati
     return [*(o.detach() for o in outs), *torch.autograd.grad(loss, leaves)]
 
 
-def errors_against_fp64(implementation: str, inputs, upstream, n: int, iterations: int = 20) -> dict:
+def errors_against_fp64(implementation: str, inputs, upstream, n: int, iterations: int = 20,
+                        matmul_precision: str | None = None) -> dict:
     """``{result: (error of implementation, error of the reference)}``: each run at the inputs'
     precision (the reference op by op, in the stream's dtype) against the reference evaluated in
-    fp64 on the same values; an error is ``max|a - exact| / max|exact|``, in fp64."""
+    fp64 on the same values; an error is ``max|a - exact| / max|exact|``, in fp64. With
+    ``matmul_precision``, the implementation alone runs under that
+    ``torch.set_float32_matmul_precision`` (the reference and the fp64 evaluation under the
+    caller's)."""
+    from lightning_mhc.testing.precision import float32_matmul_precision
+
     exact = hc_sublayer_and_grads("reference", [t.double() for t in inputs], upstream, n, iterations)
-    ours = hc_sublayer_and_grads(implementation, inputs, upstream, n, iterations)
+    with float32_matmul_precision(matmul_precision) if matmul_precision else contextlib.nullcontext():
+        ours = hc_sublayer_and_grads(implementation, inputs, upstream, n, iterations)
     reference = hc_sublayer_and_grads("reference", inputs, upstream, n, iterations)
 
     def error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -229,3 +237,34 @@ def tensor_core_projection(precision: str):
             return product(x.float(), phi.float()), r
 
     return TensorCoreProjection
+
+
+def expected_projection_precision(dtype: torch.dtype, matmul_precision: str) -> str:
+    """The precision Triton's projection must multiply at (docs/fused_hyper_connection.md), written
+    here apart from the code under test: tf32 for a bf16/fp16 stream; for an fp32 stream what
+    torch's fp32 matmul precision asks (``highest`` fp32, ``high`` tf32x3, ``medium`` tf32)."""
+    if dtype != torch.float32:
+        return "tf32"
+    return {"highest": "ieee", "high": "tf32x3", "medium": "tf32"}[matmul_precision]
+
+
+def fp64_bound_violations(implementation, inputs, upstream, n: int, matmul_precision: str = "highest",
+                          iterations: int = 20) -> dict:
+    """``{result: (error, bound)}`` for each output and gradient of ``implementation`` (run under
+    torch's ``matmul_precision``) whose error against the fp64 evaluation breaks its bound; empty
+    when every one holds. The bound is ERROR_FACTOR times the op-by-op reference's error (its
+    products fp32, under the caller's precision: ``highest``) or, where the projection should run
+    on tensor cores (``expected_projection_precision``), the error of the fused eager ops with that
+    product emulated (``tensor_core_projection``) when larger, plus ERROR_FLOOR. So a projection
+    that falls below the precision asked (tf32x3 -> tf32: about 2000x the error) breaks it, where a
+    reference run under the same setting would have fallen with it."""
+    errors = errors_against_fp64(implementation, inputs, upstream, n, iterations, matmul_precision)
+    precision = expected_projection_precision(inputs[0].dtype, matmul_precision)
+    emulated = (errors_against_fp64(tensor_core_projection(precision), inputs, upstream, n, iterations)
+                if precision != "ieee" else {})
+    violations = {}
+    for name, (ours, reference) in errors.items():
+        bound = ERROR_FACTOR * max(reference, emulated.get(name, (0.0,))[0]) + ERROR_FLOOR[inputs[0].dtype]
+        if not ours <= bound:
+            violations[name] = (ours, bound)
+    return violations

@@ -697,6 +697,24 @@ def test_the_projections_tensor_core_precisions_against_an_fp64_evaluation(dtype
     assert all(bounded.values()) if within else not any(bounded.values()), (bounded, errors)
 
 
+@pytest.mark.parametrize("kernel_precision, matmul_precision, holds", [
+    ("tf32x3", "high", True), ("tf32", "high", False), ("tf32", "medium", True), ("ieee", "medium", True)])
+def test_the_gpu_bound_catches_a_projection_below_the_precision_asked(kernel_precision, matmul_precision, holds):
+    """The bound the GPU set holds Triton's kernels to under each fp32 matmul precision
+    (``fp64_bound_violations``): a projection at the precision asked holds it (tf32x3 under
+    ``high``, tf32 under ``medium``; fp32 is better than asked), one that fell to tf32 under
+    ``high`` breaks it on every result. (The bound used to be the error of a reference run under the
+    same setting: on a GPU its matmuls take cuBLAS's tf32 under ``high``, so the fall passed.) The
+    kernel stands in as the fused ops with the product emulated; Triton's interpreter ignores the
+    precision."""
+    from model_utils import fp64_bound_violations, hc_sublayer_inputs, tensor_core_projection
+
+    inputs, upstream = hc_sublayer_inputs(96, 4, 256, torch.float32)
+    violations = fp64_bound_violations(tensor_core_projection(kernel_precision), inputs, upstream, 4,
+                                       matmul_precision, iterations=20)
+    assert violations == {} if holds else len(violations) == 8, violations
+
+
 def _sublayer_leaves(g: torch.Generator, n: int, C: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The nine hyper-connection parameters (``reference_pre``'s order; gates 1, biases 0) and a
     branch weight ``[C, C]``, all requiring grad, drawn from ``g``."""
