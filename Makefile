@@ -43,7 +43,8 @@ test: install-dev
 # within one time budget, results in $OUT; what the image lacks comes from .whl/, which
 # `make gpu-wheels` fills here (MEGATRON_LM=CHECKOUT also copies Megatron-LM's mHC into
 # .megatron-lm/) and which the device call must carry. See benchmarks/gpu_check.py.
-GPU_PYTHON ?= python3
+# the image's Python on the GPU machine (no .venv travels there); .venv's here: a CPU dry run
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_CHECK_ARGS ?=
 MEGATRON_LM ?=
 
