@@ -61,7 +61,15 @@ def _hf(llama_dir, *extra):
       "data.global_batch_size=16", "data.micro_batch_size=2"],
      r"4 blocks cannot fill 8 pipeline stages"),
     (["model.num_layers=8"], r"model.num_layers=8: the project's GPT reads it, not model=hf"),
-    (["model.plan=bloom"], r"plan='bloom': no such built-in plan"),
+    # the GPT's keys at their GPT defaults: refused all the same (they were silently ignored)
+    (["model.enable_hyper_connections=true", "model.num_residual_streams=4"],
+     r"model.enable_hyper_connections=true: the project's GPT reads it, not model=hf.* give "
+     r"model.hyper_connections=<n>"),
+    (["model.num_residual_streams=4"], r"model.num_residual_streams=4: the project's GPT reads it"),
+    (["model.hidden_dropout=0.1"], r"model.hidden_dropout=0.1: the project's GPT reads it"),
+    (["model.plan=bloom"], r"model.plan=bloom: LlamaForCausalLM names no built-in plan; the command line takes the "
+                           r"built-in plans \(.*llama.*\).* call parallelize\(\) from Python"),
+    (["model.init_seed=-1"], r"model.init_seed=-1: must be an integer >= 0"),
     (["data.seq_length=256"], r"data.seq_length=256 exceeds its max_position_embeddings=128"),
 ])
 def test_the_command_line_checks_a_hugging_face_model_before_launch(llama_dir, extra, message, tmp_path, monkeypatch,
@@ -85,16 +93,73 @@ def test_a_family_without_a_plan_and_a_missing_model_are_refused(tmp_path, monke
     BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=300).save_pretrained(tmp_path / "bloom")
     cases = [
         (["model=hf", f"model.config={tmp_path / 'bloom'}", "data=synthetic"],
-         r"model.config=.*bloom: plan='auto': BloomForCausalLM has model_type 'bloom', which has no built-in plan"),
+         r"model.config=.*bloom: model.plan=auto: BloomForCausalLM has model_type 'bloom'; the command line takes the "
+         r"built-in plans"),
         (["model=hf", f"model.pretrained={tmp_path}", "data=synthetic"], r"model.pretrained=.*: .* no config.json there"),
         (["model=hf", "data=synthetic"], r"model=hf needs one of model.pretrained=.* or model.config=.*not neither"),
-        (["model.hyper_connections=4"], r"model.pretrained / model.config / model.hyper_connections are for a Hugging"),
+        (["model.hyper_connections=4"], r"model.hyper_connections=4: model.hyper_connections is for a Hugging Face "
+                                        r"model \(model=hf\)"),
+        (["model.plan=auto"], r"model.plan='auto': model.plan is for a Hugging Face model"),  # its model=hf default
     ]
     import re
 
     for argv, message in cases:
         status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
         assert status == 2 and re.search(message, err), (argv, err)
+
+
+def test_the_command_line_trains_with_the_python_apis_defaults(llama_dir, monkeypatch):
+    """``model=hf`` without optimizer or seed keys: the learning rate, warm-up and the seed of fresh
+    weights and hyper-connections are ``HFCausalLMModule``'s defaults, and that seed is the one
+    ``add_hyper_connections``, ``parallelize`` and ``HyperConnectionSettings`` default to (the CLI
+    used to take 3e-3 with 20 warm-up steps and the run's seed, 1234)."""
+    import inspect
+
+    from test_hydra import compose_config
+
+    from lightning_mhc import add_hyper_connections
+    from lightning_mhc.lightning.modules.hf import HFCausalLMModule
+    from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
+    from lightning_mhc.parallelize.model import parallelize
+
+    monkeypatch.chdir(llama_dir.parent)
+    cfg = compose_config("model=hf", f"model.pretrained={llama_dir}", "data=synthetic", "model.hyper_connections=4")
+    module = inspect.signature(HFCausalLMModule).parameters
+    assert (cfg.optim.lr, cfg.optim.warmup_steps) == (module["lr"].default, module["warmup_steps"].default) == (3e-4, 0)
+    seeds = {cfg.model.init_seed, cfg.model.hyper_connection_settings.seed, module["seed"].default,
+             HyperConnectionSettings().seed, inspect.signature(add_hyper_connections).parameters["seed"].default,
+             inspect.signature(parallelize).parameters["seed"].default}
+    assert seeds == {0}
+    gpt = compose_config("data=synthetic")
+    assert (gpt.optim.lr, gpt.optim.warmup_steps, gpt.model.init_seed) == (3e-3, 20, 1234)
+    assert (compose_config("model=hf", f"model.pretrained={llama_dir}", "data=synthetic", "optim.lr=1e-3").optim.lr
+            == 1e-3)
+
+
+def test_the_flops_of_a_hugging_face_model_match_torchs_flop_counter():
+    """``mfu``'s FLOPs for ``model=hf`` (``HFCausalLMModule.flops_per_token``, read off the layer
+    shapes) against torch's own FLOP counter over a forward of the unmodified model (eager attention,
+    which multiplies the whole ``s x s`` square where the causal count takes half), for a Llama with
+    grouped-query attention and a GPT-2 (its ``Conv1D`` layers)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from lightning_mhc.lightning.modules.hf import _forward_flops_of
+    from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
+
+    batch, seq = 2, 24
+    for model in (LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                               attn_implementation="eager")),
+                  GPT2LMHeadModel(GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=200,
+                                             attn_implementation="eager"))):
+        fixed, per_position = _forward_flops_of(model, HyperConnectionSettings(1))
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=torch.zeros(batch, seq, dtype=torch.long))
+        counted = counter.get_total_flops() / (batch * seq)
+        assert counted == fixed + 2 * per_position * seq, (type(model).__name__, counted, fixed, per_position)
+    with_streams, _ = _forward_flops_of(model, HyperConnectionSettings(4))
+    assert with_streams > fixed  # the hyper-connections' own terms
 
 
 def test_the_tokenizer_comes_from_the_model_directory(llama_dir, sample_data, tmp_path, monkeypatch, capsys):
@@ -123,10 +188,14 @@ def test_continue_a_pretrained_llama_with_hyper_connections_on_tp2_pp2(llama_dir
                        "data.micro_batch_size=2", "data.global_batch_size=8", "parallel=tp2pp2", "trainer.devices=4",
                        "recompute=mhc_block", "trainer.max_steps=8", "trainer.val_check_interval=8",
                        "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "optim.lr=3e-3",
-                       "optim.warmup_steps=2", "hydra.run.dir=run", timeout=900)
+                       "optim.warmup_steps=2", "trainer.peak_tflops=1", "hydra.run.dir=run", timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     run = tmp_path / "run"
     losses = train_losses(run / "metrics.csv")
+    import csv
+
+    rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("mfu")]
+    assert rows and all(float(r["mfu"]) > 0 for r in rows)  # trainer.peak_tflops gives model=hf an mfu
     summary = json.loads((run / "summary.json").read_text())
     print(f"model=hf + 4 streams on TP 2 x PP 2: train loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}; "
           f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}")

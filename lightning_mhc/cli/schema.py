@@ -34,8 +34,10 @@ FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")
 """``torch.set_float32_matmul_precision``'s settings."""
 DATA_SOURCES = ("stdlib", "text", "synthetic", "megatron")
 MODEL_SOURCES = ("gpt", "hf")
-HF_MODEL_KEYS = ("source", "pretrained", "config", "hyper_connections", "plan", "mhc_implementation")
-"""The model group's keys a Hugging Face model (model=hf) reads; the others are the project's GPT's."""
+HF_MODEL_KEYS = ("pretrained", "config", "hyper_connections", "plan")
+"""The model group's keys only a Hugging Face model (model=hf) reads."""
+SHARED_MODEL_KEYS = ("source", "init_seed", "mhc_implementation")
+"""The model group's keys both models read; every other key is the project's GPT's alone."""
 BYTE_VOCAB = 256
 """The vocabulary of the byte-level sources (stdlib, text)."""
 LOGGERS = ("csv", "wandb", "none")
@@ -95,49 +97,96 @@ def _one_of(key: str, value: Any, choices: tuple[str, ...], fix: str | None = No
 class ModelConfig:
     """The model group: the project's mHC GPT (``source: gpt``, the MHCTransformerConfig fields a run
     chooses), or a Hugging Face causal LM (``source: hf``: ``pretrained`` or ``config``,
-    ``hyper_connections``, ``plan``, ``mhc_implementation``)."""
+    ``hyper_connections``, ``plan``; and the shared ``init_seed``, ``mhc_implementation``).
+
+    A key the chosen model does not read is null here and refused when given, whatever its value
+    (``model=hf model.num_residual_streams=4`` would otherwise be silently ignored); the defaults
+    are filled in for the chosen model when the config is checked: ``GPT_DEFAULTS`` and then
+    ``MHCTransformerConfig``'s own for the GPT, ``HF_DEFAULTS`` for a Hugging Face model."""
 
     source: str = "gpt"
     """'gpt': the project's mHC GPT; 'hf': a Hugging Face causal LM (model=hf)."""
     pretrained: Optional[str] = None
     """model=hf: a save_pretrained directory to continue training (its config, safetensors and tokenizer)."""
     config: Optional[str] = None
-    """model=hf: a directory (or its config.json) to train from fresh weights (drawn from the seed)."""
+    """model=hf: a directory (or its config.json) to train from fresh weights (drawn from init_seed)."""
     hyper_connections: Optional[int] = None
     """model=hf: n residual streams with hyper-connections added, exact at step 0 (null or 1: the model as it is)."""
-    plan: str = "auto"
-    """model=hf: the tensor-parallel plan ('auto': by the config's model_type)."""
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 4
+    plan: Optional[str] = None
+    """model=hf: the tensor-parallel plan (default 'auto': by the config's model_type)."""
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
     num_query_groups: Optional[int] = None
+    """null: one per head."""
     ffn_hidden_size: Optional[int] = None
+    """null: 4 x hidden_size."""
     vocab_size: Optional[int] = None
     """null: from the data (256 for bytes, the tokenizer's for data=megatron)."""
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: Optional[int] = None
     """The embedding and output layer are padded to a multiple of this; the padding never gets probability."""
-    max_sequence_length: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    activation: str = "gelu"
-    add_bias_linear: bool = True
-    share_embeddings_and_output_weights: bool = True
-    position_embedding_type: str = "rope"
-    init_method_std: float = 0.02
-    init_seed: int = 1234
-    enable_hyper_connections: bool = True
-    num_residual_streams: int = 4
-    mhc_sinkhorn_iterations: int = 20
-    mhc_init_gating_factor: float = 0.01
+    max_sequence_length: Optional[int] = None
+    hidden_dropout: Optional[float] = None
+    attention_dropout: Optional[float] = None
+    activation: Optional[str] = None
+    add_bias_linear: Optional[bool] = None
+    share_embeddings_and_output_weights: Optional[bool] = None
+    position_embedding_type: Optional[str] = None
+    init_method_std: Optional[float] = None
+    init_seed: Optional[int] = None
+    """The initialisation seed: the GPT's weights and hyper-connections (default 1234); model=hf's
+    fresh weights and hyper-connection parameters (default 0, as in ``HFCausalLMModule``,
+    ``parallelize`` and ``add_hyper_connections``)."""
+    enable_hyper_connections: Optional[bool] = None
+    num_residual_streams: Optional[int] = None
+    mhc_sinkhorn_iterations: Optional[int] = None
+    mhc_init_gating_factor: Optional[float] = None
     mhc_implementation: str = "auto"
 
     def __post_init__(self) -> None:
         _one_of("model.source", self.source, MODEL_SOURCES, "Choose model=<a GPT: tiny, small, gpt_125m> or model=hf.")
-        if self.source == "hf":
+        self._refuse_keys_of_the_other_model()
+
+    def take_defaults(self) -> None:
+        """Fills the chosen model's defaults and checks the group (``TrainConfig`` calls it first:
+        not ``__post_init__``, which also runs when Hydra reads the schema's defaults, so they
+        would stop being null)."""
+        for name, value in (HF_DEFAULTS if self.is_hf else _gpt_defaults()).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        _one_of("model.mhc_implementation", self.mhc_implementation, MHC_IMPLEMENTATIONS,
+                "Use 'auto' (the fused ops), 'fused', 'triton' (Triton's kernels), 'compile' (torch.compile) "
+                "or 'reference' (the op-by-op math).")
+        _require(isinstance(self.init_seed, int) and not isinstance(self.init_seed, bool) and self.init_seed >= 0,
+                 "model.init_seed", self.init_seed, "an integer >= 0", "Set model.init_seed to e.g. 0.")
+        if self.is_hf:
             self._check_hf()
-        elif self.hyper_connections is not None or self.pretrained or self.config:
-            raise ConfigError("model.pretrained / model.config / model.hyper_connections are for a Hugging Face model "
-                              "(model=hf); the project's GPT sets its streams with model.num_residual_streams.")
+        else:
+            self._check_gpt()
+
+    def _refuse_keys_of_the_other_model(self) -> None:
+        other = [k for k in _fields(ModelConfig) if k not in (*SHARED_MODEL_KEYS, *self.own_keys)]
+        given = [k for k in other if getattr(self, k) is not None]
+        if not given:
+            return
+        key = given[0]
+        value = f"model.{key}={show(getattr(self, key))}"
+        if self.is_hf:
+            hint = (" For n residual streams on a Hugging Face model give model.hyper_connections=<n>."
+                    if key in ("enable_hyper_connections", "num_residual_streams") else "")
+            raise ConfigError(f"{value}: the project's GPT reads it, not model=hf, whose config.json sets its sizes and "
+                              f"model.hyper_connections its streams. Remove model.{key}.{hint}")
+        raise ConfigError(f"{value}: model.{key} is for a Hugging Face model (model=hf); the project's GPT sets its "
+                          f"streams with model.num_residual_streams. Remove model.{key}, or choose model=hf.")
+
+    @property
+    def own_keys(self) -> tuple[str, ...]:
+        """The keys only the chosen model reads."""
+        if self.is_hf:
+            return HF_MODEL_KEYS
+        return tuple(k for k in _fields(ModelConfig) if k not in (*SHARED_MODEL_KEYS, *HF_MODEL_KEYS))
+
+    def _check_gpt(self) -> None:
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"model.activation={self.activation!r}: choose one of {', '.join(ACTIVATIONS)}.")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "max_sequence_length",
@@ -152,9 +201,6 @@ class ModelConfig:
             _require(_is_number(value) and 0 <= value < 1, f"model.{name}", value, "in [0, 1)",
                      f"Set model.{name} to a dropout probability, e.g. 0.1 (0 turns dropout off).")
         _positive("model.init_method_std", self.init_method_std, "Set model.init_method_std to e.g. 0.02.")
-        _one_of("model.mhc_implementation", self.mhc_implementation, MHC_IMPLEMENTATIONS,
-                "Use 'auto' (the fused ops), 'fused', 'triton' (Triton's kernels), 'compile' (torch.compile) "
-                "or 'reference' (the op-by-op math).")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
@@ -183,11 +229,6 @@ class ModelConfig:
             raise ConfigError("model=hf needs one of model.pretrained=<save_pretrained dir> (continue its weights) or "
                               "model.config=<dir or config.json> (fresh weights), not "
                               + ("both." if self.pretrained else "neither."))
-        defaults = ModelConfig()
-        changed = [k for k in _fields(ModelConfig) if k not in HF_MODEL_KEYS and getattr(self, k) != getattr(defaults, k)]
-        if changed:
-            raise ConfigError(f"model.{changed[0]}={show(getattr(self, changed[0]))}: the project's GPT reads it, not "
-                              f"model=hf, whose config.json sets its sizes. Remove model.{changed[0]}.")
         if self.pretrained:
             self.pretrained = to_absolute_path(os.path.expanduser(self.pretrained))
         else:
@@ -196,17 +237,51 @@ class ModelConfig:
 
         n = 1 if self.hyper_connections is None else self.hyper_connections
         try:
-            self.hyper_connection_settings = HyperConnectionSettings(n, implementation=self.mhc_implementation)
+            self.hyper_connection_settings = HyperConnectionSettings(n, seed=self.init_seed,
+                                                                     implementation=self.mhc_implementation)
             """model=hf: the hyper-connections, checked once (1 stream: none)."""
         except ConfigError as error:
             raise ConfigError(f"model.hyper_connections={show(self.hyper_connections)}: "
                               + str(error).split(": ", 1)[-1]) from None
 
     def transformer_kwargs(self) -> dict[str, Any]:
-        kwargs = {k: getattr(self, k) for k in self.__dataclass_fields__
-                  if k not in ("activation", *HF_MODEL_KEYS[:5])}
+        kwargs = {k: getattr(self, k) for k in self.own_keys if k != "activation"}
+        kwargs.update(init_seed=self.init_seed, mhc_implementation=self.mhc_implementation)
         kwargs["activation_func"], kwargs["gated_linear_unit"] = ACTIVATIONS[self.activation]
         return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _check_built_in_plan(model: Any, plan: str) -> None:
+    """model=hf: the command line takes a built-in plan by name (a plan of one's own is a Python
+    object: ``parallelize`` from a script)."""
+    from lightning_mhc.parallelize.plan import PLANS
+
+    family = getattr(model.config, "model_type", None) if plan == "auto" else plan
+    if family not in PLANS:
+        found = f"has model_type {family!r}" if plan == "auto" else "names no built-in plan"
+        raise ConfigError(f"model.plan={plan}: {type(model).__name__} {found}; the command line takes the built-in "
+                          f"plans ({', '.join(PLANS)}, or auto). For another family call parallelize() from Python "
+                          "with a plan of its own (docs/bring_your_own_model.md#writing-a-plan).")
+
+
+GPT_SIZES = dict(num_layers=4, hidden_size=64, num_attention_heads=4, max_sequence_length=128, activation="gelu")
+"""The GPT's defaults the schema sets itself (a small model for a CPU run; ``model=tiny`` spells
+them out); its other keys default to ``MHCTransformerConfig``'s."""
+NULL_IS_A_CHOICE = ("num_query_groups", "ffn_hidden_size", "vocab_size")
+"""GPT keys whose null the model resolves itself (one group per head, 4 x hidden, the data's)."""
+HF_DEFAULTS = dict(plan="auto", init_seed=0)
+
+
+@functools.cache
+def _gpt_defaults() -> dict[str, Any]:
+    """Every GPT key's default: ``GPT_SIZES``, else ``MHCTransformerConfig``'s (one source of the
+    model's defaults: the CLI does not copy them)."""
+    from lightning_mhc.model.config import MHCTransformerConfig
+
+    model_fields = {f.name: f for f in dataclasses.fields(MHCTransformerConfig)}
+    keys = [k for k in _fields(ModelConfig) if k not in (*HF_MODEL_KEYS, "source", "mhc_implementation")]
+    return {k: GPT_SIZES[k] if k in GPT_SIZES else model_fields[k].default
+            for k in keys if k not in NULL_IS_A_CHOICE}
 
 
 @dataclass
@@ -371,13 +446,19 @@ class TrainerConfig:
                  self.gradient_clip_val, ">= 0", "Set trainer.gradient_clip_val to the gradient-norm limit (0: no clipping).")
 
 
+GPT_RECIPE = dict(lr=3e-3, warmup_steps=20)
+"""The project's GPT's learning rate and warm-up on the command line (small models from scratch)."""
+
+
 @dataclass
 class OptimConfig:
     name: str = "adamw"
     """'adamw', 'sgd' (momentum 0.9) or 'adafactor' (MHCGPTModule(optimizer=...))."""
-    lr: float = 3e-3
+    lr: Optional[float] = None
+    """null: the model's default (``GPT_RECIPE`` for the GPT; ``HFCausalLMModule``'s for model=hf)."""
     weight_decay: float = 0.1
-    warmup_steps: int = 20
+    warmup_steps: Optional[int] = None
+    """null: the model's default, as ``lr``."""
     min_lr_ratio: float = 0.1
     use_distributed_optimizer: bool = False
     """ZeRO-1: each data-parallel rank keeps the optimizer state of 1/DP of the parameters
@@ -390,13 +471,30 @@ class OptimConfig:
         _one_of("optim.name", self.name, tuple(OPTIMIZERS))
         if self.use_distributed_optimizer:
             check_shardable(OPTIMIZERS[self.name], f"optim.use_distributed_optimizer=false (optim.name={self.name})")
-        _positive("optim.lr", self.lr, "Set optim.lr to a positive learning rate, e.g. optim.lr=3e-3.")
         _require(_is_number(self.weight_decay) and self.weight_decay >= 0, "optim.weight_decay", self.weight_decay,
                  ">= 0", "Set optim.weight_decay to e.g. 0.1 (0: none).")
-        _at_least("optim.warmup_steps", self.warmup_steps, 0, "Set optim.warmup_steps to 0 (no warm-up) or more.")
         _require(_is_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio",
                  self.min_lr_ratio, "in [0, 1]", "Set optim.min_lr_ratio to the final learning rate's share of "
                  "optim.lr, e.g. 0.1.")
+
+    def take_model_defaults(self, model: ModelConfig) -> None:
+        """The learning rate and warm-up left null take the model's: the GPT's recipe for a small
+        model trained from scratch, or a Hugging Face model's as ``HFCausalLMModule`` defaults them
+        (so the command line and the Python API train it alike)."""
+        if model.is_hf:
+            import inspect
+
+            from lightning_mhc.lightning.modules.hf import HFCausalLMModule
+
+            parameters = inspect.signature(HFCausalLMModule).parameters
+            defaults = {k: parameters[k].default for k in ("lr", "warmup_steps")}
+        else:
+            defaults = GPT_RECIPE
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        _positive("optim.lr", self.lr, "Set optim.lr to a positive learning rate, e.g. optim.lr=3e-3.")
+        _at_least("optim.warmup_steps", self.warmup_steps, 0, "Set optim.warmup_steps to 0 (no warm-up) or more.")
 
 
 @dataclass
@@ -431,6 +529,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, MODES, "Choose mode=fit|validate|test.")
+        self.model.take_defaults()
+        self.optim.take_model_defaults(self.model)
         if self.mode != "fit" and self.ckpt_path is None:
             raise ConfigError(f"mode={self.mode} evaluates a checkpoint: give ckpt_path=<checkpoint directory> "
                               "(or ckpt_path=last with hydra.run.dir=<the run>).")
@@ -529,6 +629,7 @@ class TrainConfig:
                 raise ConfigError(f"data.seq_length={d.seq_length} exceeds its max_position_embeddings={positions}; "
                                   "shorten the sequences.")
             model = recorded_hf_model(m.hf_dir)
+            _check_built_in_plan(model, m.plan)
             check_parallelize(model, m.plan, layout=self.layout, recompute=self.recompute_policy,
                               hyper_connections=m.hyper_connection_settings)
             if m.pretrained:

@@ -146,15 +146,19 @@ def _build_module_and_data(cfg: TrainConfig, output_dir: Path):
 
         m, o = cfg.model, cfg.optim
         module = HFCausalLMModule(m.hf_dir, pretrained=bool(m.pretrained), hyper_connections=m.hyper_connections,
-                                  plan=m.plan, seed=cfg.seed, optimizer=o.name, lr=o.lr, weight_decay=o.weight_decay,
+                                  plan=m.plan, seed=m.init_seed, optimizer=o.name, lr=o.lr, weight_decay=o.weight_decay,
                                   warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
-                                  implementation=m.mhc_implementation)
+                                  implementation=m.mhc_implementation, peak_flops=_peak_flops(cfg))
         return module, _build_data(cfg, output_dir)
     module = MHCGPTModule(cfg.transformer_config(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                           warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
-                          optimizer=cfg.optim.name,
-                          peak_flops=cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else None)
+                          optimizer=cfg.optim.name, peak_flops=_peak_flops(cfg))
     return module, _build_data(cfg, output_dir)
+
+
+def _peak_flops(cfg: TrainConfig) -> float | None:
+    """``trainer.peak_tflops`` in FLOP/s (None: a known GPU's figure, or no ``mfu``)."""
+    return cfg.trainer.peak_tflops * 1e12 if cfg.trainer.peak_tflops else None
 
 
 def _build_data(cfg: TrainConfig, output_dir: Path):

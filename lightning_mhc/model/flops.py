@@ -42,17 +42,41 @@ def forward_flops_terms(config: Any, seq_length: int) -> dict[str, float]:
     groups = config.num_query_groups or heads
     ffn = config.ffn_hidden_size
     n = config.num_residual_streams if config.enable_hyper_connections else 0
-    sublayers = 2 * layers
     return dict(
         attention_projections=layers * (2 * c * (heads + 2 * groups) * d + 2 * heads * d * c),
         attention_scores=layers * 2 * seq_length * heads * d,  # causal: half of 2 x 2 s h d
         mlp=layers * (2 * c * ffn * (2 if config.gated_linear_unit else 1) + 2 * ffn * c),
-        mhc_mappings=sublayers * 2 * n * c * (n * n + 2 * n),
-        sinkhorn=sublayers * config.mhc_sinkhorn_iterations * 4 * n * n,
-        mhc_residual_mix=sublayers * 2 * n * n * c,
-        mhc_pre_post=sublayers * (2 * n * c + 2 * n * c),
+        **hyper_connection_flops_terms(n, c, 2 * layers, config.mhc_sinkhorn_iterations),
         logits=2 * c * config.padded_vocab_size,
     )
+
+
+def hyper_connection_flops_terms(n: int, c: int, sublayers: int, iterations: int) -> dict[str, float]:
+    """Forward FLOPs per token of ``sublayers`` hyper-connected sub-layers of ``n`` streams of width
+    ``c`` (0 when ``n`` is 0: none)."""
+    return dict(mhc_mappings=sublayers * 2 * n * c * (n * n + 2 * n),
+                sinkhorn=sublayers * iterations * 4 * n * n,
+                mhc_residual_mix=sublayers * 2 * n * n * c,
+                mhc_pre_post=sublayers * (2 * n * c + 2 * n * c))
+
+
+def module_forward_flops_terms(model: torch.nn.Module, seq_length: int, num_layers: int, attention_width: int,
+                               num_residual_streams: int = 0, sinkhorn_iterations: int = 20,
+                               hidden_size: int | None = None) -> dict[str, float]:
+    """Forward model FLOPs per token of any transformer given as modules (a Hugging Face model,
+    whole, on any device, the meta device included): ``2 x in x out`` for every linear layer
+    (``nn.Linear``, and GPT-2's ``Conv1D`` by its ``nf`` / ``nx``), the logits included; causal
+    attention scores ``2 s x attention_width`` per layer (heads x head dimension); and the
+    hyper-connections' terms of two sub-layers a layer when ``num_residual_streams`` > 1."""
+    linear = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            linear += 2 * module.in_features * module.out_features
+        elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' GPT-2 layers
+            linear += 2 * module.weight.shape[0] * module.nf
+    n = num_residual_streams if num_residual_streams > 1 else 0
+    return dict(linear=linear, attention_scores=num_layers * 2 * seq_length * attention_width,
+                **hyper_connection_flops_terms(n, hidden_size or 0, 2 * num_layers, sinkhorn_iterations))
 
 
 def forward_flops_per_token(config: Any, seq_length: int) -> float:

@@ -61,13 +61,18 @@ class HFCausalLMModule(ParallelLMModule):
         optimizer, lr, weight_decay, betas, warmup_steps, min_lr_ratio: the optimizer recipe
             (``warmup_cosine_optimizer``).
         implementation: the hyper-connections' ops (``mhc_implementation``).
+        peak_flops: one device's peak FLOP/s, for the logged ``mfu``; None: the figure of a known
+            GPU (``lightning_mhc.model.flops``), and no ``mfu`` on CPU or an unknown device.
     """
 
     def __init__(self, model_dir: str, pretrained: bool = False, hyper_connections: int | None = None,
                  plan: str = "auto", seed: int = 0, optimizer: str = "adamw", lr: float = 3e-4,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0,
-                 min_lr_ratio: float = 0.1, implementation: str = "auto") -> None:
+                 min_lr_ratio: float = 0.1, implementation: str = "auto", peak_flops: float | None = None) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, betas=betas)
+        self.peak_flops = peak_flops
+        self._forward_flops: tuple[float, float] | None = None
+        """The whole model's forward FLOPs per token, ``(fixed, per position)``, read in ``configure_model``."""
         if optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}.")
         self.save_hyperparameters()
@@ -78,9 +83,19 @@ class HFCausalLMModule(ParallelLMModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = self.parallelize(recorded_hf_model(self.model_dir), self.plan, seed=self.seed,
+            recorded = recorded_hf_model(self.model_dir)
+            self._forward_flops = _forward_flops_of(recorded, self.hyper_connection_settings)
+            self.model = self.parallelize(recorded, self.plan, seed=self.seed,
                                           weights=self.model_dir if self.pretrained else None,
                                           hyper_connections=self.hyper_connection_settings)
+
+    def flops_per_token(self, seq_length: int) -> float | None:
+        """Training FLOPs per token of the whole model (3 x forward: ``module_forward_flops_terms``
+        read off the model before it was split), for ``mfu``."""
+        if self._forward_flops is None:
+            return None
+        fixed, per_position = self._forward_flops
+        return 3 * (fixed + per_position * seq_length)
 
     def configure_optimizers(self, max_steps: int | None = None):
         return self.warmup_cosine_optimizer(self.optimizer_name, self.lr, self.weight_decay, self.betas,
@@ -97,3 +112,18 @@ class HFCausalLMModule(ParallelLMModule):
         settings = HyperConnectionSettings(hparams.get("hyper_connections") or 1, seed=hparams.get("seed", 0),
                                            implementation=hparams.get("implementation", "auto"))
         return apply_hyper_connections(model, settings)
+
+
+def _forward_flops_of(model: nn.Module, settings: HyperConnectionSettings) -> tuple[float, float]:
+    """A whole Hugging Face model's forward FLOPs per token as ``(fixed, per position)``: the forward
+    at sequence length ``s`` is ``fixed + s x per position`` (``module_forward_flops_terms``; its
+    shapes are read before ``parallelize`` splits it)."""
+    from lightning_mhc.model.flops import module_forward_flops_terms
+
+    config = model.config
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    width = heads * (getattr(config, "head_dim", None) or hidden // heads)
+    terms = module_forward_flops_terms(model, 1, config.num_hidden_layers, width, settings.num_residual_streams,
+                                       settings.sinkhorn_iterations, hidden)
+    per_position = terms.pop("attention_scores")
+    return float(sum(terms.values())), float(per_position)
