@@ -176,17 +176,22 @@ def hc_sublayer_and_grads(implementation: str, inputs, upstream, n: int, iterati
     return [*(o.detach() for o in outs), *torch.autograd.grad(loss, leaves)]
 
 
+def fp64_evaluation(inputs, upstream, n: int, iterations: int = 20) -> list[torch.Tensor]:
+    """The reference's outputs and gradients evaluated in fp64 on ``inputs``' values."""
+    return hc_sublayer_and_grads("reference", [t.double() for t in inputs], upstream, n, iterations)
+
+
 def errors_against_fp64(implementation: str, inputs, upstream, n: int, iterations: int = 20,
-                        matmul_precision: str | None = None) -> dict:
+                        matmul_precision: str | None = None, exact: list[torch.Tensor] | None = None) -> dict:
     """``{result: (error of implementation, error of the reference)}``: each run at the inputs'
     precision (the reference op by op, in the stream's dtype) against the reference evaluated in
-    fp64 on the same values; an error is ``max|a - exact| / max|exact|``, in fp64. With
-    ``matmul_precision``, the implementation alone runs under that
-    ``torch.set_float32_matmul_precision`` (the reference and the fp64 evaluation under the
-    caller's)."""
+    fp64 on the same values (``exact``: that evaluation, when the caller has it already); an
+    error is ``max|a - exact| / max|exact|``, in fp64. With ``matmul_precision``, the
+    implementation alone runs under that ``torch.set_float32_matmul_precision`` (the reference
+    and the fp64 evaluation under the caller's)."""
     from lightning_mhc.testing.precision import float32_matmul_precision
 
-    exact = hc_sublayer_and_grads("reference", [t.double() for t in inputs], upstream, n, iterations)
+    exact = exact if exact is not None else fp64_evaluation(inputs, upstream, n, iterations)
     with float32_matmul_precision(matmul_precision) if matmul_precision else contextlib.nullcontext():
         ours = hc_sublayer_and_grads(implementation, inputs, upstream, n, iterations)
     reference = hc_sublayer_and_grads("reference", inputs, upstream, n, iterations)
@@ -258,9 +263,10 @@ def fp64_bound_violations(implementation, inputs, upstream, n: int, matmul_preci
     product emulated (``tensor_core_projection``) when larger, plus ERROR_FLOOR. So a projection
     that falls below the precision asked (tf32x3 -> tf32: about 2000x the error) breaks it, where a
     reference run under the same setting would have fallen with it."""
-    errors = errors_against_fp64(implementation, inputs, upstream, n, iterations, matmul_precision)
+    exact = fp64_evaluation(inputs, upstream, n, iterations)
+    errors = errors_against_fp64(implementation, inputs, upstream, n, iterations, matmul_precision, exact)
     precision = expected_projection_precision(inputs[0].dtype, matmul_precision)
-    emulated = (errors_against_fp64(tensor_core_projection(precision), inputs, upstream, n, iterations)
+    emulated = (errors_against_fp64(tensor_core_projection(precision), inputs, upstream, n, iterations, exact=exact)
                 if precision != "ieee" else {})
     violations = {}
     for name, (ours, reference) in errors.items():
