@@ -18,14 +18,16 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
-from lm_models import SEQ, VOCAB, WIDTH, gemma2, gpt_neox, llama  # noqa: E402
+from lm_models import SEQ, VOCAB, WIDTH, PlainTransformer, gemma2, gpt_neox, llama  # noqa: E402
 
 import lightning_mhc  # noqa: E402
 from lightning_mhc import ConfigError, add_hyper_connections, record_module_init  # noqa: E402
+from lightning_mhc.parallelize import Branch, HyperConnectionPlan  # noqa: E402
 
 FAMILIES = {"llama": llama, "gemma2": gemma2, "gpt_neox": gpt_neox}
 TOKENS = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 STREAMS = 4
+PLAIN_BRANCHES = HyperConnectionPlan((Branch("ln1", "attn"), Branch("ln2", "mlp_drop")))
 
 
 def _hyper_connected(family: str, gating: float = 0.5) -> nn.Module:
@@ -66,6 +68,39 @@ def test_gradient_checkpointing_gives_every_gradient_of_the_unchecked_run(family
     got = _grads(model)
     missing = [n for n, g in got.items() if g is None]
     assert not missing, f"no gradient for {len(missing)} parameters, e.g. {missing[:3]}"
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+class _Checkpointed(nn.Module):
+    """A block run under ``torch.utils.checkpoint``, as a user wraps one."""
+
+    def __init__(self, block: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.block, self.reentrant = block, reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_torch_checkpoint_of_a_users_block_gives_every_gradient(reentrant):
+    """A hand-written model with the docs' plan, each block then wrapped in
+    ``torch.utils.checkpoint``: every gradient equals the unwrapped run's (1e-6)."""
+    torch.manual_seed(2)
+    model = add_hyper_connections(PlainTransformer(), STREAMS, plan=PLAIN_BRANCHES, init_gating_factor=0.5,
+                                  implementation="reference")
+
+    def grads() -> dict[str, torch.Tensor | None]:
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=TOKENS)
+        nn.functional.cross_entropy(logits.flatten(0, 1), TOKENS.flatten()).backward()
+        return {n.replace("block.", ""): p.grad for n, p in model.named_parameters()}
+
+    expected = grads()
+    model.blocks = nn.ModuleList(_Checkpointed(block, reentrant) for block in model.blocks)
+    got = grads()
+    assert got.keys() == expected.keys() and all(g is not None for g in got.values())
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-6, msg=name)
 

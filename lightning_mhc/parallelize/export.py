@@ -15,8 +15,9 @@ shape the model uses:
 
 A model with hyper-connections (``add_hyper_connections``) is written as its base model (what
 ``from_pretrained`` of its class reads) plus ``hyper_connections.safetensors`` and
-``hyper_connections.json`` (the settings and the plan) beside it; :func:`load_pretrained` reads
-both back into the mHC model.
+``hyper_connections.json`` (the settings and the plan) beside it, by its own ``save_pretrained``
+(:class:`SavePretrainedWithHyperConnections`) or, after saving the base model another way, by
+:func:`save_hyper_connections`; :func:`load_pretrained` reads both back into the mHC model.
 
 Resharding onto another layout needs nothing from here: ``Trainer.fit(ckpt_path=...)`` with
 another ``MHCParallelStrategy`` reads the same global names (``checkpoint/format.py``).

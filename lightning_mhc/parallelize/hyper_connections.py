@@ -19,8 +19,15 @@ streams ``x`` the mappings ``H_pre, H_post, H_res``; then:
 - the block's output is the new streams; before the first block the embedding output is copied
   into the ``n`` streams, after the last one the streams are contracted by their mean.
 
-The hooks hand the streams to each other through a small per-block state, within one forward of
-one block, so a block that is re-run by activation checkpointing recomputes the same values.
+Each hyper-connected block owns its streams: its class and its entries' are swapped for
+subclasses made once per class (state-dict names, ``isinstance`` and the class name kept), whose
+forwards hold one forward's streams in a state made fresh by the block's forward; the exits are
+hooked by module-level functions. So whatever re-runs a block's forward (Hugging Face's gradient
+checkpointing, reentrant or not, ``torch.utils.checkpoint``, ``recompute="full"``,
+``torch.compile``) recomputes the same values, and ``copy.deepcopy`` and pickling give a model
+with its own state. ``output_hidden_states`` reports each block's streams by their mean
+(``[..., C]``, the unmodified model's shape), and a Hugging Face model's ``save_pretrained``
+writes the hyper-connections beside the base model (``export.save_hyper_connections``).
 
 **Exact at step 0.** With ``init_gating_factor=0``, ``b_pre = logit(1/n)``, ``b_post = 0`` and
 ``b_res = 0``: ``H_pre`` averages the streams, ``H_post = 1`` and ``H_res = J/n``. Every stream then
