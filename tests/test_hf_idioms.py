@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -18,6 +19,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
+from subprocess_env import child_env  # noqa: E402
 from lm_models import SEQ, VOCAB, WIDTH, PlainTransformer, gemma2, gpt_neox, llama  # noqa: E402
 
 import lightning_mhc  # noqa: E402
@@ -136,8 +138,13 @@ def test_hidden_states_have_the_unmodified_models_shapes(family):
         expected = plain(input_ids=TOKENS, output_hidden_states=True).hidden_states
         model = add_hyper_connections(plain, STREAMS, implementation="reference")
         got = model(input_ids=TOKENS, output_hidden_states=True).hidden_states
+        base = getattr(model, model.base_model_prefix)  # the base model on its own, returning a tuple
+        in_tuple = base(input_ids=TOKENS, output_hidden_states=True, return_dict=False)[-1]
     assert [tuple(h.shape) for h in got] == [tuple(h.shape) for h in expected] == [(2, SEQ, WIDTH)] * len(expected)
     for mine, theirs in zip(got, expected):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+    assert len(in_tuple) == len(expected)
+    for mine, theirs in zip(in_tuple, expected):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
 
 
@@ -173,6 +180,25 @@ def test_a_copy_gives_the_same_logits_and_trains_on_its_own(family, how, tmp_pat
     other.save_pretrained(tmp_path / "copy")
     torch.testing.assert_close(_logits(lightning_mhc.load_pretrained(tmp_path / "copy").eval()), _logits(other),
                                rtol=0, atol=1e-6)
+
+
+LOAD_IN_A_FRESH_PROCESS = """
+import sys, torch
+model = torch.load(sys.argv[1], weights_only=False).eval()
+with torch.no_grad():
+    torch.save(model(input_ids=torch.load(sys.argv[2])).logits, sys.argv[3])
+"""
+
+
+def test_a_pickled_model_loads_in_a_fresh_process(tmp_path):
+    """``torch.load`` in a process that never made the hyper-connected classes (the pickle names
+    each by its base class): the same logits."""
+    model = _hyper_connected("gemma2").eval()
+    torch.save(model, tmp_path / "model.pt")
+    torch.save(TOKENS, tmp_path / "tokens.pt")
+    subprocess.run([sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(tmp_path / "model.pt"),
+                    str(tmp_path / "tokens.pt"), str(tmp_path / "logits.pt")], check=True, env=child_env(), timeout=300)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), _logits(model), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -414,7 +414,7 @@ def _hyper_connected_class(base: type, role: str) -> type:
     cls = _CLASSES.get((base, role))
     if cls is None:
         cls = type(base.__name__, (_ROLES[role], base), {
-            "__module__": base.__module__, "__qualname__": base.__qualname__,
+            "__module__": __name__, "__qualname__": base.__qualname__,
             "hyper_connection_role": role, "hyper_connection_base": base, "__reduce_ex__": _reduce_ex})
         _CLASSES[(base, role)] = cls
     return cls
@@ -609,14 +609,31 @@ def _block_output(call: _BlockCall, output: Any):
 def _streams_mean_in_hidden_states(n: int, hidden_size: int, module: nn.Module, args: tuple, output: Any):
     """``output_hidden_states=True``: Hugging Face collects each block's output, here the ``n``
     streams (``[..., n*C]``); the user gets their mean (``[..., C]``, what the last block hands to
-    the final norm), the unmodified model's shape and, at step 0, its value."""
-    states = None if isinstance(output, Tensor) else getattr(output, "hidden_states", None)
+    the final norm), the unmodified model's shape and, at step 0, its value. In a ModelOutput by
+    its key; in the tuple of ``return_dict=False`` (the base model called on its own) the one
+    tuple holding tensors of both widths (the embedding's ``C`` and the streams' ``n*C``: no
+    other output holds both)."""
     wide = n * hidden_size
-    if not isinstance(states, tuple) or not any(isinstance(h, Tensor) and h.shape[-1] == wide for h in states):
+
+    def widths(states: Any) -> set[int] | None:
+        if not isinstance(states, tuple) or not all(h is None or isinstance(h, Tensor) for h in states):
+            return None
+        return {h.shape[-1] for h in states if h is not None}
+
+    def contracted(states: tuple) -> tuple:
+        return tuple(HyperConnectionModule.output_contract(h, n) if h is not None and h.shape[-1] == wide else h
+                     for h in states)
+
+    if isinstance(output, Tensor):
         return None
-    output["hidden_states"] = tuple(HyperConnectionModule.output_contract(h, n)
-                                    if isinstance(h, Tensor) and h.shape[-1] == wide else h for h in states)
-    return output
+    if isinstance(output, Mapping):
+        if wide in (widths(output.get("hidden_states")) or ()):
+            output["hidden_states"] = contracted(output["hidden_states"])
+            return output
+        return None
+    if isinstance(output, tuple) and any(widths(item) == {hidden_size, wide} for item in output):
+        return tuple(contracted(item) if widths(item) == {hidden_size, wide} else item for item in output)
+    return None
 
 
 # ------------------------------------------------------------------ block recompute
