@@ -127,6 +127,22 @@ def test_save_pretrained_writes_what_load_pretrained_needs(family, tmp_path):
     assert not any(".hyper_connections." in n for n in base_state)
 
 
+def test_save_pretrained_with_its_arguments(tmp_path):
+    """``save_pretrained`` with a ``state_dict`` (as Hugging Face's Trainer passes one): the
+    hyper-connection tensors are taken from it; with ``is_main_process=False`` nothing of them is
+    written (the main process writes them); sharded files are still read back whole."""
+    model = _hyper_connected("llama").eval()
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    alpha = next(name for name in state if name.endswith("hyper_connections.0.alpha"))
+    state[alpha] += 1.0
+    model.save_pretrained(tmp_path / "given", state_dict=state, max_shard_size="40KB")
+    assert len(list((tmp_path / "given").glob("model-*.safetensors"))) > 1
+    loaded = lightning_mhc.load_pretrained(tmp_path / "given")
+    assert torch.equal(loaded.state_dict()[alpha], state[alpha])
+    model.save_pretrained(tmp_path / "worker", is_main_process=False)
+    assert not (tmp_path / "worker" / "hyper_connections.json").exists()
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_hidden_states_have_the_unmodified_models_shapes(family):
     """``output_hidden_states=True``: one ``[batch, seq, C]`` tensor per block and the embedding,

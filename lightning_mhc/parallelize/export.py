@@ -143,7 +143,8 @@ def save_hyper_connections(model: nn.Module, out: str | Path,
         return
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    source = state_dict if state_dict is not None and any(drawn_from_seed(n) for n in state_dict) else model.state_dict()
+    given = state_dict is not None and any(drawn_from_seed(name) for name in state_dict)
+    source = state_dict if given else model.state_dict()
     tensors = {name: t.detach().contiguous() for name, t in source.items() if drawn_from_seed(name)}
     save_file(tensors, str(out / HYPER_CONNECTION_WEIGHTS), metadata={"format": "pt"})
     plan = model.hyper_connection_plan

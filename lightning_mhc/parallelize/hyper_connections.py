@@ -647,7 +647,8 @@ def attach_block_recompute(blocks: list[nn.Module], layer_num: int | None) -> No
     size = layer_num if layer_num is not None else max(1, int(math.sqrt(n * len(blocks) / (n + 2))))
     for start in range(0, len(blocks), size):
         members = blocks[start:start + size]
-        group = _RecomputeGroup(f"{members[0].hyper_connection_wiring.name}..{members[-1].hyper_connection_wiring.name}")
+        first, last = members[0].hyper_connection_wiring.name, members[-1].hyper_connection_wiring.name
+        group = _RecomputeGroup(f"{first}..{last}")
         for block in members:
             block.hyper_connection_group = (group, block is members[-1])
         members[0].register_forward_pre_hook(functools.partial(_start_group, group))
