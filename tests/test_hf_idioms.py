@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` 
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
 from subprocess_env import child_env  # noqa: E402
-from lm_models import SEQ, VOCAB, WIDTH, PlainTransformer, gemma2, gpt_neox, llama  # noqa: E402
+from lm_models import SEQ, VOCAB, WIDTH, PlainTransformer, gemma2, gpt_neox, llama, opt  # noqa: E402
 
 import lightning_mhc  # noqa: E402
 from lightning_mhc import ConfigError, add_hyper_connections, record_module_init  # noqa: E402
@@ -72,6 +72,25 @@ def test_gradient_checkpointing_gives_every_gradient_of_the_unchecked_run(family
     assert not missing, f"no gradient for {len(missing)} parameters, e.g. {missing[:3]}"
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("make", [llama, opt], ids=["llama", "opt"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_with_dropout_is_bit_exact(make, reentrant):
+    """With dropout (Llama's in its attention; OPT's after each branch, drawn in the
+    hyper-connections' own bias-dropout-add): the re-run block draws the same masks, so every
+    gradient equals the unchecked run's bit for bit."""
+    torch.manual_seed(1)
+    model = add_hyper_connections(make(dropout=0.1), STREAMS, init_gating_factor=0.5, implementation="reference")
+
+    def grads() -> dict[str, torch.Tensor]:
+        torch.manual_seed(7)
+        return _grads(model)
+
+    expected = grads()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    got = grads()
+    assert all(torch.equal(got[name], grad) for name, grad in expected.items())
 
 
 class _Checkpointed(nn.Module):
