@@ -18,7 +18,9 @@ PyTorch transformer with a list of repeated blocks), without rewriting it on meg
   hyper_connections=n)``) rewires each block's branches around the project's hyper-connection
   module, exactly preserving the model's function at step 0;
 - ``export.py``: a parallel run's checkpoint into the plain model (``load_checkpoint``) and out as
-  ``save_pretrained`` safetensors (``export_pretrained``).
+  ``save_pretrained`` safetensors (``export_pretrained``); the hyper-connections beside a base
+  model (``save_hyper_connections``, which a hyper-connected model's ``save_pretrained`` calls)
+  and both read back (``load_pretrained``).
 
 No Lightning import: ``lightning_mhc.lightning.ParallelLMModule`` is the LightningModule side.
 """
@@ -27,7 +29,8 @@ import types
 
 from lightning_mhc.parallelize.hyper_connections import (
     HC_PLANS, Branch, HyperConnectionPlan, HyperConnectionSettings, add_hyper_connections)
-from lightning_mhc.parallelize.export import consolidated_state_dict, export_pretrained, load_checkpoint, load_pretrained
+from lightning_mhc.parallelize.export import (
+    consolidated_state_dict, export_pretrained, load_checkpoint, load_pretrained, save_hyper_connections)
 from lightning_mhc.parallelize.model import (
     MaterializedReport, ParallelModel, build_recorded_module, check_parallelize, parallelize)
 from lightning_mhc.parallelize.plan import (
@@ -40,7 +43,7 @@ __all__ = [
     "add_hyper_connections", "LLAMA", "OPT", "PHI3", "PLANS", "QWEN3", "Column", "MaterializedReport", "ParallelModel",
     "Replicate", "ReplicateOnSplit", "Row", "TPPlan", "VocabEmbedding", "build_recorded_module", "check_parallelize", "check_plan",
     "consolidated_state_dict", "export_pretrained",
-    "load_checkpoint", "load_pretrained", "parallelize", "record_module_init",
+    "load_checkpoint", "load_pretrained", "parallelize", "record_module_init", "save_hyper_connections",
 ]
 
 

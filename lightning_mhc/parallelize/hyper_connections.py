@@ -19,8 +19,15 @@ streams ``x`` the mappings ``H_pre, H_post, H_res``; then:
 - the block's output is the new streams; before the first block the embedding output is copied
   into the ``n`` streams, after the last one the streams are contracted by their mean.
 
-The hooks hand the streams to each other through a small per-block state, within one forward of
-one block, so a block that is re-run by activation checkpointing recomputes the same values.
+Each hyper-connected block owns its streams: its class and its entries' are swapped for
+subclasses made once per class (state-dict names, ``isinstance`` and the class name kept), whose
+forwards hold one forward's streams in a state made fresh by the block's forward; the exits are
+hooked by module-level functions. So whatever re-runs a block's forward (Hugging Face's gradient
+checkpointing, reentrant or not, ``torch.utils.checkpoint``, ``recompute="full"``,
+``torch.compile``) recomputes the same values, and ``copy.deepcopy`` and pickling give a model
+with its own state. ``output_hidden_states`` reports each block's streams by their mean
+(``[..., C]``, the unmodified model's shape), and a Hugging Face model's ``save_pretrained``
+writes the hyper-connections beside the base model (``export.save_hyper_connections``).
 
 **Exact at step 0.** With ``init_gating_factor=0``, ``b_pre = logit(1/n)``, ``b_post = 0`` and
 ``b_res = 0``: ``H_pre`` averages the streams, ``H_post = 1`` and ``H_res = J/n``. Every stream then
@@ -42,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -78,6 +86,18 @@ class Branch:
     exit: str
     parallel: bool = False
     dropout: str | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("entry", "exit"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"hyper-connection Branch {field}={value!r}: the name of a module of the block "
+                                  "(relative to it), such as 'input_layernorm'.")
+        if not isinstance(self.parallel, bool):
+            raise ConfigError(f"hyper-connection Branch parallel={self.parallel!r}: True or False.")
+        if self.dropout is not None and (not isinstance(self.dropout, str) or not self.dropout):
+            raise ConfigError(f"hyper-connection Branch dropout={self.dropout!r}: the name of the block's attribute "
+                              "holding the dropout probability, or None.")
 
 
 @dataclass(frozen=True)
@@ -148,8 +168,12 @@ def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: 
         return plan
     if isinstance(plan, Mapping):
         fields = dict(plan)
-        branches = tuple(b if isinstance(b, Branch) else Branch(**b) for b in fields.pop("branches", ()))
-        return HyperConnectionPlan(branches, **fields)
+        _check_keys("plan", fields, PLAN_KEYS, required=("branches",))
+        branches = fields.pop("branches")
+        if isinstance(branches, (str, Mapping)) or not isinstance(branches, (list, tuple)):
+            raise ConfigError(f"hyper-connection plan branches={branches!r}: a list of branches, each "
+                              "{'entry': ..., 'exit': ...} or a Branch.")
+        return HyperConnectionPlan(tuple(_branch(b, i) for i, b in enumerate(branches)), **fields)
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None) if plan == "auto" else plan
     if family not in HC_PLANS:
@@ -160,6 +184,33 @@ def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: 
                           "(docs/mhc_any_model.md#a-plan-for-your-own-model).")
     found = HC_PLANS[family]
     return found(config) if callable(found) else found
+
+
+PLAN_KEYS = ("branches", "blocks")
+BRANCH_KEYS = ("entry", "exit", "parallel", "dropout")
+
+
+def _check_keys(what: str, fields: Mapping[str, Any], known: tuple[str, ...], required: tuple[str, ...]) -> None:
+    """A mapping written for a plan or a branch: every key known, every required one there (a
+    misspelt key would otherwise be a TypeError from the constructor, or silently dropped)."""
+    unknown = [k for k in fields if k not in known]
+    if unknown:
+        raise ConfigError(f"hyper-connection {what} has the key(s) {', '.join(map(repr, unknown))}, which it does not "
+                          f"know: its keys are {', '.join(known)}.")
+    missing = [k for k in required if k not in fields]
+    if missing:
+        raise ConfigError(f"hyper-connection {what} {dict(fields)!r} lacks {', '.join(missing)}: a {what} needs "
+                          f"{', '.join(required)}.")
+
+
+def _branch(branch: Branch | Mapping[str, Any], index: int) -> Branch:
+    if isinstance(branch, Branch):
+        return branch
+    if not isinstance(branch, Mapping):
+        raise ConfigError(f"hyper-connection plan branch {index + 1} is {branch!r}: write it as "
+                          "{'entry': ..., 'exit': ...} or Branch(entry=..., exit=...).")
+    _check_keys(f"plan branch {index + 1}", branch, BRANCH_KEYS, required=("entry", "exit"))
+    return Branch(**branch)
 
 
 @dataclass(frozen=True)
@@ -186,6 +237,9 @@ class HyperConnectionSettings:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"num_residual_streams={n!r}: the residual stream is n >= 1 streams (1: the model as it "
                               "is); use a positive integer such as 4.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed={self.seed!r}: the hyper-connections' parameters are drawn from an integer seed "
+                              "by name; pass an int such as 0.")
         self.config(hidden_size=8, eps=1e-5)  # the gating factor, implementation and iterations, checked once
 
     @property
@@ -205,27 +259,11 @@ HYPER_CONNECTIONS = "hyper_connections"
 """The attribute of a block holding its hyper-connections (``<block>.hyper_connections.<branch>``)."""
 
 
-class _Streams:
-    """The residual streams inside one forward of one block: set by the entries and exits, read by
-    the block's output hook. ``current``: the streams after the branches that ran; ``block_input``:
-    the block's input streams (what a parallel branch reads); ``pending``: a
-    branch's ``(H_res, H_post)`` from its entry to its exit; ``manager``: the block recompute's,
-    while a group of blocks runs; ``ran``: the exits that ran; ``sequence_parallel``: set by
-    ``parallelize`` when the block runs on this rank's part of the sequence."""
-
-    def __init__(self) -> None:
-        self.current: Tensor | None = None
-        self.block_input: Tensor | None = None
-        self.pending: dict[int, tuple[Tensor, Tensor]] = {}
-        self.manager: MHCBlockRecomputeManager | None = None
-        self.last_in_group = False
-        self.ran = 0
-        self.sequence_parallel = False  # this rank's part of the sequence: its dropout masks are its own
-
-
 @dataclass(frozen=True)
 class _BlockWiring:
-    """What the hooks of one block need: its name, plan, width and settings."""
+    """What a hyper-connected block needs to run: its name, plan, width and settings, whether it
+    is the model's first or last block, and whether it runs on this rank's part of the sequence
+    (set by ``parallelize``: its dropout masks are then its own)."""
 
     name: str
     plan: HyperConnectionPlan
@@ -233,10 +271,165 @@ class _BlockWiring:
     settings: HyperConnectionSettings
     first: bool
     last: bool
+    sequence_parallel: bool = False
 
     @property
     def n(self) -> int:
         return self.settings.num_residual_streams
+
+
+class _RecomputeGroup:
+    """Consecutive blocks under one block recompute manager (``attach_block_recompute``): the
+    manager of the group's current training forward, set by a pre-hook on its first block and
+    dropped once its last block has handed its output over."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.manager: MHCBlockRecomputeManager | None = None
+
+
+class _BlockCall:
+    """The residual streams inside one forward of one block, made fresh by the block's forward
+    (so a block re-run by any activation checkpointing recomputes from its own input):
+    ``current``: the streams after the branches that ran; ``block_input``: the block's input
+    streams (what a parallel branch reads); ``pending``: a branch's ``(H_res, H_post)`` from its
+    entry to its exit; ``ran``: the exits that ran; ``manager``: the block recompute's, if any."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.wiring: _BlockWiring = block.hyper_connection_wiring
+        group, last = block.__dict__.get("hyper_connection_group") or (None, False)
+        self.manager: MHCBlockRecomputeManager | None = group.manager if group is not None else None
+        self.group, self.last_in_group = group, last
+        self.current: Tensor | None = None
+        self.block_input: Tensor | None = None
+        self.pending: dict[int, tuple[Tensor, Tensor]] = {}
+        self.ran = 0
+
+
+_RUNNING = threading.local()
+"""Per thread, the calls of hyper-connected blocks now running (innermost last): how an entry or
+an exit finds the streams of the block it belongs to. Per thread, because the autograd engine
+re-runs a checkpointed block in its own thread and ``nn.DataParallel`` runs replicas in threads;
+within one thread a block's entries and exits run inside its forward."""
+
+
+def _running_calls() -> list[_BlockCall]:
+    calls = getattr(_RUNNING, "calls", None)
+    if calls is None:
+        calls = _RUNNING.calls = []
+    return calls
+
+
+def _current_call(module: nn.Module, role: str) -> _BlockCall:
+    calls = _running_calls()
+    if not calls:
+        raise RuntimeError(f"{type(module).__name__} is the {role} of a hyper-connection branch: it runs inside its "
+                           "block's forward, on the block's residual streams, not on its own")
+    return calls[-1]
+
+
+class _HyperConnectedBlock:
+    """What a block's class gets with hyper-connections (see :func:`_hyper_connected_class`): its
+    forward takes the residual streams (the embedding output for the first block, copied into the
+    ``n`` streams), runs the block's own forward on a one-wide view of them while its entries and
+    exits read and write the streams, and returns the new streams (their mean after the last
+    block). Everything of one forward lives in one :class:`_BlockCall`, so whatever re-runs the
+    block's forward (Hugging Face's gradient checkpointing, ``torch.utils.checkpoint``,
+    ``recompute="full"``, ``torch.compile``) recomputes exactly what the forward computed.
+
+    The block's own residual adds (``x + F``) then add zeros to the one-wide view instead of
+    writing ``n * C`` wide tensors no one reads (two per block)."""
+
+    def forward(self, *args: Any, **kwargs: Any):
+        call = _BlockCall(self)
+        wiring = call.wiring
+
+        def keep(x: Tensor) -> Tensor:
+            if wiring.first:
+                x = HyperConnectionModule.input_expand(x, wiring.n).contiguous()
+            call.current = call.block_input = x
+            return x[..., :1]
+
+        args, kwargs = replace_hidden_states(self, args, kwargs, keep, "the hyper-connections need the residual stream")
+        calls = _running_calls()
+        calls.append(call)
+        try:
+            output = super().forward(*args, **kwargs)
+        finally:
+            calls.pop()
+        return _block_output(call, output)
+
+
+class _HyperConnectedEntry:
+    """What an entry's class gets with hyper-connections: its forward runs on ``H_pre x`` (``x``:
+    the streams its branch reads) and keeps ``H_res, H_post`` for the exit; under block recompute
+    the hyper-connection and the entry are one checkpoint."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any):
+        call = _current_call(self, "entry")
+        index: int = self.hyper_connection_branch
+        wiring = call.wiring
+        branch = wiring.plan.branches[index]
+        if index != call.ran:  # the exits' order decides which one ends a block recompute group
+            raise RuntimeError(f"{wiring.name}.{branch.entry} ran as branch {call.ran + 1} of the block, but the "
+                               f"hyper-connection plan names it branch {index + 1}: the plan's branches must name "
+                               "the modules in the order the block runs them")
+        source = call.block_input if branch.parallel else call.current
+        if source.shape[-1] != wiring.n * wiring.hidden_size:
+            raise RuntimeError(f"{wiring.name}.{branch.entry}: expected the {wiring.n} residual streams "
+                               f"(width {wiring.n * wiring.hidden_size}), got {tuple(source.shape)}")
+        hc = call.block.get_submodule(HYPER_CONNECTIONS)[index]
+        entry_forward = super().forward
+        lead = x.shape[:-1]
+
+        def hyper_connection_and_entry(streams_in: Tensor):
+            aggregated, h_res, h_post = hc(streams_in)
+            return entry_forward(aggregated.reshape(*lead, wiring.hidden_size), *args, **kwargs), h_res, h_post
+
+        if call.manager is not None:
+            out, h_res, h_post = call.manager.checkpoint(hyper_connection_and_entry, source,
+                                                         name=f"{wiring.name}.{branch.entry}+hyper_connection")
+        else:
+            out, h_res, h_post = hyper_connection_and_entry(source)
+        call.pending[index] = (h_res, h_post)
+        return out
+
+
+_ROLES = {"block": _HyperConnectedBlock, "entry": _HyperConnectedEntry}
+_CLASSES: dict[tuple[type, str], type] = {}
+"""The class made for each ``(base class, role)``, made once per process."""
+
+
+def _hyper_connected_class(base: type, role: str) -> type:
+    """``base`` with the hyper-connected forward of ``role`` (``"block"`` or ``"entry"``), made
+    once per class. A module's class is swapped for it in place, so its state-dict names, its
+    ``isinstance`` and its class name (Hugging Face's ``_no_split_modules``, wrap policies by
+    name) stay; a Hugging Face block keeps its ``GradientCheckpointingLayer`` path, which then
+    checkpoints this forward as a whole. Copies and pickles rebuild the class by its base and
+    role (:func:`_rebuild_hyper_connected`), so a copy has its own state and a pickled model
+    loads in a fresh process."""
+    if issubclass(base, _ROLES[role]):
+        return base
+    cls = _CLASSES.get((base, role))
+    if cls is None:
+        cls = type(base.__name__, (_ROLES[role], base), {
+            "__module__": __name__, "__qualname__": base.__qualname__,
+            "hyper_connection_role": role, "hyper_connection_base": base, "__reduce_ex__": _reduce_ex})
+        _CLASSES[(base, role)] = cls
+    return cls
+
+
+def _reduce_ex(self: nn.Module, protocol: int):
+    return _rebuild_hyper_connected, (type(self).hyper_connection_base, type(self).hyper_connection_role), \
+        self.__getstate__()
+
+
+def _rebuild_hyper_connected(base: type, role: str) -> nn.Module:
+    """An empty instance of the hyper-connected class of ``base`` (pickle and ``copy`` then set
+    its state)."""
+    cls = _hyper_connected_class(base, role)
+    return cls.__new__(cls)
 
 
 def add_hyper_connections(model: nn.Module, num_residual_streams: int = 4,
@@ -249,6 +442,8 @@ def add_hyper_connections(model: nn.Module, num_residual_streams: int = 4,
     Works on a materialised model (``from_pretrained``: the hyper-connections are made on its
     device) and on one built under ``record_module_init`` (they are recorded like its other
     modules, and ``parallelize`` or ``build_recorded_module`` makes them real, from ``seed`` by name).
+    A Hugging Face model's ``save_pretrained`` then writes the hyper-connections beside the base
+    model (``lightning_mhc.load_pretrained`` reads both).
     """
     settings = HyperConnectionSettings(num_residual_streams, seed, init_gating_factor, implementation)
     return apply_hyper_connections(model, settings, plan)
@@ -261,6 +456,11 @@ def apply_hyper_connections(model: nn.Module, settings: HyperConnectionSettings,
         raise ConfigError(f"{type(model).__name__} has hyper-connections already "
                           f"({model.hyper_connection_settings.num_residual_streams} streams); add them once.")
     if not settings.enabled:
+        if not (isinstance(plan, str) and plan == "auto"):  # a plan given is checked even where it adds nothing
+            plan = resolve_hc_plan(plan, model)
+            parts = find_parts(model, plan.blocks)
+            for index, block in enumerate(parts.blocks):
+                _check_block(parts.block_name(index), block, plan)
         return model
     plan = resolve_hc_plan(plan, model)
     parts = find_parts(model, plan.blocks)
@@ -272,10 +472,19 @@ def apply_hyper_connections(model: nn.Module, settings: HyperConnectionSettings,
     for index, block in enumerate(parts.blocks):
         name = parts.block_name(index)
         _check_block(name, block, plan)
+    for index, block in enumerate(parts.blocks):
+        name = parts.block_name(index)
         wiring = _BlockWiring(name, plan, hidden, settings, first=index == 0, last=index == count - 1)
         _wire_block(block, wiring, _make_hyper_connections(block, name, plan, config, settings.seed, meta))
+    holder = model.get_submodule(parts.block_path.rpartition(".")[0])
+    holder.register_forward_hook(functools.partial(_streams_mean_in_hidden_states, settings.num_residual_streams,
+                                                   hidden))
     model.hyper_connection_settings = settings
     model.hyper_connection_plan = plan
+    if callable(getattr(model, "save_pretrained", None)):
+        from lightning_mhc.parallelize.export import SavePretrainedWithHyperConnections
+
+        model.save_pretrained = SavePretrainedWithHyperConnections(model)
     return model
 
 
@@ -339,118 +548,92 @@ def drawn_from_seed(name: str) -> bool:
 
 
 def _wire_block(block: nn.Module, wiring: _BlockWiring, hyper_connections: nn.ModuleList) -> None:
+    """The block's and its entries' classes swapped for their hyper-connected ones, its exits
+    hooked; every hook is a module-level function of plain values, so copies and pickles of the
+    model carry them and find their own block's streams."""
     setattr(block, HYPER_CONNECTIONS, hyper_connections)
-    block.hyper_connection_streams = streams = _Streams()
     block.hyper_connection_wiring = wiring
     for index, branch in enumerate(wiring.plan.branches):
         entry = block.get_submodule(branch.entry)
-        entry.forward = _entry_forward(entry.forward, hyper_connections[index], streams, index, branch, wiring)
-        block.get_submodule(branch.exit).register_forward_hook(
-            functools.partial(_exit_hook, block, hyper_connections[index], streams, index, branch, wiring))
-    if wiring.first:
-        block.register_forward_pre_hook(functools.partial(_expand, wiring.n), with_kwargs=True)
-    block.forward = _block_forward(block, block.forward, streams)
-    block.register_forward_hook(functools.partial(_block_output, streams, wiring))
+        entry.__class__ = _hyper_connected_class(type(entry), "entry")
+        entry.hyper_connection_branch = index
+        block.get_submodule(branch.exit).register_forward_hook(functools.partial(_exit_hook, index))
+    block.__class__ = _hyper_connected_class(type(block), "block")
 
 
-def _block_forward(block: nn.Module, forward: Callable, streams: _Streams) -> Callable:
-    """The block's own forward on a one-wide view of its input streams, the streams kept for the
-    entries: the block's residual adds (``x + F``, whose results the block's output hook replaces
-    by the streams) then add zeros to that view instead of writing ``n * C`` wide tensors no one
-    reads (two per block)."""
-
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any):
-        def keep(x: Tensor) -> Tensor:  # a new forward (one that failed midway left nothing behind)
-            streams.current = streams.block_input = x
-            streams.ran = 0
-            streams.pending.clear()
-            return x[..., :1]
-
-        args, kwargs = replace_hidden_states(block, args, kwargs, keep, "the hyper-connections need the streams")
-        return forward(*args, **kwargs)
-
-    return run
-
-
-def _expand(n: int, module: nn.Module, args: tuple, kwargs: dict):
-    """Before the first block: the embedding output copied into the ``n`` streams."""
-    return replace_hidden_states(module, args, kwargs,
-                                 lambda x: HyperConnectionModule.input_expand(x, n).contiguous(),
-                                 "the hyper-connections cannot find the residual stream")
-
-
-def _entry_forward(forward: Callable, hc: HyperConnectionModule, streams: _Streams, index: int, branch: Branch,
-                   wiring: _BlockWiring) -> Callable:
-    """The entry's forward on ``H_pre x`` (``x``: the streams this branch reads), with the
-    mappings kept for the exit; under block recompute one checkpoint with the hyper-connection."""
-
-    @functools.wraps(forward)
-    def entry(x: Tensor, *args: Any, **kwargs: Any):
-        if index != streams.ran:  # the exits' order decides which one ends a block recompute group
-            raise RuntimeError(f"{wiring.name}.{branch.entry} ran as branch {streams.ran + 1} of the block, but the "
-                               f"hyper-connection plan names it branch {index + 1}: the plan's branches must name "
-                               "the modules in the order the block runs them")
-        source = streams.block_input if branch.parallel else streams.current
-        if source.shape[-1] != wiring.n * wiring.hidden_size:  # the block's forward set it
-            raise RuntimeError(f"{wiring.name}.{branch.entry}: expected the {wiring.n} residual streams "
-                               f"(width {wiring.n * wiring.hidden_size}), got {tuple(source.shape)}")
-        lead = x.shape[:-1]
-
-        def hyper_connection_and_entry(streams_in: Tensor):
-            aggregated, h_res, h_post = hc(streams_in)
-            return forward(aggregated.reshape(*lead, wiring.hidden_size), *args, **kwargs), h_res, h_post
-
-        if streams.manager is not None:
-            out, h_res, h_post = streams.manager.checkpoint(hyper_connection_and_entry, source,
-                                                            name=f"{wiring.name}.{branch.entry}+hyper_connection")
-        else:
-            out, h_res, h_post = hyper_connection_and_entry(source)
-        streams.pending[index] = (h_res, h_post)
-        return out
-
-    return entry
-
-
-def _exit_hook(block: nn.Module, hc: HyperConnectionModule, streams: _Streams, index: int, branch: Branch,
-               wiring: _BlockWiring, module: nn.Module, args: tuple, output: Any):
+def _exit_hook(index: int, module: nn.Module, args: tuple, output: Any):
     """After the exit: the streams become ``H_res x + H_post^T F``; the exit returns a zero, which
     the block's own residual add adds to its one-wide view (a result nothing reads)."""
-    if index not in streams.pending:
+    call = _current_call(module, "exit")
+    wiring = call.wiring
+    branch = wiring.plan.branches[index]
+    if index not in call.pending:
         raise RuntimeError(f"{wiring.name}.{branch.exit} ran before its entry {branch.entry}: the plan's branches "
                            "must name the modules in the order the block runs them")
-    h_res, h_post = streams.pending.pop(index)
+    h_res, h_post = call.pending.pop(index)
+    block = call.block
     out = output if isinstance(output, Tensor) else output[0]
-    current = streams.current
+    current = call.current
     out = out.reshape(*current.shape[:-1], wiring.hidden_size)
     prob = float(getattr(block, branch.dropout)) if branch.dropout is not None else 0.0
+    implementation = block.get_submodule(HYPER_CONNECTIONS)[index].config.mhc_implementation
     add = functools.partial(h_res_h_post_bias_dropout_add, prob=prob, training=block.training,
-                            implementation=hc.config.mhc_implementation,
-                            sequence_parallel=streams.sequence_parallel)
+                            implementation=implementation, sequence_parallel=wiring.sequence_parallel)
     last = index == len(wiring.plan.branches) - 1
-    if streams.manager is not None and not (last and streams.last_in_group):
-        ckpt = CheckpointWithoutOutput(ckpt_manager=streams.manager, name=f"{wiring.name}.{branch.exit}+h_res_h_post")
-        streams.current = ckpt.checkpoint(lambda o, x, r, p: add((o, None), x, r, p), out, current, h_res, h_post)
+    if call.manager is not None and not (last and call.last_in_group):
+        ckpt = CheckpointWithoutOutput(ckpt_manager=call.manager, name=f"{wiring.name}.{branch.exit}+h_res_h_post")
+        call.current = ckpt.checkpoint(lambda o, x, r, p: add((o, None), x, r, p), out, current, h_res, h_post)
     else:  # no block recompute, or the group's last output: the manager's hook tensor
-        streams.current = add((out, None), current, h_res, h_post)
-    streams.ran += 1
+        call.current = add((out, None), current, h_res, h_post)
+    call.ran += 1
     zero = out.new_zeros(())
     return zero if isinstance(output, Tensor) else (zero, *output[1:])
 
 
-def _block_output(streams: _Streams, wiring: _BlockWiring, module: nn.Module, args: tuple, output: Any):
-    """The block's output is the streams after its branches (contracted by their mean after the
+def _block_output(call: _BlockCall, output: Any):
+    """The block's output: the streams after its branches (contracted by their mean after the
     last block); the end of a recompute group hands its output to the manager."""
-    if streams.ran != len(wiring.plan.branches) or streams.pending:
-        raise RuntimeError(f"{wiring.name} ran {streams.ran} of the {len(wiring.plan.branches)} branches of its "
+    wiring = call.wiring
+    if call.ran != len(wiring.plan.branches) or call.pending:
+        raise RuntimeError(f"{wiring.name} ran {call.ran} of the {len(wiring.plan.branches)} branches of its "
                            "hyper-connection plan: each branch's entry and exit must run once per forward")
-    result, streams.current, streams.block_input = streams.current, None, None
-    manager = streams.manager
-    if manager is not None and streams.last_in_group:
-        manager.discard_all_outputs_and_register_unified_recompute(result)
+    result = call.current
+    if call.manager is not None and call.last_in_group:
+        call.manager.discard_all_outputs_and_register_unified_recompute(result)
+        call.group.manager = None  # the hook on ``result`` holds it now; the blocks keep nothing of this forward
     if wiring.last:
         result = HyperConnectionModule.output_contract(result, wiring.n)
     return result if isinstance(output, Tensor) else (result, *output[1:])
+
+
+def _streams_mean_in_hidden_states(n: int, hidden_size: int, module: nn.Module, args: tuple, output: Any):
+    """``output_hidden_states=True``: Hugging Face collects each block's output, here the ``n``
+    streams (``[..., n*C]``); the user gets their mean (``[..., C]``, what the last block hands to
+    the final norm), the unmodified model's shape and, at step 0, its value. In a ModelOutput by
+    its key; in the tuple of ``return_dict=False`` (the base model called on its own) the one
+    tuple holding tensors of both widths (the embedding's ``C`` and the streams' ``n*C``: no
+    other output holds both)."""
+    wide = n * hidden_size
+
+    def widths(states: Any) -> set[int] | None:
+        if not isinstance(states, tuple) or not all(h is None or isinstance(h, Tensor) for h in states):
+            return None
+        return {h.shape[-1] for h in states if h is not None}
+
+    def contracted(states: tuple) -> tuple:
+        return tuple(HyperConnectionModule.output_contract(h, n) if h is not None and h.shape[-1] == wide else h
+                     for h in states)
+
+    if isinstance(output, Tensor):
+        return None
+    if isinstance(output, Mapping):
+        if wide in (widths(output.get("hidden_states")) or ()):
+            output["hidden_states"] = contracted(output["hidden_states"])
+            return output
+        return None
+    if isinstance(output, tuple) and any(widths(item) == {hidden_size, wide} for item in output):
+        return tuple(contracted(item) if widths(item) == {hidden_size, wide} else item for item in output)
+    return None
 
 
 # ------------------------------------------------------------------ block recompute
@@ -463,18 +646,17 @@ def attach_block_recompute(blocks: list[nn.Module], layer_num: int | None) -> No
     n = blocks[0].hyper_connection_wiring.n
     size = layer_num if layer_num is not None else max(1, int(math.sqrt(n * len(blocks) / (n + 2))))
     for start in range(0, len(blocks), size):
-        group = blocks[start:start + size]
-        for block in group:
-            block.hyper_connection_streams.last_in_group = block is group[-1]
-        group[0].register_forward_pre_hook(functools.partial(_start_group, group))
+        members = blocks[start:start + size]
+        first, last = members[0].hyper_connection_wiring.name, members[-1].hyper_connection_wiring.name
+        group = _RecomputeGroup(f"{first}..{last}")
+        for block in members:
+            block.hyper_connection_group = (group, block is members[-1])
+        members[0].register_forward_pre_hook(functools.partial(_start_group, group))
 
 
-def _start_group(group: list[nn.Module], module: nn.Module, args: tuple) -> None:
+def _start_group(group: _RecomputeGroup, module: nn.Module, args: tuple) -> None:
     training = module.training and torch.is_grad_enabled()
-    first, last = group[0].hyper_connection_wiring.name, group[-1].hyper_connection_wiring.name
-    manager = MHCBlockRecomputeManager(name=f"{first}..{last}") if training else None
-    for block in group:
-        block.hyper_connection_streams.manager = manager
+    group.manager = MHCBlockRecomputeManager(name=group.name) if training else None
 
 
 def hyper_connection_blocks(model: nn.Module) -> list[nn.Module]:

@@ -291,6 +291,7 @@ def parallelize(
         hyper_connection_plan: where they go: ``"auto"`` (by ``model_type``), or a
             :class:`HyperConnectionPlan`.
     """
+    _check_hyper_connections(hyper_connections)
     layout = layout if layout is not None else active_layout()
     layout = layout if layout.is_built else layout.build()
     recompute = RecomputePolicy.of(recompute)
@@ -378,9 +379,21 @@ def _add_hyper_connections(model: nn.Module, hyper_connections: int | HyperConne
     model ``add_hyper_connections`` rewired already keeps its own)."""
     if hyper_connections is None:
         return
+    _check_hyper_connections(hyper_connections)
     settings = (hyper_connections if isinstance(hyper_connections, HyperConnectionSettings)
                 else HyperConnectionSettings(hyper_connections, seed=seed))
     apply_hyper_connections(model, settings, plan)
+
+
+def _check_hyper_connections(hyper_connections: int | HyperConnectionSettings | None) -> None:
+    """``parallelize(hyper_connections=...)`` named as the caller wrote it (checked before anything
+    else, a layout included)."""
+    n = hyper_connections
+    if n is None or isinstance(n, HyperConnectionSettings):
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"parallelize(hyper_connections={n!r}): the number of residual streams, n >= 1 (1 or None: "
+                          "no hyper-connections); use a positive integer such as 4.")
 
 
 def _hyper_connection_streams(model: nn.Module) -> int:
@@ -499,9 +512,9 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
                 gather_sequence_into(region)
             mark_sequence_parallel_parameters(module)
             random_region(module, "parallel")
-            streams = getattr(module, "hyper_connection_streams", None)
-            if streams is not None:
-                streams.sequence_parallel = True
+            wiring = getattr(module, "hyper_connection_wiring", None)
+            if wiring is not None:
+                module.hyper_connection_wiring = dataclasses.replace(wiring, sequence_parallel=True)
         return module
 
     return build
