@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
 from lm_models import save_sample_llama  # noqa: E402
 from subprocess_env import child_env  # noqa: E402
-from train_cli import check_before_launch, run_train, train_losses  # noqa: E402
+from train_cli import check_before_launch, run_train, stream_divergences, train_losses  # noqa: E402
 
 from lightning_mhc.data.sample import SAMPLE_DIR, SAMPLE_VOCAB  # noqa: E402
 
@@ -196,6 +196,12 @@ def test_continue_a_pretrained_llama_with_hyper_connections_on_tp2_pp2(llama_dir
 
     rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("mfu")]
     assert rows and all(float(r["mfu"]) > 0 for r in rows)  # trainer.peak_tflops gives model=hf an mfu
+    # every block's streams, both stages': copies of each other at the retrofit's start (exactly),
+    # apart once training moved the gates off 0
+    divergences = stream_divergences(run / "metrics.csv")
+    first, last = divergences[min(divergences)], divergences[max(divergences)]
+    assert len(divergences) == 8 and first.keys() == last.keys() == {f"model.layers.{i}" for i in range(4)}
+    assert set(first.values()) == {0.0} and all(v > 0 for v in last.values()), (first, last)
     summary = json.loads((run / "summary.json").read_text())
     print(f"model=hf + 4 streams on TP 2 x PP 2: train loss {losses[min(losses)]:.3f} -> {losses[max(losses)]:.3f}; "
           f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}")

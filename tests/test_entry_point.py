@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_mhc.checkpoint import commit, legacy
-from train_cli import check_before_launch, run_train, train_losses
+from train_cli import check_before_launch, run_train, stream_divergences, train_losses
 
 # 6 steps of the tiny mHC model on synthetic tokens (64 steps per epoch at a global batch of 4)
 QUICK = ["trainer=debug", "data=synthetic", "trainer.log_every_n_steps=1"]
@@ -31,7 +31,7 @@ def _fit(tmp_path: pathlib.Path, name: str, *overrides: str) -> pathlib.Path:
     return _run_dir(cwd)
 
 
-def test_data_parallel_runs_match_one_process(tmp_path, cli_reference_losses):
+def test_data_parallel_runs_match_one_process(tmp_path, cli_reference_losses, cli_reference_run):
     """Global batch 8: one process (2 microbatches of 4; conftest's ``cli_reference_losses``) vs
     DP = 2 (micro-batch 4 per rank) vs PP = 2 x DP = 2 (2 microbatches of 2 per rank), per-step
     training losses. The DP 2 run sets ``trainer.float32_matmul_precision=high`` (torch's fp32
@@ -50,6 +50,13 @@ def test_data_parallel_runs_match_one_process(tmp_path, cli_reference_losses):
         print(f"lightning-mhc-train {run_dir.parents[2].name}: max |loss - one process| over 6 steps = {diff:.3g}")
         torch.testing.assert_close(torch.tensor(list(losses.values())), torch.tensor(list(reference.values())),
                                    rtol=0, atol=1e-5, msg=lambda m: f"{run_dir}: {m}")
+    # the streams' divergence of every layer, every step: on PP 2 the second stage's layers too
+    # (gathered to the logging rank); the tiny GPT's streams differ from its first step
+    layers = {f"decoder.layers.{i}" for i in range(4)}
+    for run_dir in (cli_reference_run, dp2, pp2dp2):
+        divergences = stream_divergences(run_dir / "metrics.csv")
+        assert divergences.keys() == reference.keys(), run_dir
+        assert all(d.keys() == layers and all(0 < v < 2 for v in d.values()) for d in divergences.values()), divergences
     summary = json.loads((dp2 / "summary.json").read_text())
     assert summary["data_parallel_size"] == 2 and summary["timed_steps"] == 5
     assert summary["float32_matmul_precision"] == "high"

@@ -282,3 +282,34 @@ def test_bad_inputs_are_one_line_config_errors_naming_what_the_user_wrote(call, 
     with pytest.raises(ConfigError, match=match) as raised:
         call(model)
     assert "\n" not in str(raised.value)
+
+
+def test_stream_divergence_and_its_monitor():
+    """The divergence is 0 for copies and sqrt((n - 1) / n) for independent streams; the monitor
+    records a block's first forward of an armed step only (a recompute's re-run, later
+    microbatches and unarmed steps are not counted), and a retrofit's blocks report their streams
+    before the last block's mean: exactly 0 at the retrofit's start."""
+    from lightning_mhc.model.divergence import StreamDivergenceMonitor, stream_divergence
+
+    x = torch.randn(64, 1, 256, generator=torch.Generator().manual_seed(0))
+    assert stream_divergence(x.repeat(1, 1, 4), 4) == 0.0
+    independent = torch.randn(4096, 4 * 256, generator=torch.Generator().manual_seed(1))
+    assert abs(stream_divergence(independent, 4) - (3 / 4) ** 0.5) < 0.01
+    monitor = StreamDivergenceMonitor(4)
+    monitor.observe("a", independent)
+    assert monitor.take() == {}  # not armed
+    monitor.armed = True
+    monitor.observe("a", x.repeat(1, 1, 4))
+    monitor.observe("a", independent)  # the same block again in the step: not counted
+    assert monitor.take() == {"a": 0.0} and not monitor.armed
+
+    from lightning_mhc.parallelize.hyper_connections import hyper_connection_blocks
+
+    torch.manual_seed(0)
+    model = add_hyper_connections(llama(), 4)
+    monitor = StreamDivergenceMonitor(4)
+    for block in hyper_connection_blocks(model):
+        block.hyper_connection_observer = monitor.observe
+    monitor.armed = True
+    model(input_ids=torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2)))
+    assert monitor.take() == {f"model.layers.{i}": 0.0 for i in range(len(model.model.layers))}

@@ -21,6 +21,20 @@ def train_losses(metrics_csv: pathlib.Path) -> dict[int, float]:
         return {int(row["step"]): float(row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")}
 
 
+def stream_divergences(metrics_csv: pathlib.Path) -> dict[int, dict[str, float]]:
+    """``{step: {block: divergence}}`` from a CSVLogger's metrics.csv (the ``stream_divergence/<block>``
+    columns), for the steps that logged them."""
+    prefix = "stream_divergence/"
+    with open(metrics_csv) as handle:
+        rows = list(csv.DictReader(handle))
+    by_step: dict[int, dict[str, float]] = {}
+    for row in rows:
+        values = {k[len(prefix):]: float(v) for k, v in row.items() if k.startswith(prefix) and v}
+        if values:
+            by_step.setdefault(int(row["step"]), {}).update(values)
+    return by_step
+
+
 def check_before_launch(argv: list[str], cwd: pathlib.Path, monkeypatch, capsys) -> tuple[int, str]:
     """What ``lightning-mhc-train`` runs before Hydra makes a directory or starts a process
     (``preflight.check_command_line``: the whole pre-launch decision), in this process: ``(exit

@@ -598,6 +598,9 @@ def _block_output(call: _BlockCall, output: Any):
         raise RuntimeError(f"{wiring.name} ran {call.ran} of the {len(wiring.plan.branches)} branches of its "
                            "hyper-connection plan: each branch's entry and exit must run once per forward")
     result = call.current
+    observer = call.block.__dict__.get("hyper_connection_observer")
+    if observer is not None:  # a StreamDivergenceMonitor's: the streams before the last block's mean
+        observer(wiring.name, result)
     if call.manager is not None and call.last_in_group:
         call.manager.discard_all_outputs_and_register_unified_recompute(result)
         call.group.manager = None  # the hook on ``result`` holds it now; the blocks keep nothing of this forward

@@ -11,9 +11,11 @@ from typing import Any, Iterable
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mhc.lightning.modules.throughput import ThroughputMeter
+from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.model.flops import device_peak_flops
 from lightning_mhc.recompute.policy import RecomputePolicy
 
@@ -31,7 +33,9 @@ class PipelinedLMModule(pl.LightningModule):
 
     Logged: ``train_loss``, ``val_loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``,
     ``tokens_consumed``, ``step_time_ms``, ``mfu`` (where :meth:`flops_per_token` and the device's
-    peak are known), the optimizer state's bytes and memory (``max_rss_mb``, ``max_cuda_mb``)."""
+    peak are known), the optimizer state's bytes and memory (``max_rss_mb``, ``max_cuda_mb``), and
+    with hyper-connections the streams' divergence per block (``stream_divergence/<block>``, and
+    their mean ``stream_divergence``: ``lightning_mhc.model.divergence``)."""
 
     recompute_policy: RecomputePolicy | None = None
     """The recompute policy ``configure_model`` builds the model with (None: none was chosen)."""
@@ -46,6 +50,7 @@ class PipelinedLMModule(pl.LightningModule):
         """(global step, mean validation loss); step 0 comes from the sanity check."""
         self.throughput = ThroughputMeter()
         """Whole-job tokens/s per step (warm-up excluded): ``throughput.summary()``."""
+        self._divergence: StreamDivergenceMonitor | None = None
 
     def configure_recompute(self, policy: str | Any) -> None:
         """Build the model with ``policy`` (a name or a :class:`RecomputePolicy`); called before
@@ -88,11 +93,19 @@ class PipelinedLMModule(pl.LightningModule):
         """Training FLOPs per token of this model (for ``mfu``); None: not known, no ``mfu``."""
         return None
 
+    def attach_stream_divergence(self) -> StreamDivergenceMonitor | None:
+        """A monitor of this rank's hyper-connected blocks' stream divergence, attached to them;
+        None for a model without hyper-connections (the default)."""
+        return None
+
     def on_train_start(self) -> None:
         self.throughput.start_fit()
+        self._divergence = self.attach_stream_divergence()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
+        if self._divergence is not None:  # the steps Lightning logs (its rule: the step about to end)
+            self._divergence.armed = (self.trainer.global_step + 1) % self.trainer.log_every_n_steps == 0
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         norm = getattr(self.trainer.strategy, "last_grad_norm", None)
@@ -102,9 +115,33 @@ class PipelinedLMModule(pl.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._log_throughput(batch)
+        if self._divergence is not None and self._divergence.armed:
+            self._log_stream_divergence(self._divergence.take())
         runtime = getattr(self.trainer.strategy, "runtime", None)
         if runtime is not None:  # this rank's (rank 0's in the logs); 1/DP with the distributed optimizer
             self.log("optimizer_state_bytes", float(runtime.optimizer_state_bytes(self.trainer.optimizers)))
+
+    def _log_stream_divergence(self, values: dict[str, float]) -> None:
+        """``stream_divergence/<block>`` for every block of the model and ``stream_divergence``
+        their mean: each rank measured its own blocks (its stage; with sequence parallelism its
+        part of the tokens), gathered over the model-parallel group (every rank of it logs the
+        same; the logger writes rank 0's: the first data-parallel replica's batch)."""
+        layout = getattr(self.trainer.strategy, "layout", None)
+        group = layout.groups.model_parallel if layout is not None and layout.groups is not None else None
+        if group is not None and dist.get_world_size(group) > 1:
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, values, group=group)
+        else:
+            gathered = [values]
+        by_block: dict[str, list[float]] = {}
+        for rank_values in gathered:
+            for name, value in rank_values.items():
+                by_block.setdefault(name, []).append(value)
+        means = {name: sum(v) / len(v) for name, v in by_block.items()}
+        for name, value in means.items():
+            self.log(f"stream_divergence/{name}", value)
+        if means:
+            self.log("stream_divergence", sum(means.values()) / len(means))
 
     def _log_throughput(self, batch: Any) -> None:
         """tokens/s of the whole job for this step (see ``lightning_mhc.lightning.modules.throughput``)."""

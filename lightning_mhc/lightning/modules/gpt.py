@@ -17,6 +17,7 @@ from lightning_mhc.model.config import (
     with_parallel_layout,
 )
 from lightning_mhc.model.config_dict import is_plain, model_config_from_dict, model_config_to_dict
+from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.model.flops import training_flops_per_token
 from lightning_mhc.model.gpt import GPTModel, gpt_forward_step, gpt_loss_func
 from lightning_mhc.model.stages import build_gpt_chunks
@@ -117,6 +118,17 @@ class MHCGPTModule(PipelinedLMModule):
         config = with_parallel_layout(self.recompute_policy.apply(self.model_config), layout, self._requested_layout)
         chunks = build_gpt_chunks(config, layout)
         self.model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+
+    def attach_stream_divergence(self) -> StreamDivergenceMonitor | None:
+        """A forward hook on each of this rank's layers: their outputs are the ``n`` streams."""
+        config = self.model_config
+        if not config.enable_hyper_connections or config.num_residual_streams < 2:
+            return None
+        monitor = StreamDivergenceMonitor(config.num_residual_streams)
+        for chunk in self.model_chunks():
+            for layer in chunk.decoder.layers:
+                layer.register_forward_hook(monitor.output_hook(f"decoder.layers.{layer.layer_number - 1}"))
+        return monitor
 
     def model_chunks(self) -> list[GPTModel]:
         """This rank's model chunks: its stage, or its virtual-pipeline chunks in order."""

@@ -25,6 +25,8 @@ from torch import Tensor
 
 from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.lightning.modules.base import PipelinedLMModule
+from lightning_mhc.model.divergence import StreamDivergenceMonitor
+from lightning_mhc.parallelize.hyper_connections import hyper_connection_blocks
 from lightning_mhc.parallelize.model import ParallelModel, check_recompute, parallelize
 from lightning_mhc.recompute.policy import RecomputePolicy
 
@@ -64,6 +66,16 @@ class ParallelLMModule(PipelinedLMModule):
 
     def check_recompute_policy(self, policy: RecomputePolicy) -> None:
         check_recompute(policy, names=_CALLBACK_NAMES)
+
+    def attach_stream_divergence(self) -> StreamDivergenceMonitor | None:
+        """The retrofit's blocks report their streams to the monitor (before the last block's mean)."""
+        blocks = hyper_connection_blocks(self.model) if self.model is not None else []
+        if not blocks:
+            return None
+        monitor = StreamDivergenceMonitor(blocks[0].hyper_connection_wiring.n)
+        for block in blocks:
+            block.hyper_connection_observer = monitor.observe
+        return monitor
 
     def _check_built_policy(self) -> None:
         """The model was built with the recompute policy the callback chose (when one did)."""
