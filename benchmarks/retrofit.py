@@ -1,7 +1,7 @@
 """The retrofit's first result: a pretrained model continued plain and with hyper-connections added.
 
-    python benchmarks/retrofit.py [--hidden 256] [--layers 4] [--seq 128] [--batch 16]
-                                  [--pretrain-steps 350] [--steps 300] [--seeds 0 1] [--eval-every 25]
+    python benchmarks/retrofit.py [--hidden 192] [--layers 4] [--seq 128] [--batch 16]
+                                  [--pretrain-steps 400] [--steps 300] [--seeds 0 1] [--eval-every 25]
                                   [--max-bytes N] [--out PATH] [--plot PATH]
     python benchmarks/retrofit.py --large      # a GPU-sized run of the same protocol
 
@@ -60,6 +60,9 @@ def corpus(seq: int, max_bytes: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
 
     def chunks(ids: list[int]) -> torch.Tensor:
         count = (len(ids) - 1) // seq
+        if count < 1:
+            sys.exit(f"retrofit: the corpus ({len(texts)} modules) has no whole chunk of {seq + 1} tokens to hold out; "
+                     "raise --max-bytes")
         return torch.tensor(ids[:count * seq + 1]).unfold(0, seq + 1, seq)
 
     description = dict(name="the standard library's docstrings", modules=len(texts),
@@ -178,11 +181,11 @@ def continue_variants(args, train: torch.Tensor, validation: torch.Tensor, saved
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=192)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--pretrain-steps", type=int, default=350)
+    parser.add_argument("--pretrain-steps", type=int, default=400)
     parser.add_argument("--pretrain-lr", type=float, default=2e-3)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=5e-4)

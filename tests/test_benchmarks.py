@@ -77,6 +77,28 @@ def test_mhc_any_model(tmp_path):
     assert all(diff <= 1e-5 for row in result["exactness"].values() for diff in row.values())
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
+def test_retrofit(tmp_path):
+    """The retrofit benchmark at a tiny size: pretrained, saved, continued in three variants; at
+    step 0 the 4 streams at gating factor 0 are the plain model (its validation loss within 1e-5),
+    every variant logs its validation losses at the same steps, and the streams' divergence is
+    reported for the hyper-connected ones."""
+    out = tmp_path / "retrofit.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "retrofit.py"), "--hidden", "32", "--layers", "2",
+                           "--seq", "16", "--batch", "2", "--pretrain-steps", "3", "--steps", "2", "--eval-every",
+                           "1", "--seeds", "0", "--max-bytes", "400000", "--out", str(out), "--plot",
+                           str(tmp_path / "retrofit.png")], cwd=BENCHMARKS, env=child_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    runs = result["seeds"]["0"]
+    assert set(runs) == {"plain", "mHC, gate 0", "mHC, gate 0.01"}
+    assert all(list(run["validation"]) == ["0", "1", "2"] for run in runs.values())
+    assert result["summary"]["mHC, gate 0"]["step0_vs_plain"] < 1e-5
+    assert runs["plain"]["divergence"] is None and len(runs["mHC, gate 0.01"]["divergence"]) == 2
+    assert result["corpus"]["tokens"]["train"] > 10_000 and result["model"]["parameters"] > 0
+
+
 def test_fp64_accuracy(tmp_path):
     """Every output and gradient of the sub-layer, fp32 and bf16 and the projection's emulated
     tensor-core precisions, with both errors (not timed: no rounds): each within the bound the
