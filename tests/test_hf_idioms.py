@@ -313,3 +313,26 @@ def test_stream_divergence_and_its_monitor():
     monitor.armed = True
     model(input_ids=torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2)))
     assert monitor.take() == {f"model.layers.{i}": 0.0 for i in range(len(model.model.layers))}
+
+
+def test_the_checks_change_nothing_and_one_registry_holds_both_plans():
+    """``check_parallelize`` with hyper-connections checks a copy (the model it was given can then be
+    parallelized, or checked again); every built-in family is one ``FAMILIES`` entry holding its TP
+    plan and its hyper-connection plan, which the two lookups read."""
+    from lightning_mhc.distributed.layout import ParallelLayout
+    from lightning_mhc.parallelize import FAMILIES, HC_PLANS, PLANS, check_parallelize
+    from lightning_mhc.parallelize.families import resolve_hc_plan, resolve_plan
+
+    with record_module_init():
+        model = llama()
+    names = {name for name, _ in model.named_modules()}
+    for _ in range(2):
+        plan, parts, _ = check_parallelize(model, "auto", layout=ParallelLayout(), hyper_connections=4)
+        assert len(parts.blocks) == 4 and all(hasattr(b, "hyper_connection_wiring") for b in parts.blocks)
+    assert getattr(model, "hyper_connection_settings", None) is None
+    assert {name for name, _ in model.named_modules()} == names
+    assert PLANS.keys() == HC_PLANS.keys() == FAMILIES.keys() and len(FAMILIES) == 12
+    for name, family in FAMILIES.items():
+        assert resolve_plan(name) is family.tp is PLANS[name]
+    assert resolve_plan("auto", model) is FAMILIES["llama"].tp
+    assert resolve_hc_plan("auto", model) is FAMILIES["llama"].hyper_connections

@@ -347,7 +347,7 @@ def _meta(make, **kwargs):
      r"plan names attribute 'cfg.heads' of blocks.0.attn \(Attention\), which it does not have"),
 ])
 def test_wrong_plan_is_refused_naming_the_module(make, plan, tp, match):
-    from lightning_mhc.parallelize.plan import resolve_plan
+    from lightning_mhc.parallelize.families import resolve_plan
 
     with pytest.raises(ConfigError, match=match) as error:
         model = _meta(make)
@@ -623,7 +623,7 @@ def test_a_plan_without_an_output_finds_the_head(name):
     from lightning_mhc.parallelize import record_module_init
     from lightning_mhc.parallelize.model import _default_output, _output_plan
     from lightning_mhc.parallelize.pipeline import find_parts
-    from lightning_mhc.parallelize.plan import resolve_plan
+    from lightning_mhc.parallelize.families import resolve_plan
 
     make, _ = MODELS[name]
     with record_module_init():

@@ -235,10 +235,9 @@ class ModelConfig:
             self.config = to_absolute_path(os.path.expanduser(self.config))
         from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
 
-        n = 1 if self.hyper_connections is None else self.hyper_connections
         try:
-            self.hyper_connection_settings = HyperConnectionSettings(n, seed=self.init_seed,
-                                                                     implementation=self.mhc_implementation)
+            self.hyper_connection_settings = dataclasses.replace(
+                HyperConnectionSettings.of(self.hyper_connections, self.init_seed), implementation=self.mhc_implementation)
             """model=hf: the hyper-connections, checked once (1 stream: none)."""
         except ConfigError as error:
             raise ConfigError(f"model.hyper_connections={show(self.hyper_connections)}: "
@@ -254,7 +253,7 @@ class ModelConfig:
 def _check_built_in_plan(model: Any, plan: str) -> None:
     """model=hf: the command line takes a built-in plan by name (a plan of one's own is a Python
     object: ``parallelize`` from a script)."""
-    from lightning_mhc.parallelize.plan import PLANS
+    from lightning_mhc.parallelize.families import PLANS
 
     family = getattr(model.config, "model_type", None) if plan == "auto" else plan
     if family not in PLANS:

@@ -7,8 +7,9 @@ PyTorch transformer with a list of repeated blocks), without rewriting it on meg
 
 - ``record.py``: meta construction with recorded constructor arguments; materialising a module
   from them with name-seeded generators (layout-invariant initial weights);
-- ``plan.py``: TP plans by module-name patterns (built in for 11 Hugging Face families, chosen by
-  ``model_type`` with ``plan="auto"``) and their checks;
+- ``plan.py``: TP plans by module-name patterns and their checks; ``hc_plan.py``: where
+  hyper-connections go in a block; ``families.py``: one entry per built-in Hugging Face family
+  (12 ``model_type`` names) holding both its plans, chosen by ``model_type`` with ``plan="auto"``;
 - ``tensor_parallel.py``: the styles applied in place with megatron-core's TP mappings;
 - ``pipeline.py``: the block list, the stage split, stubs for parts on other stages;
 - ``model.py``: :func:`parallelize`, :class:`ParallelModel` (the pipeline contract), and
@@ -27,19 +28,20 @@ No Lightning import: ``lightning_mhc.lightning.ParallelLMModule`` is the Lightni
 import sys
 import types
 
-from lightning_mhc.parallelize.hyper_connections import (
-    HC_PLANS, Branch, HyperConnectionPlan, HyperConnectionSettings, add_hyper_connections)
+from lightning_mhc.parallelize.families import FAMILIES, HC_PLANS, PLANS, Family
+from lightning_mhc.parallelize.hc_plan import Branch, HyperConnectionPlan
+from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings, add_hyper_connections
 from lightning_mhc.parallelize.export import (
     consolidated_state_dict, export_pretrained, load_checkpoint, load_pretrained, save_hyper_connections)
 from lightning_mhc.parallelize.model import (
     MaterializedReport, ParallelModel, build_recorded_module, check_parallelize, parallelize)
 from lightning_mhc.parallelize.plan import (
-    GPT2, GPT_NEOX, LLAMA, OPT, PHI3, PLANS, QWEN3, Column, Replicate, ReplicateOnSplit, Row, TPPlan, VocabEmbedding,
+    GPT2, GPT_NEOX, LLAMA, OPT, PHI3, QWEN3, Column, Replicate, ReplicateOnSplit, Row, TPPlan, VocabEmbedding,
     check_plan)
 from lightning_mhc.parallelize.record import record_module_init
 
 __all__ = [
-    "Branch", "GPT2", "GPT_NEOX", "HC_PLANS", "HyperConnectionPlan", "HyperConnectionSettings",
+    "Branch", "FAMILIES", "Family", "GPT2", "GPT_NEOX", "HC_PLANS", "HyperConnectionPlan", "HyperConnectionSettings",
     "add_hyper_connections", "LLAMA", "OPT", "PHI3", "PLANS", "QWEN3", "Column", "MaterializedReport", "ParallelModel",
     "Replicate", "ReplicateOnSplit", "Row", "TPPlan", "VocabEmbedding", "build_recorded_module", "check_parallelize", "check_plan",
     "consolidated_state_dict", "export_pretrained",

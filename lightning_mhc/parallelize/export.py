@@ -33,11 +33,10 @@ from torch import nn
 
 from lightning_mhc.checkpoint.format import MODEL, read_tensors
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.parallelize.hc_plan import Branch, HyperConnectionPlan
 from lightning_mhc.parallelize.hyper_connections import (
-    Branch,
-    HyperConnectionPlan,
     HyperConnectionSettings,
-    apply_hyper_connections,
+    add_hyper_connections,
     drawn_from_seed,
 )
 
@@ -197,7 +196,7 @@ def load_pretrained(directory: str | Path, **from_pretrained_kwargs: Any) -> nn.
         return model
     saved = json.loads(settings_file.read_text())
     plan = HyperConnectionPlan(tuple(Branch(**b) for b in saved["plan"]["branches"]), saved["plan"].get("blocks"))
-    apply_hyper_connections(model, HyperConnectionSettings(**saved["settings"]), plan)
+    add_hyper_connections(model, HyperConnectionSettings(**saved["settings"]), plan)
     tensors = load_file(str(directory / HYPER_CONNECTION_WEIGHTS))
     expected = {name for name in model.state_dict() if drawn_from_seed(name)}
     if set(tensors) != expected:

@@ -40,18 +40,20 @@ hyper-connection and entry run as one checkpoint and its ``H_res``/``H_post`` ad
 ``MHCBlockRecomputeManager`` per group of blocks, recomputed from one hook on the group's output;
 the attention and MLP keep their activations (the project's GPT does the same).
 
-Families built in (``plan="auto"`` by ``config.model_type``): Llama, Mistral, Qwen2, Qwen3, Gemma,
-Gemma 2 and 3 (their post-norms end the branches), Phi-3, GPT-2, GPT-NeoX (its parallel attention
-and MLP), OPT. Any other model: a :class:`HyperConnectionPlan` of :class:`Branch` entries.
+Families built in (``plan="auto"`` by ``config.model_type``; ``families.py``): Llama, Mistral,
+Qwen2, Qwen3, Gemma, Gemma 2 and 3 (their post-norms end the branches), Phi-3, GPT-2, GPT-NeoX (its
+parallel attention and MLP), OPT. Any other model: a :class:`HyperConnectionPlan` of
+:class:`Branch` entries (``hc_plan.py``).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -61,156 +63,12 @@ from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
+from lightning_mhc.parallelize.families import resolve_hc_plan
+from lightning_mhc.parallelize.hc_plan import Branch, HyperConnectionPlan
 from lightning_mhc.parallelize.pipeline import find_parts, replace_hidden_states
 from lightning_mhc.parallelize.record import record_module_init
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput
-
-
-@dataclass(frozen=True)
-class Branch:
-    """One residual branch of a block, by module names relative to the block.
-
-    Args:
-        entry: the module that reads the residual stream (the branch's first norm).
-        exit: the module whose output the block adds to the residual stream (the attention, the
-            MLP, or what ends the branch: a post-norm, a dropout).
-        parallel: the branch reads the block's input, not the previous branch's result (GPT-NeoX's
-            parallel attention and MLP); its result still adds onto the previous branch's.
-        dropout: the block's attribute holding the probability of a dropout the block applies to
-            the exit's output before adding it (OPT's ``self.dropout``); None: the exit's output
-            is what is added.
-    """
-
-    entry: str
-    exit: str
-    parallel: bool = False
-    dropout: str | None = None
-
-    def __post_init__(self) -> None:
-        for field in ("entry", "exit"):
-            value = getattr(self, field)
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"hyper-connection Branch {field}={value!r}: the name of a module of the block "
-                                  "(relative to it), such as 'input_layernorm'.")
-        if not isinstance(self.parallel, bool):
-            raise ConfigError(f"hyper-connection Branch parallel={self.parallel!r}: True or False.")
-        if self.dropout is not None and (not isinstance(self.dropout, str) or not self.dropout):
-            raise ConfigError(f"hyper-connection Branch dropout={self.dropout!r}: the name of the block's attribute "
-                              "holding the dropout probability, or None.")
-
-
-@dataclass(frozen=True)
-class HyperConnectionPlan:
-    """Where the hyper-connections go: the branches of every block of the block list ``blocks``
-    (found as ``parallelize`` finds it when None)."""
-
-    branches: tuple[Branch, ...]
-    blocks: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "branches", tuple(self.branches))
-        if not self.branches or not all(isinstance(b, Branch) for b in self.branches):
-            raise ConfigError("a HyperConnectionPlan needs at least one Branch(entry=..., exit=...) per block.")
-        if self.branches[0].parallel:
-            raise ConfigError(f"the first branch ({self.branches[0].entry}) cannot be parallel: nothing runs before it.")
-
-
-def _pre_norm(attention: str, mlp: str, attention_norm: str, mlp_norm: str, **options: Any) -> HyperConnectionPlan:
-    return HyperConnectionPlan((Branch(attention_norm, attention, **options), Branch(mlp_norm, mlp, **options)))
-
-
-LLAMA_BRANCHES = _pre_norm("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
-"""Llama, Mistral, Qwen2, Qwen3, Gemma: norm, attention; norm, MLP."""
-GEMMA2_BRANCHES = _pre_norm("post_attention_layernorm", "post_feedforward_layernorm", "input_layernorm",
-                            "pre_feedforward_layernorm")
-"""Gemma 2 and 3: each branch ends with its post-norm."""
-PHI3_BRANCHES = _pre_norm("resid_attn_dropout", "resid_mlp_dropout", "input_layernorm", "post_attention_layernorm")
-"""Phi-3: each branch ends with its residual dropout."""
-GPT2_BRANCHES = _pre_norm("attn", "mlp", "ln_1", "ln_2")
-"""GPT-2 (without cross-attention)."""
-OPT_BRANCHES = _pre_norm("self_attn", "fc2", "self_attn_layer_norm", "final_layer_norm", dropout="dropout")
-"""OPT with its norms before the branches (every OPT but the 350M): the block's dropout ends each branch."""
-
-
-def _gpt_neox(config: Any) -> HyperConnectionPlan:
-    parallel = bool(getattr(config, "use_parallel_residual", True))
-    return HyperConnectionPlan((Branch("input_layernorm", "post_attention_dropout"),
-                                Branch("post_attention_layernorm", "post_mlp_dropout", parallel=parallel)))
-
-
-def _opt(config: Any) -> HyperConnectionPlan:
-    if not getattr(config, "do_layer_norm_before", True):
-        raise ConfigError("hyper-connections for OPT need its norms before the branches (do_layer_norm_before=True; "
-                          "the 350M applies them after): a post-norm block has no stream to read.")
-    return OPT_BRANCHES
-
-
-def _gpt2(config: Any) -> HyperConnectionPlan:
-    if getattr(config, "add_cross_attention", False):
-        raise ConfigError("hyper-connections for GPT-2 with cross-attention (add_cross_attention=True) have no built-in "
-                          "plan: pass a HyperConnectionPlan with a third Branch('ln_cross_attn', 'crossattention').")
-    return GPT2_BRANCHES
-
-
-HC_PLANS: dict[str, HyperConnectionPlan | Callable[[Any], HyperConnectionPlan]] = {
-    "llama": LLAMA_BRANCHES, "mistral": LLAMA_BRANCHES, "qwen2": LLAMA_BRANCHES, "qwen3": LLAMA_BRANCHES,
-    "gemma": LLAMA_BRANCHES, "gemma2": GEMMA2_BRANCHES, "gemma3": GEMMA2_BRANCHES, "gemma3_text": GEMMA2_BRANCHES,
-    "phi3": PHI3_BRANCHES, "gpt2": _gpt2, "gpt_neox": _gpt_neox, "opt": _opt,
-}
-"""Built-in hyper-connection plans by Hugging Face ``config.model_type`` (a function of the config
-where the block's structure depends on it)."""
-
-
-def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: nn.Module) -> HyperConnectionPlan:
-    """A plan: ``"auto"`` (by ``model.config.model_type``), a family name, a plan, or a mapping of its fields."""
-    if isinstance(plan, HyperConnectionPlan):
-        return plan
-    if isinstance(plan, Mapping):
-        fields = dict(plan)
-        _check_keys("plan", fields, PLAN_KEYS, required=("branches",))
-        branches = fields.pop("branches")
-        if isinstance(branches, (str, Mapping)) or not isinstance(branches, (list, tuple)):
-            raise ConfigError(f"hyper-connection plan branches={branches!r}: a list of branches, each "
-                              "{'entry': ..., 'exit': ...} or a Branch.")
-        return HyperConnectionPlan(tuple(_branch(b, i) for i, b in enumerate(branches)), **fields)
-    config = getattr(model, "config", None)
-    family = getattr(config, "model_type", None) if plan == "auto" else plan
-    if family not in HC_PLANS:
-        given = (f"plan={plan!r}" if plan != "auto" else f"model_type {family!r}" if family
-                 else "no config.model_type")
-        raise ConfigError(f"hyper-connections: {type(model).__name__} has {given}, and no built-in plan fits (built in: "
-                          f"{', '.join(HC_PLANS)}); pass a HyperConnectionPlan of its branches "
-                          "(docs/mhc_any_model.md#a-plan-for-your-own-model).")
-    found = HC_PLANS[family]
-    return found(config) if callable(found) else found
-
-
-PLAN_KEYS = ("branches", "blocks")
-BRANCH_KEYS = ("entry", "exit", "parallel", "dropout")
-
-
-def _check_keys(what: str, fields: Mapping[str, Any], known: tuple[str, ...], required: tuple[str, ...]) -> None:
-    """A mapping written for a plan or a branch: every key known, every required one there (a
-    misspelt key would otherwise be a TypeError from the constructor, or silently dropped)."""
-    unknown = [k for k in fields if k not in known]
-    if unknown:
-        raise ConfigError(f"hyper-connection {what} has the key(s) {', '.join(map(repr, unknown))}, which it does not "
-                          f"know: its keys are {', '.join(known)}.")
-    missing = [k for k in required if k not in fields]
-    if missing:
-        raise ConfigError(f"hyper-connection {what} {dict(fields)!r} lacks {', '.join(missing)}: a {what} needs "
-                          f"{', '.join(required)}.")
-
-
-def _branch(branch: Branch | Mapping[str, Any], index: int) -> Branch:
-    if isinstance(branch, Branch):
-        return branch
-    if not isinstance(branch, Mapping):
-        raise ConfigError(f"hyper-connection plan branch {index + 1} is {branch!r}: write it as "
-                          "{'entry': ..., 'exit': ...} or Branch(entry=..., exit=...).")
-    _check_keys(f"plan branch {index + 1}", branch, BRANCH_KEYS, required=("entry", "exit"))
-    return Branch(**branch)
 
 
 @dataclass(frozen=True)
@@ -242,6 +100,14 @@ class HyperConnectionSettings:
                               "by name; pass an int such as 0.")
         self.config(hidden_size=8, eps=1e-5)  # the gating factor, implementation and iterations, checked once
 
+    @classmethod
+    def of(cls, value: int | HyperConnectionSettings | None, seed: int = 0) -> HyperConnectionSettings:
+        """The settings a caller's ``hyper_connections`` stands for: None is one stream (the model as
+        it is), an integer ``n`` streams with ``seed``, settings are themselves."""
+        if isinstance(value, cls):
+            return value
+        return cls(1 if value is None else value, seed=seed)
+
     @property
     def enabled(self) -> bool:
         return self.num_residual_streams > 1
@@ -254,6 +120,8 @@ class HyperConnectionSettings:
             mhc_init_gating_factor=self.init_gating_factor, mhc_implementation=self.implementation,
             mhc_sinkhorn_iterations=self.sinkhorn_iterations, layernorm_epsilon=eps, init_method_std=std)
 
+
+_SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HyperConnectionSettings)}
 
 HYPER_CONNECTIONS = "hyper_connections"
 """The attribute of a block holding its hyper-connections (``<block>.hyper_connections.<branch>``)."""
@@ -432,12 +300,15 @@ def _rebuild_hyper_connected(base: type, role: str) -> nn.Module:
     return cls.__new__(cls)
 
 
-def add_hyper_connections(model: nn.Module, num_residual_streams: int = 4,
+def add_hyper_connections(model: nn.Module, num_residual_streams: int | HyperConnectionSettings = 4,
                           plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto", seed: int = 0,
                           init_gating_factor: float = 0.0, implementation: str = "auto",
                           ) -> nn.Module:
     """Rewire ``model`` in place so its residual stream is ``num_residual_streams`` streams with a
     hyper-connection around every branch of every block (see the module docstring); returns it.
+    The one entry point: ``num_residual_streams`` may instead be a whole
+    :class:`HyperConnectionSettings` (then ``seed``, ``init_gating_factor`` and ``implementation``
+    are its own, not given here).
 
     Works on a materialised model (``from_pretrained``: the hyper-connections are made on its
     device) and on one built under ``record_module_init`` (they are recorded like its other
@@ -445,13 +316,15 @@ def add_hyper_connections(model: nn.Module, num_residual_streams: int = 4,
     A Hugging Face model's ``save_pretrained`` then writes the hyper-connections beside the base
     model (``lightning_mhc.load_pretrained`` reads both).
     """
-    settings = HyperConnectionSettings(num_residual_streams, seed, init_gating_factor, implementation)
-    return apply_hyper_connections(model, settings, plan)
-
-
-def apply_hyper_connections(model: nn.Module, settings: HyperConnectionSettings,
-                            plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto") -> nn.Module:
-    """:func:`add_hyper_connections` with its settings as one value."""
+    if isinstance(num_residual_streams, HyperConnectionSettings):
+        given = {k: v for k, v in dict(seed=seed, init_gating_factor=init_gating_factor,
+                                       implementation=implementation).items() if v != _SETTING_DEFAULTS[k]}
+        if given:
+            raise ConfigError(f"add_hyper_connections(..., {', '.join(f'{k}={v!r}' for k, v in given.items())}) with "
+                              "a HyperConnectionSettings: give them in the settings instead.")
+        settings = num_residual_streams
+    else:
+        settings = HyperConnectionSettings(num_residual_streams, seed, init_gating_factor, implementation)
     if getattr(model, "hyper_connection_settings", None) is not None:
         raise ConfigError(f"{type(model).__name__} has hyper-connections already "
                           f"({model.hyper_connection_settings.num_residual_streams} streams); add them once.")
@@ -667,5 +540,5 @@ def hyper_connection_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "hyper_connection_wiring")]
 
 
-__all__ = ["Branch", "HC_PLANS", "HyperConnectionPlan", "HyperConnectionSettings", "add_hyper_connections",
-           "apply_hyper_connections", "attach_block_recompute", "hyper_connection_blocks", "resolve_hc_plan"]
+__all__ = ["Branch", "HyperConnectionPlan", "HyperConnectionSettings", "add_hyper_connections",
+           "attach_block_recompute", "hyper_connection_blocks"]

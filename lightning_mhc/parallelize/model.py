@@ -12,6 +12,8 @@ materialised in one process with the same seed (:func:`build_recorded_module`).
 """
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import fnmatch
 import functools
@@ -38,11 +40,12 @@ from lightning_mhc.parallelize.pipeline import (
     split_blocks,
     stage_block_list,
 )
-from lightning_mhc.parallelize.plan import Column, TPPlan, check_plan, linear_dims, resolve_plan
+from lightning_mhc.parallelize.families import resolve_plan
+from lightning_mhc.parallelize.plan import Column, TPPlan, check_plan, linear_dims
 from lightning_mhc.parallelize.hyper_connections import (
     HyperConnectionPlan,
     HyperConnectionSettings,
-    apply_hyper_connections,
+    add_hyper_connections,
     attach_block_recompute,
 )
 from lightning_mhc.parallelize.record import InitFn, Materializer, is_meta
@@ -295,10 +298,9 @@ def parallelize(
     layout = layout if layout is not None else active_layout()
     layout = layout if layout.is_built else layout.build()
     recompute = RecomputePolicy.of(recompute)
-    plan, parts, ranges = check_parallelize(model, plan, layout=layout, blocks=blocks, pipeline_split=pipeline_split,
-                                            seed=seed, recompute=recompute, recompute_modules=recompute_modules,
-                                            hyper_connections=hyper_connections,
-                                            hyper_connection_plan=hyper_connection_plan)
+    _check_recorded(model)
+    _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
+    plan, parts, ranges = _checked_parts(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
     checked = check_weights(model, weights) if weights is not None else None  # before the build changes the model
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     whole = _unique_numel(model)
@@ -347,14 +349,30 @@ def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] |
                       ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
     """Everything :func:`parallelize` refuses, before anything is built (the CLI runs it before
     launch, on a layout not built yet): the recorded model, the layout, the recompute policy, the
-    plan against the model at the layout's TP size, the stage split; the hyper-connections are
-    added to ``model`` (recorded: nothing is allocated). Returns the checked plan, the model's
-    parts and each (virtual) stage's block range (see :func:`_plan_and_stage_ranges`)."""
-    recompute = RecomputePolicy.of(recompute)
+    plan against the model at the layout's TP size, the stage split, the hyper-connections (added
+    to a copy of the recorded model: a check changes nothing). Returns the checked plan, the
+    model's parts and each (virtual) stage's block range (see :func:`_plan_and_stage_ranges`), of
+    the copy when hyper-connections were added to one."""
+    _check_recorded(model)
+    _check_hyper_connections(hyper_connections)
+    if HyperConnectionSettings.of(hyper_connections).enabled and _hyper_connection_streams(model) == 1:
+        model = copy.deepcopy(model)  # meta tensors: nothing is allocated
+    _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
+    return _checked_parts(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
+
+
+def _check_recorded(model: nn.Module) -> None:
     if not is_meta(model):
         raise ConfigError(f"parallelize() takes a model built on the meta device with its constructor arguments "
                           f"recorded: construct {type(model).__name__} inside `with record_module_init():`.")
-    _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
+
+
+def _checked_parts(model: nn.Module, plan: Any, layout: ParallelLayout, blocks: str | None,
+                   pipeline_split: list[int] | list[str] | None, recompute: str | RecomputePolicy,
+                   recompute_modules: tuple[str, ...] | list[str] | None,
+                   ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
+    """The checks of :func:`check_parallelize` on a model whose hyper-connections are in place."""
+    recompute = RecomputePolicy.of(recompute)
     check_recompute(recompute, hyper_connections=_hyper_connection_streams(model) > 1)
     return _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
 
@@ -380,9 +398,7 @@ def _add_hyper_connections(model: nn.Module, hyper_connections: int | HyperConne
     if hyper_connections is None:
         return
     _check_hyper_connections(hyper_connections)
-    settings = (hyper_connections if isinstance(hyper_connections, HyperConnectionSettings)
-                else HyperConnectionSettings(hyper_connections, seed=seed))
-    apply_hyper_connections(model, settings, plan)
+    add_hyper_connections(model, HyperConnectionSettings.of(hyper_connections, seed), plan)
 
 
 def _check_hyper_connections(hyper_connections: int | HyperConnectionSettings | None) -> None:

@@ -207,35 +207,13 @@ OPT = TPPlan(
 """Hugging Face ``OPTForCausalLM`` (without ``project_in``/``project_out``: ``word_embed_proj_dim``
 equal to ``hidden_size``, as in every OPT but the 350M)."""
 
-PLANS: dict[str, TPPlan] = {
-    "gpt2": GPT2, "llama": LLAMA, "phi3": PHI3, "gpt_neox": GPT_NEOX, "opt": OPT,
-    # Llama's module names, and forwards that read the head counts from the config
-    "mistral": LLAMA, "qwen2": LLAMA, "gemma": LLAMA, "gemma2": LLAMA,
-    "qwen3": QWEN3, "gemma3": QWEN3, "gemma3_text": QWEN3,
-}
-"""Built-in plans by Hugging Face ``config.model_type``."""
-
-
-def resolve_plan(plan: str | TPPlan | Mapping[str, Style | str] | None, model: nn.Module | None = None) -> TPPlan:
-    """A plan by name (a key of :data:`PLANS`; ``"auto"``: the one for ``model.config.model_type``),
-    a :class:`TPPlan`, or a plain ``{pattern: style}``."""
+def resolve_tp_plan(plan: TPPlan | Mapping[str, Style | str] | None) -> TPPlan:
+    """A :class:`TPPlan`, a plain ``{pattern: style}``, or None (nothing split); a built-in plan
+    by name or ``"auto"`` is ``families.resolve_plan``'s."""
     if plan is None:
         return TPPlan()
     if isinstance(plan, TPPlan):
         return plan
-    if plan == "auto":
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if model_type not in PLANS:
-            found = f"model_type {model_type!r}" if model_type else "no config.model_type"
-            raise ConfigError(f"plan='auto': {type(model).__name__} has {found}, which has no built-in plan "
-                              f"(built in: {', '.join(PLANS)}); pass a dict of module-name patterns to styles or a "
-                              "TPPlan (docs/bring_your_own_model.md#writing-a-plan).")
-        return PLANS[model_type]
-    if isinstance(plan, str):
-        if plan not in PLANS:
-            raise ConfigError(f"plan={plan!r}: no such built-in plan; choose {', '.join(PLANS)} or 'auto', or pass a "
-                              "dict {module-name pattern: style} or a TPPlan.")
-        return PLANS[plan]
     if isinstance(plan, Mapping):
         return TPPlan(layers=dict(plan))
     raise ConfigError(f"plan={plan!r}: pass a built-in plan's name, a dict of module-name patterns to styles, or a TPPlan.")

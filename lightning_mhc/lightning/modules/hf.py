@@ -12,6 +12,7 @@ and these settings, so ``HFCausalLMModule.whole_model(hparams)`` rebuilds the mo
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import nn
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.lightning.modules.base import OPTIMIZERS
 from lightning_mhc.lightning.modules.parallel_lm import ParallelLMModule
-from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings, apply_hyper_connections
+from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings, add_hyper_connections
 from lightning_mhc.parallelize.record import record_module_init
 
 
@@ -77,8 +78,8 @@ class HFCausalLMModule(ParallelLMModule):
             raise ConfigError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}.")
         self.save_hyperparameters()
         self.model_dir, self.pretrained, self.plan, self.seed = str(model_dir), pretrained, plan, seed
-        self.hyper_connection_settings = HyperConnectionSettings(hyper_connections or 1, seed=seed,
-                                                                 implementation=implementation)
+        self.hyper_connection_settings = dataclasses.replace(HyperConnectionSettings.of(hyper_connections, seed),
+                                                             implementation=implementation)
         self.optimizer_name, self.warmup_steps, self.min_lr_ratio = optimizer, warmup_steps, min_lr_ratio
 
     def configure_model(self) -> None:
@@ -109,9 +110,9 @@ class HFCausalLMModule(ParallelLMModule):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(hf_config(hparams["model_dir"]), dtype="float32")
-        settings = HyperConnectionSettings(hparams.get("hyper_connections") or 1, seed=hparams.get("seed", 0),
-                                           implementation=hparams.get("implementation", "auto"))
-        return apply_hyper_connections(model, settings)
+        settings = dataclasses.replace(HyperConnectionSettings.of(hparams.get("hyper_connections"), hparams.get("seed", 0)),
+                                       implementation=hparams.get("implementation", "auto"))
+        return add_hyper_connections(model, settings)
 
 
 def _forward_flops_of(model: nn.Module, settings: HyperConnectionSettings) -> tuple[float, float]:
