@@ -1,0 +1,200 @@
+"""Context-parallel attention (``lightning_mhc.distributed.context_parallel``): the load-balanced
+sharding, equal causal work per rank, and the attention's output and q/k/v gradients against the
+un-split attention on the whole sequence, for cp 2 and 4 (one gloo group per cp size, every case
+inside it), and the bytes autograd keeps for one call."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_mhc.distributed import context_parallel as cp_mod
+from lightning_mhc.distributed.context_parallel import (
+    causal_work,
+    chunk_positions,
+    context_parallel_attention,
+    local_chunks,
+    shard_sequence,
+    unshard_sequence,
+)
+from lightning_mhc.testing.launch import spawn_ranks
+
+TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
+"""On ``|cp - ref| / max(1, |ref|)``, elementwise: absolute below 1, relative above (a GQA value
+gradient sums over ranks and grouped heads, entries reach ~10, where 1e-6 absolute is under 1 ulp
+of fp32). fp64 shows the split is exact, not merely close."""
+
+
+# ----------------------------------------------------------------------------- in-process
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+def test_shard_round_trip_and_positions(cp_size):
+    seq_len = 8 * cp_size
+    full = torch.randn(2, seq_len, 3)
+    shards = [shard_sequence(full, r, cp_size, dim=1) for r in range(cp_size)]
+    assert all(s.shape == (2, seq_len // cp_size, 3) for s in shards)
+    assert torch.equal(unshard_sequence(shards, dim=1), full)
+    positions = [chunk_positions(seq_len, r, cp_size) for r in range(cp_size)]
+    # every global position exactly once, and each local token's position is the one it came from
+    assert torch.equal(torch.cat(positions).sort().values, torch.arange(seq_len))
+    for r in range(cp_size):
+        assert torch.equal(shards[r], full[:, positions[r]])
+
+
+def test_positions_are_chunks_r_and_mirror():
+    assert chunk_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert chunk_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    assert local_chunks(1, 4) == (1, 6)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        shard_sequence(torch.zeros(6), 0, 2, dim=0)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4, 8])
+def test_causal_work_is_equal_across_ranks(cp_size):
+    seq_len = 16 * cp_size
+    work = [causal_work(seq_len, r, cp_size) for r in range(cp_size)]
+    assert len(set(work)) == 1, work
+    assert sum(work) == seq_len * (seq_len + 1) // 2   # together: the whole causal triangle
+
+
+# ----------------------------------------------------------------------------- spawned
+
+CASES = list(itertools.product([False, True], [False, True], [True, False]))
+"""(gqa, key_padding_mask, causal)."""
+
+
+def _reference(q, k, v, causal, key_padding_mask):
+    """The un-split attention on the whole sequence, one SDPA call (its own causal path when no
+    padding mask, an explicit ``[b, 1, s, s]`` mask with one)."""
+    gqa = q.shape[1] != k.shape[1]
+    if key_padding_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    s = q.shape[2]
+    mask = key_padding_mask[:, None, None, :]
+    if causal:
+        mask = mask & torch.ones(s, s, dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _error(mine, ref):
+    return ((mine - ref).abs() / ref.abs().clamp(min=1)).max().item()
+
+
+def _errors(rank, cp_size, group, gqa, padded, causal, regather=False, dtype=torch.float32, seed=0):
+    """The error (``TOL``'s measure) of the output and of q, k, v's gradients of this rank's shard."""
+    gen = torch.Generator().manual_seed(seed)
+    b, heads, seq_len, d = 2, 4, 8 * cp_size, 8
+    kv_heads = 2 if gqa else heads
+    q = torch.randn(b, heads, seq_len, d, generator=gen)
+    k = torch.randn(b, kv_heads, seq_len, d, generator=gen)
+    v = torch.randn(b, kv_heads, seq_len, d, generator=gen)
+    grad_out = torch.randn(b, heads, seq_len, d, generator=gen)
+    q, k, v, grad_out = (t.to(dtype) for t in (q, k, v, grad_out))
+    mask = None
+    if padded:
+        mask = torch.rand(b, seq_len, generator=gen) > 0.3
+        mask[1, seq_len // 2:] = False        # sample 1 right-padded, as a loss mask pads
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _reference(*full, causal, mask)
+    ref.backward(grad_out)
+    local = [shard_sequence(t, rank, cp_size, dim=2).detach().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*local, group, causal=causal, key_padding_mask=mask,
+                                     regather_in_backward=regather)
+    out.backward(shard_sequence(grad_out, rank, cp_size, dim=2))
+    errs = {"out": _error(out, shard_sequence(ref, rank, cp_size, dim=2))}
+    for name, mine, theirs in zip("qkv", local, full):
+        errs[name] = _error(mine.grad, shard_sequence(theirs.grad, rank, cp_size, dim=2))
+    return dtype, errs
+
+
+def _all_cases(rank, world_size):
+    """Every case in this one group: the plain reduce-scatter, then its all-reduce fallback, and
+    gathering again in backward."""
+    group = torch.distributed.group.WORLD
+    results = {}
+    for (gqa, padded, causal), dtype in itertools.product(CASES, [torch.float32, torch.float64]):
+        results[("plain", gqa, padded, causal, dtype)] = _errors(rank, world_size, group, gqa, padded, causal,
+                                                                 dtype=dtype)
+    results[("regather", True, True, True)] = _errors(rank, world_size, group, True, True, True, regather=True)
+    saved = dict(cp_mod._REDUCE_SCATTER_WORKS)
+    cp_mod._REDUCE_SCATTER_WORKS["gloo"] = False
+    try:
+        results[("all_reduce_fallback", True, True, True)] = _errors(rank, world_size, group, True, True, True)
+    finally:
+        cp_mod._REDUCE_SCATTER_WORKS.clear()
+        cp_mod._REDUCE_SCATTER_WORKS.update(saved)
+    results["reduce_scatter_works"] = (None, saved.get("gloo"))
+    return results
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_attention_matches_unsplit(cp_size):
+    """Output and q/k/v gradients within 1e-6 (fp32; 1e-12 fp64) of the un-split attention: with and without
+    GQA, a key-padding mask and the causal mask; also with the all-reduce fallback for the
+    reduce-scatter and with K/V gathered again in backward."""
+    per_rank = spawn_ranks(_all_cases, cp_size, timeout_s=120)
+    assert per_rank[0]["reduce_scatter_works"][1] is True   # gloo on this torch has reduce_scatter
+    bad = {(rank, case): errs for rank, res in enumerate(per_rank) for case, (dtype, errs) in res.items()
+           if case != "reduce_scatter_works" and max(errs.values()) > TOL[dtype]}
+    assert not bad, bad
+
+
+# ----------------------------------------------------------------------------- memory
+
+MEM_SHAPE = dict(b=1, heads=8, kv_heads=2, seq_len=1024, d=64)
+
+
+def _retained(rank, world_size):
+    """Bytes autograd keeps for one call (fp32, GQA): plain SDPA on the whole sequence, CP over a
+    one-rank group (cp=1), CP at cp=2 (per rank) keeping the gathered K/V, and gathering again."""
+    from lightning_mhc.recompute import ActivationMemoryMeter
+
+    b, heads, kv_heads, seq_len, d = MEM_SHAPE.values()
+    singles = [torch.distributed.new_group([r]) for r in range(world_size)]   # every rank makes every group
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, heads, seq_len, d, generator=gen)
+    k = torch.randn(b, kv_heads, seq_len, d, generator=gen)
+    v = torch.randn(b, kv_heads, seq_len, d, generator=gen)
+
+    def measure(fn, *tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        with ActivationMemoryMeter() as meter:
+            out = fn(*leaves)
+        out.sum().backward()   # the graph runs (no collective left pending)
+        return meter.result.retained_bytes
+
+    local = [shard_sequence(t, rank, world_size, dim=2) for t in (q, k, v)]
+    world = torch.distributed.group.WORLD
+    return {
+        "sdpa_full": measure(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True), q, k, v),
+        "cp1": measure(lambda *t: context_parallel_attention(*t, singles[rank]), q, k, v),
+        "cp2_keep": measure(lambda *t: context_parallel_attention(*t, world), *local),
+        "cp2_regather": measure(lambda *t: context_parallel_attention(*t, world, regather_in_backward=True), *local),
+    }
+
+
+def test_retained_bytes():
+    """The bytes autograd keeps for one attention call, each term named: CP at cp=2 keeps, per
+    rank, half of q, the output and the softmax statistics but the whole gathered K/V; gathering
+    again in backward keeps only the local q, k, v. On CPU, SDPA also keeps the lower-right causal
+    mask of a chunk whose keys outnumber its queries, materialized as fp32 (4 bytes per score
+    entry; a chunk with as many keys as queries runs as plain ``is_causal`` and keeps none)."""
+    per_rank = spawn_ranks(_retained, 2, timeout_s=120)
+    b, heads, kv_heads, seq_len, d = MEM_SHAPE.values()
+    f32, cp_size = 4, 2
+    q_full = b * heads * seq_len * d * f32                    # = the output's size
+    lse_full = b * heads * seq_len * f32                      # softmax log-sum-exp per query
+    kv_full = 2 * b * kv_heads * seq_len * d * f32            # K and V of the whole sequence
+
+    def masks(rank, cp):
+        chunk_len = seq_len // (2 * cp)
+        return sum(f32 * chunk_len * (c + 1) * chunk_len for c in local_chunks(rank, cp) if c > 0)
+
+    for rank, got in enumerate(per_rank):
+        print(f"rank {rank} retained bytes: {got}")
+        assert got["sdpa_full"] == 2 * q_full + kv_full + lse_full
+        assert got["cp1"] == 2 * q_full + kv_full + lse_full + masks(0, 1)
+        assert got["cp2_keep"] == (2 * q_full + lse_full) // cp_size + kv_full + masks(rank, cp_size)
+        assert got["cp2_regather"] == (q_full + kv_full) // cp_size   # the local q, k, v only
