@@ -126,7 +126,27 @@ def _all_cases(rank, world_size):
         cp_mod._REDUCE_SCATTER_WORKS.clear()
         cp_mod._REDUCE_SCATTER_WORKS.update(saved)
     results["reduce_scatter_works"] = (None, saved.get("gloo"))
-    return results
+    return results, _refusals(world_size, group)
+
+
+def _refusals(cp_size, group):
+    """The one-line errors for what the attention does not take."""
+    x = torch.zeros(1, 2, 4, 8)
+    calls = {
+        "dropout": lambda: context_parallel_attention(x, x, x, group, dropout_p=0.1),
+        "mask_local": lambda: context_parallel_attention(x, x, x, group, key_padding_mask=torch.ones(1, 4, dtype=torch.bool)),
+        "mask_float": lambda: context_parallel_attention(x, x, x, group, key_padding_mask=torch.ones(1, 4 * cp_size)),
+        "odd_local": lambda: context_parallel_attention(x[:, :, :3], x[:, :, :3], x[:, :, :3], group),
+        "heads": lambda: context_parallel_attention(x, x[:, :1].expand(1, 3, 4, 8), x[:, :1].expand(1, 3, 4, 8), group),
+    }
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+            messages[name] = None
+        except ValueError as err:
+            messages[name] = str(err)
+    return messages
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
@@ -134,11 +154,15 @@ def test_attention_matches_unsplit(cp_size):
     """Output and q/k/v gradients within 1e-6 (fp32; 1e-12 fp64) of the un-split attention: with and without
     GQA, a key-padding mask and the causal mask; also with the all-reduce fallback for the
     reduce-scatter and with K/V gathered again in backward."""
-    per_rank = spawn_ranks(_all_cases, cp_size, timeout_s=120)
+    per_rank, refusals = zip(*spawn_ranks(_all_cases, cp_size, timeout_s=120))
     assert per_rank[0]["reduce_scatter_works"][1] is True   # gloo on this torch has reduce_scatter
     bad = {(rank, case): errs for rank, res in enumerate(per_rank) for case, (dtype, errs) in res.items()
            if case != "reduce_scatter_works" and max(errs.values()) > TOL[dtype]}
     assert not bad, bad
+    assert "dropout" in refusals[0]["dropout"]
+    assert f"bool [1, {4 * cp_size}]" in refusals[0]["mask_local"] and "full sequence" in refusals[0]["mask_float"]
+    assert "2*cp" in refusals[0]["odd_local"]
+    assert "multiple of kv_heads" in refusals[0]["heads"]
 
 
 # ----------------------------------------------------------------------------- memory
