@@ -132,9 +132,10 @@ def _all_cases(rank, world_size):
 def _refusals(cp_size, group):
     """The one-line errors for what the attention does not take."""
     x = torch.zeros(1, 2, 4, 8)
+    attend_local = torch.ones(1, 4, dtype=torch.bool)           # the local length, not the full sequence
     calls = {
         "dropout": lambda: context_parallel_attention(x, x, x, group, dropout_p=0.1),
-        "mask_local": lambda: context_parallel_attention(x, x, x, group, key_padding_mask=torch.ones(1, 4, dtype=torch.bool)),
+        "mask_local": lambda: context_parallel_attention(x, x, x, group, key_padding_mask=attend_local),
         "mask_float": lambda: context_parallel_attention(x, x, x, group, key_padding_mask=torch.ones(1, 4 * cp_size)),
         "odd_local": lambda: context_parallel_attention(x[:, :, :3], x[:, :, :3], x[:, :, :3], group),
         "heads": lambda: context_parallel_attention(x, x[:, :1].expand(1, 3, 4, 8), x[:, :1].expand(1, 3, 4, 8), group),
@@ -191,20 +192,23 @@ def _retained(rank, world_size):
 
     local = [shard_sequence(t, rank, world_size, dim=2) for t in (q, k, v)]
     world = torch.distributed.group.WORLD
+    padding = torch.ones(b, seq_len, dtype=torch.bool)
+    padding[:, -seq_len // 8:] = False
     return {
         "sdpa_full": measure(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True), q, k, v),
         "cp1": measure(lambda *t: context_parallel_attention(*t, singles[rank]), q, k, v),
         "cp2_keep": measure(lambda *t: context_parallel_attention(*t, world), *local),
         "cp2_regather": measure(lambda *t: context_parallel_attention(*t, world, regather_in_backward=True), *local),
+        "cp2_keep_padded": measure(lambda *t: context_parallel_attention(*t, world, key_padding_mask=padding), *local),
     }
 
 
 def test_retained_bytes():
     """The bytes autograd keeps for one attention call, each term named: CP at cp=2 keeps, per
     rank, half of q, the output and the softmax statistics but the whole gathered K/V; gathering
-    again in backward keeps only the local q, k, v. On CPU, SDPA also keeps the lower-right causal
-    mask of a chunk whose keys outnumber its queries, materialized as fp32 (4 bytes per score
-    entry; a chunk with as many keys as queries runs as plain ``is_causal`` and keeps none)."""
+    again in backward keeps only the local q, k, v. On CPU each chunk's causal mask is kept as one
+    row of ``L + key_len - 1`` floats (a strided view), not the dense ``L x key_len``; with a
+    key-padding mask the dense combined mask is kept."""
     per_rank = spawn_ranks(_retained, 2, timeout_s=120)
     b, heads, kv_heads, seq_len, d = MEM_SHAPE.values()
     f32, cp_size = 4, 2
@@ -212,13 +216,17 @@ def test_retained_bytes():
     lse_full = b * heads * seq_len * f32                      # softmax log-sum-exp per query
     kv_full = 2 * b * kv_heads * seq_len * d * f32            # K and V of the whole sequence
 
-    def masks(rank, cp):
+    def mask_rows(rank, cp):
         chunk_len = seq_len // (2 * cp)
-        return sum(f32 * chunk_len * (c + 1) * chunk_len for c in local_chunks(rank, cp) if c > 0)
+        return sum(f32 * (chunk_len + (c + 1) * chunk_len - 1) for c in local_chunks(rank, cp))
 
     for rank, got in enumerate(per_rank):
         print(f"rank {rank} retained bytes: {got}")
         assert got["sdpa_full"] == 2 * q_full + kv_full + lse_full
-        assert got["cp1"] == 2 * q_full + kv_full + lse_full + masks(0, 1)
-        assert got["cp2_keep"] == (2 * q_full + lse_full) // cp_size + kv_full + masks(rank, cp_size)
+        assert got["cp1"] == 2 * q_full + kv_full + lse_full + mask_rows(0, 1)
+        assert got["cp2_keep"] == (2 * q_full + lse_full) // cp_size + kv_full + mask_rows(rank, cp_size)
         assert got["cp2_regather"] == (q_full + kv_full) // cp_size   # the local q, k, v only
+        # a key-padding mask with the causal one: SDPA keeps each chunk's dense [b, 1, L, key_len] mask, in fp32
+        chunk_len = seq_len // (2 * cp_size)
+        dense = f32 * b * chunk_len * sum((c + 1) * chunk_len for c in local_chunks(rank, cp_size))
+        assert got["cp2_keep_padded"] == (2 * q_full + lse_full) // cp_size + kv_full + dense
