@@ -12,9 +12,12 @@ import torch.nn.functional as F
 
 from lightning_mhc.distributed import context_parallel as cp_mod
 from lightning_mhc.distributed.context_parallel import (
+    _chunk_mask,
+    _reversed_causal_bias,
     causal_work,
     chunk_positions,
     context_parallel_attention,
+    gather_sequence,
     local_chunks,
     shard_sequence,
     unshard_sequence,
@@ -57,6 +60,20 @@ def test_causal_work_is_equal_across_ranks(cp_size):
     work = [causal_work(seq_len, r, cp_size) for r in range(cp_size)]
     assert len(set(work)) == 1, work
     assert sum(work) == seq_len * (seq_len + 1) // 2   # together: the whole causal triangle
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_cpu_causal_bias_is_the_chunk_mask_reversed(cp_size):
+    """The one-row strided bias CPU's path attends with is, flipped back to query order, exactly the
+    lower-right causal mask ``causal_work`` counts (0 where attended, -inf elsewhere)."""
+    chunk_len = 4
+    for chunk in range(2 * cp_size):
+        key_len = (chunk + 1) * chunk_len
+        bias = _reversed_causal_bias(chunk_len, key_len, torch.float32, "cpu")
+        assert bias.untyped_storage().nbytes() == 4 * (chunk_len + key_len - 1)
+        attended = torch.isfinite(bias.flip(0))
+        assert torch.equal(attended, _chunk_mask(chunk, chunk_len, key_len, "cpu"))
+        assert torch.equal(bias.flip(0)[attended], torch.zeros(int(attended.sum())))
 
 
 # ----------------------------------------------------------------------------- spawned
@@ -126,7 +143,20 @@ def _all_cases(rank, world_size):
         cp_mod._REDUCE_SCATTER_WORKS.clear()
         cp_mod._REDUCE_SCATTER_WORKS.update(saved)
     results["reduce_scatter_works"] = (None, saved.get("gloo"))
+    results["gather_sequence"] = (torch.float32, _gather_errors(rank, world_size, group))
     return results, _refusals(world_size, group)
+
+
+def _gather_errors(rank, cp_size, group):
+    """``gather_sequence`` gives the full sequence on every rank; its backward sums the ranks'
+    gradients (each rank used the whole gathered tensor: ``cp`` times this rank's part, exactly)."""
+    gen = torch.Generator().manual_seed(1)
+    full, grad = torch.randn(2, 8 * cp_size, 3, generator=gen), torch.randn(2, 8 * cp_size, 3, generator=gen)
+    local = shard_sequence(full, rank, cp_size, dim=1).requires_grad_()
+    gathered = gather_sequence(local, group, dim=1)
+    gathered.backward(grad)
+    return {"value": (gathered - full).abs().max().item(),
+            "grad": (local.grad - cp_size * shard_sequence(grad, rank, cp_size, dim=1)).abs().max().item()}
 
 
 def _refusals(cp_size, group):
