@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from lightning_mhc.distributed import context_parallel as cp_mod
 from lightning_mhc.distributed.context_parallel import (
+    _causal_chunk_attention,
     _chunk_mask,
     _reversed_causal_bias,
     causal_work,
@@ -74,6 +75,31 @@ def test_cpu_causal_bias_is_the_chunk_mask_reversed(cp_size):
         attended = torch.isfinite(bias.flip(0))
         assert torch.equal(attended, _chunk_mask(chunk, chunk_len, key_len, "cpu"))
         assert torch.equal(bias.flip(0)[attended], torch.zeros(int(attended.sum())))
+
+
+@pytest.mark.parametrize("strided_bias", [True, False], ids=["cpu_strided_bias", "gpu_causal_lower_right"])
+def test_chunk_attention_is_lower_right_causal(strided_bias):
+    """Both ways a chunk attends (CPU's flipped queries with the one-row bias; the GPU's
+    ``causal_lower_right``, which CPU's SDPA materializes) equal SDPA with the explicit chunk mask,
+    output and gradients, in fp64."""
+    gen = torch.Generator().manual_seed(2)
+    chunk_len, chunk = 4, 2
+    key_len = (chunk + 1) * chunk_len
+    q = torch.randn(2, 4, chunk_len, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, key_len, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(2, 4, chunk_len, 8, generator=gen, dtype=torch.float64)
+    results = []
+    for explicit in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if explicit:
+            out = F.scaled_dot_product_attention(*leaves, attn_mask=_chunk_mask(chunk, chunk_len, key_len, "cpu"),
+                                                 enable_gqa=True)
+        else:
+            out = _causal_chunk_attention(*leaves, None, True, strided_bias=strided_bias)
+        out.backward(grad)
+        results.append([out, *(t.grad for t in leaves)])
+    for ref, mine in zip(*results):
+        assert (mine - ref).abs().max() < 1e-12
 
 
 # ----------------------------------------------------------------------------- spawned

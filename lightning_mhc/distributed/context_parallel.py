@@ -180,10 +180,11 @@ def _reversed_causal_bias(chunk_len: int, key_len: int, dtype, device) -> Tensor
     return row.as_strided((chunk_len, key_len), (1, 1))
 
 
-def _causal_chunk_attention(query: Tensor, keys: Tensor, values: Tensor, scale: float | None, gqa: bool) -> Tensor:
+def _causal_chunk_attention(query: Tensor, keys: Tensor, values: Tensor, scale: float | None, gqa: bool,
+                            strided_bias: bool) -> Tensor:
     """A chunk's queries against its causal prefix of keys (the chunk's own block last), lower-right causal."""
     chunk_len, key_len = query.shape[2], keys.shape[2]
-    if query.device.type != "cpu":
+    if not strided_bias:
         # flash / efficient kernels take the lower-right alignment without a materialized mask
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(chunk_len, key_len),
                                               scale=scale, enable_gqa=gqa)
@@ -212,7 +213,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, key_padding_ma
         key_len = (chunk + 1) * chunk_len if causal else seq_len   # the causal prefix only
         prefix_keys, prefix_values = keys[:, :, :key_len], values[:, :, :key_len]
         if causal and key_padding_mask is None:
-            outputs.append(_causal_chunk_attention(query, prefix_keys, prefix_values, scale, gqa))
+            outputs.append(_causal_chunk_attention(query, prefix_keys, prefix_values, scale, gqa,
+                                                   strided_bias=q.device.type == "cpu"))
             continue
         mask = None
         if key_padding_mask is not None:
