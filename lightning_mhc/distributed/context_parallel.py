@@ -15,10 +15,10 @@ contiguous split would leave the last rank ``2·cp − 1`` times the first rank'
 ``unshard_sequence`` / ``gather_sequence`` put the ranks' pieces back in global order.
 
 **Attention (all-gather K/V, Llama 3's choice).** ``context_parallel_attention`` all-gathers the
-local K and V over the group (forward ``all_gather_single``; backward the gradients are
-reduce-scattered, summed over the ranks whose queries used them), puts them back in global order,
-and each of the two local query chunks attends to its causal prefix of the gathered K/V with one
-SDPA call per chunk with a lower-right causal mask (query ``i`` of chunk ``c`` is global position
+local K and V over the group, stacked into one collective (forward ``all_gather_single``; backward
+the gradients are reduce-scattered, summed over the ranks whose queries used them), puts them
+back in global order, and each of the two local query chunks attends to its causal prefix of the
+gathered K/V with one SDPA call per chunk with a lower-right causal mask (query ``i`` of chunk ``c`` is global position
 ``c·L + i`` and sees keys ``0 .. c·L + i``): on a GPU ``torch.nn.attention.bias.causal_lower_right``,
 which SDPA runs in its flash / efficient kernels; on CPU, whose SDPA would keep a dense fp32 copy
 of any boolean mask for backward, the queries run in reversed order against an additive mask that
@@ -202,8 +202,9 @@ def _causal_chunk_attention(query: Tensor, keys: Tensor, values: Tensor, scale: 
 def _attend(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, key_padding_mask: Tensor | None,
             scale: float | None) -> Tensor:
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-    keys = gather_sequence(k, group, dim=2)      # [b, kv_heads, s, d], global order
-    values = gather_sequence(v, group, dim=2)
+    # one all-gather (and one reduce-scatter back) for K and V together: half the collectives' latency
+    keys, values = gather_sequence(torch.stack((k, v)), group, dim=3).unbind(0)   # [b, kv_heads, s, d] each
+
     seq_len = keys.shape[2]
     chunk_len = q.shape[2] // 2
     gqa = q.shape[1] != k.shape[1]
