@@ -9,6 +9,8 @@ its models):
   the last backward) and global-norm clipping;
 - ``optimizer.py``: the distributed optimizer (ZeRO-1) and fp32 main weights;
 - ``pipeline/``: point-to-point, the 1F1B and interleaved schedules, the strategy-module protocol;
+- ``context_parallel.py``: the sequence split over a context-parallel group (load-balanced chunks)
+  and the exact attention over it (all-gathered K/V);
 - ``fail_fast.py``, ``launcher_watch.py``: a failing rank ends its peers; a launched rank ends with
   its launcher.
 
