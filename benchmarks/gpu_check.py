@@ -66,7 +66,8 @@ GPU_WHEELS = ("megatron-core==0.19.2", "hydra-core==1.3.8", "omegaconf==2.3.1", 
 megatron-core as tested on Python 3.12. ANTLR's runtime exists only as a (pure Python) sdist:
 ``--download-wheels`` builds its wheel."""
 IMPORTS = ("torch", "lightning", "megatron.core", "hydra", "omegaconf", "tokenizers", "safetensors", "pytest")
-VERSIONS = ("torch", "triton", "lightning", "megatron-core", "hydra-core", "transformers", "numpy", "pytest")
+VERSIONS = ("torch", "triton", "lightning", "megatron-core", "hydra-core", "omegaconf", "transformers", "numpy",
+            "pytest")
 DEFAULT_BUDGET_S = 540.0
 DEVICE_TIMEOUT_S = 600
 """The device tool's limit for one command: the budget leaves time for Python and make around it."""
@@ -91,6 +92,8 @@ class Step:
     run: Callable[["Context"], dict]
     cap_s: float
     """The most of the budget this step may take, so a hung step leaves the later ones their turn."""
+    so_far: Callable[["Context"], dict] | None = None
+    """What the step had seen when SIGTERM interrupted it (the tests that had finished)."""
 
 
 @dataclasses.dataclass
@@ -154,6 +157,8 @@ class Check:
         self.args, self.out_dir = args, out_dir
         self.started = time.monotonic()
         self.deadline = self.started + args.budget_s
+        self.running: tuple[Step, float] | None = None
+        """The step running now and when it began (what SIGTERM interrupts)."""
         self.report = {"budget_s": args.budget_s, "dry_run": args.dry_run, "device": None, "versions": None,
                        "steps": {name: {"status": "pending"} for name in ("environment", *(s.name for s in STEPS))}}
 
@@ -172,11 +177,17 @@ class Check:
                                             f"{self.args.budget_s:.0f} s budget left"})
                     continue
                 ctx.timeout_s = min(step.cap_s, self.left() - REPORT_RESERVE_S)
+                self.running = (step, time.monotonic())
                 self.step(step.name, lambda: step.run(ctx))
+                self.running = None
         except Interrupted:
-            running = next((n for n, s in self.report["steps"].items() if s["status"] == "running"), None)
-            if running:
-                self.record(running, {"status": "failed", "reason": "interrupted by SIGTERM"})
+            if self.running is not None:
+                step, begin = self.running
+                seen = step.so_far(ctx) if step.so_far is not None else {}
+                self.record(step.name, {"status": "failed", "reason": "interrupted by SIGTERM", **seen,
+                                        "seconds": round(time.monotonic() - begin, 1)})
+            elif self.report["steps"]["environment"]["status"] == "running":
+                self.record("environment", {"status": "failed", "reason": "interrupted by SIGTERM"})
             self.finish()
             return 143
         finally:
@@ -385,12 +396,7 @@ def gpu_tests(ctx: Context) -> dict:
         failure = None
     except StepFailed as exc:
         failure = exc
-    tests, running = _test_lines(log)
-    outcomes = [t["outcome"] for t in tests.values()]
-    result = {"counts": {o: outcomes.count(o) for o in ("passed", "failed", "skipped")}, "tests": tests,
-              "skipped": {name: t["message"] for name, t in tests.items() if t["outcome"] == "skipped"}}
-    if running:
-        result["running_when_stopped"] = running
+    result = _tests_so_far(ctx)
     problems = [str(failure)] if failure else []
     if not result["counts"]["passed"]:
         problems.append("no test passed")
@@ -398,6 +404,18 @@ def gpu_tests(ctx: Context) -> dict:
         problems.append(f"skipped on a GPU: {', '.join(result['skipped'])}")
     if problems:
         raise StepFailed(f"{result['counts']}: {'; '.join(problems)}", failure.output if failure else "", result)
+    return result
+
+
+def _tests_so_far(ctx: Context) -> dict:
+    """The GPU tests' outcomes from the lines written so far: counts, each test, the skipped ones'
+    reasons, and the test running when the step was stopped."""
+    tests, running = _test_lines(ctx.out_dir / "gpu_tests.jsonl")
+    outcomes = [t["outcome"] for t in tests.values()]
+    result = {"counts": {o: outcomes.count(o) for o in ("passed", "failed", "skipped")}, "tests": tests,
+              "skipped": {name: t["message"] for name, t in tests.items() if t["outcome"] == "skipped"}}
+    if running:
+        result["running_when_stopped"] = running
     return result
 
 
@@ -498,7 +516,7 @@ def _plot_training(series: dict, path: pathlib.Path) -> None:
     save_figure(fig, path)
 
 
-STEPS = [Step("gpu_tests", gpu_tests, cap_s=300), Step("gpu_mhc", gpu_benchmark, cap_s=240),
+STEPS = [Step("gpu_tests", gpu_tests, cap_s=300, so_far=_tests_so_far), Step("gpu_mhc", gpu_benchmark, cap_s=240),
          Step("train_small", train_small, cap_s=180)]
 """In order of value: what the GPU tests show first, then the figures, then the training run."""
 

@@ -387,13 +387,14 @@ def test_gpu_check_without_its_wheels_says_so_and_goes_on(monkeypatch, tmp_path)
 
 def test_gpu_check_sigterm_kills_the_running_step_and_writes_the_report(tmp_path):
     """The device tool ends a command at its limit: SIGTERM to ``gpu_check.py`` kills the running
-    step's processes, records the step as interrupted, writes the JSON and exits 143."""
+    step's processes, records the step as interrupted with its seconds and what it had seen (the
+    GPU set: the tests that had finished), writes the JSON and exits 143."""
     driver = f"""import sys, time
 sys.path.insert(0, {str(BENCHMARKS)!r})
 import gpu_check
 def sleeps(ctx):
     gpu_check._run([sys.executable, "-c", {SLEEPER!r}, {str(tmp_path / "grandchild.pid")!r}], ctx)
-gpu_check.STEPS = [gpu_check.Step("sleeps", sleeps, 300)]
+gpu_check.STEPS = [gpu_check.Step("sleeps", sleeps, 300, so_far=lambda ctx: {{"tests_finished": 2}})]
 sys.exit(gpu_check.main(["--out-dir", {str(tmp_path)!r}, "--dry-run"]))
 """
     proc = subprocess.Popen([sys.executable, "-c", driver], env=child_env(), stdout=subprocess.PIPE,
@@ -409,7 +410,8 @@ sys.exit(gpu_check.main(["--out-dir", {str(tmp_path)!r}, "--dry-run"]))
         proc.kill()
     assert proc.returncode == 143, output
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
-    assert steps["sleeps"] == {"status": "failed", "reason": "interrupted by SIGTERM"}
+    assert steps["sleeps"]["status"] == "failed" and steps["sleeps"]["reason"] == "interrupted by SIGTERM"
+    assert steps["sleeps"]["seconds"] > 0 and steps["sleeps"]["tests_finished"] == 2  # what it had seen
     assert _gone(int((tmp_path / "grandchild.pid").read_text()))
 
 
