@@ -170,7 +170,7 @@ def test_capacity_factor_caps_each_expert():
 # ------------------------------------------------------------------ expert parallelism
 CASES = {
     # name: (config overrides, expert bias to set (forces experts out), grouped product)
-    "softmax_top2_shared_aux_z": (dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+    "softmax_top2_shared_aux_z": (dict(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
                                        moe_shared_expert_intermediate_size=SHARED_FFN), None, None),
     "softmax_pre_top1_loop": (dict(moe_router_topk=1, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01),
                               None, False),
