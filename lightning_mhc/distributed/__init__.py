@@ -9,6 +9,7 @@ its models):
   the last backward) and global-norm clipping;
 - ``optimizer.py``: the distributed optimizer (ZeRO-1) and fp32 main weights;
 - ``pipeline/``: point-to-point, the 1F1B and interleaved schedules, the strategy-module protocol;
+- ``expert_parallel.py``: expert parallelism's token exchange (uneven all-to-all with autograd);
 - ``fail_fast.py``, ``launcher_watch.py``: a failing rank ends its peers; a launched rank ends with
   its launcher.
 
