@@ -9,6 +9,7 @@ with the same layer computed in that process on the whole batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -165,6 +166,46 @@ def test_capacity_factor_caps_each_expert():
     layer(torch.randn(16, HIDDEN))
     assert layer.local_tokens_per_expert.max().item() <= math.ceil(0.5 * 16 * 2 / 4)
     assert layer.tokens_per_expert.sum().item() == 32  # the router's choice, before the cap
+
+
+def test_config_reads_megatron_transformer_config_and_refuses_bad_settings():
+    """MoEConfig.from_transformer_config takes megatron-core's fields by name; bad values are refused."""
+    from megatron.core.transformer import TransformerConfig
+
+    megatron = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4,
+                                 moe_ffn_hidden_size=16, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+                                 moe_z_loss_coeff=1e-3, moe_router_score_function="sigmoid",
+                                 moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=12)
+    config = MoEConfig.from_transformer_config(megatron)
+    assert (config.hidden_size, config.num_moe_experts, config.moe_ffn_hidden_size, config.moe_router_topk,
+            config.moe_shared_expert_intermediate_size, config.moe_router_score_function,
+            config.moe_router_enable_expert_bias, config.moe_aux_loss_coeff, config.moe_z_loss_coeff) == (
+        8, 4, 16, 2, 12, "sigmoid", True, 0.01, 1e-3)
+    for bad in (dict(moe_router_topk=5), dict(moe_router_score_function="sinkhorn"),
+                dict(moe_router_enable_expert_bias=True), dict(moe_expert_capacity_factor=0.0)):
+        with pytest.raises(ValueError):
+            MoEConfig(hidden_size=8, num_moe_experts=4, moe_ffn_hidden_size=16, **bad)
+
+
+def test_bf16_layer_routes_in_fp32():
+    """In bf16 the router's weight and logits stay fp32 and the experts run torch._grouped_mm in
+    bf16 on this CPU; the output is the fp32 layer's within bf16's rounding."""
+    torch.manual_seed(0)
+    config = MoEConfig(hidden_size=HIDDEN, num_moe_experts=4, moe_ffn_hidden_size=FFN, init_method_std=0.5,
+                       moe_shared_expert_intermediate_size=FFN)
+    layer = MoELayer(config)
+    tokens = torch.randn(16, HIDDEN).bfloat16().float()  # representable in bf16: the same logits on both sides
+    reference = layer(tokens)
+    half = MoELayer(dataclasses.replace(config, params_dtype=torch.bfloat16))
+    with torch.no_grad():
+        for name, tensor in layer.state_dict().items():
+            half.state_dict()[name].copy_(tensor)
+    assert half.router.weight.dtype == torch.float32 and half.experts.up_weight.dtype == torch.bfloat16
+    assert grouped_mm_usable(tokens.bfloat16(), half.experts.up_weight)
+    out = half(tokens.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(half.tokens_per_expert, layer.tokens_per_expert)  # the fp32 router chose the same
+    assert (out.float() - reference).abs().max().item() <= 0.05 * reference.abs().max().item()
 
 
 # ------------------------------------------------------------------ expert parallelism
