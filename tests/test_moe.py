@@ -53,6 +53,11 @@ def test_grouped_mm_equals_per_expert_loop():
         results.append((out.detach(), x.grad, w.grad))
     for grouped, loop in zip(*results):
         assert (grouped - loop).abs().max().item() <= TOL
+    # a broadcast output gradient (what .sum() gives) is taken too
+    w = weight.clone().requires_grad_()
+    grouped_matmul(tokens, w, counts, True).sum().backward()
+    assert (w.grad - torch.stack([chunk.sum(0, keepdim=True).T.expand(-1, FFN) for chunk in
+                                  torch.split(tokens, counts.tolist())])).abs().max().item() <= TOL
     # the loop itself against a plain matmul per expert
     ends = counts.cumsum(0).tolist()
     expected = torch.cat([tokens[end - n:end] @ weight[e] for e, (n, end) in enumerate(zip(counts.tolist(), ends))])

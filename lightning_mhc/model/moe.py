@@ -211,6 +211,20 @@ def grouped_mm_usable(tokens: Tensor, weight: Tensor) -> bool:
     return (weight.shape[-2] * size) % 16 == 0 and (weight.shape[-1] * size) % 16 == 0
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: torch._grouped_mm's
+    backward refuses a broadcast gradient ("Invalid strides/sizes, got [0, 0] for strides", seen
+    on CPU with ``out.sum().backward()``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def grouped_matmul(tokens: Tensor, weight: Tensor, tokens_per_expert: Tensor, use_grouped_mm: bool | None = None
                    ) -> Tensor:
     """``tokens [M, K]`` (rows sorted by expert, ``tokens_per_expert[e]`` rows for expert ``e``)
@@ -222,7 +236,7 @@ def grouped_matmul(tokens: Tensor, weight: Tensor, tokens_per_expert: Tensor, us
         # offsets are the groups' ends and must reach M: rows past the last offset come back
         # uninitialised (seen on CPU), which the counts' sum rules out
         offsets = torch.cumsum(tokens_per_expert, 0).to(device=tokens.device, dtype=torch.int32)
-        return torch._grouped_mm(tokens.contiguous(), weight, offs=offsets)
+        return _ContiguousGrad.apply(torch._grouped_mm(tokens.contiguous(), weight, offs=offsets))
     chunks = torch.split(tokens, tokens_per_expert.tolist())
     return torch.cat([chunk @ weight[e] for e, chunk in enumerate(chunks)]
                      + [tokens.new_empty(0, weight.shape[-1])])
