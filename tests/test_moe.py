@@ -258,7 +258,7 @@ def _whole_expert_grad(ep_layer: MoELayer, name: str) -> torch.Tensor:
     return whole
 
 
-def _summed(tensor: torch.Tensor) -> torch.Tensor:
+def _summed_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.clone()
     dist.all_reduce(tensor)
     return tensor
@@ -273,7 +273,10 @@ def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1.0)).item()
 
 
-def _compare_case(rank: int, world: int, name: str, ep: int, ep_group) -> dict[str, float]:
+def _compare_case(rank: int, world: int, name: str, ep: int, ep_group, averaged: bool = False) -> dict[str, float]:
+    """``averaged``: each rank's loss is a mean over its sequences and the gradients are averaged
+    over the ranks (the usual data parallelism) against the mean over the whole batch, with
+    ``aux_loss_scale`` = the number of ranks; otherwise the ranks' summed losses against the sum."""
     overrides, bias, use_grouped_mm = CASES[name]
     config = _config(**overrides)
     torch.manual_seed(1234 + list(CASES).index(name))  # the same full layer and batch on every rank
@@ -288,28 +291,35 @@ def _compare_case(rank: int, world: int, name: str, ep: int, ep_group) -> dict[s
 
     whole = batch.clone().requires_grad_()
     full_out = full(whole)
-    (full_out * out_grad).sum().backward()
+    ((full_out * out_grad).sum() / (BATCH if averaged else 1)).backward()
 
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)  # this rank's sequences
     mine = batch[:, rows].clone().requires_grad_()
+    ep_layer.aux_loss_scale = world if averaged else 1.0
     out = ep_layer(mine)
-    (out * out_grad[:, rows]).sum().backward()
+    ((out * out_grad[:, rows]).sum() / (BATCH // world if averaged else 1)).backward()
+    # averaged: the ranks' weight gradients are averaged, and each rank's input gradient is its
+    # own loss's, world times the whole batch's mean's
+    per_rank = world if averaged else 1
+
+    def _summed(tensor: torch.Tensor) -> torch.Tensor:
+        return _summed_over_ranks(tensor) / per_rank
 
     errors = {
         "output": _max_error(out, full_out[:, rows]),
-        "input_grad": _max_error(mine.grad, whole.grad[:, rows]),
+        "input_grad": _max_error(mine.grad / per_rank, whole.grad[:, rows]),
         "router_grad": _max_error(_summed(ep_layer.router.weight.grad), full.router.weight.grad),
-        "tokens_per_expert": _max_error(_summed(ep_layer.tokens_per_expert), full.tokens_per_expert),
+        "tokens_per_expert": _max_error(_summed_over_ranks(ep_layer.tokens_per_expert), full.tokens_per_expert),
     }
     for weight in ("gate_weight", "up_weight", "down_weight"):
-        errors[f"experts.{weight}_grad"] = _max_error(_whole_expert_grad(ep_layer, weight),
+        errors[f"experts.{weight}_grad"] = _max_error(_whole_expert_grad(ep_layer, weight) / per_rank,
                                                      getattr(full.experts, weight).grad)
     if full.shared_experts is not None:
         for param_name, param in ep_layer.shared_experts.named_parameters():
             reference = dict(full.shared_experts.named_parameters())[param_name].grad
             errors[f"shared_experts.{param_name}_grad"] = _max_error(_summed(param.grad), reference)
     for loss_name, value in full.aux_losses.items():
-        errors[f"aux:{loss_name}"] = _max_error(_summed(ep_layer.aux_losses[loss_name]), value)
+        errors[f"aux:{loss_name}"] = _max_error(_summed_over_ranks(ep_layer.aux_losses[loss_name]), value)
     if bias is not None:
         # the forced experts got no token, here (received from any rank) and in the whole batch
         idle = sorted(bias)
@@ -358,6 +368,9 @@ def _ep_cases(rank: int, world: int) -> dict[str, dict[str, float]]:
     for layout, (ep, group) in layouts.items():
         for name in CASES:
             results[f"{layout}/{name}"] = _compare_case(rank, world, name, ep, group)
+        # the auxiliary losses' scale under averaged gradients
+        results[f"{layout}/softmax_top2_shared_aux_z/averaged"] = _compare_case(
+            rank, world, "softmax_top2_shared_aux_z", ep, group, averaged=True)
         results[f"{layout}/bias_updates"] = _bias_updates(rank, world, group)
     return results
 
