@@ -109,7 +109,8 @@ def dispatch_tokens(tokens: Tensor, tokens_per_expert: Tensor, group: ProcessGro
     """
     ep = group_size(group)
     if ep == 1:
-        return tokens, tokens_per_expert.to(torch.int64), DispatchState(group, [tokens.shape[0]], [tokens.shape[0]], None)
+        rows = [tokens.shape[0]]
+        return tokens, tokens_per_expert.to(torch.int64), DispatchState(group, rows, rows, None)
     received_counts = exchange_tokens_per_expert(tokens_per_expert, group)  # [ep, E_local]
     input_splits = tokens_per_expert.to(torch.int64).view(ep, -1).sum(1).tolist()
     output_splits = received_counts.sum(1).tolist()
