@@ -11,6 +11,7 @@ its models):
 - ``pipeline/``: point-to-point, the 1F1B and interleaved schedules, the strategy-module protocol;
 - ``context_parallel.py``: the sequence split over a context-parallel group (load-balanced chunks)
   and the exact attention over it (all-gathered K/V);
+- ``expert_parallel.py``: expert parallelism's token exchange (uneven all-to-all with autograd);
 - ``fail_fast.py``, ``launcher_watch.py``: a failing rank ends its peers; a launched rank ends with
   its launcher.
 
