@@ -29,6 +29,7 @@ _PUBLIC = {
     "add_hyper_connections": "lightning_mhc.parallelize",
     "load_pretrained": "lightning_mhc.parallelize",
     "save_hyper_connections": "lightning_mhc.parallelize",
+    "hyper_connection_modules": "lightning_mhc.parallelize",
     "record_module_init": "lightning_mhc.parallelize",
     "build_recorded_module": "lightning_mhc.parallelize",
     "MHCTransformerConfig": "lightning_mhc.model",

@@ -247,3 +247,58 @@ def validation_loss(model, tmp_path: pathlib.Path, blend: pathlib.Path) -> float
             # ParallelLMModule's loss: the mean over every label (no loss mask)
             losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item())
     return sum(losses) / len(losses)
+
+
+def test_the_exports_of_a_trained_hyper_connected_model_agree(llama_dir, tmp_path):
+    """A saved Llama continued with 4 hyper-connection streams through ``Trainer.fit`` (one process,
+    ``HFCausalLMModule``, 3 AdamW steps on a DataLoader), then written three ways: the trained
+    model's own ``save_pretrained``; ``trainer.save_checkpoint`` read by ``export_pretrained`` (which
+    ``load_checkpoint``s it into the whole model); and ``lightning-mhc-export`` of that checkpoint.
+    ``load_pretrained`` of each gives the trained model's logits (1e-6), the base class's
+    ``from_pretrained`` of each reads exactly the trained base weights, and the checkpoint loaded
+    by ``load_checkpoint`` holds exactly the trained tensors."""
+    import subprocess
+
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+    from transformers import LlamaForCausalLM
+
+    from lightning_mhc import MHCParallelStrategy, load_pretrained
+    from lightning_mhc.data.sample import SAMPLE_VOCAB
+    from lightning_mhc.data.sources import SyntheticTokens
+    from lightning_mhc.lightning.modules.hf import HFCausalLMModule
+    from lightning_mhc.parallelize import export_pretrained, load_checkpoint
+
+    pl.seed_everything(0, verbose=False)
+    module = HFCausalLMModule(str(llama_dir), pretrained=True, hyper_connections=4, lr=3e-3, weight_decay=0.0,
+                              implementation="reference")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(), max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=DataLoader(SyntheticTokens(6, 32, vocab_size=SAMPLE_VOCAB), batch_size=2))
+    trained = module.model.chunks[0].eval()  # the whole model on one process, hyper-connected, trained
+    tokens = torch.randint(0, SAMPLE_VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = trained(input_ids=tokens).logits
+    state = {name: t.detach().clone() for name, t in trained.state_dict().items()}
+    start = HFCausalLMModule.whole_model(module.hparams)  # the hyper-connections as drawn, before training
+    alpha = next(name for name in state if name.endswith("hyper_connections.0.alpha"))
+    assert not torch.equal(state[alpha], start.state_dict()[alpha])  # they trained
+
+    trained.save_pretrained(tmp_path / "save_pretrained")
+    checkpoint = tmp_path / "final.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    whole = load_checkpoint(HFCausalLMModule.whole_model(module.hparams), checkpoint)
+    assert whole.state_dict().keys() == state.keys()
+    assert all(torch.equal(t, state[name]) for name, t in whole.state_dict().items())
+    export_pretrained(checkpoint, HFCausalLMModule.whole_model(module.hparams), tmp_path / "export_pretrained")
+    cli = subprocess.run([sys.executable, "-m", "lightning_mhc.cli.export", str(checkpoint), str(tmp_path / "cli")],
+                         capture_output=True, text=True, env=child_env(), timeout=300)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+
+    for way in ("save_pretrained", "export_pretrained", "cli"):
+        loaded = load_pretrained(tmp_path / way).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=tokens).logits, expected, rtol=0, atol=1e-6, msg=way)
+        base = LlamaForCausalLM.from_pretrained(tmp_path / way).state_dict()
+        assert base.keys() == {name for name in state if ".hyper_connections." not in name}, way
+        assert all(torch.equal(t, state[name]) for name, t in base.items()), way

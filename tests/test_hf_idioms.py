@@ -336,3 +336,48 @@ def test_the_checks_change_nothing_and_one_registry_holds_both_plans():
         assert resolve_plan(name) is family.tp is PLANS[name]
     assert resolve_plan("auto", model) is FAMILIES["llama"].tp
     assert resolve_hc_plan("auto", model) is FAMILIES["llama"].hyper_connections
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_peft_lora_trains_the_adapters_and_the_hyper_connections(tmp_path):
+    """PEFT's LoRA on a hyper-connected Llama, the hyper-connections in ``modules_to_save``
+    (``hyper_connection_modules``): the logits before training are the model's (LoRA's B starts at
+    zero); three AdamW steps move every adapter and every hyper-connection tensor and leave the
+    frozen base weights as they were; the PEFT model's ``save_pretrained`` read back by
+    ``PeftModel.from_pretrained`` on a fresh hyper-connected base gives the trained logits (1e-6),
+    and so does the merged model through its ``save_pretrained`` and ``load_pretrained``."""
+    peft = pytest.importorskip("peft")
+    model = _hyper_connected("llama").eval()
+    before = _logits(model)
+    frozen = {name: t.clone() for name, t in model.state_dict().items()}
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             modules_to_save=lightning_mhc.hyper_connection_modules(model))
+    tuned = peft.get_peft_model(model, config)
+    torch.testing.assert_close(_logits(tuned), before, rtol=0, atol=0)
+    trainable = {name: p for name, p in tuned.named_parameters() if p.requires_grad}
+    adapters = [n for n in trainable if ".lora_" in n]
+    hyper_connections = [n for n in trainable if ".hyper_connections." in n]
+    assert len(adapters) == 2 * 2 * 4 and len(hyper_connections) == 3 * 2 * 4  # (A, B) x (q, v); (phi, alpha, bias) x 2
+    assert len(trainable) == len(adapters) + len(hyper_connections)
+    start = {name: p.detach().clone() for name, p in trainable.items()}
+    optimizer = torch.optim.AdamW(trainable.values(), lr=1e-2)
+    tuned.train()
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        tuned(input_ids=TOKENS, labels=TOKENS).loss.backward()
+        optimizer.step()
+    tuned.eval()
+    unmoved = [name for name, p in trainable.items() if torch.equal(p, start[name])]
+    assert not unmoved, f"{len(unmoved)} trainable tensors did not move, e.g. {unmoved[:3]}"
+    base = {name.removeprefix("base_model.model.").replace(".original_module", "").replace(".base_layer", ""): t
+            for name, t in tuned.state_dict().items() if ".lora_" not in name and ".modules_to_save." not in name}
+    assert base.keys() == frozen.keys() and all(torch.equal(base[n], frozen[n]) for n in frozen)
+    trained = _logits(tuned)
+    assert (trained - before).abs().max() > 1e-3
+    tuned.save_pretrained(tmp_path / "adapter")
+    reloaded = peft.PeftModel.from_pretrained(_hyper_connected("llama"), tmp_path / "adapter").eval()
+    torch.testing.assert_close(_logits(reloaded), trained, rtol=0, atol=1e-6)
+    merged = tuned.merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(_logits(lightning_mhc.load_pretrained(tmp_path / "merged").eval()), trained,
+                               rtol=0, atol=1e-5)

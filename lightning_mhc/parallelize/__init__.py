@@ -30,7 +30,8 @@ import types
 
 from lightning_mhc.parallelize.families import FAMILIES, HC_PLANS, PLANS, Family
 from lightning_mhc.parallelize.hc_plan import Branch, HyperConnectionPlan
-from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings, add_hyper_connections
+from lightning_mhc.parallelize.hyper_connections import (
+    HyperConnectionSettings, add_hyper_connections, hyper_connection_modules)
 from lightning_mhc.parallelize.export import (
     consolidated_state_dict, export_pretrained, load_checkpoint, load_pretrained, save_hyper_connections)
 from lightning_mhc.parallelize.model import (
@@ -44,7 +45,7 @@ __all__ = [
     "Branch", "FAMILIES", "Family", "GPT2", "GPT_NEOX", "HC_PLANS", "HyperConnectionPlan", "HyperConnectionSettings",
     "add_hyper_connections", "LLAMA", "OPT", "PHI3", "PLANS", "QWEN3", "Column", "MaterializedReport", "ParallelModel",
     "Replicate", "ReplicateOnSplit", "Row", "TPPlan", "VocabEmbedding", "build_recorded_module", "check_parallelize", "check_plan",
-    "consolidated_state_dict", "export_pretrained",
+    "consolidated_state_dict", "export_pretrained", "hyper_connection_modules",
     "load_checkpoint", "load_pretrained", "parallelize", "record_module_init", "save_hyper_connections",
 ]
 

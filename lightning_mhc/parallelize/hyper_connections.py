@@ -535,10 +535,23 @@ def _start_group(group: _RecomputeGroup, module: nn.Module, args: tuple) -> None
     group.manager = MHCBlockRecomputeManager(name=group.name) if training else None
 
 
+def hyper_connection_modules(model: nn.Module) -> list[str]:
+    """The name endings of ``model``'s hyper-connection modules, ``hyper_connections.<branch>``
+    (one per branch of its plan): what PEFT's ``modules_to_save`` takes, which matches module
+    names by their ending, so that the hyper-connections train beside the adapters and are saved
+    with them (``LoraConfig(..., modules_to_save=hyper_connection_modules(model))``). PEFT wraps
+    each hyper-connection; the block's own container, a ``ModuleList``, it refuses to wrap."""
+    plan = getattr(model, "hyper_connection_plan", None)
+    if getattr(model, "hyper_connection_settings", None) is None or plan is None:
+        raise ConfigError(f"{type(model).__name__} has no hyper-connections: call add_hyper_connections(model, n) "
+                          "first (n >= 2), then hyper_connection_modules(model).")
+    return [f"{HYPER_CONNECTIONS}.{index}" for index in range(len(plan.branches))]
+
+
 def hyper_connection_blocks(model: nn.Module) -> list[nn.Module]:
     """The blocks of ``model`` that carry hyper-connections, in order."""
     return [m for m in model.modules() if hasattr(m, "hyper_connection_wiring")]
 
 
 __all__ = ["Branch", "HyperConnectionPlan", "HyperConnectionSettings", "add_hyper_connections",
-           "attach_block_recompute", "hyper_connection_blocks"]
+           "attach_block_recompute", "hyper_connection_blocks", "hyper_connection_modules"]

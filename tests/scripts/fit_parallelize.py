@@ -21,6 +21,8 @@ starts from ``--weights`` (``parallelize(weights=...)``; one process: ``from_pre
 model); its checkpoints go to ``DIR/<model>-hc``. ``start``: records the logits of a fixed batch
 before the first step (``start_logits``, the last stage's, gathered over TP). ``zero``: with the
 distributed optimizer.
+``gcbefore`` / ``gcafter``: the module calls ``model.gradient_checkpointing_enable()`` before /
+after ``parallelize`` and records each rank's ``ConfigError`` message (or ``None``).
 A case ``<model>:<layout>:nolabels`` fits batches without ``labels`` and records each rank's
 ``ConfigError`` message (or ``None``): every rank must refuse them, before the schedule.
 """
@@ -61,19 +63,27 @@ LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2v2": (1,
 
 class ParallelLM(ParallelLMModule):
     def __init__(self, model: str, dropout: float = 0.0, recompute: str = "none", loss_parallel: bool = True,
-                 weights: str | None = None, hyper_connections: int | None = None) -> None:
+                 weights: str | None = None, hyper_connections: int | None = None,
+                 hf_checkpointing: str | None = None) -> None:
         super().__init__()
         self.model_name, self.dropout, self.recompute, self.loss_parallel = model, dropout, recompute, loss_parallel
         self.weights, self.hyper_connections = weights, hyper_connections
+        self.hf_checkpointing = hf_checkpointing
+        """``"before"`` / ``"after"``: the user's ``model.gradient_checkpointing_enable()`` before or
+        after ``parallelize`` (transformers' idiom)."""
 
     def configure_model(self) -> None:
         if self.model is None:
             make, plan = MODELS[self.model_name]
             with record_module_init():
                 model = make(dropout=self.dropout)
+            if self.hf_checkpointing == "before":
+                model.gradient_checkpointing_enable()
             self.model = parallelize(model, plan, seed=SEED, recompute=self.recompute,
                                      loss_parallel=self.loss_parallel, weights=self.weights,
                                      hyper_connections=self.hyper_connections)
+            if self.hf_checkpointing == "after":
+                model.gradient_checkpointing_enable()  # the first chunk is the recorded model, materialised
 
     def configure_optimizers(self):
         return sgd(self.parameters())
@@ -261,9 +271,17 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
         module = ReferenceLM(model, weights, streams)
     else:
         module = ParallelLM(model, dropout=0.1 if "dropout" in flags else 0.0, recompute=recompute,
-                            loss_parallel="gather" not in flags, weights=weights, hyper_connections=streams)
+                            loss_parallel="gather" not in flags, weights=weights, hyper_connections=streams,
+                            hf_checkpointing="before" if "gcbefore" in flags else "after" if "gcafter" in flags else None)
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
+    if flags & {"gcbefore", "gcafter"}:  # refused on every rank before any step
+        try:
+            trainer.fit(module, train_dataloaders=loader)
+            refused = None
+        except ConfigError as error:
+            refused = str(error)
+        return dict(refused=_gather(refused), steps=trainer.global_step)
     if variant == "nolabels":
         unlabelled = DataLoader([{"input_ids": batch["tokens"]} for batch in loader], batch_size=None)
         try:

@@ -27,7 +27,8 @@ from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.lightning.modules.base import PipelinedLMModule
 from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.parallelize.hyper_connections import hyper_connection_blocks
-from lightning_mhc.parallelize.model import ParallelModel, check_recompute, parallelize
+from lightning_mhc.parallelize.model import (
+    ParallelModel, check_recompute, parallelize, refuse_hf_gradient_checkpointing)
 from lightning_mhc.recompute.policy import RecomputePolicy
 
 
@@ -131,6 +132,9 @@ class ParallelLMModule(PipelinedLMModule):
         against the whole model (about 1/(TP*PP))."""
         super().on_train_start()
         self._check_built_policy()
+        # on every rank before any step: gradient_checkpointing_enable() after self.parallelize(...)
+        for chunk in self._parallel_model().chunks:
+            refuse_hf_gradient_checkpointing(chunk)
         layout = getattr(self.trainer.strategy, "layout", None)
         where = (f" (tp {layout.tensor_model_parallel_rank}, pp {layout.pipeline_model_parallel_rank}, "
                  f"dp {layout.data_parallel_rank})" if layout is not None else "")
