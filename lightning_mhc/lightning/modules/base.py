@@ -100,7 +100,8 @@ class PipelinedLMModule(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.throughput.start_fit()
-        self._divergence = self.attach_stream_divergence()
+        if self._divergence is None:  # once per model: a second fit of the module keeps its monitor
+            self._divergence = self.attach_stream_divergence()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()

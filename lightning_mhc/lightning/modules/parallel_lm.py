@@ -130,7 +130,7 @@ class ParallelLMModule(PipelinedLMModule):
     def on_fit_start(self) -> None:
         """The model was built with the recompute policy; every rank prints what it materialised
         against the whole model (about 1/(TP*PP))."""
-        super().on_train_start()
+        super().on_fit_start()
         self._check_built_policy()
         # on every rank before any step: gradient_checkpointing_enable() after self.parallelize(...)
         for chunk in self._parallel_model().chunks:
