@@ -1,7 +1,7 @@
 """The retrofit's first result: a pretrained model continued plain and with hyper-connections added.
 
-    python benchmarks/retrofit.py [--hidden 192] [--layers 4] [--seq 128] [--batch 16]
-                                  [--pretrain-steps 400] [--steps 300] [--seeds 0 1] [--eval-every 25]
+    python benchmarks/retrofit.py [--hidden 128] [--layers 2] [--seq 64] [--batch 8]
+                                  [--pretrain-steps 600] [--steps 400] [--seeds 0 1] [--eval-every 50]
                                   [--max-bytes N] [--out PATH] [--plot PATH]
     python benchmarks/retrofit.py --large      # a GPU-sized run of the same protocol
 
@@ -181,16 +181,16 @@ def continue_variants(args, train: torch.Tensor, validation: torch.Tensor, saved
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=192)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--pretrain-steps", type=int, default=400)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--pretrain-steps", type=int, default=600)
     parser.add_argument("--pretrain-lr", type=float, default=2e-3)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--max-bytes", type=int, default=2**62, help="cap the corpus (a quick check); default: all")
     parser.add_argument("--large", action="store_true", help=f"a GPU-sized run: {LARGE}")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "retrofit.json")

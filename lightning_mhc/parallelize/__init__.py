@@ -32,8 +32,8 @@ from lightning_mhc.parallelize.families import FAMILIES, HC_PLANS, PLANS, Family
 from lightning_mhc.parallelize.hc_plan import Branch, HyperConnectionPlan
 from lightning_mhc.parallelize.hyper_connections import (
     HyperConnectionSettings, add_hyper_connections, hyper_connection_modules)
-from lightning_mhc.parallelize.export import (
-    consolidated_state_dict, export_pretrained, load_checkpoint, load_pretrained, save_hyper_connections)
+from lightning_mhc.parallelize.export import consolidated_state_dict, export_pretrained, load_checkpoint, load_pretrained
+from lightning_mhc.parallelize.hc_files import save_hyper_connections
 from lightning_mhc.parallelize.model import (
     MaterializedReport, ParallelModel, build_recorded_module, check_parallelize, parallelize)
 from lightning_mhc.parallelize.plan import (

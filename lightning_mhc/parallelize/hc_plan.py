@@ -95,3 +95,13 @@ def _branch(branch: Branch | Mapping[str, Any], index: int) -> Branch:
                           "{'entry': ..., 'exit': ...} or Branch(entry=..., exit=...).")
     _check_keys(f"plan branch {index + 1}", branch, BRANCH_KEYS, required=("entry", "exit"))
     return Branch(**branch)
+
+
+HYPER_CONNECTIONS = "hyper_connections"
+"""The attribute of a block holding its hyper-connections (``<block>.hyper_connections.<branch>``)."""
+
+
+def drawn_from_seed(name: str) -> bool:
+    """A state-dict name of a hyper-connection tensor: pretrained weights of the base model lack
+    them, and the build draws them from the seed."""
+    return f".{HYPER_CONNECTIONS}." in f".{name}"

@@ -27,7 +27,7 @@ checkpointing, reentrant or not, ``torch.utils.checkpoint``, ``recompute="full"`
 ``torch.compile``) recomputes the same values, and ``copy.deepcopy`` and pickling give a model
 with its own state. ``output_hidden_states`` reports each block's streams by their mean
 (``[..., C]``, the unmodified model's shape), and a Hugging Face model's ``save_pretrained``
-writes the hyper-connections beside the base model (``export.save_hyper_connections``).
+writes the hyper-connections beside the base model (``hc_files.save_hyper_connections``).
 
 **Exact at step 0.** With ``init_gating_factor=0``, ``b_pre = logit(1/n)``, ``b_post = 0`` and
 ``b_res = 0``: ``H_pre`` averages the streams, ``H_post = 1`` and ``H_res = J/n``. Every stream then
@@ -64,7 +64,8 @@ from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.parallelize.families import resolve_hc_plan
-from lightning_mhc.parallelize.hc_plan import Branch, HyperConnectionPlan
+from lightning_mhc.parallelize.hc_files import SavePretrainedWithHyperConnections
+from lightning_mhc.parallelize.hc_plan import HYPER_CONNECTIONS, Branch, HyperConnectionPlan
 from lightning_mhc.parallelize.pipeline import find_parts, replace_hidden_states
 from lightning_mhc.parallelize.record import record_module_init
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
@@ -123,8 +124,6 @@ class HyperConnectionSettings:
 
 _SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HyperConnectionSettings)}
 
-HYPER_CONNECTIONS = "hyper_connections"
-"""The attribute of a block holding its hyper-connections (``<block>.hyper_connections.<branch>``)."""
 
 
 @dataclass(frozen=True)
@@ -355,8 +354,6 @@ def add_hyper_connections(model: nn.Module, num_residual_streams: int | HyperCon
     model.hyper_connection_settings = settings
     model.hyper_connection_plan = plan
     if callable(getattr(model, "save_pretrained", None)):
-        from lightning_mhc.parallelize.export import SavePretrainedWithHyperConnections
-
         model.save_pretrained = SavePretrainedWithHyperConnections(model)
     return model
 
@@ -412,12 +409,6 @@ def _make_hyper_connections(block: nn.Module, name: str, plan: HyperConnectionPl
     for module in modules:
         module.initialises_itself = True  # by name: a model's own init function must not redraw them
     return modules if meta else modules.to(next(block.parameters()).device)
-
-
-def drawn_from_seed(name: str) -> bool:
-    """A state-dict name of a hyper-connection tensor: pretrained weights of the base model lack
-    them, and the build draws them from the seed."""
-    return f".{HYPER_CONNECTIONS}." in f".{name}"
 
 
 def _wire_block(block: nn.Module, wiring: _BlockWiring, hyper_connections: nn.ModuleList) -> None:
