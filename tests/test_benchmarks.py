@@ -417,19 +417,25 @@ sys.exit(gpu_check.main(["--out-dir", {str(tmp_path)!r}, "--dry-run"]))
 
 @pytest.mark.slow
 def test_gpu_check_ends_within_a_small_budget(tmp_path):
-    """The real dry run with a 45 s budget: it ends within it (plus Python's start), the GPU test set
-    killed at what was left, with the tests it finished and the one it was running recorded, the
-    later steps not run for want of time, and none of its processes left."""
+    """The real dry run with a 20 s budget (the GPU test set alone takes about 30 s with every cache
+    warm): it ends within the budget (plus Python's start), the GPU test set killed at what was
+    left, the tests it finished and the one it was running as its lines say, the later steps not
+    run for want of time, and none of its processes left."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--budget-s", "45"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--budget-s", "20"], cwd=tmp_path,
                           env=child_env(OUT=str(tmp_path)), capture_output=True, text=True, timeout=300)
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["seconds"] <= 45 and elapsed <= 45 + 20, (report["seconds"], elapsed)
+    assert report["seconds"] <= 20 and elapsed <= 20 + 20, (report["seconds"], elapsed)
     tests = report["steps"]["gpu_tests"]
-    assert tests["status"] == "failed" and "killed past its" in tests["reason"], tests["reason"]
-    assert tests["counts"]["passed"] >= 1 and len(tests["running_when_stopped"]) == 1, tests
+    assert tests["status"] == "failed" and "killed past its" in tests["reason"], tests
+    lines = [json.loads(line) for line in (tmp_path / "gpu_tests.jsonl").read_text().splitlines()] \
+        if (tmp_path / "gpu_tests.jsonl").exists() else []
+    finished = {line["test"] for line in lines if line["event"] == "finished"}
+    started = [line["test"] for line in lines if line["event"] == "started"]
+    assert set(tests["tests"]) == finished and tests.get("running_when_stopped", []) == [
+        name for name in started if name not in finished]
     for name in ("gpu_mhc", "train_small"):
         assert report["steps"][name]["status"] == "not run" and "budget left" in report["steps"][name]["reason"]
     log = str(tmp_path / "gpu_tests.jsonl")
