@@ -236,8 +236,8 @@ class ModelConfig:
         from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
 
         try:
-            self.hyper_connection_settings = dataclasses.replace(
-                HyperConnectionSettings.of(self.hyper_connections, self.init_seed), implementation=self.mhc_implementation)
+            self.hyper_connection_settings = HyperConnectionSettings.of(self.hyper_connections, self.init_seed,
+                                                                        self.mhc_implementation)
             """model=hf: the hyper-connections, checked once (1 stream: none)."""
         except ConfigError as error:
             raise ConfigError(f"model.hyper_connections={show(self.hyper_connections)}: "

@@ -102,12 +102,14 @@ class HyperConnectionSettings:
         self.config(hidden_size=8, eps=1e-5)  # the gating factor, implementation and iterations, checked once
 
     @classmethod
-    def of(cls, value: int | HyperConnectionSettings | None, seed: int = 0) -> HyperConnectionSettings:
+    def of(cls, value: int | HyperConnectionSettings | None, seed: int = 0,
+           implementation: str = "auto") -> HyperConnectionSettings:
         """The settings a caller's ``hyper_connections`` stands for: None is one stream (the model as
-        it is), an integer ``n`` streams with ``seed``, settings are themselves."""
+        it is), an integer ``n`` streams with ``seed`` and ``implementation``, settings are
+        themselves."""
         if isinstance(value, cls):
             return value
-        return cls(1 if value is None else value, seed=seed)
+        return cls(1 if value is None else value, seed=seed, implementation=implementation)
 
     @property
     def enabled(self) -> bool:

@@ -231,6 +231,16 @@ def whole_weights(module: pl.LightningModule, strategy: MHCParallelStrategy) -> 
     return {name: t.flatten().tolist() for name, t in whole.items()}
 
 
+
+def _refused_fit(trainer, module, loader) -> dict:
+    """``trainer.fit`` that must refuse: every rank's message (None where it trained) and the steps."""
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+        refused = None
+    except ConfigError as error:
+        refused = str(error)
+    return dict(refused=_gather(refused), steps=trainer.global_step)
+
 def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights: str | None = None,
              family_weights: pathlib.Path | None = None) -> dict:
     model, layout_name, variant = (case.split(":") + [""])[:3]
@@ -276,20 +286,10 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
     if flags & {"gcbefore", "gcafter"}:  # refused on every rank before any step
-        try:
-            trainer.fit(module, train_dataloaders=loader)
-            refused = None
-        except ConfigError as error:
-            refused = str(error)
-        return dict(refused=_gather(refused), steps=trainer.global_step)
+        return _refused_fit(trainer, module, loader)
     if variant == "nolabels":
-        unlabelled = DataLoader([{"input_ids": batch["tokens"]} for batch in loader], batch_size=None)
-        try:
-            trainer.fit(module, train_dataloaders=unlabelled)
-            refused = None
-        except ConfigError as error:
-            refused = str(error)
-        return dict(refused=_gather(refused), steps=trainer.global_step)
+        return _refused_fit(trainer, module,
+                            DataLoader([{"input_ids": batch["tokens"]} for batch in loader], batch_size=None))
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     result = dict(losses=losses.losses, tp=tp, pp=pp, dp=dp,
                   weights=whole_weights(module, strategy) if "start" not in flags else None)

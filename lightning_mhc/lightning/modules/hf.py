@@ -12,7 +12,6 @@ and these settings, so ``HFCausalLMModule.whole_model(hparams)`` rebuilds the mo
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +77,7 @@ class HFCausalLMModule(ParallelLMModule):
             raise ConfigError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}.")
         self.save_hyperparameters()
         self.model_dir, self.pretrained, self.plan, self.seed = str(model_dir), pretrained, plan, seed
-        self.hyper_connection_settings = dataclasses.replace(HyperConnectionSettings.of(hyper_connections, seed),
-                                                             implementation=implementation)
+        self.hyper_connection_settings = HyperConnectionSettings.of(hyper_connections, seed, implementation)
         self.optimizer_name, self.warmup_steps, self.min_lr_ratio = optimizer, warmup_steps, min_lr_ratio
 
     def configure_model(self) -> None:
@@ -110,8 +108,8 @@ class HFCausalLMModule(ParallelLMModule):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(hf_config(hparams["model_dir"]), dtype="float32")
-        settings = dataclasses.replace(HyperConnectionSettings.of(hparams.get("hyper_connections"), hparams.get("seed", 0)),
-                                       implementation=hparams.get("implementation", "auto"))
+        settings = HyperConnectionSettings.of(hparams.get("hyper_connections"), hparams.get("seed", 0),
+                                              hparams.get("implementation", "auto"))
         return add_hyper_connections(model, settings)
 
 
