@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="save GPU_WHEELS for Python 3.12 on x86-64 Linux into DIR (and with --megatron-lm "
                              f"copy its hyper_connection.py into {MEGATRON_LM_COPY.name}/), print the device call, exit")
     args = parser.parse_args(argv)
+    if not 0 < args.budget_s <= DEVICE_TIMEOUT_S:
+        parser.error(f"--budget-s {args.budget_s:g}: give the seconds for everything, more than 0 and at most the "
+                     f"device tool's {DEVICE_TIMEOUT_S} s a command (default {DEFAULT_BUDGET_S:.0f})")
     if args.download_wheels:
         return download_wheels(args.download_wheels, args.megatron_lm)
     if args.megatron_lm is None and MEGATRON_LM_COPY.is_dir():

@@ -357,11 +357,16 @@ def test_the_training_step_asks_a_loss_that_falls_by_more_than_chance(monkeypatc
 
 
 def test_gpu_check_without_its_wheels_says_so_and_goes_on(monkeypatch, tmp_path):
-    """On a machine that lacks what the package imports and has no ``.whl/`` to install it from,
+    """A budget that could not work is refused in one line (exit 2) before anything runs. On a
+    machine that lacks what the package imports and has no ``.whl/`` to install it from,
     the environment step fails with its own message (``find_spec('megatron.core')`` without
     ``megatron`` raises; it is asked safely), and the steps after it still run and are recorded;
     a missing ``nvidia-smi`` is recorded as such."""
     gpu_check = _gpu_check(monkeypatch)
+    for budget in ("0", "-5", "900"):  # a budget that could not work is refused before anything runs
+        with pytest.raises(SystemExit) as refused:
+            gpu_check.main(["--out-dir", str(tmp_path), "--budget-s", budget])
+        assert refused.value.code == 2 and not (tmp_path / "gpu_check.json").exists()
     monkeypatch.setattr(gpu_check, "IMPORTS", ("torch", "megatron_absent_package.core"))
     monkeypatch.setattr(gpu_check, "WHEELS", tmp_path / ".whl")
     monkeypatch.setattr(gpu_check, "STEPS", [gpu_check.Step("after", lambda ctx: {"ran": True}, 60)])
