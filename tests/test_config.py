@@ -9,7 +9,7 @@ import torch
 from lightning_mhc import ConfigError, GPTModel
 from lightning_mhc.model.config import MEGATRON_NAMES, _same
 from lightning_mhc.model.config_dict import model_config_from_dict, model_config_to_dict
-from lightning_mhc.recompute import attach_recompute
+from lightning_mhc.recompute import RecomputePolicy, attach_recompute
 from model_utils import tiny_config, train_steps
 
 
@@ -51,9 +51,10 @@ def test_tensor_parallel_divisibility():
 
 @pytest.mark.parametrize("n, layers, expected", [(4, 12, 2), (4, 4, 1), (4, 48, 5), (1, 9, 1)])
 def test_recompute_layer_num_default(n, layers, expected):
-    """Paper eq. 20: L_r = max(1, int(sqrt(n L / (n + 2))))."""
-    cfg = tiny_config(num_residual_streams=n, enable_hyper_connections=True)
-    assert cfg.recompute_layer_num(layers) == expected
+    """Paper eq. 20: L_r = max(1, int(sqrt(n L / (n + 2)))); the last group takes what is left."""
+    ranges = RecomputePolicy("mhc_block").block_ranges(n, layers)
+    assert ranges == [(start, min(start + expected, layers)) for start in range(0, layers, expected)]
+    assert RecomputePolicy("mhc_block", layer_num=layers + 1).block_ranges(n, layers) == [(0, layers)]
 
 
 def test_vocab_padding():

@@ -72,6 +72,44 @@ def test_every_config_composes_and_validates(group, option, tmp_path):
         assert cfg.transformer_config().num_layers == cfg.model.num_layers
 
 
+def test_the_gpt_keys_are_the_model_configs_fields():
+    """The model group's GPT keys are MHCTransformerConfig's fields (``activation`` the CLI's own
+    spelling of two): each typed as the model's field, null allowed, and filled with the model's
+    default (``_gpt_defaults``: the schema's small sizes and the nulls the model resolves aside);
+    the shared ``mhc_implementation`` defaults as the model and the hyper-connections of a
+    Hugging Face model do; the recompute group as the policy does."""
+    import dataclasses
+    import typing
+
+    from lightning_mhc.cli.schema import (GPT_SIZES, NULL_IS_A_CHOICE, ModelConfig, RecomputeConfig,
+                                          _gpt_defaults)
+    from lightning_mhc.model.config import MHCTransformerConfig
+    from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
+    from lightning_mhc.recompute import RecomputePolicy
+
+    def allowed(annotation) -> set:  # the types a field's annotation admits (ours are strings: future annotations)
+        if isinstance(annotation, str):
+            annotation = eval(annotation, vars(typing))
+        return set(typing.get_args(annotation)) or {annotation}
+
+    model = {f.name: f for f in dataclasses.fields(MHCTransformerConfig)}
+    schema = typing.get_type_hints(ModelConfig)
+    keys = [k for k in ModelConfig(source="gpt").own_keys if k != "activation"] + ["init_seed", "mhc_implementation"]
+    assert {"enable_hyper_connections", "num_residual_streams", "mhc_sinkhorn_iterations",
+            "mhc_init_gating_factor"} <= set(keys)
+    defaults = _gpt_defaults()
+    for key in keys:
+        assert key in model, f"model.{key} is no MHCTransformerConfig field"
+        assert allowed(schema[key]) - {type(None)} == allowed(model[key].type) - {type(None)}, key
+        if key not in (*GPT_SIZES, *NULL_IS_A_CHOICE, "mhc_implementation"):
+            assert defaults[key] == model[key].default, key
+    implementation = ModelConfig.mhc_implementation
+    assert implementation == model["mhc_implementation"].default == HyperConnectionSettings.implementation
+    recompute = RecomputeConfig()
+    assert (recompute.policy, recompute.recompute_modules, recompute.mhc_recompute_layer_num) == (
+        RecomputePolicy().name, RecomputePolicy().modules, RecomputePolicy().layer_num)
+
+
 def test_mhc_implementation_reaches_the_model_config():
     assert compose_config().transformer_config().mhc_implementation == "auto"
     assert compose_config("model.mhc_implementation=reference").transformer_config().mhc_implementation == "reference"

@@ -21,6 +21,7 @@ from lm_models import FAMILIES, SEQ, VOCAB, PlainTransformer, gpt2, llama  # noq
 from lightning_mhc import ConfigError, add_hyper_connections  # noqa: E402
 from lightning_mhc.parallelize import (  # noqa: E402
     Branch, HyperConnectionPlan, build_recorded_module, parallelize, record_module_init)
+from lightning_mhc.recompute import RecomputePolicy  # noqa: E402
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager  # noqa: E402
 
 BUILT_IN = {"gpt2": gpt2, "llama": llama, **{name: make for name, (make, _) in FAMILIES.items()}}
@@ -134,14 +135,16 @@ def test_block_recompute_equals_no_recompute_bit_for_bit_with_dropout(model_para
 
     monkeypatch.setattr(MHCBlockRecomputeManager, "_unified_recompute_hook", counted)
     loss, grads = _train_step("none", 0.1)
-    for policy in ("mhc_block", "full"):
+    for policy in ("mhc_block", RecomputePolicy("mhc_block", layer_num=3), "full"):
         other_loss, other_grads = _train_step(policy, 0.1)
         assert torch.equal(loss, other_loss), policy
         assert other_grads.keys() == grads.keys()
         assert all(torch.equal(grads[n], other_grads[n]) for n in grads), policy
-    # 4 blocks: the paper's group size max(1, int(sqrt(4 * 4 / 6))) = 1, one manager per block
-    assert len(recomputes) == 4
-    plan = recomputes[-1].last_plan  # backward: the last block first
+    # 4 blocks: the paper's group size max(1, int(sqrt(4 * 4 / 6))) = 1, one manager per block; then
+    # groups of layer_num=3 blocks, the last one shorter (backward: the last group first)
+    assert [m.name for m in recomputes] == [f"model.layers.{i}..model.layers.{i}" for i in (3, 2, 1, 0)] + [
+        "model.layers.3..model.layers.3", "model.layers.0..model.layers.2"]
+    plan = recomputes[3].last_plan  # the first block's
     assert [e.name for e in plan] == ["model.layers.0.input_layernorm+hyper_connection",
                                       "model.layers.0.self_attn+h_res_h_post",
                                       "model.layers.0.post_attention_layernorm+hyper_connection"]

@@ -14,6 +14,20 @@ def test_policies_round_trip(policy):
     assert RecomputePolicy.of(RecomputePolicy(policy).to_plain()) == RecomputePolicy(policy)
 
 
+def test_of_takes_what_users_pass_and_the_policy_says_what_it_recomputes():
+    block = RecomputePolicy("mhc_block", layer_num=2)
+    assert RecomputePolicy.of(block) is block
+    assert RecomputePolicy.of(None) == RecomputePolicy.of("none") == RecomputePolicy()
+    assert RecomputePolicy.of(dict(name="selective", modules=["core_attn"])) == RecomputePolicy("selective", ["core_attn"])
+    asked = {name: (p.full, p.selective, p.block) for name in ("none", "selective", "mhc_block", "full")
+             for p in [RecomputePolicy.of(name)]}
+    assert asked == {"none": (False, False, False), "selective": (False, True, False),
+                     "mhc_block": (False, False, True), "full": (True, False, False)}
+    assert block.block_ranges(4, 5) == [(0, 2), (2, 4), (4, 5)]
+    with pytest.raises(ConfigError, match="unknown recompute policy 'blocks'"):
+        RecomputePolicy.of("blocks")
+
+
 def test_mhc_block_fields():
     cfg = RecomputePolicy("mhc_block", layer_num=3).apply(tiny_config())
     assert cfg.recompute_hyper_connections and cfg.recompute_granularity == "selective"

@@ -96,11 +96,8 @@ def run(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any] | None = No
     if cfg.mode != "fit":
         return _evaluate(cfg, trainer, module, data, ckpt_path, output_dir, launched_here)
     _fit(trainer, module, data, ckpt_path, output_dir, launched_here)
-    summary = _fit_summary(cfg, trainer, module, strategy, checkpoints, ckpt_path)
-    if trainer.global_rank == 0:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    _end_job(trainer, launched_here, failed=False)
-    return summary
+    return _finish(trainer, output_dir, _fit_summary(cfg, trainer, module, strategy, checkpoints, ckpt_path),
+                   launched_here)
 
 
 def _build_strategy(cfg: TrainConfig):
@@ -227,10 +224,19 @@ def _evaluate(cfg: TrainConfig, trainer, module, data, ckpt_path: str | None, ou
                    tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
                    pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
                    data_parallel_size=cfg.data_parallel_size, **{key: float(metrics[key])})
+    return _finish(trainer, output_dir, summary, launched_here)
+
+
+def _finish(trainer, output_dir: Path, summary: dict[str, Any], launched_here: bool) -> dict[str, Any]:
+    """A run that ended well: rank 0 writes its summary, the job ends; returns the summary."""
     if trainer.global_rank == 0:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        _write_summary(output_dir, summary)
     _end_job(trainer, launched_here, failed=False)
     return summary
+
+
+def _write_summary(output_dir: Path, summary: dict[str, Any]) -> None:
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def _is_preemption(error: BaseException) -> bool:
@@ -245,7 +251,7 @@ def _write_preempted_summary(output_dir: Path, trainer, error: BaseException) ->
     checkpoint = preemption_checkpoint_path(trainer)
     summary = dict(status="preempted", exit_code=error.code, steps=trainer.global_step,
                    last_checkpoint=str(checkpoint) if checkpoint.exists() else None)
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_summary(output_dir, summary)
     print(f"lightning-mhc-train: preempted at step {trainer.global_step}; resume with ckpt_path={checkpoint}",
           file=sys.stderr)
 

@@ -252,13 +252,6 @@ class MHCTransformerConfig(TransformerConfig):
         """Width of the stored residual stream: n * hidden_size."""
         return self.num_residual_streams * self.hidden_size
 
-    def recompute_layer_num(self, stage_layers: int) -> int:
-        """Layers per mHC recompute block on a stage of ``stage_layers`` layers (paper eq. 20)."""
-        if self.mhc_recompute_layer_num is not None:
-            return min(self.mhc_recompute_layer_num, stage_layers)
-        n = self.num_residual_streams
-        return max(1, int(math.sqrt(n * stage_layers / (n + 2))))
-
 
 class _Spelling:
     """How the user spelled the mHC fields (``_take_megatron_names``: our field -> the Megatron-LM

@@ -60,38 +60,44 @@ def split_sequence(x: Tensor) -> Tensor:
     return x.chunk(_shards(x), dim=0)[dist.get_rank(_group())].contiguous()
 
 
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Sum the row-parallel partial outputs and keep this rank's part of the sequence."""
+class _SequenceMapping(torch.autograd.Function):
+    """A sequence communication ``forward`` (one of the dim-0 mappings above) whose gradient is
+    ``backward``, on the sequence dimension ``dim`` of its input (0 in the project's GPT,
+    ``[s, b, C]``; 1 in a batch-first model split by ``parallelize``, ``[b, s, C]``)."""
 
     @staticmethod
-    def forward(ctx, x):
-        return reduce_scatter_sequence(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad)
-
-
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Keep this rank's part of a TP-replicated tensor (the embedding output)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return split_sequence(x)
+    def forward(ctx, x, forward, backward, dim):
+        ctx.backward_mapping, ctx.dim = backward, dim
+        return _on_dim(forward, x, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_sequence(grad)
+        return _on_dim(ctx.backward_mapping, grad, ctx.dim), None, None, None
+
+
+def _on_dim(mapping, x: Tensor, dim: int) -> Tensor:
+    """``mapping`` (of dim 0) applied along ``dim`` of ``x``."""
+    if dim == 0:
+        return mapping(x.contiguous())
+    return mapping(x.transpose(0, dim).contiguous()).transpose(0, dim).contiguous()
+
+
+def sequence_mapping(x: Tensor, forward, backward, dim: int = 0) -> Tensor:
+    """``forward(x)`` along the sequence dimension ``dim``, differentiable: its gradient is
+    ``backward`` of the output's gradient (e.g. ``reduce_scatter_sequence`` / ``all_gather_sequence``)."""
+    return _SequenceMapping.apply(x, forward, backward, dim)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: Tensor) -> Tensor:
-    """``[s, ...]`` partial sums -> this rank's ``[s/TP, ...]`` of their sum (backward: all-gather)."""
-    return _ReduceScatterToSequenceParallelRegion.apply(x)
+    """``[s, ...]`` partial sums -> this rank's ``[s/TP, ...]`` of their sum (backward: all-gather):
+    after a row-parallel linear."""
+    return sequence_mapping(x, reduce_scatter_sequence, all_gather_sequence)
 
 
 def scatter_to_sequence_parallel_region(x: Tensor) -> Tensor:
-    """``[s, ...]`` replicated -> this rank's ``[s/TP, ...]`` (backward: all-gather)."""
-    return _ScatterToSequenceParallelRegion.apply(x)
+    """``[s, ...]`` replicated -> this rank's ``[s/TP, ...]`` (backward: all-gather): the
+    embedding output."""
+    return sequence_mapping(x, split_sequence, all_gather_sequence)
 
 
 def mark_sequence_parallel_parameters(module: torch.nn.Module) -> None:

@@ -12,6 +12,7 @@ from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.norm import RMSNorm
 from lightning_mhc.model.transformer_layer import TransformerLayer
+from lightning_mhc.recompute.groups import block_ranges
 from lightning_mhc.recompute.without_output import checkpoint
 
 
@@ -44,12 +45,9 @@ class TransformerBlock(torch.nn.Module):
 
     def recompute_block_ranges(self) -> list[tuple[int, int]]:
         """Local ``[start, end)`` layer ranges of the mHC recompute blocks: ``L_r`` layers
-        each (``config.recompute_layer_num`` of this stage's layers), never crossing the stage."""
-        count = len(self.layers)
-        if count == 0:
-            return []
-        size = self.config.recompute_layer_num(count)
-        return [(start, min(start + size, count)) for start in range(0, count, size)]
+        each (``mhc_recompute_layer_num``; None: the paper's default for this stage's layers),
+        never crossing the stage."""
+        return block_ranges(len(self.layers), self.config.num_residual_streams, self.config.mhc_recompute_layer_num)
 
     def _full_recompute_layers(self) -> set[int]:
         """Layers run under torch.utils.checkpoint with recompute_granularity='full'."""

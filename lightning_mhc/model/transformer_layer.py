@@ -15,7 +15,7 @@ Recompute (megatron's selective granularity, and block recompute: one hook per b
 - ``"layernorm"``: the norms' outputs are discarded by ``CheckpointWithoutOutput``
   and recomputed from a hook on the sub-layer output, or, with a manager,
   together with the block.
-- an ``mhc_recompute_manager`` (handed to the layer by a recompute policy):
+- an ``mhc_recompute_manager`` (its recompute group's, ``lightning_mhc.recompute.groups``):
   two checkpoints per sub-layer go into the manager: the hyper-connection
   (mappings, aggregate, ``H_res @ x``) with the norm (with ``"layernorm"``;
   without it the norm output is kept), and the bias-dropout-add with
@@ -64,9 +64,9 @@ class TransformerLayer(torch.nn.Module):
         self.recompute_input_layernorm = "layernorm" in modules
         self.recompute_pre_mlp_layernorm = "layernorm" in modules
         self.recompute_mlp = "mlp" in modules
-        # Handed in by a recompute policy's forward hooks (lightning_mhc.recompute.policy);
-        # the layer only reads them.
-        self.mhc_recompute_manager = None
+        # Set by the block recompute's attacher (lightning_mhc.recompute.groups): the group whose
+        # manager this layer checkpoints into, and whether this layer's output ends the group.
+        self.recompute_group = None
         self.is_last_layer_in_block = False
 
     # ------------------------------------------------------------ forward
@@ -79,13 +79,16 @@ class TransformerLayer(torch.nn.Module):
     ) -> tuple[Tensor, None]:
         """``hidden_states [s, b, n*C]`` -> ``(hidden_states, context=None)``, like megatron.
 
-        The manager and ``is_last_layer_in_block`` default to what a recompute
-        policy attached to this layer.
+        The manager and ``is_last_layer_in_block`` default to the recompute group this layer is
+        in (``lightning_mhc.recompute.groups``); the group's last layer hands it its output.
         """
-        manager = mhc_recompute_manager if mhc_recompute_manager is not None else self.mhc_recompute_manager
+        group = self.recompute_group if mhc_recompute_manager is None else None  # a caller's manager is theirs
+        manager = group.manager if group is not None else mhc_recompute_manager
         is_last = self.is_last_layer_in_block if is_last_layer_in_block is None else is_last_layer_in_block
         hidden_states = self._forward_attention(hidden_states, rotary_freqs, manager)
         hidden_states = self._forward_mlp(hidden_states, manager, is_last)
+        if group is not None and is_last:
+            group.finish(hidden_states)
         return hidden_states, None
 
     # ------------------------------------------------------------ helpers

@@ -37,8 +37,9 @@ the gating factors off zero. ``n = 1`` adds nothing: one stream is the plain res
 
 **Block recompute.** Under ``recompute="mhc_block"`` (``parallelize``), each branch's
 hyper-connection and entry run as one checkpoint and its ``H_res``/``H_post`` add as another, in one
-``MHCBlockRecomputeManager`` per group of blocks, recomputed from one hook on the group's output;
-the attention and MLP keep their activations (the project's GPT does the same).
+``MHCBlockRecomputeManager`` per group of blocks, recomputed from one hook on the group's output
+(the groups are ``lightning_mhc.recompute.groups``'s, as for the project's GPT); the attention and
+MLP keep their activations.
 
 Families built in (``plan="auto"`` by ``config.model_type``; ``families.py``): Llama, Mistral,
 Qwen2, Qwen3, Gemma, Gemma 2 and 3 (their post-norms end the branches), Phi-3, GPT-2, GPT-NeoX (its
@@ -50,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -68,6 +68,7 @@ from lightning_mhc.parallelize.hc_files import SavePretrainedWithHyperConnection
 from lightning_mhc.parallelize.hc_plan import HYPER_CONNECTIONS, Branch, HyperConnectionPlan
 from lightning_mhc.parallelize.pipeline import find_parts, replace_hidden_states
 from lightning_mhc.parallelize.record import record_module_init
+from lightning_mhc.recompute.groups import RecomputeGroup
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput
 
@@ -147,16 +148,6 @@ class _BlockWiring:
         return self.settings.num_residual_streams
 
 
-class _RecomputeGroup:
-    """Consecutive blocks under one block recompute manager (``attach_block_recompute``): the
-    manager of the group's current training forward, set by a pre-hook on its first block and
-    dropped once its last block has handed its output over."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.manager: MHCBlockRecomputeManager | None = None
-
-
 class _BlockCall:
     """The residual streams inside one forward of one block, made fresh by the block's forward
     (so a block re-run by any activation checkpointing recomputes from its own input):
@@ -167,9 +158,10 @@ class _BlockCall:
     def __init__(self, block: nn.Module) -> None:
         self.block = block
         self.wiring: _BlockWiring = block.hyper_connection_wiring
-        group, last = block.__dict__.get("hyper_connection_group") or (None, False)
-        self.manager: MHCBlockRecomputeManager | None = group.manager if group is not None else None
-        self.group, self.last_in_group = group, last
+        # set by lightning_mhc.recompute.groups.attach_block_recompute (parallelize's mhc_block)
+        self.group: RecomputeGroup | None = block.__dict__.get("recompute_group")
+        self.last_in_group: bool = block.__dict__.get("is_last_layer_in_block", False)
+        self.manager: MHCBlockRecomputeManager | None = self.group.manager if self.group is not None else None
         self.current: Tensor | None = None
         self.block_input: Tensor | None = None
         self.pending: dict[int, tuple[Tensor, Tensor]] = {}
@@ -467,9 +459,8 @@ def _block_output(call: _BlockCall, output: Any):
     observer = call.block.__dict__.get("hyper_connection_observer")
     if observer is not None:  # a StreamDivergenceMonitor's: the streams before the last block's mean
         observer(wiring.name, result)
-    if call.manager is not None and call.last_in_group:
-        call.manager.discard_all_outputs_and_register_unified_recompute(result)
-        call.group.manager = None  # the hook on ``result`` holds it now; the blocks keep nothing of this forward
+    if call.group is not None and call.last_in_group:
+        call.group.finish(result)
     if wiring.last:
         result = HyperConnectionModule.output_contract(result, wiring.n)
     return result if isinstance(output, Tensor) else (result, *output[1:])
@@ -505,29 +496,6 @@ def _streams_mean_in_hidden_states(n: int, hidden_size: int, module: nn.Module, 
     return None
 
 
-# ------------------------------------------------------------------ block recompute
-def attach_block_recompute(blocks: list[nn.Module], layer_num: int | None) -> None:
-    """Block recompute over consecutive ``blocks`` (one stage's): groups of ``layer_num`` blocks
-    (None: the paper's ``max(1, int(sqrt(n L / (n + 2))))``), one manager per group per training
-    forward, made by a pre-hook on the group's first block."""
-    if not blocks:
-        return
-    n = blocks[0].hyper_connection_wiring.n
-    size = layer_num if layer_num is not None else max(1, int(math.sqrt(n * len(blocks) / (n + 2))))
-    for start in range(0, len(blocks), size):
-        members = blocks[start:start + size]
-        first, last = members[0].hyper_connection_wiring.name, members[-1].hyper_connection_wiring.name
-        group = _RecomputeGroup(f"{first}..{last}")
-        for block in members:
-            block.hyper_connection_group = (group, block is members[-1])
-        members[0].register_forward_pre_hook(functools.partial(_start_group, group))
-
-
-def _start_group(group: _RecomputeGroup, module: nn.Module, args: tuple) -> None:
-    training = module.training and torch.is_grad_enabled()
-    group.manager = MHCBlockRecomputeManager(name=group.name) if training else None
-
-
 def hyper_connection_modules(model: nn.Module) -> list[str]:
     """The name endings of ``model``'s hyper-connection modules, ``hyper_connections.<branch>``
     (one per branch of its plan): what PEFT's ``modules_to_save`` takes, which matches module
@@ -547,4 +515,4 @@ def hyper_connection_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 __all__ = ["Branch", "HyperConnectionPlan", "HyperConnectionSettings", "add_hyper_connections",
-           "attach_block_recompute", "hyper_connection_blocks", "hyper_connection_modules"]
+           "hyper_connection_blocks", "hyper_connection_modules"]

@@ -46,7 +46,6 @@ from lightning_mhc.parallelize.hyper_connections import (
     HyperConnectionPlan,
     HyperConnectionSettings,
     add_hyper_connections,
-    attach_block_recompute,
 )
 from lightning_mhc.parallelize.record import InitFn, Materializer, is_meta
 from lightning_mhc.parallelize.weights import check_weights, load_weights
@@ -59,6 +58,7 @@ from lightning_mhc.parallelize.tensor_parallel import (
     random_region,
     scatter_sequence,
 )
+from lightning_mhc.recompute.groups import attach_block_recompute
 from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, RecomputePolicy
 from lightning_mhc.recompute.without_output import checkpoint
 from lightning_mhc.recompute.rng import rng_fork
@@ -360,7 +360,8 @@ def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] |
     if HyperConnectionSettings.of(hyper_connections).enabled and _hyper_connection_streams(model) == 1:
         model = copy.deepcopy(model)  # meta tensors: nothing is allocated
     _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
-    return _checked_parts(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
+    return _checked_parts(model, plan, layout, blocks, pipeline_split, RecomputePolicy.of(recompute),
+                          recompute_modules)
 
 
 def _check_recorded(model: nn.Module) -> None:
@@ -373,11 +374,10 @@ def _check_recorded(model: nn.Module) -> None:
 
 
 def _checked_parts(model: nn.Module, plan: Any, layout: ParallelLayout, blocks: str | None,
-                   pipeline_split: list[int] | list[str] | None, recompute: str | RecomputePolicy,
+                   pipeline_split: list[int] | list[str] | None, recompute: RecomputePolicy,
                    recompute_modules: tuple[str, ...] | list[str] | None,
                    ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
     """The checks of :func:`check_parallelize` on a model whose hyper-connections are in place."""
-    recompute = RecomputePolicy.of(recompute)
     check_recompute(recompute, hyper_connections=_hyper_connection_streams(model) > 1)
     return _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
 
@@ -410,7 +410,7 @@ def check_recompute(policy: RecomputePolicy, names: KeyNames = WITHOUT_HYPER_CON
     modules its plan or ``recompute_modules`` name by pattern), and the block recompute only for a
     model with hyper-connections (``hyper_connections``; None: not known yet, checked when the
     model is split). ``names``: how the error names the policy."""
-    if policy.modules is not None and not (policy.block_recompute and policy.modules == ("layernorm",)):
+    if policy.modules is not None and not (policy.block and policy.modules == ("layernorm",)):
         raise ConfigError(f"{names.term('policy', policy.name)} with recompute_modules={list(policy.modules)}: a model "
                           "split by parallelize() names the selectively recomputed modules by pattern, "
                           "parallelize(recompute_modules=[patterns]) (default: the plan's selective list).")
@@ -456,10 +456,10 @@ def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, A
         plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
     stages = layout.num_virtual_stages
     check_plan(model, plan, layout.tensor_model_parallel_size, names=layout.names)
-    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute.name == "full" or layout.sequence_parallel,
+    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute.full or layout.sequence_parallel,
                          after_blocks=plan.after_blocks)
     ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
-    if recompute.name == "selective" and not plan.selective:
+    if recompute.selective and not plan.selective:
         raise ConfigError("recompute='selective' needs the modules to checkpoint: pass recompute_modules=[patterns] "
                           "(e.g. ['*.mlp']) or use a plan with a selective list.")
     return plan, parts, ranges
@@ -548,7 +548,7 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
             for pattern, region in plan.random.items():
                 if _matches(sub_name, pattern) and not split_sequence:  # (all of the block is, below)
                     random_region(sub, region)
-            if recompute.name == "selective" and any(_matches(sub_name, p) for p in plan.selective):
+            if recompute.selective and any(_matches(sub_name, p) for p in plan.selective):
                 _checkpointed(sub)
         if split_sequence:
             for region in regions.values():
@@ -657,12 +657,18 @@ def _build_stages(model: nn.Module, parts: ModelParts, ranges: list[tuple[int, i
             set_submodule(skeleton, name, build(name, part_modules[name]))
         for index, block in local.items():
             build(parts.block_name(index), block, block=True)
-            if recompute.name == "full":
+            if recompute.full:
                 _checkpointed(block)
-        if recompute.block_recompute:  # groups within the stage
-            attach_block_recompute(list(local.values()), recompute.layer_num)
+        if recompute.block:  # groups within the stage
+            blocks = list(local.values())
+            attach_block_recompute(blocks, recompute.block_ranges(blocks[0].hyper_connection_wiring.n, len(blocks)),
+                                   _recompute_group_name)
         chunks.append(skeleton)
         stage_ends.append((stage, local[start], local[end - 1]))
+
+
+def _recompute_group_name(first: nn.Module, last: nn.Module) -> str:
+    return f"{first.hyper_connection_wiring.name}..{last.hyper_connection_wiring.name}"
 
 
 def _tied_tensors(model: nn.Module) -> dict[int, list[str]]:

@@ -123,16 +123,18 @@ GPT2 = TPPlan(
 )
 """Hugging Face ``GPT2LMHeadModel``."""
 
+def _columns_then_row(module: str, columns: tuple[str, ...], row: str) -> dict[str, str]:
+    """Megatron's pairing inside ``module`` (an attention or an MLP): its input projections
+    ``columns`` split by their outputs (each rank its heads, its part of the hidden layer), its
+    output projection ``row`` by its inputs (the partial sums reduced over TP)."""
+    return {**{f"{module}.{name}": "column" for name in columns}, f"{module}.{row}": "row"}
+
+
 LLAMA = TPPlan(
     layers={
         "model.embed_tokens": "vocab",
-        "model.layers.*.self_attn.q_proj": "column",
-        "model.layers.*.self_attn.k_proj": "column",
-        "model.layers.*.self_attn.v_proj": "column",
-        "model.layers.*.self_attn.o_proj": "row",
-        "model.layers.*.mlp.gate_proj": "column",
-        "model.layers.*.mlp.up_proj": "column",
-        "model.layers.*.mlp.down_proj": "row",
+        **_columns_then_row("model.layers.*.self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
+        **_columns_then_row("model.layers.*.mlp", ("gate_proj", "up_proj"), "down_proj"),
         "lm_head": "column",
     },
     # the attention reshapes with -1 heads and keeps num_key_value_groups: only whole heads per rank
@@ -190,12 +192,8 @@ GPT_NEOX = TPPlan(
 OPT = TPPlan(
     layers={
         "model.decoder.embed_tokens": "vocab",
-        "model.decoder.layers.*.self_attn.q_proj": "column",
-        "model.decoder.layers.*.self_attn.k_proj": "column",
-        "model.decoder.layers.*.self_attn.v_proj": "column",
-        "model.decoder.layers.*.self_attn.out_proj": "row",
-        "model.decoder.layers.*.fc1": "column",
-        "model.decoder.layers.*.fc2": "row",
+        **_columns_then_row("model.decoder.layers.*.self_attn", ("q_proj", "k_proj", "v_proj"), "out_proj"),
+        **_columns_then_row("model.decoder.layers.*", ("fc1",), "fc2"),
         "lm_head": "column",  # tied to embed_tokens
     },
     divide={"model.decoder.layers.*.self_attn": ("num_heads",)},

@@ -32,7 +32,7 @@ from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.model.sequence_parallel import (
     all_gather_sequence,
     reduce_scatter_sequence,
-    scatter_to_sequence_parallel_region,
+    sequence_mapping,
     split_sequence,
 )
 from lightning_mhc.parallelize.pipeline import replace_hidden_states
@@ -153,7 +153,7 @@ def _row_forward(module: nn.Module, input_: torch.Tensor, group, transposed: boo
     else:
         partial = F.linear(input_, module.weight)
     if sequence_parallel:
-        output = _SequenceMapping.apply(partial, reduce_scatter_sequence, all_gather_sequence)
+        output = sequence_mapping(partial, reduce_scatter_sequence, all_gather_sequence, _sequence_dim(partial))
     else:
         output = reduce_from_tensor_model_parallel_region(partial, group)
     return output if module.bias is None else output + module.bias
@@ -163,37 +163,16 @@ def _row_forward(module: nn.Module, input_: torch.Tensor, group, transposed: boo
 # A model as written keeps its activations batch first: ``[b, s, C]`` (the sequence is dim 1), or
 # ``[tokens, C]`` where a block flattens them (OPT's MLP; then the tokens are dim 0, and a gather
 # followed by the reduce-scatter of the next row-parallel layer returns each rank its own tokens,
-# which is all a per-token MLP needs). The sequence mappings of the project's GPT work on dim 0;
-# these move the sequence there and back.
+# which is all a per-token MLP needs). The sequence mappings are the project's GPT's
+# (``model/sequence_parallel.py``), on this dimension.
 def _sequence_dim(x: torch.Tensor) -> int:
     return 1 if x.dim() >= 3 else 0
-
-
-def _on_sequence_first(fn, x: torch.Tensor) -> torch.Tensor:
-    dim = _sequence_dim(x)
-    if dim == 0:
-        return fn(x.contiguous())
-    return fn(x.transpose(0, dim).contiguous()).transpose(0, dim).contiguous()
-
-
-class _SequenceMapping(torch.autograd.Function):
-    """A sequence communication ``forward`` whose gradient is ``backward`` (both dim-0 mappings of
-    ``model/sequence_parallel.py``), on the sequence dimension of a batch-first tensor."""
-
-    @staticmethod
-    def forward(ctx, x, forward, backward):
-        ctx.backward_mapping = backward
-        return _on_sequence_first(forward, x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _on_sequence_first(ctx.backward_mapping, grad), None, None
 
 
 def gather_sequence(x: torch.Tensor) -> torch.Tensor:
     """``[b, s/TP, C]`` -> ``[b, s, C]`` before a column-parallel layer (backward: reduce-scatter,
     the layer's TP-split consumers each giving a partial gradient)."""
-    return _SequenceMapping.apply(x, all_gather_sequence, reduce_scatter_sequence)
+    return sequence_mapping(x, all_gather_sequence, reduce_scatter_sequence, _sequence_dim(x))
 
 
 def gather_sequence_into(module: nn.Module) -> None:
@@ -211,13 +190,12 @@ def gather_sequence_into(module: nn.Module) -> None:
 def gather_replicated_sequence(x: torch.Tensor) -> torch.Tensor:
     """``[b, s/TP, C]`` -> ``[b, s, C]`` after the blocks, for the parts every TP rank runs whole
     (backward: this rank's part of the gradient)."""
-    return _SequenceMapping.apply(x, all_gather_sequence, split_sequence)
+    return sequence_mapping(x, all_gather_sequence, split_sequence, _sequence_dim(x))
 
 
 def scatter_sequence(x: torch.Tensor) -> torch.Tensor:
     """``[b, s, C]`` (TP-replicated, before the blocks) -> this rank's ``[b, s/TP, C]`` (backward: all-gather)."""
-    return _on_sequence_first(scatter_to_sequence_parallel_region, x)
-
+    return sequence_mapping(x, split_sequence, all_gather_sequence, _sequence_dim(x))
 
 
 def _vocab_parallel(module: nn.Embedding, group) -> None:

@@ -8,9 +8,12 @@ checked once, then passed down (callback -> module -> model config; CLI; ``paral
 | ``mhc_block`` | block recompute: per sub-layer the hyper-connection (with the norm under ``layernorm``) and the bias-dropout-add with ``H_res`` and ``H_post``, one checkpoint each, block by block from one hook per block of ``L_r`` layers |
 | ``full``      | every layer under ``torch.utils.checkpoint`` (the classic reference)       |
 
-``RecomputePolicy(name).apply(config)`` selects the policy on a model config (megatron's
-``recompute_*`` fields); ``attach_recompute(model)`` hooks one ``MHCBlockRecomputeManager`` per
-recompute block onto the decoder layers (only ``mhc_block`` needs it).
+``RecomputePolicy.of(value)`` makes the policy where it enters (a policy, a name, a mapping, None);
+``policy.full`` / ``.selective`` / ``.block`` say what it recomputes and ``policy.block_ranges(n, L)``
+its recompute groups. ``RecomputePolicy(name).apply(config)`` selects the policy on a model config
+(megatron's ``recompute_*`` fields); ``attach_recompute(model)`` hooks one ``MHCBlockRecomputeManager``
+per recompute group onto our GPT's decoder layers (``groups.py``, which ``parallelize`` uses for
+any model's blocks; only ``mhc_block`` needs it).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.recompute.groups import attach_block_recompute, block_ranges, detach_block_recompute
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 
 POLICIES = ("none", "selective", "mhc_block", "full")
@@ -86,7 +90,7 @@ class RecomputePolicy:
         if unknown:
             raise ConfigError(f"{term('recompute_modules', list(modules))}: {unknown} not supported by this model; "
                               f"choose from {', '.join(SUPPORTED_MODULES)}.")
-        if self.name == "mhc_block" and "mlp" in modules:
+        if self.block and "mlp" in modules:
             raise ConfigError(
                 f"{term('policy', self.name)} cannot be combined with 'mlp' in {term('recompute_modules', list(modules))} "
                 "(recompute_mlp): the two checkpoint mechanisms conflict (Megatron-LM refuses it too). Remove 'mlp' "
@@ -94,10 +98,14 @@ class RecomputePolicy:
             )
 
     @classmethod
-    def of(cls, policy: str | Mapping[str, Any] | RecomputePolicy) -> RecomputePolicy:
-        """The policy a user gave: a name, a mapping of the fields (``to_plain``'s form) or a policy."""
+    def of(cls, policy: str | Mapping[str, Any] | RecomputePolicy | None = None) -> RecomputePolicy:
+        """The policy a user gave, made and checked once where it enters (the CLI, the callback, a
+        module, ``parallelize``): a policy, a name, a mapping of the fields (``to_plain``'s form),
+        or None (``none``)."""
         if isinstance(policy, RecomputePolicy):
             return policy
+        if policy is None:
+            return cls()
         if isinstance(policy, Mapping):
             return cls(**policy)
         return cls(policy)
@@ -110,9 +118,24 @@ class RecomputePolicy:
                     layer_num=self.layer_num)
 
     @property
-    def block_recompute(self) -> bool:
-        """The hyper-connections are recomputed block by block (``attach_recompute`` hooks managers)."""
+    def full(self) -> bool:
+        """Every layer (every block of a model split by ``parallelize``) is checkpointed whole."""
+        return self.name == "full"
+
+    @property
+    def selective(self) -> bool:
+        """Chosen modules are checkpointed (``modules``; ``parallelize``: its patterns)."""
+        return self.name == "selective"
+
+    @property
+    def block(self) -> bool:
+        """The hyper-connections are recomputed block by block (one manager per group of layers)."""
         return self.name == "mhc_block"
+
+    def block_ranges(self, n: int, layers: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` ranges of the recompute groups of a stage of ``layers`` layers with
+        ``n`` residual streams (``layer_num`` each; None: the paper's ``max(1, int(sqrt(n L / (n + 2))))``)."""
+        return block_ranges(layers, n, self.layer_num)
 
     def check_model(self, hyper_connections: bool, names: KeyNames | None = None) -> None:
         """What the policy asks of the model: ``mhc_block`` recomputes hyper-connections, which
@@ -133,9 +156,9 @@ class RecomputePolicy:
         if self.name in _DEFAULT_MODULES:
             modules = self.modules if self.modules is not None else _DEFAULT_MODULES[self.name]
             fields.update(recompute_granularity="selective", recompute_modules=list(modules))
-        if self.block_recompute:
+        if self.block:
             fields.update(recompute_hyper_connections=True)
-        if self.name == "full":
+        if self.full:
             fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         return fields
 
@@ -175,66 +198,27 @@ def _decoder_blocks(model: torch.nn.Module):
 
 
 def attach_recompute(model: torch.nn.Module, keep_managers: bool = False) -> list[MHCBlockRecomputeManager]:
-    """Hook managers onto every decoder block of ``model`` whose config asks for block recompute
-    (``mhc_block``: ``recompute_hyper_connections``). Idempotent.
-
-    For each recompute block, a forward pre-hook on its first layer creates a
-    fresh manager (only when training with grad enabled) and hands it to the
-    block's layers; a forward hook on its last layer discards the outputs and
-    registers the unified recompute hook on that layer's output. With
-    ``keep_managers`` the returned list collects every manager created (one per
-    block per training forward: for inspection and tests, not for long runs).
-    """
+    """Group the decoder layers of every decoder block of our GPT ``model`` whose config asks for
+    block recompute (``mhc_block``: ``recompute_hyper_connections``) into recompute groups
+    (``groups.py``: one manager per group per training forward, made by a pre-hook on its first
+    layer and handed the output of its last). Idempotent. With ``keep_managers`` the returned list
+    collects every manager created (one per group per training forward: for inspection and tests,
+    not for long runs)."""
     detach_recompute(model)
     created: list[MHCBlockRecomputeManager] = []
     for block in _decoder_blocks(model):
         if not block.config.recompute_hyper_connections:
             continue
-        handles = []
-        for start, end in block.recompute_block_ranges():
-            layers = [block.layers[i] for i in range(start, end)]
-            for layer in layers:
-                layer.is_last_layer_in_block = layer is layers[-1]
-            handles.append(layers[0].register_forward_pre_hook(
-                _make_pre_hook(layers, created if keep_managers else None)))
-            handles.append(layers[-1].register_forward_hook(_make_post_hook(layers)))
-        block._mhc_recompute_handles = handles
+        block._mhc_recompute_handles = attach_block_recompute(
+            block.layers, block.recompute_block_ranges(),
+            lambda first, last: f"layers {first.layer_number}-{last.layer_number}",
+            created if keep_managers else None)
         block.mhc_recompute_attached = True
     return created
 
 
 def detach_recompute(model: torch.nn.Module) -> None:
     for block in _decoder_blocks(model):
-        for handle in getattr(block, "_mhc_recompute_handles", []):
-            handle.remove()
+        detach_block_recompute(block.layers, getattr(block, "_mhc_recompute_handles", []))
         block._mhc_recompute_handles = []
         block.mhc_recompute_attached = False
-        for layer in block.layers:
-            layer.mhc_recompute_manager = None
-            layer.is_last_layer_in_block = False
-
-
-def _make_pre_hook(layers, created):
-    def pre_hook(module, args):
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        first, last = layers[0].layer_number, layers[-1].layer_number
-        manager = MHCBlockRecomputeManager(name=f"layers {first}-{last}")
-        if created is not None:
-            created.append(manager)
-        for layer in layers:
-            layer.mhc_recompute_manager = manager
-
-    return pre_hook
-
-
-def _make_post_hook(layers):
-    def post_hook(module, args, output):
-        manager = layers[-1].mhc_recompute_manager
-        if manager is None:
-            return
-        for layer in layers:
-            layer.mhc_recompute_manager = None
-        manager.discard_all_outputs_and_register_unified_recompute(output[0])
-
-    return post_hook

@@ -37,7 +37,6 @@ from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from lightning_mhc.distributed.optimizer import DistributedOptimizer, optimizer_state_bytes
 from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
 from lightning_mhc.distributed.pipeline.protocol import (
-    ModuleChunk,
     has_model_chunks,
     is_pipeline_module,
     split_microbatches,
@@ -218,10 +217,8 @@ class ParallelRuntime:
             on_last_backward=self._overlap(module, forward_only or not reduce_this_step, accumulate),
         )
         with meter if measure else contextlib.nullcontext(), self.fail_fast.waiting():
-            chunked = self.layout.virtual_pipeline_model_parallel_size > 1
-            result = forward_backward_pipelining(
-                [ModuleChunk(module, i) for i in range(len(module.model_chunks()))] if chunked else module,
-                microbatches, lambda mod, mb: mod.forward_step(mb), loss_func, config)
+            result = forward_backward_pipelining(module, microbatches, lambda mod, mb: mod.forward_step(mb), loss_func,
+                                                 config)
         if measure:
             self.activation_bytes = int(self.max_over_ranks(peak, self.device))
         loss = result.loss * accumulate

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 import lightning.pytorch as pl
@@ -52,10 +53,11 @@ class PipelinedLMModule(pl.LightningModule):
         """Whole-job tokens/s per step (warm-up excluded): ``throughput.summary()``."""
         self._divergence: StreamDivergenceMonitor | None = None
 
-    def configure_recompute(self, policy: str | Any) -> None:
-        """Build the model with ``policy`` (a name or a :class:`RecomputePolicy`); called before
-        ``configure_model`` (``MHCRecomputeCallback`` calls it in ``setup``). A policy this module's
-        model cannot run is refused here, before anything is built."""
+    def configure_recompute(self, policy: str | Mapping[str, Any] | RecomputePolicy | None) -> None:
+        """Build the model with ``policy`` (anything :meth:`RecomputePolicy.of` takes); called
+        before ``configure_model`` (by ``MHCRecomputeCallback`` in ``setup``, by ``MHCGPTModule``'s
+        ``recompute_policy=``). A policy this module's model cannot run is refused here, before
+        anything is built."""
         policy = RecomputePolicy.of(policy)
         self.check_recompute_policy(policy)
         self.recompute_policy = policy

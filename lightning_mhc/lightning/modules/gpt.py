@@ -94,8 +94,7 @@ class MHCGPTModule(PipelinedLMModule):
             config, recorded = model_config, model_config_to_dict(model_config, strict=False)
         self.model_config = config
         """The model's config; ``configure_model`` builds the model from it under the strategy's layout."""
-        self.recompute_policy = RecomputePolicy.of(recompute_policy)
-        self.check_recompute_policy(self.recompute_policy)
+        self.configure_recompute(recompute_policy)
         model_config = recorded  # noqa: F841 -- what save_hyperparameters() reads from this frame
         recompute_policy = self.recompute_policy.to_plain()  # noqa: F841 -- likewise
         self.save_hyperparameters()

@@ -1,0 +1,80 @@
+"""Block recompute's groups, for every model the package recomputes block by block: our GPT's
+decoder layers (``policy.attach_recompute``) and the hyper-connected blocks of a model split by
+``parallelize`` (``parallelize/model.py``).
+
+A group is ``L_r`` consecutive layers of one pipeline stage (:func:`block_ranges`, the paper's
+eq. 20) under one ``MHCBlockRecomputeManager`` per training forward. Each layer of a group holds
+it as ``layer.recompute_group`` and knows whether it ends it (``layer.is_last_layer_in_block``,
+megatron's name); a forward pre-hook on the group's first layer makes the manager (only in
+training forwards with grad enabled, so evaluation is untouched), the layers checkpoint into
+``group.manager``, and the last one hands its output, which it keeps out of the manager, to
+:meth:`RecomputeGroup.finish`: every checkpoint's output is freed and recomputed from one hook.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
+
+
+def block_ranges(layers: int, n: int, layer_num: int | None = None) -> list[tuple[int, int]]:
+    """The ``[start, end)`` layer ranges of the recompute groups of a stage of ``layers`` layers
+    with ``n`` residual streams: ``layer_num`` layers each (None: the paper's eq. 20,
+    ``L_r = max(1, int(sqrt(n L / (n + 2))))``), the last one shorter; none crosses the stage."""
+    size = layer_num if layer_num is not None else max(1, int(math.sqrt(n * layers / (n + 2))))
+    return [(start, min(start + size, layers)) for start in range(0, layers, size)]
+
+
+class RecomputeGroup:
+    """The layers of one recompute group share it: :meth:`start` (a forward pre-hook on the first
+    layer) makes the manager of this training forward, :meth:`finish` (called by the last layer
+    with its output) hands it over. ``created``: a list that collects every manager made (for
+    inspection and tests, not for long runs)."""
+
+    def __init__(self, name: str, created: list[MHCBlockRecomputeManager] | None = None) -> None:
+        self.name = name
+        self.manager: MHCBlockRecomputeManager | None = None
+        self.created = created
+
+    def start(self, module: nn.Module, args: tuple) -> None:
+        training = module.training and torch.is_grad_enabled()
+        self.manager = MHCBlockRecomputeManager(name=self.name) if training else None
+        if self.manager is not None and self.created is not None:
+            self.created.append(self.manager)
+
+    def finish(self, output: Tensor) -> None:
+        """The group's last output: its manager frees every checkpoint's output and recomputes
+        them all from one hook on ``output``; the layers keep nothing of this forward."""
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.discard_all_outputs_and_register_unified_recompute(output)
+
+
+def attach_block_recompute(layers: Sequence[nn.Module], ranges: Sequence[tuple[int, int]],
+                           name: Callable[[nn.Module, nn.Module], str],
+                           created: list[MHCBlockRecomputeManager] | None = None) -> list[RemovableHandle]:
+    """One :class:`RecomputeGroup` per ``[start, end)`` range of the consecutive ``layers``, named
+    ``name(first layer, last layer)``; returns the pre-hooks' handles (:func:`detach_block_recompute`)."""
+    handles = []
+    for start, end in ranges:
+        members = layers[start:end]
+        group = RecomputeGroup(name(members[0], members[-1]), created)
+        for layer in members:
+            layer.recompute_group = group
+            layer.is_last_layer_in_block = layer is members[-1]
+        handles.append(members[0].register_forward_pre_hook(group.start))
+    return handles
+
+
+def detach_block_recompute(layers: Sequence[nn.Module], handles: Sequence[RemovableHandle]) -> None:
+    """Undo :func:`attach_block_recompute`: its hooks removed, the layers in no group."""
+    for handle in handles:
+        handle.remove()
+    for layer in layers:
+        layer.recompute_group = None
+        layer.is_last_layer_in_block = False
