@@ -247,14 +247,12 @@ def test_sequence_parallel_and_virtual_pipeline_layouts_compose():
 @pytest.mark.parametrize("name, value, instead", [
     ("fp32_residual_connection", True, "Leave it False"),
     ("context_parallel_size", 2, "Leave context_parallel_size at its default (1)"),
-    ("expert_model_parallel_size", 2, "no mixture of experts"),
-    ("num_moe_experts", 8, "leave num_moe_experts=None"),
 ])
 def test_unsupported_megatron_options_are_refused_by_one_rule(name, value, instead):
     with pytest.raises(ConfigError) as built:
         MHCTransformerConfig(**TINY, **{name: value})
     assert f"MHCTransformerConfig sets {name}={value!r}, which" in str(built.value) and instead in str(built.value)
-    if name in ("context_parallel_size", "expert_model_parallel_size"):  # layout keys of a module's model_config dict: the same rule
+    if name == "context_parallel_size":  # layout keys of a module's model_config dict: the same rule
         tail = str(built.value).split(", which", 1)[1]
         with pytest.raises(ConfigError) as requested:
             requested_parallel_layout({**TINY, name: value})
