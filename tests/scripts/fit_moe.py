@@ -145,6 +145,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--reference", type=pathlib.Path)
     parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), help="with --devices 4: these cases only, "
+                        "no checkpoint or dropout runs (for trying a change quickly)")
     args = parser.parse_args()
     results = {}
     if args.devices == 1:
@@ -156,28 +158,35 @@ def main() -> None:
         reference = torch.load(args.reference.with_suffix(".pt"))
         checkpoint = args.out.parent / "ep2_step2.ckpt"
         states = {}
-        for name, (tp, pp, ep, zero) in CASES.items():
+        for name in args.cases:
+            tp, pp, ep, zero = CASES[name]
             pl.seed_everything(7, verbose=False)
             recorder, states[name] = fit_case(tp, pp, ep, zero, args.devices, 0.0, "mhc_block",
                                               save=checkpoint if name == "ep2" else None)
             results[name] = dict(losses=recorder.losses, aux=recorder.aux, tokens=recorder.tokens,
                                  weights=_max_over_ranks(largest_difference(states[name], reference)))
             print(name, json.dumps({k: v for k, v in results[name].items() if k != "tokens"}), flush=True)
-        pl.seed_everything(7, verbose=False)
-        recorder, state = fit_case(1, 1, 1, False, args.devices, 0.0, "mhc_block", resume=checkpoint)
-        results["ep2_to_ep1"] = dict(losses=recorder.losses, aux=recorder.aux,
-                                     weights=_max_over_ranks(largest_difference(state, reference)))
-        runs = {}
-        for policy in ("none", "mhc_block"):  # dropout: recompute against none on EP 2 x PP 2
-            pl.seed_everything(7, verbose=False)
-            recorder, state = fit_case(1, 2, 2, False, args.devices, 0.1, policy)
-            runs[policy] = (recorder, state)
-        (plain, plain_state), (block, block_state) = runs["none"], runs["mhc_block"]
-        results["dropout"] = dict(losses=block.losses, reference_losses=plain.losses, aux=block.aux,
-                                  reference_aux=plain.aux,
-                                  weights=_max_over_ranks(largest_difference(block_state, plain_state, same_layout=True)))
+        if args.cases == list(CASES):
+            results.update(continued_and_dropout(args.devices, checkpoint, reference))
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.out.write_text(json.dumps(results))
+
+
+def continued_and_dropout(devices: int, checkpoint: pathlib.Path, reference: dict) -> dict:
+    """EP 2's checkpoint continued on EP 1, and with dropout ``mhc_block`` against no recompute."""
+    pl.seed_everything(7, verbose=False)
+    recorder, state = fit_case(1, 1, 1, False, devices, 0.0, "mhc_block", resume=checkpoint)
+    results = {"ep2_to_ep1": dict(losses=recorder.losses, aux=recorder.aux,
+                                  weights=_max_over_ranks(largest_difference(state, reference)))}
+    runs = {}
+    for policy in ("none", "mhc_block"):  # dropout: recompute against none on EP 2 x PP 2
+        pl.seed_everything(7, verbose=False)
+        runs[policy] = fit_case(1, 2, 2, False, devices, 0.1, policy)
+    (plain, plain_state), (block, block_state) = runs["none"], runs["mhc_block"]
+    results["dropout"] = dict(losses=block.losses, reference_losses=plain.losses, aux=block.aux,
+                              reference_aux=plain.aux,
+                              weights=_max_over_ranks(largest_difference(block_state, plain_state, same_layout=True)))
+    return results
 
 
 if __name__ == "__main__":
