@@ -91,3 +91,20 @@ def test_bad_moe_settings_refused_in_one_line(bad, message):
     with pytest.raises(ConfigError, match=message) as error:
         tiny_config(**{**MOE, **bad})
     assert "\n" not in str(error.value)
+
+
+def test_mlp_flops_of_moe_layers_equal_torch_counter(model_parallel):
+    """``mfu``'s FLOPs: an MoE layer counts the router, k experts per token and the shared expert
+    (torch's counter on the per-expert loop; it has no formula for ``torch._grouped_mm``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_mhc.model.flops import forward_flops_terms
+    from lightning_mhc.model.moe_mlp import moe_config
+
+    cfg = tiny_config(**{**MOE, "moe_shared_expert_intermediate_size": 48, "moe_layer_freq": [1, 0, 1, 1]})
+    layer = MoELayer(moe_config(cfg), use_grouped_mm=False)
+    tokens = torch.randn(16, cfg.hidden_size)
+    with FlopCounterMode(display=False) as counter:
+        layer(tokens)
+    dense = 2 * cfg.hidden_size * cfg.ffn_hidden_size * (3 if cfg.gated_linear_unit else 2)  # fc1 (gate, up), fc2
+    assert forward_flops_terms(cfg, 16)["mlp"] == dense + 3 * counter.get_total_flops() / 16
