@@ -1,7 +1,8 @@
 """The MoE GPT with 4 hyper-connection streams through ``Trainer.fit`` and
 ``MHCParallelStrategy(expert_model_parallel_size=2)`` against one process
 (tests/scripts/fit_moe.py): EP 2 (DP 4), EP 2 x PP 2, TP 2 x EP 2 and EP 2 with the
-distributed optimizer in one 4-process group, ``mhc_block`` recompute; per-step losses, the
+distributed optimizer in one 4-process group, ``mhc_block`` recompute, SGD clipped by the global
+norm (the experts' squares summed over EP); per-step losses, the
 logged auxiliary losses and the final weights (expert biases included) within 1e-5; EP 2's
 step-2 checkpoint continued on EP 1; with dropout, ``mhc_block`` bit-identical to no recompute on
 EP 2 x PP 2.
@@ -51,9 +52,11 @@ def _flat(values):
 def test_expert_parallel_layouts_equal_one_process(runs):
     reference, four = runs
     assert len(reference["losses"]) == STEPS and all(a > 0 for a, _ in reference["aux"])
+    assert min(reference["norms"]) > 0.05  # every step clipped
     for name in ("ep2", "ep2_pp2", "tp2_ep2", "ep2_zero"):
         _close(four[name]["losses"], reference["losses"], f"{name}: losses")
         _close(four[name]["aux"], reference["aux"], f"{name}: auxiliary losses")
+        _close(four[name]["norms"], reference["norms"], f"{name}: global gradient norms")
         assert four[name]["weights"] <= TOLERANCE, f"{name}: final weights differ by {four[name]['weights']}"
         # the logged tokens per expert: the whole batch's (2 experts per token), as one process routes them
         assert four[name]["tokens"] == reference["tokens"], name

@@ -67,10 +67,12 @@ class Recorder(Callback):
         self.losses: list[float] = []
         self.aux: list[list[float]] = []
         self.tokens: list[dict[str, float]] = []
+        self.norms: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
         self.aux.append([float(trainer.callback_metrics[k]) for k in AUX])
+        self.norms.append(float(trainer.callback_metrics["grad_norm"]))
         self.tokens.append({k: float(v) for k, v in trainer.callback_metrics.items()
                             if "tokens_per_expert" in k or k.endswith("balance")})
 
@@ -112,7 +114,7 @@ def fit_case(tp: int, pp: int, ep: int, zero: bool, devices: int, dropout: float
     recorder = Recorder()
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
+                         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, gradient_clip_val=0.05,
                          callbacks=[recorder, MHCRecomputeCallback(policy)] + ([SaveAt(save)] if save else []))
     module = SGDModule(model_config(dropout))
     dp = devices // (tp * pp)
@@ -153,7 +155,8 @@ def main() -> None:
         pl.seed_everything(7, verbose=False)
         recorder, state = fit_case(1, 1, 1, False, 1, 0.0, "mhc_block")
         torch.save({k: v for k, v in state.items()}, args.out.with_suffix(".pt"))
-        results["single"] = dict(losses=recorder.losses, aux=recorder.aux, tokens=recorder.tokens)
+        results["single"] = dict(losses=recorder.losses, aux=recorder.aux, tokens=recorder.tokens,
+                                 norms=recorder.norms)
     else:
         reference = torch.load(args.reference.with_suffix(".pt"))
         checkpoint = args.out.parent / "ep2_step2.ckpt"
@@ -163,7 +166,7 @@ def main() -> None:
             pl.seed_everything(7, verbose=False)
             recorder, states[name] = fit_case(tp, pp, ep, zero, args.devices, 0.0, "mhc_block",
                                               save=checkpoint if name == "ep2" else None)
-            results[name] = dict(losses=recorder.losses, aux=recorder.aux, tokens=recorder.tokens,
+            results[name] = dict(losses=recorder.losses, aux=recorder.aux, tokens=recorder.tokens, norms=recorder.norms,
                                  weights=_max_over_ranks(largest_difference(states[name], reference)))
             print(name, json.dumps({k: v for k, v in results[name].items() if k != "tokens"}), flush=True)
         if args.cases == list(CASES):
