@@ -141,6 +141,17 @@ def test_distributed_optimizer(tmp_path):
             assert len(row["per_rank_bytes"]) == row["dp"]
 
 
+def test_moe(tmp_path):
+    """EP 1 and 2 on 2 ranks: the experts' bytes and their AdamW state per rank halve at EP 2; both
+    models timed (4 ranks and EP 4 in the figures)."""
+    out = tmp_path / "moe.json"
+    _run("moe.py", "--world", "2", "--hidden", "32", "--experts", "4", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ep"] for r in rows] == [1, 2]
+    assert rows[1]["expert_bytes_vs_ep1"] == rows[1]["expert_state_vs_ep1"] == 0.5
+    assert all(r["mhc_ratio"] > 0 and set(r["tokens_per_s"]) == {"mHC", "no mHC"} for r in rows)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
 def test_pretrained_loading(tmp_path):
     """TP 2 x PP 2 reading a 20 MiB Llama: each rank's peak allocation stays near its part (7 MiB;

@@ -91,7 +91,7 @@ def test_bad_input_is_refused_before_launch(tmp_path, monkeypatch, capsys):
                                 "model.num_layers?)"),
         (["model.num_layers=abc"], "model.num_layers=abc: Value 'abc' of type 'str' could not be converted to "
                                    "Integer; model.num_layers takes an integer"),
-        (["model=huge"], "model=huge: the model group has no option 'huge'. Choose one of gpt_125m, hf, small, tiny"),
+        (["model=huge"], "model=huge: the model group has no option 'huge'. Choose one of gpt_125m, gpt_moe_tiny, hf, small, tiny"),
         (["model.mhc_init_gating_factor=-1"], "model.mhc_init_gating_factor=-1.0: the initial value of the gating "
                                               "scalars"),
         (["trainer=gpu", "trainer.precision=16-mixed"], "trainer.precision=16-mixed with trainer.accelerator=gpu: the "
@@ -247,14 +247,12 @@ def test_sequence_parallel_and_virtual_pipeline_layouts_compose():
 @pytest.mark.parametrize("name, value, instead", [
     ("fp32_residual_connection", True, "Leave it False"),
     ("context_parallel_size", 2, "Leave context_parallel_size at its default (1)"),
-    ("expert_model_parallel_size", 2, "no mixture of experts"),
-    ("num_moe_experts", 8, "leave num_moe_experts=None"),
 ])
 def test_unsupported_megatron_options_are_refused_by_one_rule(name, value, instead):
     with pytest.raises(ConfigError) as built:
         MHCTransformerConfig(**TINY, **{name: value})
     assert f"MHCTransformerConfig sets {name}={value!r}, which" in str(built.value) and instead in str(built.value)
-    if name in ("context_parallel_size", "expert_model_parallel_size"):  # layout keys of a module's model_config dict: the same rule
+    if name == "context_parallel_size":  # layout keys of a module's model_config dict: the same rule
         tail = str(built.value).split(", which", 1)[1]
         with pytest.raises(ConfigError) as requested:
             requested_parallel_layout({**TINY, name: value})

@@ -11,6 +11,9 @@ pieces back (resharding):
   ``partition_stride = s > 1`` (SwiGLU's ``[gate; up]``: each rank holds matching slices of
   both halves) the split dimension is viewed as ``[s, size / s]`` and sharded on the second,
   so the global tensor is the same under every TP size;
+- an MoE expert tensor (stacked ``[experts, in, out]``, megatron's ``allreduce = False``) holds
+  its EP rank's block of experts: a ``DTensor`` sharded along dim 0 over the EP group, so the
+  global tensor holds every expert and reads back onto any EP size (one process included);
 - any other tensor is stored whole; copies held by several ranks (DP replicas, TP peers, the
   tied embedding on the first and last stage) are written once (DCP deduplicates them);
 - optimizer states shaped like their parameter (AdamW's moments) are sharded like it; the
@@ -32,16 +35,18 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
+from lightning_mhc.distributed.grads import is_expert_parameter
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.distributed.optimizer import MAIN_PARAM
 
 @dataclass(frozen=True)
 class Placement:
-    """How a tensor is split across TP: ``dim`` of its own shape (None: whole on every rank),
-    with megatron's ``partition_stride``."""
+    """How a tensor is split: ``dim`` of its own shape (None: whole on every rank), with
+    megatron's ``partition_stride``, over the ranks of ``over`` ('tp' or 'ep')."""
 
     dim: int | None = None
     stride: int = 1
+    over: str = "tp"
 
 
 REPLICATED = Placement()
@@ -60,21 +65,33 @@ class StateKey:
     """The tensor stepped is an fp32 copy of bf16 weights: its saved main weights are read back."""
 
 
+EXPERTS = Placement(0, 1, "ep")
+"""An expert tensor: this EP rank's block of experts along dim 0."""
+
+
 def tp_placement(tensor: Tensor) -> Placement:
-    """Megatron's tensor-parallel attributes of a parameter, as a :class:`Placement`."""
+    """Megatron's tensor-parallel attributes of a parameter, as a :class:`Placement`; an expert
+    tensor's split over EP."""
+    if is_expert_parameter(tensor):
+        return EXPERTS
     if getattr(tensor, "tensor_model_parallel", False):
         return Placement(int(tensor.partition_dim), int(getattr(tensor, "partition_stride", 1)))
     return REPLICATED
 
 
 class Sharder:
-    """Turns local tensors into pieces of global ones for this rank's TP group."""
+    """Turns local tensors into pieces of global ones for this rank's TP group (and EP group for
+    the experts)."""
 
     def __init__(self, layout: ParallelLayout | None) -> None:
         self.tp = layout.tensor_model_parallel_size if layout is not None else 1
         self.tp_rank = layout.tensor_model_parallel_rank if layout is not None else 0
-        self._group = layout.tp_group if self.tp > 1 else None
-        self._meshes: dict[str, Any] = {}
+        ep = layout.expert_model_parallel_size if layout is not None else 1
+        self._split = {"tp": (self.tp, self.tp_rank, layout.tp_group if self.tp > 1 else None),
+                       "ep": (ep, layout.expert_model_parallel_rank if ep > 1 else 0,
+                              layout.ep_group if ep > 1 else None)}
+        """'tp' / 'ep' -> (size, this rank's place, group)."""
+        self._meshes: dict[tuple[str, str], Any] = {}
 
     def _view(self, local: Tensor, placement: Placement) -> tuple[Tensor, int | None]:
         """The stored view of ``local`` and its TP-split dimension."""
@@ -93,18 +110,18 @@ class Sharder:
         view, dim = self._view(torch.empty(tuple(local_shape), device="meta"), placement)
         shape = list(view.shape)
         if dim is not None:
-            shape[dim] *= self.tp
+            shape[dim] *= self._split[placement.over][0]
         return torch.Size(shape)
 
     def shard(self, local: Tensor, placement: Placement) -> Tensor:
         """``local`` as this rank's piece of the global tensor (a view: no copy)."""
         view, dim = self._view(local.detach(), placement)
-        if dim is None or self.tp == 1:
+        if dim is None or self._split[placement.over][0] == 1:
             return view
         from torch.distributed.tensor import DTensor, Shard
 
         shape = self.global_shape(local.shape, placement)
-        return DTensor.from_local(view, self._mesh(local.device), [Shard(dim)], run_check=False,
+        return DTensor.from_local(view, self._mesh(local.device, placement.over), [Shard(dim)], run_check=False,
                                   shape=shape, stride=_contiguous_strides(shape))
 
     def shard_piece(self, flat: Tensor, key: StateKey) -> Any:
@@ -116,6 +133,7 @@ class Sharder:
 
         view, dim = self._view(torch.empty(key.shape, device="meta"), key.placement)
         local_shape, numel = tuple(view.shape), view.numel()
+        parts, part, _ = self._split[key.placement.over]
         lo, hi = key.flat_range.start, key.flat_range.stop
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         mine, elsewhere = f"rank:{rank}/{flat.device}", f"rank:{(rank + 1) % world}/{flat.device}"
@@ -126,28 +144,29 @@ class Sharder:
             return offsets
 
         shards = [Shard(flat.detach()[start - lo:start - lo + math.prod(sizes)].view(sizes),
-                        ShardMetadata(placed(offsets, self.tp_rank), sizes, mine))
+                        ShardMetadata(placed(offsets, part), sizes, mine))
                   for offsets, sizes, start in _rectangles(lo, hi, local_shape)]
         # ShardedTensor wants metadata that covers the whole tensor; DCP reads only the local
         # shards, so the rest (the other ranks' ranges, the other TP blocks) is named as elsewhere
-        rest = [ShardMetadata(placed(offsets, self.tp_rank), sizes, elsewhere)
+        rest = [ShardMetadata(placed(offsets, part), sizes, elsewhere)
                 for a, b in ((0, lo), (hi, numel)) if a < b for offsets, sizes, _ in _rectangles(a, b, local_shape)]
         if dim is not None:
             rest += [ShardMetadata(placed([0] * len(local_shape), t), list(local_shape), elsewhere)
-                     for t in range(self.tp) if t != self.tp_rank]
+                     for t in range(parts) if t != part]
         meta = ShardedTensorMetadata([s.metadata for s in shards] + rest,
                                      self.global_shape(key.shape, key.placement), TensorProperties(dtype=flat.dtype))
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
 
-    def _mesh(self, device: torch.device):
-        if device.type not in self._meshes:
+    def _mesh(self, device: torch.device, over: str = "tp"):
+        if (device.type, over) not in self._meshes:
             from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = DeviceMesh.from_group(self._group, device_type=device.type)
-            if mesh.get_local_rank() != self.tp_rank:
-                raise RuntimeError(f"the TP mesh puts this rank at {mesh.get_local_rank()}, megatron at {self.tp_rank}")
-            self._meshes[device.type] = mesh
-        return self._meshes[device.type]
+            _, rank, group = self._split[over]
+            mesh = DeviceMesh.from_group(group, device_type=device.type)
+            if mesh.get_local_rank() != rank:
+                raise RuntimeError(f"the {over.upper()} mesh puts this rank at {mesh.get_local_rank()}, megatron at {rank}")
+            self._meshes[device.type, over] = mesh
+        return self._meshes[device.type, over]
 
 
 def _rectangles(lo: int, hi: int, shape: tuple[int, ...]) -> Iterable[tuple[list[int], list[int], int]]:

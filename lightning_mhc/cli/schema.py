@@ -142,6 +142,23 @@ class ModelConfig:
     mhc_sinkhorn_iterations: Optional[int] = None
     mhc_init_gating_factor: Optional[float] = None
     mhc_implementation: str = "auto"
+    # --- mixture of experts (megatron's names; docs/moe.md): null, megatron's default
+    num_moe_experts: Optional[int] = None
+    """Routed experts per MoE layer; null: dense MLPs."""
+    moe_router_topk: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    """Each routed expert's intermediate size; null: ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_layer_freq: Any = None
+    """An int f: layers 0, f, 2f, ... have experts; or a list of one 0/1 per layer."""
+    moe_router_score_function: Optional[str] = None
+    moe_router_pre_softmax: Optional[bool] = None
+    moe_router_enable_expert_bias: Optional[bool] = None
+    moe_router_bias_update_rate: Optional[float] = None
+    moe_router_load_balancing_type: Optional[str] = None
+    moe_aux_loss_coeff: Optional[float] = None
+    moe_z_loss_coeff: Optional[float] = None
+    moe_expert_capacity_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         _one_of("model.source", self.source, MODEL_SOURCES, "Choose model=<a GPT: tiny, small, gpt_125m> or model=hf.")
@@ -561,6 +578,10 @@ class TrainConfig:
             return
         try:
             config = self.transformer_config()  # megatron's and the model's own checks, with their messages
+            from lightning_mhc.model.config import with_parallel_layout
+
+            # the model under this layout: experts over EP, MoE without sequence parallelism
+            with_parallel_layout(config, self.layout)
         except ConfigError as error:
             raise ConfigError(_with_group(str(error))) from None
         self.layout.check_model({"num_layers": config.num_layers, **config.split_sizes()}, self.data.seq_length)

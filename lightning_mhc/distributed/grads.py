@@ -9,6 +9,12 @@ sequence; megatron's ``_allreduce_layernorm_grads``), the all-reduce of the
 tied embedding/output-layer gradients between the first and last stage, and
 the gradient norm over TP, PP and DP with each replicated parameter counted
 once. Every function takes the :class:`ParallelLayout`.
+
+Under expert parallelism an expert's parameters (megatron's marker ``param.allreduce = False``)
+live on the ranks of one EP rank only: their gradients are reduced over the expert-data-parallel
+group (:func:`reduction_group`, the one place a parameter's group is chosen) but divided by the
+whole data-parallel size like every other gradient, since each already sums the tokens its EP
+peers sent it (megatron's ``expert_gradient_scaling_factor``).
 """
 from __future__ import annotations
 
@@ -43,15 +49,42 @@ def buckets(grads: list[torch.Tensor], bucket_bytes: int,
         yield bucket
 
 
-def _allreduce_flat(grads: list[torch.Tensor], group, bucket_bytes: int, average: bool) -> int:
-    """All-reduce ``grads`` in buckets over ``group``; returns the number of buckets."""
-    world = dist.get_world_size(group)
+def is_expert_parameter(param: torch.nn.Parameter) -> bool:
+    """An MoE expert's parameter: megatron's marker ``allreduce = False`` (only the ranks holding
+    the same experts share it)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def reduction_group(param: torch.nn.Parameter, layout: ParallelLayout):
+    """The ranks ``param``'s gradient is reduced over: the expert-data-parallel ones for an
+    expert's parameter, the data-parallel ones for every other."""
+    return layout.expert_dp_group if is_expert_parameter(param) else layout.dp_group
+
+
+def gradient_divisor(layout: ParallelLayout) -> int:
+    """What every reduced gradient is divided by: the data-parallel ranks whose batches make the
+    batch (an expert's gradient, reduced over fewer ranks, holds its EP peers' tokens already)."""
+    return layout.data_parallel_size
+
+
+def by_reduction_group(params: Iterable[torch.nn.Parameter], layout: ParallelLayout
+                       ) -> list[tuple[object, list[torch.nn.Parameter]]]:
+    """``params`` split into (group, its parameters in order): the dense ones, then the experts'."""
+    params = list(params)
+    split = [[p for p in params if not is_expert_parameter(p)], [p for p in params if is_expert_parameter(p)]]
+    return [(reduction_group(part[0], layout), part) for part in split if part]
+
+
+def _allreduce_flat(grads: list[torch.Tensor], group, bucket_bytes: int, divisor: int = 1) -> int:
+    """Sum ``grads`` in buckets over ``group``, then divide by ``divisor``; returns the number of
+    buckets."""
     count = 0
     for bucket in buckets(grads, bucket_bytes):
         flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat /= world
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        if divisor != 1:
+            flat /= divisor
         for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             grad.copy_(reduced)
         count += 1
@@ -68,12 +101,14 @@ def _parameters(models: torch.nn.Module | Iterable[torch.nn.Module]) -> list[tor
 def allreduce_data_parallel_grads(
     params: Iterable[torch.nn.Parameter], layout: ParallelLayout, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> int:
-    """Average gradients over the DP group in buckets (in reverse parameter order, the order
-    backward produces them). Returns the number of buckets (0 when DP = 1)."""
+    """Average gradients over DP in buckets (in reverse parameter order, the order backward
+    produces them), each over its :func:`reduction_group`. Returns the number of buckets (0 when
+    DP = 1)."""
     if layout.data_parallel_size == 1:
         return 0
-    grads = [p.grad for p in reversed(list(params)) if p.grad is not None]
-    return _allreduce_flat(grads, layout.dp_group, bucket_bytes, average=True)
+    return sum(_allreduce_flat([p.grad for p in part if p.grad is not None], group, bucket_bytes,
+                               gradient_divisor(layout))
+               for group, part in by_reduction_group(reversed(list(params)), layout))
 
 
 def is_partial_over_tp(param: torch.nn.Parameter, layout: ParallelLayout) -> bool:
@@ -94,14 +129,14 @@ def sum_partial_grads_over_tp(pairs: Iterable[tuple[torch.nn.Parameter, torch.Te
     if layout.tensor_model_parallel_size == 1:
         return 0
     grads = [grad for param, grad in pairs if grad is not None and is_partial_over_tp(param, layout)]
-    return _allreduce_flat(grads, layout.tp_group, bucket_bytes, average=False) if grads else 0
+    return _allreduce_flat(grads, layout.tp_group, bucket_bytes) if grads else 0
 
 
 def sum_embedding_grads(grads: list[torch.Tensor], layout: ParallelLayout) -> None:
     """Sum the gradients of the tied word embedding (first stage) and its output-layer copy
     (last stage) in place, so both copies take the same step. Nothing to do without PP."""
     if grads and layout.pipeline_model_parallel_size > 1 and layout.embedding_group is not None:
-        _allreduce_flat(grads, layout.embedding_group, DEFAULT_BUCKET_BYTES, average=False)
+        _allreduce_flat(grads, layout.embedding_group, DEFAULT_BUCKET_BYTES)
 
 
 def allreduce_embedding_grads(params: Iterable[torch.nn.Parameter], layout: ParallelLayout) -> None:
@@ -143,13 +178,18 @@ def norm_of(grads: Iterable[tuple[torch.nn.Parameter, torch.Tensor]], layout: Pa
             device: torch.device | None = None) -> float:
     """The L2 norm over ``group`` of ``(parameter, gradient)`` pairs, each parameter counted once
     (``_counted_once``): the gradient may be the parameter's own or a piece of it (the
-    distributed optimizer's)."""
+    distributed optimizer's). With a ``group`` (the model-parallel ranks: every DP rank holds the
+    whole model) the experts' squares are summed over the EP ranks too, which hold different
+    experts; ``None`` (the world) counts them already."""
     grads = list(grads)
     device = device or (grads[0][1].device if grads else torch.device("cpu"))
-    square = torch.zeros((), dtype=torch.float32, device=device)
+    dense, experts = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
     for param, grad in grads:
         if _counted_once(param, layout):
-            square += grad.detach().float().pow(2).sum()
+            (experts if is_expert_parameter(param) else dense).add_(grad.detach().float().pow(2).sum())
+    if group is not None and layout.expert_model_parallel_size > 1:
+        dist.all_reduce(experts, group=layout.ep_group)
+    square = dense + experts
     dist.all_reduce(square, group=group)
     return math.sqrt(square.item())
 

@@ -8,7 +8,10 @@ device, around the torch optimizer the user built (nothing of the update is writ
 - the rank's trainable parameters (reverse order: the order backward finishes them) are cut into
   buckets, the tied embedding alone in its own, so that its shard is the same on the first and
   the last stage; a bucket is padded to a multiple of DP, and DP rank ``r`` owns its ``r``-th
-  equal range: *pieces* of parameters, cut wherever the range ends;
+  equal range: *pieces* of parameters, cut wherever the range ends. Under expert parallelism the
+  experts' parameters get buckets of their own, cut over the expert-data-parallel ranks (those
+  holding the same experts; ``grads.reduction_group``): each rank's state is then ``1/DP`` of the
+  dense parameters and ``1/(DP/EP)`` of its ``E/EP`` experts;
 - the user's optimizer is pointed at fp32 *main* pieces instead of the parameters, group by group
   (its settings and learning-rate scheduler unchanged): views of the parameters when they are
   fp32, fp32 copies when the model holds bf16 weights (``bf16-true``). Its state (AdamW's
@@ -45,6 +48,8 @@ from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import (
     DEFAULT_BUCKET_BYTES,
     buckets,
+    by_reduction_group,
+    is_expert_parameter,
     norm_of,
     scale_to_norm_,
     sum_embedding_grads,
@@ -95,11 +100,11 @@ def got_gradient(param: torch.nn.Parameter) -> bool:
 
 class ShardBucket:
     """Parameters of one dtype whose gradients accumulate in one fp32 buffer (each parameter's
-    ``main_grad`` a view of its range), reduce-scattered over ``parts`` DP ranks (all-reduced in
-    place when ``parts == 1``) into this rank's range."""
+    ``main_grad`` a view of its range), reduce-scattered over the ``parts`` ranks of ``group``
+    (all-reduced in place when ``parts == 1``) into this rank's range (``index``)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], chunk: int, parts: int, index: int) -> None:
-        self.params, self.chunk, self.parts = params, chunk, parts
+    def __init__(self, params: list[torch.nn.Parameter], chunk: int, group, parts: int, index: int) -> None:
+        self.params, self.chunk, self.group, self.parts = params, chunk, group, parts
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
@@ -145,7 +150,8 @@ class ShardBucket:
     def has_grads(self) -> bool:
         return True  # every rank reduces every bucket (zeros where a parameter got no gradient)
 
-    def launch(self, group) -> None:
+    def launch(self) -> None:
+        group = self.group
         self.got_gradients = [got_gradient(p) for p in self.params]
         if self.buffer is None:  # no gradient on this rank: it still takes part, with zeros
             self._allocate()
@@ -157,11 +163,11 @@ class ShardBucket:
             self.work = dist.all_reduce(self.buffer, group=group, async_op=True) if dist.get_world_size(group) > 1 \
                 else None
 
-    def complete(self, world: int) -> None:
+    def complete(self, divisor: int) -> None:
         if self.work is not None:
             self.work.wait()
-        if world > 1:
-            self.grad /= world
+        if divisor > 1:
+            self.grad /= divisor
 
     def reset(self) -> None:
         self.ready, self.work = set(), None
@@ -172,8 +178,9 @@ class ShardBucket:
         for p in self.params:
             p.grad, p.main_grad, p.main_grad_fresh = None, None, False
 
-    def all_gather(self, group) -> None:
+    def all_gather(self) -> None:
         """Every rank's updated range into every rank's parameters."""
+        group = self.group
         if self.parts == 1:
             return
         device, dtype = self.params[0].device, self.params[0].dtype
@@ -223,12 +230,17 @@ class DistributedOptimizer:
             raise ConfigError(f"{type(optimizer).__name__} has stepped already: the distributed optimizer takes it "
                               "over before the first step.")
         self.optimizer, self.layout = optimizer, layout
-        parts, index = (layout.data_parallel_size, layout.data_parallel_rank) if shard else (1, 0)
         trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+        def parts_and_index(group) -> tuple[int, int]:
+            return (dist.get_world_size(group), dist.get_rank(group)) if shard else (1, 0)
+
         self.buckets = [
-            ShardBucket(params, i, parts, index)
+            ShardBucket(params, i, group, *parts_and_index(group))
             for i, chunk in enumerate(chunks)
-            for params in buckets([p for p in reversed(list(chunk.parameters())) if p.requires_grad], bucket_bytes,
+            for group, chunk_params in by_reduction_group(
+                [p for p in reversed(list(chunk.parameters())) if p.requires_grad], layout)
+            for params in buckets(chunk_params, bucket_bytes,
                                   alone=lambda p: bool(getattr(p, "shared_embedding", False)))
         ]
         self.pieces: dict[int, Piece] = {}
@@ -271,17 +283,22 @@ class DistributedOptimizer:
                 pc.main.grad = None    # no weight decay, no momentum step, no state made for it
 
     def _without_gradients(self) -> set[int]:
-        """The parameters no DP rank gave a gradient to in this step (one small all-reduce of
-        every bucket's flags over DP): reduced as zeros, but not to be stepped."""
-        got = torch.tensor([g for bucket in self.buckets for g in bucket.got_gradients], dtype=torch.int32)
-        group = self.layout.dp_group
-        if got.numel() and dist.get_world_size(group) > 1:
-            device = self.buckets[0].params[0].device
-            got = got.to(device)
-            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=group)
-            got = got.cpu()
-        params = [p for bucket in self.buckets for p in bucket.params]
-        return {id(p) for p, g in zip(params, got.tolist()) if not g}
+        """The parameters no rank of their reduction group gave a gradient to in this step (one
+        small all-reduce of the buckets' flags per group): reduced as zeros, but not to be stepped."""
+        unused: set[int] = set()
+        for expert in (False, True):  # the dense buckets' group, then the experts'
+            chosen = [b for b in self.buckets if is_expert_parameter(b.params[0]) == expert]
+            if not chosen:
+                continue
+            got = torch.tensor([g for bucket in chosen for g in bucket.got_gradients], dtype=torch.int32)
+            group = chosen[0].group
+            if dist.get_world_size(group) > 1:
+                got = got.to(chosen[0].params[0].device)
+                dist.all_reduce(got, op=dist.ReduceOp.MAX, group=group)
+                got = got.cpu()
+            params = [p for bucket in chosen for p in bucket.params]
+            unused.update(id(p) for p, g in zip(params, got.tolist()) if not g)
+        return unused
 
     def grad_norm(self) -> float:
         """The whole model's gradient L2 norm (each element counted once over TP, PP and DP)."""
@@ -310,7 +327,7 @@ class DistributedOptimizer:
                 pc.param.view(-1)[pc.flat_range].copy_(pc.main)
         self._keep_main_weights_in_state()
         for bucket in self.buckets:
-            bucket.all_gather(self.layout.dp_group)
+            bucket.all_gather()
             bucket.zero_grad()
         for pc in self.pieces.values():
             pc.main.grad = None

@@ -107,6 +107,7 @@ class MHCTransformerConfig(TransformerConfig):
         # before megatron's own checks, which would answer some of them with an unrelated message
         check_supported_options({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
                                 who="MHCTransformerConfig")
+        self._validate_moe()
         super().__post_init__()
         self._validate_mhc(megatron_names)
         self._validate_gpt()
@@ -218,6 +219,43 @@ class MHCTransformerConfig(TransformerConfig):
                 "(Megatron-LM refuses it too). Set inference_fuse_tp_communication=False."
             )
 
+    def _validate_moe(self) -> None:
+        """The mixture-of-experts fields (megatron's names), before megatron's own checks, which
+        answer some of them with an assertion or an unrelated message."""
+        from lightning_mhc.model.moe_mlp import LOAD_BALANCING_TYPES, moe_config
+
+        experts, ep = self.num_moe_experts, self.expert_model_parallel_size
+        if not experts:
+            if ep > 1:
+                raise ConfigError(f"expert_model_parallel_size={ep} without experts: set num_moe_experts (a multiple "
+                                  f"of {ep}) or expert_model_parallel_size=1.")
+            return
+        if experts % ep:
+            raise ConfigError(f"num_moe_experts={experts} does not split over expert_model_parallel_size={ep}: "
+                              "the experts must divide evenly over the expert-parallel ranks.")
+        if not 1 <= self.moe_router_topk <= experts:
+            raise ConfigError(f"moe_router_topk={self.moe_router_topk} must be between 1 and num_moe_experts={experts}.")
+        if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
+                and not self.moe_router_pre_softmax):
+            raise ConfigError("moe_router_topk=1 with a softmax after the top-k gives every token the weight 1 "
+                              "and the router no gradient (megatron refuses it too): set moe_router_pre_softmax=True.")
+        if self.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
+            raise ConfigError(f"moe_router_load_balancing_type={self.moe_router_load_balancing_type!r} is not "
+                              f"implemented: choose one of {', '.join(LOAD_BALANCING_TYPES)}.")
+        freq = self.moe_layer_freq
+        if isinstance(freq, bool) or not (
+                (isinstance(freq, int) and freq >= 1)
+                or (isinstance(freq, (list, tuple)) and len(freq) == self.num_layers and set(freq) <= {0, 1})):
+            raise ConfigError(f"moe_layer_freq={freq!r}: give an int >= 1 (every that many layers, from the first) "
+                              f"or a list of {self.num_layers} zeros and ones (one per layer).")
+        if self.sequence_parallel:
+            raise ConfigError("num_moe_experts with sequence_parallel=True is not implemented (the experts would "
+                              "see part of the sequence on each TP rank): set sequence_parallel=False.")
+        try:
+            moe_config(self)
+        except ValueError as error:
+            raise ConfigError(f"num_moe_experts={experts}: {error}.") from None
+
     def _validate_gpt(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ConfigError(
@@ -297,20 +335,17 @@ PARALLEL_LAYOUT_FIELDS = (
 """The parallel layout: the strategy's, set on the config when the model is built
 (``with_parallel_layout``), never written by ``config_dict.model_config_to_dict``."""
 
-_NOT_RUN = ("which the strategy does not run (it runs tensor, sequence, pipeline, virtual-pipeline and data "
-            "parallelism)")
+_NOT_RUN = ("which the strategy does not run (it runs tensor, sequence, pipeline, virtual-pipeline, expert and "
+            "data parallelism)")
 _NOT_BUILT = "which the model does not implement"
 _CONTEXT_PARALLEL = (_NOT_RUN, "Leave {name} at its default ({default!r}); to spread the work, use data "
                                "parallelism (devices = TP x PP x DP) or shorter sequences")
-_EXPERTS = "The MLPs are dense (no mixture of experts): leave num_moe_experts=None and expert_model_parallel_size=1"
 UNSUPPORTED_OPTIONS: dict[str, tuple[str, str]] = {
     "pipeline_model_parallel_layout": (_NOT_RUN, "Leave it None: every stage holds num_layers / "
                                                  "pipeline_model_parallel_size layers"),
     "context_parallel_size": _CONTEXT_PARALLEL,
     "hierarchical_context_parallel_sizes": _CONTEXT_PARALLEL,
     "hybrid_context_parallel": _CONTEXT_PARALLEL,
-    "expert_model_parallel_size": (_NOT_RUN, _EXPERTS),
-    "num_moe_experts": (_NOT_BUILT, _EXPERTS),
     "fp32_residual_connection": (_NOT_BUILT, "Leave it False (the residual streams keep params_dtype); for an "
                                              "fp32 residual train in fp32 (precision 32-true)"),
 }
@@ -393,7 +428,10 @@ def with_parallel_layout(config: MHCTransformerConfig, layout: ParallelLayout,
     if pp > 1 and config.pipeline_dtype is None:
         updates["pipeline_dtype"] = config.params_dtype  # megatron requires it with PP
     if config.expert_tensor_parallel_size == config.tensor_model_parallel_size:  # derived from TP
-        updates["expert_tensor_parallel_size"] = tp
+        # the MoE layers do not split their experts over TP (each TP rank runs them all on the same
+        # tokens), which megatron spells expert_tensor_parallel_size=1; its groups still put the
+        # ranks of one TP rank together in the EP group (the layout builds them with ETP = TP)
+        updates["expert_tensor_parallel_size"] = 1 if config.num_moe_experts else tp
     if config.microbatch_group_size_per_vp_stage == config.pipeline_model_parallel_size:  # derived from PP
         updates["microbatch_group_size_per_vp_stage"] = pp
     return dataclasses.replace(config, **updates)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from lightning_mhc.model.moe_mlp import is_moe_layer
+
 PEAK_BF16_TFLOPS = (  # dense bf16 (fp16 for V100) tensor-core peaks from NVIDIA's data sheets; first match wins
     ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0), ("A100", 312.0), ("A800", 312.0),
     ("L40S", 362.0), ("L4", 121.0), ("V100", 125.0),
@@ -40,12 +42,20 @@ def forward_flops_terms(config: Any, seq_length: int) -> dict[str, float]:
     docstring); their sum is ``forward_flops_per_token``."""
     c, heads, d, layers = config.hidden_size, config.num_attention_heads, config.kv_channels, config.num_layers
     groups = config.num_query_groups or heads
-    ffn = config.ffn_hidden_size
     n = config.num_residual_streams if config.enable_hyper_connections else 0
+
+    def mlp(width: int) -> int:
+        return 2 * c * width * (2 if config.gated_linear_unit else 1) + 2 * width * c
+
+    # an MoE layer: the router, each token's top-k experts and the shared experts (megatron's count)
+    experts = getattr(config, "num_moe_experts", None) or 0
+    moe_layers = sum(is_moe_layer(config, number) for number in range(1, layers + 1)) if experts else 0
+    moe = (2 * c * experts + config.moe_router_topk * mlp(config.moe_ffn_hidden_size or config.ffn_hidden_size)
+           + mlp(config.moe_shared_expert_intermediate_size or 0)) if experts else 0
     return dict(
         attention_projections=layers * (2 * c * (heads + 2 * groups) * d + 2 * heads * d * c),
         attention_scores=layers * 2 * seq_length * heads * d,  # causal: half of 2 x 2 s h d
-        mlp=layers * (2 * c * ffn * (2 if config.gated_linear_unit else 1) + 2 * ffn * c),
+        mlp=(layers - moe_layers) * mlp(config.ffn_hidden_size) + moe_layers * moe,
         **hyper_connection_flops_terms(n, c, 2 * layers, config.mhc_sinkhorn_iterations),
         logits=2 * c * config.padded_vocab_size,
     )

@@ -50,6 +50,17 @@ class ParamInit:
 
         return init
 
+    def normal_slice(self, name: str, std: float, full_shape: tuple[int, ...], start: int) -> InitMethod:
+        """Like :meth:`normal`, for a tensor that is rows ``[start, start + len)`` (along dim 0) of
+        a parameter of ``full_shape``: the whole parameter is drawn and this slice kept, so a
+        rank holding some experts has the same values as one process holding all of them."""
+        def init(tensor: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, std, generator=self.generator(name))
+                return tensor.copy_(full[start:start + tensor.shape[0]])
+
+        return init
+
 
 def scaled_std(std: float, num_layers: int) -> float:
     """Megatron's output-projection init: std / sqrt(2 * num_layers)."""

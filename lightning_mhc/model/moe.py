@@ -150,6 +150,14 @@ class TopKRouter(torch.nn.Module):
         self.local_tokens_per_expert.zero_()
 
 
+def in_backward() -> bool:
+    """Whether this forward is a re-run inside backward (``full`` / selective recompute under
+    ``torch.utils.checkpoint``, or a block re-run by ``CheckpointWithoutOutput``): the autograd
+    engine then has a graph task running. Counts taken for the expert bias and for logging must
+    skip such a re-run, or a recomputed block would count its tokens twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def load_balancing_loss(scores: Tensor, tokens_per_expert: Tensor, total_tokens: int | Tensor,
                         topk: int, coeff: float) -> Tensor:
     """Switch/megatron's ``coeff * E * sum_e f_e * P_e`` with ``f_e = tokens_per_expert[e] / (T k)``
@@ -260,6 +268,10 @@ class GroupedExperts(torch.nn.Module):
         self.gate_weight = weight(hidden, ffn) if config.gated_linear_unit else None
         self.up_weight = weight(hidden, ffn)
         self.down_weight = weight(ffn, hidden)
+        for param in self.parameters():
+            # megatron's marker of an expert parameter: its gradient is reduced over the
+            # expert-data-parallel ranks only (the ranks holding the same experts)
+            param.allreduce = False
 
     def forward(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
         def mm(x: Tensor, w: Tensor) -> Tensor:
@@ -330,6 +342,13 @@ class MoELayer(torch.nn.Module):
         self.tokens_per_expert: Tensor | None = None
         self.local_tokens_per_expert: Tensor | None = None
         self.aux_losses: dict[str, Tensor] = {}
+        self.step_tokens_per_expert: Tensor | None = None
+        """This rank's tokens routed to each expert, summed over the training forwards since
+        :meth:`take_step_statistics` (a re-run under recompute not counted); None: none yet."""
+        self.step_aux_losses: dict[str, Tensor] = {}
+        """This rank's shares of the auxiliary losses, summed the same way."""
+        self.step_forwards = 0
+        """The training forwards (microbatches) counted since :meth:`take_step_statistics`."""
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         config = self.config
@@ -345,9 +364,18 @@ class MoELayer(torch.nn.Module):
         pair_token = torch.arange(num_tokens, device=tokens.device).repeat_interleave(k)
         tokens_per_expert = torch.bincount(pair_expert, minlength=config.num_moe_experts)
         self.tokens_per_expert = tokens_per_expert.detach()
-        if self.router.local_tokens_per_expert is not None and self.training:
+        counted = self.training and not in_backward()  # once per token, not again when re-run
+        if counted and self.router.local_tokens_per_expert is not None:
             self.router.local_tokens_per_expert += tokens_per_expert.to(torch.float32)
         aux_loss = self._aux_loss(logits, tokens_per_expert, num_tokens)
+        if counted:
+            self.step_forwards += 1
+            # on the device, no synchronisation per forward: read once per logged step
+            counts = tokens_per_expert.detach()
+            self.step_tokens_per_expert = counts if self.step_tokens_per_expert is None \
+                else self.step_tokens_per_expert + counts
+            for name, value in self.aux_losses.items():
+                self.step_aux_losses[name] = self.step_aux_losses.get(name, 0) + value
 
         if config.moe_expert_capacity_factor is not None:
             kept = self._within_capacity(probs, experts, num_tokens)
@@ -414,6 +442,13 @@ class MoELayer(torch.nn.Module):
     def update_expert_bias(self) -> None:
         """See :meth:`TopKRouter.update_expert_bias`; call once per optimizer step."""
         self.router.update_expert_bias()
+
+    def take_step_statistics(self) -> tuple[Tensor | None, dict[str, Tensor], int]:
+        """``(tokens per expert, auxiliary losses, forwards)`` of this rank since the last call
+        (None, {}, 0: no training forward), and reset."""
+        taken = self.step_tokens_per_expert, self.step_aux_losses, self.step_forwards
+        self.step_tokens_per_expert, self.step_aux_losses, self.step_forwards = None, {}, 0
+        return taken
 
 
 def set_aux_loss_scale(module: torch.nn.Module, scale: float) -> None:

@@ -27,12 +27,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_mhc.distributed.layout import active_layout
 from lightning_mhc.model.bda import bias_dropout_add, h_res_h_post_bias_dropout_add
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.attention import SelfAttention
 from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.mlp import MLP
+from lightning_mhc.model.moe_mlp import MoEMLP, is_moe_layer
 from lightning_mhc.model.norm import RMSNorm
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput, checkpoint
 
@@ -55,7 +57,7 @@ class TransformerLayer(torch.nn.Module):
             HyperConnectionModule(config, init.child("mlp_hyper_connection")) if hc else None
         )
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
-        self.mlp = MLP(config, init.child("mlp"))
+        self.mlp = self._build_mlp(config, layer_number, init.child("mlp"))
         self.label = init.prefix
 
         selective = config.recompute_granularity == "selective"
@@ -68,6 +70,14 @@ class TransformerLayer(torch.nn.Module):
         # manager this layer checkpoints into, and whether this layer's output ends the group.
         self.recompute_group = None
         self.is_last_layer_in_block = False
+
+    @staticmethod
+    def _build_mlp(config: MHCTransformerConfig, layer_number: int, init: ParamInit) -> torch.nn.Module:
+        """The dense MLP, or an MoE MLP on the layout's EP group (``moe_layer_freq``)."""
+        if not is_moe_layer(config, layer_number):
+            return MLP(config, init)
+        layout = active_layout()
+        return MoEMLP(config, init, ep_group=layout.ep_group, token_group=layout.dp_cp_group)
 
     # ------------------------------------------------------------ forward
     def forward(

@@ -31,7 +31,7 @@ from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.sharding import global_namer
 from lightning_mhc.distributed.fail_fast import FailFast
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
-from lightning_mhc.distributed.grads import clip_grad_norm_, finalize_model_grads, global_grad_norm
+from lightning_mhc.distributed.grads import clip_grad_norm_, finalize_model_grads, global_grad_norm, gradient_divisor
 from lightning_mhc.distributed.launcher_watch import watch_launcher
 from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from lightning_mhc.distributed.optimizer import DistributedOptimizer, optimizer_state_bytes
@@ -43,6 +43,7 @@ from lightning_mhc.distributed.pipeline.protocol import (
 )
 from lightning_mhc.distributed.random import model_parallel_manual_seed
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.model.moe import set_aux_loss_scale, update_expert_biases
 from lightning_mhc.recompute.memory import ActivationMemoryMeter
 from lightning_mhc.strategies.settings import ParallelSettings
 
@@ -198,6 +199,11 @@ class ParallelRuntime:
         if accumulate > 1:
             loss_func = lambda output, mb: module.loss_func(output, mb) / accumulate  # noqa: E731
         forward_only = forward_only or not torch.is_grad_enabled()
+        if not forward_only:
+            # the MoE layers' auxiliary losses get the main loss's factor: 1/m per microbatch,
+            # 1/accumulate, and the DP average of the gradients undone (each rank's share is part
+            # of one sum over the ranks), so that their total is one process's (MoEAuxLossAutoScaler)
+            set_aux_loss_scale(module, gradient_divisor(self.layout) / (len(microbatches) * accumulate))
         measure = self.settings.measure_activation_memory and not forward_only and self.activation_bytes is None
         meter = ActivationMemoryMeter(module) if measure else None
         peak = 0
@@ -317,14 +323,17 @@ class ParallelRuntime:
 
     def reduce_gradients(self, module: torch.nn.Module) -> None:
         """DP average (finishing the overlapped reduction when one ran), SP parameters summed
-        over TP, the tied embedding reduced between the first and last stage."""
+        over TP, the tied embedding reduced between the first and last stage; then the MoE
+        layers' expert bias updated from the step's token counts (once per optimizer step, as
+        megatron's ``finalize_model_grads`` does)."""
         with self.fail_fast.waiting():
             if self.takes_over(module):
                 self.distributed_optimizer.reduce_gradients()
-                return
-            overlapped = self._grad_reductions[id(module)] if id(module) in self._overlapped else None
-            self._overlapped.discard(id(module))
-            finalize_model_grads(module, self.layout, self.settings.gradient_bucket_bytes, overlapped=overlapped)
+            else:
+                overlapped = self._grad_reductions[id(module)] if id(module) in self._overlapped else None
+                self._overlapped.discard(id(module))
+                finalize_model_grads(module, self.layout, self.settings.gradient_bucket_bytes, overlapped=overlapped)
+            update_expert_biases(module)
 
     # ------------------------------------------------------------ checkpoints
     def save(self, checkpoint: dict[str, Any], path: Path, module: torch.nn.Module, global_rank: int) -> None:

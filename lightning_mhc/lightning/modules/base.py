@@ -36,7 +36,9 @@ class PipelinedLMModule(pl.LightningModule):
     ``tokens_consumed``, ``step_time_ms``, ``mfu`` (where :meth:`flops_per_token` and the device's
     peak are known), the optimizer state's bytes and memory (``max_rss_mb``, ``max_cuda_mb``), and
     with hyper-connections the streams' divergence per block (``stream_divergence/<block>``, and
-    their mean ``stream_divergence``: ``lightning_mhc.model.divergence``)."""
+    their mean ``stream_divergence``: ``lightning_mhc.model.divergence``), and with MoE layers
+    their tokens per expert, balance and auxiliary losses (``moe/...``:
+    ``lightning_mhc.model.moe_mlp.moe_step_statistics``)."""
 
     recompute_policy: RecomputePolicy | None = None
     """The recompute policy ``configure_model`` builds the model with (None: none was chosen)."""
@@ -52,6 +54,7 @@ class PipelinedLMModule(pl.LightningModule):
         self.throughput = ThroughputMeter()
         """Whole-job tokens/s per step (warm-up excluded): ``throughput.summary()``."""
         self._divergence: StreamDivergenceMonitor | None = None
+        self._log_step = False
 
     def configure_recompute(self, policy: str | Mapping[str, Any] | RecomputePolicy | None) -> None:
         """Build the model with ``policy`` (anything :meth:`RecomputePolicy.of` takes); called
@@ -68,6 +71,7 @@ class PipelinedLMModule(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         loss = self.trainer.strategy.forward_backward(self, batch)
         self.log("train_loss", loss, prog_bar=True)
+        self._log_moe_statistics()  # every microbatch of the step has run
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
@@ -107,6 +111,8 @@ class PipelinedLMModule(pl.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
+        # the steps Lightning logs (its rule: the step about to end)
+        self._log_step = (self.trainer.global_step + 1) % self.trainer.log_every_n_steps == 0
         if self._divergence is not None:  # the steps Lightning logs (its rule: the step about to end)
             self._divergence.armed = (self.trainer.global_step + 1) % self.trainer.log_every_n_steps == 0
 
@@ -123,6 +129,34 @@ class PipelinedLMModule(pl.LightningModule):
         runtime = getattr(self.trainer.strategy, "runtime", None)
         if runtime is not None:  # this rank's (rank 0's in the logs); 1/DP with the distributed optimizer
             self.log("optimizer_state_bytes", float(runtime.optimizer_state_bytes(self.trainer.optimizers)))
+
+    def moe_layers(self) -> list[tuple[str, Any]]:
+        """This rank's MoE layers as (name in the whole model, ``MoELayer``); none by default."""
+        return []
+
+    def _log_moe_statistics(self) -> None:
+        """Every step takes the MoE layers' counts (so each logged step holds its own); on the steps
+        Lightning logs, their sums over the data-parallel ranks, gathered over the model-parallel
+        group, are logged (every rank logs the same)."""
+        layers = self.moe_layers()
+        if not self._log_step:
+            for _, layer in layers:
+                layer.take_step_statistics()
+            return
+        if not self.uses_experts():
+            return
+        from lightning_mhc.model.moe_mlp import moe_step_statistics
+
+        layout = getattr(self.trainer.strategy, "layout", None)
+        built = layout is not None and layout.groups is not None
+        figures = moe_step_statistics(layers, layout.dp_cp_group if built else None,
+                                      layout.model_parallel_group if built else None)
+        for name, value in figures.items():
+            self.log(name, value)
+
+    def uses_experts(self) -> bool:
+        """Whether the model has MoE layers anywhere (every rank answers the same)."""
+        return False
 
     def _log_stream_divergence(self, values: dict[str, float]) -> None:
         """``stream_divergence/<block>`` for every block of the model and ``stream_divergence``

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.lightning.modules.base import OPTIMIZERS, PipelinedLMModule
+from lightning_mhc.model.moe import MoELayer
 from lightning_mhc.model.config import (
     PARALLEL_LAYOUT_FIELDS,
     MHCTransformerConfig,
@@ -128,6 +129,20 @@ class MHCGPTModule(PipelinedLMModule):
             for layer in chunk.decoder.layers:
                 layer.register_forward_hook(monitor.output_hook(f"decoder.layers.{layer.layer_number - 1}"))
         return monitor
+
+    def moe_layers(self) -> list[tuple[str, Any]]:
+        """``(decoder.layers.<i>, MoELayer)`` of this rank's chunks, ``i`` the global layer index."""
+        if self.model is None:
+            return []
+        found = []
+        for chunk in self.model_chunks():
+            for name, module in chunk.named_modules():
+                if isinstance(module, MoELayer):
+                    found.append((chunk.global_parameter_name(name).removesuffix(".mlp.moe"), module))
+        return found
+
+    def uses_experts(self) -> bool:
+        return bool(self.model_config.num_moe_experts)
 
     def model_chunks(self) -> list[GPTModel]:
         """This rank's model chunks: its stage, or its virtual-pipeline chunks in order."""
