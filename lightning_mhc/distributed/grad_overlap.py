@@ -7,8 +7,9 @@ gradients that are final, and a bucket whose gradients are all final starts its 
 reduction at once, while backward goes on through the earlier layers. :meth:`finish` (before the
 optimizer step) starts what is left, waits for every bucket and completes it.
 
-A bucket decides what its reduction is: :class:`AllReduceBucket` averages the gradients over DP
-and writes them back into ``.grad`` (the same sums as the post-backward reduction, bucket by
+A bucket decides what its reduction is: :class:`AllReduceBucket` sums the gradients over the
+ranks that hold its parameters (``grads.reduction_group``: DP x CP, or an expert's replicas; every
+parameter of a bucket has the same group), divides by DP, and writes them back into ``.grad`` (the same sums as the post-backward reduction, bucket by
 bucket); the distributed optimizer's buckets reduce-scatter them instead
 (``lightning_mhc.distributed.optimizer``). Without :meth:`start`, :meth:`finish` alone is the
 post-backward reduction over the same buckets.
@@ -21,15 +22,20 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES, buckets
+from lightning_mhc.distributed.grads import (
+    DEFAULT_BUCKET_BYTES,
+    buckets,
+    by_reduction_group,
+    replica_average_divisor,
+)
 from lightning_mhc.distributed.layout import ParallelLayout
 
 
 class AllReduceBucket:
-    """Gradients averaged over DP in place: one flat all-reduce."""
+    """Gradients summed over ``group`` and divided by DP in place: one flat all-reduce."""
 
-    def __init__(self, params: list[torch.nn.Parameter], chunk: int) -> None:
-        self.params, self.chunk = params, chunk
+    def __init__(self, params: list[torch.nn.Parameter], chunk: int, group) -> None:
+        self.params, self.chunk, self.group = params, chunk, group
         self.ready: set[int] = set()
         self.work = None
         self._grads: list[torch.Tensor] = []
@@ -38,14 +44,14 @@ class AllReduceBucket:
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
 
-    def launch(self, group) -> None:
+    def launch(self) -> None:
         self._grads = [p.grad for p in self.params if p.grad is not None]
         self._flat = _flatten_dense_tensors(self._grads)
-        self.work = dist.all_reduce(self._flat, group=group, async_op=True)
+        self.work = dist.all_reduce(self._flat, group=self.group, async_op=True)
 
-    def complete(self, world: int) -> None:
+    def complete(self, divisor: int) -> None:
         self.work.wait()
-        self._flat /= world
+        self._flat /= divisor
         for grad, reduced in zip(self._grads, _unflatten_dense_tensors(self._flat, self._grads)):
             grad.copy_(reduced)
         self._grads, self._flat = [], None
@@ -54,11 +60,13 @@ class AllReduceBucket:
         self.ready, self.work = set(), None
 
 
-def all_reduce_buckets(chunks: Sequence[torch.nn.Module], bucket_bytes: int) -> list[AllReduceBucket]:
-    return [AllReduceBucket(bucket_params, index)
+def all_reduce_buckets(chunks: Sequence[torch.nn.Module], layout: ParallelLayout,
+                       bucket_bytes: int) -> list[AllReduceBucket]:
+    return [AllReduceBucket(bucket_params, index, group)
             for index, chunk in enumerate(chunks)
-            for bucket_params in buckets([p for p in reversed(list(chunk.parameters())) if p.requires_grad],
-                                         bucket_bytes)]
+            for group, params in by_reduction_group(
+                [p for p in reversed(list(chunk.parameters())) if p.requires_grad], layout)
+            for bucket_params in buckets(params, bucket_bytes)]
 
 
 class OverlappedGradReduction:
@@ -68,7 +76,7 @@ class OverlappedGradReduction:
     def __init__(self, chunks: Sequence[torch.nn.Module], layout: ParallelLayout,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, bucket_list: Sequence | None = None) -> None:
         self.layout = layout
-        self.buckets = list(bucket_list) if bucket_list is not None else all_reduce_buckets(chunks, bucket_bytes)
+        self.buckets = list(bucket_list) if bucket_list is not None else all_reduce_buckets(chunks, layout, bucket_bytes)
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._active = [False] * len(chunks)
         self.overlapped = 0
@@ -86,19 +94,19 @@ class OverlappedGradReduction:
             return
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params):
-            bucket.launch(self.layout.dp_group)
+            bucket.launch()
             self.overlapped += 1
 
     def finish(self) -> int:
         """Start the buckets still waiting, wait for all and complete them; returns how many
         buckets had started during backward."""
-        world = self.layout.data_parallel_size
+        divisor = replica_average_divisor(self.layout)
         for bucket in self.buckets:
             if bucket.work is None and bucket.has_grads():
-                bucket.launch(self.layout.dp_group)
+                bucket.launch()
         for bucket in self.buckets:
             if bucket.work is not None:
-                bucket.complete(world)
+                bucket.complete(divisor)
             bucket.reset()
         self._active = [False] * len(self._active)
         overlapped, self.overlapped = self.overlapped, 0

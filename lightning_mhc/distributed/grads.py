@@ -2,7 +2,9 @@
 
 megatron-core's DistributedDataParallel needs CUDA (contiguous grad buffers on
 the current device); this is the device-agnostic equivalent for gloo and NCCL:
-a bucketed all-reduce over the DP group, under sequence parallelism the
+a bucketed all-reduce over the DP group (DP x CP with context parallelism: every CP rank holds
+the same parameters and saw a part of each sample, so its gradient is a partial sum; averaged over
+DP only, see :func:`reduction_group`), under sequence parallelism the
 all-reduce over TP of the parameters replicated across TP (norms,
 hyper-connections, row-parallel biases: each TP rank saw only its part of the
 sequence; megatron's ``_allreduce_layernorm_grads``), the all-reduce of the
@@ -43,15 +45,15 @@ def buckets(grads: list[torch.Tensor], bucket_bytes: int,
         yield bucket
 
 
-def _allreduce_flat(grads: list[torch.Tensor], group, bucket_bytes: int, average: bool) -> int:
-    """All-reduce ``grads`` in buckets over ``group``; returns the number of buckets."""
-    world = dist.get_world_size(group)
+def _allreduce_flat(grads: list[torch.Tensor], group, bucket_bytes: int, divisor: int = 1) -> int:
+    """All-reduce (sum) ``grads`` in buckets over ``group``, divided by ``divisor``; returns the
+    number of buckets."""
     count = 0
     for bucket in buckets(grads, bucket_bytes):
         flat = _flatten_dense_tensors(bucket)
         dist.all_reduce(flat, group=group)
-        if average:
-            flat /= world
+        if divisor > 1:
+            flat /= divisor
         for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             grad.copy_(reduced)
         count += 1
@@ -65,15 +67,50 @@ def _parameters(models: torch.nn.Module | Iterable[torch.nn.Module]) -> list[tor
     return [p for model in models for p in model.parameters()]
 
 
+def reduction_group(param: torch.nn.Parameter, layout: ParallelLayout):
+    """The one place that says over which ranks a parameter's gradient is reduced: the ranks that
+    hold a replica of it. What TP does not split is replicated over DP x CP (``dp_cp_group``); an
+    expert's parameters (megatron's marker ``param.allreduce = False``) over the expert-data-parallel
+    ranks only (``expert_dp_group``). The sum is divided by DP (:func:`replica_average_divisor`)
+    in either case: the CP ranks' losses are parts of one sample's loss (each rank's loss is its
+    tokens' sum over the sample's whole token count), so their gradients add up, not average."""
+    if getattr(param, "allreduce", True) is False:
+        return layout.expert_dp_group
+    return layout.dp_cp_group
+
+
+def replica_average_divisor(layout: ParallelLayout) -> int:
+    """What the summed gradients are divided by: the data-parallel size (not DP x CP)."""
+    return layout.data_parallel_size
+
+
+def has_replicas(layout: ParallelLayout) -> bool:
+    """Whether any parameter is replicated over other ranks (DP x CP > 1): a gradient reduction runs."""
+    return layout.data_parallel_size * layout.context_parallel_size > 1
+
+
+def by_reduction_group(params: Iterable[torch.nn.Parameter], layout: ParallelLayout) -> list[tuple[object, list]]:
+    """``params`` split by :func:`reduction_group`, each group's in the given order (first seen first)."""
+    groups: dict[int, tuple[object, list]] = {}
+    for p in params:
+        group = reduction_group(p, layout)
+        groups.setdefault(id(group), (group, []))[1].append(p)
+    return list(groups.values())
+
+
 def allreduce_data_parallel_grads(
     params: Iterable[torch.nn.Parameter], layout: ParallelLayout, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> int:
-    """Average gradients over the DP group in buckets (in reverse parameter order, the order
-    backward produces them). Returns the number of buckets (0 when DP = 1)."""
-    if layout.data_parallel_size == 1:
+    """Sum gradients over their :func:`reduction_group` in buckets (in reverse parameter order,
+    the order backward produces them), divided by DP. Returns the number of buckets (0 without
+    replicas)."""
+    if not has_replicas(layout):
         return 0
-    grads = [p.grad for p in reversed(list(params)) if p.grad is not None]
-    return _allreduce_flat(grads, layout.dp_group, bucket_bytes, average=True)
+    count = 0
+    for group, group_params in by_reduction_group(reversed(list(params)), layout):
+        grads = [p.grad for p in group_params if p.grad is not None]
+        count += _allreduce_flat(grads, group, bucket_bytes, divisor=replica_average_divisor(layout))
+    return count
 
 
 def is_partial_over_tp(param: torch.nn.Parameter, layout: ParallelLayout) -> bool:
@@ -94,14 +131,14 @@ def sum_partial_grads_over_tp(pairs: Iterable[tuple[torch.nn.Parameter, torch.Te
     if layout.tensor_model_parallel_size == 1:
         return 0
     grads = [grad for param, grad in pairs if grad is not None and is_partial_over_tp(param, layout)]
-    return _allreduce_flat(grads, layout.tp_group, bucket_bytes, average=False) if grads else 0
+    return _allreduce_flat(grads, layout.tp_group, bucket_bytes) if grads else 0
 
 
 def sum_embedding_grads(grads: list[torch.Tensor], layout: ParallelLayout) -> None:
     """Sum the gradients of the tied word embedding (first stage) and its output-layer copy
     (last stage) in place, so both copies take the same step. Nothing to do without PP."""
     if grads and layout.pipeline_model_parallel_size > 1 and layout.embedding_group is not None:
-        _allreduce_flat(grads, layout.embedding_group, DEFAULT_BUCKET_BYTES, average=False)
+        _allreduce_flat(grads, layout.embedding_group, DEFAULT_BUCKET_BYTES)
 
 
 def allreduce_embedding_grads(params: Iterable[torch.nn.Parameter], layout: ParallelLayout) -> None:

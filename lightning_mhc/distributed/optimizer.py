@@ -7,8 +7,10 @@ device, around the torch optimizer the user built (nothing of the update is writ
 
 - the rank's trainable parameters (reverse order: the order backward finishes them) are cut into
   buckets, the tied embedding alone in its own, so that its shard is the same on the first and
-  the last stage; a bucket is padded to a multiple of DP, and DP rank ``r`` owns its ``r``-th
-  equal range: *pieces* of parameters, cut wherever the range ends;
+  the last stage; a bucket is padded to a multiple of the ranks that hold replicas of its
+  parameters (``grads.reduction_group``: DP x CP under context parallelism, which replicates the
+  parameters over CP too), and rank ``r`` of them owns its ``r``-th equal range: *pieces* of
+  parameters, cut wherever the range ends;
 - the user's optimizer is pointed at fp32 *main* pieces instead of the parameters, group by group
   (its settings and learning-rate scheduler unchanged): views of the parameters when they are
   fp32, fp32 copies when the model holds bf16 weights (``bf16-true``). Its state (AdamW's
@@ -45,6 +47,7 @@ from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import (
     DEFAULT_BUCKET_BYTES,
     buckets,
+    by_reduction_group,
     norm_of,
     scale_to_norm_,
     sum_embedding_grads,
@@ -95,11 +98,12 @@ def got_gradient(param: torch.nn.Parameter) -> bool:
 
 class ShardBucket:
     """Parameters of one dtype whose gradients accumulate in one fp32 buffer (each parameter's
-    ``main_grad`` a view of its range), reduce-scattered over ``parts`` DP ranks (all-reduced in
-    place when ``parts == 1``) into this rank's range."""
+    ``main_grad`` a view of its range), summed over ``group`` (the parameters' replicas) and
+    reduce-scattered into ``parts`` ranges (``parts`` its size, this rank's the ``index``-th), or
+    all-reduced in place when ``parts == 1``."""
 
-    def __init__(self, params: list[torch.nn.Parameter], chunk: int, parts: int, index: int) -> None:
-        self.params, self.chunk, self.parts = params, chunk, parts
+    def __init__(self, params: list[torch.nn.Parameter], chunk: int, group, parts: int, index: int) -> None:
+        self.params, self.chunk, self.group, self.parts = params, chunk, group, parts
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
@@ -145,7 +149,8 @@ class ShardBucket:
     def has_grads(self) -> bool:
         return True  # every rank reduces every bucket (zeros where a parameter got no gradient)
 
-    def launch(self, group) -> None:
+    def launch(self) -> None:
+        group = self.group
         self.got_gradients = [got_gradient(p) for p in self.params]
         if self.buffer is None:  # no gradient on this rank: it still takes part, with zeros
             self._allocate()
@@ -157,11 +162,11 @@ class ShardBucket:
             self.work = dist.all_reduce(self.buffer, group=group, async_op=True) if dist.get_world_size(group) > 1 \
                 else None
 
-    def complete(self, world: int) -> None:
+    def complete(self, divisor: int) -> None:
         if self.work is not None:
             self.work.wait()
-        if world > 1:
-            self.grad /= world
+        if divisor > 1:
+            self.grad /= divisor
 
     def reset(self) -> None:
         self.ready, self.work = set(), None
@@ -172,10 +177,11 @@ class ShardBucket:
         for p in self.params:
             p.grad, p.main_grad, p.main_grad_fresh = None, None, False
 
-    def all_gather(self, group) -> None:
+    def all_gather(self) -> None:
         """Every rank's updated range into every rank's parameters."""
         if self.parts == 1:
             return
+        group = self.group
         device, dtype = self.params[0].device, self.params[0].dtype
         own = torch.zeros(self.shard_numel, dtype=dtype, device=device)
         for p, flat_range, shard_range in self.pieces():
@@ -209,8 +215,8 @@ class DistributedOptimizer:
         optimizer: a torch optimizer over parameters of ``chunks``, not stepped yet.
         chunks: this rank's model chunks (its stage, or the virtual-pipeline chunks).
         layout: the parallel layout.
-        shard: cut each bucket over the DP ranks (ZeRO-1); False: every rank holds all of it
-            (fp32 main weights for a bf16 model, gradients all-reduced).
+        shard: cut each bucket over the ranks that hold its parameters (ZeRO-1: DP x CP); False:
+            every rank holds all of it (fp32 main weights for a bf16 model, gradients all-reduced).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, chunks: Sequence[torch.nn.Module], layout: ParallelLayout,
@@ -223,12 +229,17 @@ class DistributedOptimizer:
             raise ConfigError(f"{type(optimizer).__name__} has stepped already: the distributed optimizer takes it "
                               "over before the first step.")
         self.optimizer, self.layout = optimizer, layout
-        parts, index = (layout.data_parallel_size, layout.data_parallel_rank) if shard else (1, 0)
         trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+        def place(group) -> tuple[int, int]:  # (parts, this rank's index) of a bucket reduced over group
+            return (dist.get_world_size(group), dist.get_rank(group)) if shard else (1, 0)
+
         self.buckets = [
-            ShardBucket(params, i, parts, index)
+            ShardBucket(params, i, group, *place(group))
             for i, chunk in enumerate(chunks)
-            for params in buckets([p for p in reversed(list(chunk.parameters())) if p.requires_grad], bucket_bytes,
+            for group, group_params in by_reduction_group(
+                [p for p in reversed(list(chunk.parameters())) if p.requires_grad], layout)
+            for params in buckets(group_params, bucket_bytes,
                                   alone=lambda p: bool(getattr(p, "shared_embedding", False)))
         ]
         self.pieces: dict[int, Piece] = {}
@@ -271,10 +282,11 @@ class DistributedOptimizer:
                 pc.main.grad = None    # no weight decay, no momentum step, no state made for it
 
     def _without_gradients(self) -> set[int]:
-        """The parameters no DP rank gave a gradient to in this step (one small all-reduce of
-        every bucket's flags over DP): reduced as zeros, but not to be stepped."""
+        """The parameters no replica gave a gradient to in this step (one small all-reduce of
+        every bucket's flags over DP x CP, which holds every replica of what TP does not split):
+        reduced as zeros, but not to be stepped."""
         got = torch.tensor([g for bucket in self.buckets for g in bucket.got_gradients], dtype=torch.int32)
-        group = self.layout.dp_group
+        group = self.layout.dp_cp_group
         if got.numel() and dist.get_world_size(group) > 1:
             device = self.buckets[0].params[0].device
             got = got.to(device)
@@ -310,7 +322,7 @@ class DistributedOptimizer:
                 pc.param.view(-1)[pc.flat_range].copy_(pc.main)
         self._keep_main_weights_in_state()
         for bucket in self.buckets:
-            bucket.all_gather(self.layout.dp_group)
+            bucket.all_gather()
             bucket.zero_grad()
         for pc in self.pieces.values():
             pc.main.grad = None
