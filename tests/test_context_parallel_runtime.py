@@ -1,8 +1,11 @@
-"""The runtime under context parallelism (CP 2 x DP 2 on 4 gloo ranks, one spawned group): the
+"""The runtime and the GPT under context parallelism (4 gloo ranks, one spawned group). The
 gradients of replicated parameters summed over DP x CP and divided by DP (the post-backward
 reduction, the overlapped buckets and the distributed optimizer's shards over DP x CP), the loss
 reduced the same way, every CP rank of a DP rank reading the same samples, and dropout streams
-that differ across CP ranks; against one process on the whole batch (fp32, 1e-6).
+that differ across CP ranks; against one process on the whole batch (fp32, 1e-6). The GPT (mHC
+with 4 streams, grouped-query attention, RoPE or learned positions) at CP 2 and CP 4: the loss
+parts and the gradients summed over CP against the same model at CP 1 on every rank (1e-5); the
+pipeline shape ``[s/cp, b, n*C]``; generation refused.
 
 Each rank's loss is its part of the sample's loss: the masked sum of its tokens' losses over the
 token count all-reduced over CP. The loss mask puts most of the kept tokens on one CP rank, so an
@@ -10,6 +13,7 @@ average of the CP ranks' own means would be wrong.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -20,6 +24,10 @@ from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from lightning_mhc.distributed.optimizer import DistributedOptimizer
 from lightning_mhc.distributed.pipeline.common import reduce_loss
 from lightning_mhc.distributed.random import model_parallel_manual_seed
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.model.config import with_parallel_layout
+from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
+from lightning_mhc.model.stages import build_gpt_chunks
 from lightning_mhc.recompute.rng import rng_fork, set_parallel_randomizer
 from lightning_mhc.testing.launch import spawn_ranks
 
@@ -109,9 +117,67 @@ def _runtime_under_cp(rank: int, world: int) -> dict:
     return out
 
 
-def test_runtime_reduces_over_dp_x_cp_and_averages_over_dp():
+def _gpt_loss_and_grads(cp: int, position_embedding_type: str) -> tuple[float, dict, tuple, str]:
+    """One micro-batch (2 x 16 tokens, the uneven loss mask) through the GPT at CP ``cp`` on this
+    rank; the loss and the gradients summed over CP (the whole sample's), the pipeline shape and
+    what ``generate`` says."""
+    layout = ParallelLayout(context_parallel_size=cp).build()
+    config = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                  vocab_size=64, max_sequence_length=16, hidden_dropout=0.0, attention_dropout=0.0,
+                  mhc_sinkhorn_iterations=4, position_embedding_type=position_embedding_type)
+    from lightning_mhc.model.config import MHCTransformerConfig
+    (model,) = build_gpt_chunks(with_parallel_layout(MHCTransformerConfig(**config), layout), layout)
+    data = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
+    mask = ((torch.arange(16) < 5) | (torch.arange(16) == 9)).float().expand(2, 16)
+    microbatch = dict(tokens=data[:, :-1], labels=data[:, 1:], loss_mask=mask)
+    loss = gpt_loss_func(gpt_forward_step(model, microbatch), model.on_this_rank(microbatch),
+                         model.context_parallel_group)
+    loss.backward()
+    loss, grads = loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+    if cp > 1:
+        for tensor in (loss, *grads.values()):
+            dist.all_reduce(tensor, group=layout.cp_group)
+    try:
+        model.generate(data[:, :4], max_new_tokens=1)
+        refused = ""
+    except ConfigError as error:
+        refused = str(error)
+    shape = model.pipeline_tensor_shape(2, 16)
+    destroy_parallel()
+    return loss.item(), grads, shape, refused
+
+
+def _runtime_and_gpt_under_cp(rank: int, world: int) -> dict:
+    out = _runtime_under_cp(rank, world)
+    for positions in ("rope", "learned_absolute"):
+        for cp in (1, 2, 4):
+            out[(positions, cp)] = _gpt_loss_and_grads(cp, positions)
+    return out
+
+
+@pytest.fixture(scope="module")
+def per_rank() -> list[dict]:
+    return spawn_ranks(_runtime_and_gpt_under_cp, DP * CP, timeout_s=300)
+
+
+def test_gpt_under_cp_equals_one_process(per_rank):
+    """Each rank's loss part and gradients, summed over CP, equal the CP 1 model's (1e-5)."""
+    for r in per_rank:
+        for positions in ("rope", "learned_absolute"):
+            ref_loss, ref_grads, ref_shape, _ = r[(positions, 1)]
+            for cp in (2, 4):
+                loss, grads, shape, refused = r[(positions, cp)]
+                assert abs(loss - ref_loss) < 1e-5, (positions, cp, loss, ref_loss)
+                assert grads.keys() == ref_grads.keys()
+                for name in grads:
+                    torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-5, msg=name)
+                assert shape == (16 // cp, 2, 4 * 32) and ref_shape == (16, 2, 4 * 32)
+                assert refused.startswith(f"generate runs the whole sequence in one process, but this model splits "
+                                          f"it over context_parallel_size={cp} ranks")
+
+
+def test_runtime_reduces_over_dp_x_cp_and_averages_over_dp(per_rank):
     ref = reference()
-    per_rank = spawn_ranks(_runtime_under_cp, DP * CP, timeout_s=120)
     assert [(r["cp_rank"], r["dp_rank"]) for r in per_rank] == [(0, 0), (1, 0), (0, 1), (1, 1)]  # CP before DP
     for r in per_rank:
         assert abs(r["loss"] - ref["loss"]) < 1e-6
