@@ -143,6 +143,10 @@ def _gpt_loss_and_grads(cp: int, position_embedding_type: str) -> tuple[float, d
     except ConfigError as error:
         refused = str(error)
     shape = model.pipeline_tensor_shape(2, 16)
+    if cp > 1:  # what the runtime asks every rank before the schedule: a length 2 * cp does not divide
+        refusal = f"cuts it into 2 \\* {cp} chunks; use a sequence length divisible by {2 * cp}"
+        with pytest.raises(ConfigError, match=refusal):
+            model.pipeline_tensor_shape(2, 2 * cp + 2)
     destroy_parallel()
     return loss.item(), grads, shape, refused
 
@@ -190,3 +194,13 @@ def test_runtime_reduces_over_dp_x_cp_and_averages_over_dp(per_rank):
         assert r["overlapped_buckets"] == 1 and r["shard_parts"] == DP * CP  # ZeRO-1 over DP x CP
     # CP ranks draw their own dropout masks (megatron's streams); DP ranks too
     assert len({tuple(r["dropout"]) for r in per_rank}) == DP * CP
+
+
+def test_a_module_that_does_not_split_the_sequence_is_refused_under_cp():
+    import lightning.pytorch as pl
+
+    from lightning_mhc import MHCParallelStrategy
+
+    with pytest.raises(ConfigError, match=r"^context_parallel_size=2 splits each sequence over 2 ranks, which the "
+                                          r"model must do itself; LightningModule does not \(MHCGPTModule does\)"):
+        MHCParallelStrategy(context_parallel_size=2).runtime.check_module(pl.LightningModule())

@@ -191,8 +191,13 @@ class GPTModel(torch.nn.Module):
     def pipeline_tensor_shape(self, micro_batch_size: int, seq_length: int) -> tuple[int, int, int]:
         """What crosses stages: the residual stream ``[s/cp, b, n*C]`` (``[s/(cp*TP), b, n*C]`` under
         sequence parallelism) for a micro-batch of ``seq_length`` tokens per sample."""
-        shards = self._sequence_shards() * self.config.context_parallel_size
-        return (seq_length // shards, micro_batch_size, self.config.residual_width)
+        cp, sp = self.config.context_parallel_size, self._sequence_shards()
+        split = (2 * cp if cp > 1 else 1) * sp
+        if cp > 1 and seq_length % split:  # the runtime asks on every rank before the schedule: refused there
+            over_tp = f", each over {sp} TP ranks" if sp > 1 else ""
+            raise ConfigError(f"a micro-batch of {seq_length} tokens per sample cannot be split: context_parallel_size="
+                              f"{cp} cuts it into 2 * {cp} chunks{over_tp}; use a sequence length divisible by {split}.")
+        return (seq_length // (sp * cp), micro_batch_size, self.config.residual_width)
 
     def _global_positions(self, local: int, start_position: int, device: torch.device) -> Tensor:
         """The global position of each of this rank's ``local`` tokens (before sequence parallelism)."""
