@@ -246,7 +246,6 @@ def test_sequence_parallel_and_virtual_pipeline_layouts_compose():
 
 @pytest.mark.parametrize("name, value, instead", [
     ("fp32_residual_connection", True, "Leave it False"),
-    ("context_parallel_size", 2, "Leave context_parallel_size at its default (1)"),
     ("expert_model_parallel_size", 2, "no mixture of experts"),
     ("num_moe_experts", 8, "leave num_moe_experts=None"),
 ])
@@ -263,6 +262,15 @@ def test_unsupported_megatron_options_are_refused_by_one_rule(name, value, inste
             with_parallel_layout(MHCTransformerConfig(**TINY), ParallelLayout(), requested={name: value})
         assert f"model_config sets {name}={value}, but the strategy runs" in str(laid_out.value)
     assert name in UNSUPPORTED_OPTIONS
+
+
+def test_context_parallel_size_is_a_degree_of_the_layout_now():
+    """The model runs CP (docs/context_parallel.md): the config takes it; a module's model_config that
+    asks for another CP size than the strategy's is refused like any layout degree."""
+    assert MHCTransformerConfig(**TINY, context_parallel_size=2).context_parallel_size == 2
+    assert "context_parallel_size" not in UNSUPPORTED_OPTIONS
+    with pytest.raises(ConfigError, match="model_config sets context_parallel_size=2, but the strategy runs"):
+        with_parallel_layout(MHCTransformerConfig(**TINY), ParallelLayout(), requested={"context_parallel_size": 2})
 
 
 @pytest.mark.parametrize("kwargs, message", [
