@@ -9,8 +9,8 @@ optimizer step) starts what is left, waits for every bucket and completes it.
 
 A bucket decides what its reduction is: :class:`AllReduceBucket` sums the gradients over the
 ranks that hold its parameters (``grads.reduction_group``: DP x CP, or an expert's replicas; every
-parameter of a bucket has the same group), divides by DP, and writes them back into ``.grad`` (the same sums as the post-backward reduction, bucket by
-bucket); the distributed optimizer's buckets reduce-scatter them instead
+parameter of a bucket has the same group), divides by DP, and writes them back into ``.grad``
+(the same sums as the post-backward reduction, bucket by bucket); the distributed optimizer's buckets reduce-scatter them instead
 (``lightning_mhc.distributed.optimizer``). Without :meth:`start`, :meth:`finish` alone is the
 post-backward reduction over the same buckets.
 """
@@ -76,7 +76,8 @@ class OverlappedGradReduction:
     def __init__(self, chunks: Sequence[torch.nn.Module], layout: ParallelLayout,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, bucket_list: Sequence | None = None) -> None:
         self.layout = layout
-        self.buckets = list(bucket_list) if bucket_list is not None else all_reduce_buckets(chunks, layout, bucket_bytes)
+        self.buckets = (list(bucket_list) if bucket_list is not None
+                        else all_reduce_buckets(chunks, layout, bucket_bytes))
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._active = [False] * len(chunks)
         self.overlapped = 0

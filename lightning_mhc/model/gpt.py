@@ -101,7 +101,8 @@ class GPTModel(torch.nn.Module):
         cp = config.context_parallel_size
         if cp != layout.context_parallel_size:
             raise ConfigError(f"the model config has context_parallel_size={cp}, but the layout it is built on has "
-                              f"{layout.context_parallel_size}: build the config with with_parallel_layout(config, layout).")
+                              f"{layout.context_parallel_size}: build the config with "
+                              "with_parallel_layout(config, layout).")
         start, end = layer_range if layer_range is not None else (0, config.num_layers)
         if not 0 <= start <= end <= config.num_layers:
             raise ConfigError(
@@ -195,8 +196,9 @@ class GPTModel(torch.nn.Module):
         split = (2 * cp if cp > 1 else 1) * sp
         if cp > 1 and seq_length % split:  # the runtime asks on every rank before the schedule: refused there
             over_tp = f", each over {sp} TP ranks" if sp > 1 else ""
-            raise ConfigError(f"a micro-batch of {seq_length} tokens per sample cannot be split: context_parallel_size="
-                              f"{cp} cuts it into 2 * {cp} chunks{over_tp}; use a sequence length divisible by {split}.")
+            raise ConfigError(f"a micro-batch of {seq_length} tokens per sample cannot be split: "
+                              f"context_parallel_size={cp} cuts it into 2 * {cp} chunks{over_tp}; use a sequence "
+                              f"length divisible by {split}.")
         return (seq_length // (sp * cp), micro_batch_size, self.config.residual_width)
 
     def _global_positions(self, local: int, start_position: int, device: torch.device) -> Tensor:
