@@ -99,7 +99,7 @@ class GPTModel(torch.nn.Module):
         layout = layout if layout is not None else active_layout()
         layout.check_model(config.split_sizes())  # the TP group its layers split over
         cp = config.context_parallel_size
-        if cp != layout.context_parallel_size:
+        if cp > 1 and cp != layout.context_parallel_size:  # (CP 1: a whole-sequence model, in any process)
             raise ConfigError(f"the model config has context_parallel_size={cp}, but the layout it is built on has "
                               f"{layout.context_parallel_size}: build the config with "
                               "with_parallel_layout(config, layout).")
