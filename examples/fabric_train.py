@@ -8,6 +8,7 @@ TP/PP/DP groups, ``fabric.setup_module`` builds this rank's pipeline stage with 
 recompute, and ``fabric.strategy.forward_backward`` runs the 1F1B schedule over the batch's
 microbatches and reduces the gradients. Checkpoints are reshardable: ``--resume`` works under
 another ``--tp`` / ``--pp`` too (exactly with ``--dropout 0``: dropout streams are per layout).
+``--cp 2`` splits each sequence over 2 ranks (context parallelism; ``--devices`` = TP x CP x PP x DP).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--save-every", type=int, default=3)
@@ -51,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
 
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=MHCParallelStrategy(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, context_parallel_size=args.cp))
     fabric.launch()
 
     module = MHCGPTModule(model_config(args.dropout), lr=LR, warmup_steps=WARMUP_STEPS, recompute_policy="mhc_block")

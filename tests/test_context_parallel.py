@@ -190,7 +190,7 @@ def _refusals(cp_size, group):
     x = torch.zeros(1, 2, 4, 8)
     attend_local = torch.ones(1, 4, dtype=torch.bool)           # the local length, not the full sequence
     calls = {
-        "dropout": lambda: context_parallel_attention(x, x, x, group, dropout_p=0.1),
+        "dropout": lambda: context_parallel_attention(x, x, x, group, dropout_p=1.0),
         "mask_local": lambda: context_parallel_attention(x, x, x, group, key_padding_mask=attend_local),
         "mask_float": lambda: context_parallel_attention(x, x, x, group, key_padding_mask=torch.ones(1, 4 * cp_size)),
         "odd_local": lambda: context_parallel_attention(x[:, :, :3], x[:, :, :3], x[:, :, :3], group),

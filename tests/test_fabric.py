@@ -200,3 +200,16 @@ def test_an_uncaught_exception_in_a_fabric_loop_ends_every_rank_naming_it(tmp_pa
             f"PP rank {rank}, DP rank 0) failed: RuntimeError: boom on rank {rank} at step 2") in proc.stderr, \
         proc.stderr[-4000:]
     assert not left_behind(proc.pgid), "processes left behind"
+
+
+@pytest.mark.slow
+def test_fabric_context_parallel_equals_one_process(tmp_path):
+    """examples/fabric_train.py with --cp 2 on 2 processes (mhc_block, dropout 0): the one-process
+    loop's losses within 1e-5."""
+    common = ("--tp", "1", "--pp", "1", "--dropout", "0", "--steps", "3", "--save-every", "0")
+    single = run_example(tmp_path, "--devices", "1", *common)
+    cp2 = run_example(tmp_path, "--devices", "2", "--cp", "2", *common)
+    assert sorted(single) == sorted(cp2) == [1, 2, 3]
+    diff = max(abs(single[s] - cp2[s]) for s in single)
+    print(f"Fabric CP 2 vs one process (mhc_block, dropout 0), 3 steps: max |loss diff| = {diff:.3g}")
+    assert diff < 1e-5 and len(set(single.values())) > 1

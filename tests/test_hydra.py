@@ -29,6 +29,8 @@ COMPANIONS = {
     ("parallel", "pp4"): ["trainer.devices=4"],
     ("parallel", "tp2sp"): ["trainer.devices=2"],
     ("parallel", "pp2v2"): ["trainer.devices=2"],
+    ("parallel", "cp2"): ["trainer.devices=2"],
+    ("parallel", "tp2cp2"): ["trainer.devices=4"],
     ("data", "text"): [f"data.path={ROOT / 'README.md'}"],
     ("data", "megatron"): ["data.blend=[corpus_text_document]", "data.tokenizer=sample"],  # files: checked at launch
     ("model", "gpt_125m"): ["data.seq_length=64"],
@@ -132,6 +134,12 @@ def test_mhc_implementation_reaches_the_model_config():
         (["parallel=dp2", "trainer.devices=2", "data.global_batch_size=6", "data.micro_batch_size=4"], ConfigError,
          "data.global_batch_size=6 must be a positive multiple of data.micro_batch_size=4 x data-parallel size 2"),
         (["parallel.num_microbatches=3"], ConfigError, "parallel.num_microbatches=3 disagrees"),
+        (["parallel=cp2", "trainer.devices=2", "data.seq_length=66"], ConfigError,
+         r"parallel.context_parallel_size=2 cuts data.seq_length=66 into 2 \* 2 chunks: use a sequence length "
+         "divisible by 4"),
+        (["parallel=tp2cp2", "trainer.devices=4", "data.seq_length=68"], ConfigError,
+         "and parallel.sequence_parallel=true splits each over parallel.tensor_model_parallel_size=2 ranks: use a "
+         "sequence length divisible by 8"),
         (["data=text"], ConfigError, "data.source=text needs data.path"),
         (["model.mhc_implementation=fast"], ConfigError,
          "model.mhc_implementation='fast': must be one of auto, fused, reference, triton"),

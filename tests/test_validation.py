@@ -246,21 +246,30 @@ def test_sequence_parallel_and_virtual_pipeline_layouts_compose():
 
 @pytest.mark.parametrize("name, value, instead", [
     ("fp32_residual_connection", True, "Leave it False"),
-    ("context_parallel_size", 2, "Leave context_parallel_size at its default (1)"),
+    ("hybrid_context_parallel", True, "Leave hybrid_context_parallel at its default (False)"),
 ])
 def test_unsupported_megatron_options_are_refused_by_one_rule(name, value, instead):
     with pytest.raises(ConfigError) as built:
         MHCTransformerConfig(**TINY, **{name: value})
     assert f"MHCTransformerConfig sets {name}={value!r}, which" in str(built.value) and instead in str(built.value)
-    if name == "context_parallel_size":  # layout keys of a module's model_config dict: the same rule
+    if name == "hybrid_context_parallel":  # a layout key of a module's model_config dict: the same rule
         tail = str(built.value).split(", which", 1)[1]
         with pytest.raises(ConfigError) as requested:
             requested_parallel_layout({**TINY, name: value})
         assert str(requested.value) == f"model_config sets {name}={value!r}, which{tail}"
-        with pytest.raises(ConfigError) as laid_out:  # a degree of the layout now: the strategy's must match
+        with pytest.raises(ConfigError) as laid_out:
             with_parallel_layout(MHCTransformerConfig(**TINY), ParallelLayout(), requested={name: value})
-        assert f"model_config sets {name}={value}, but the strategy runs" in str(laid_out.value)
+        assert str(laid_out.value) == str(requested.value)
     assert name in UNSUPPORTED_OPTIONS
+
+
+def test_context_parallel_size_is_a_degree_of_the_layout_now():
+    """The model runs CP (docs/context_parallel.md): the config takes it; a module's model_config that
+    asks for another CP size than the strategy's is refused like any layout degree."""
+    assert MHCTransformerConfig(**TINY, context_parallel_size=2).context_parallel_size == 2
+    assert "context_parallel_size" not in UNSUPPORTED_OPTIONS
+    with pytest.raises(ConfigError, match="model_config sets context_parallel_size=2, but the strategy runs"):
+        with_parallel_layout(MHCTransformerConfig(**TINY), ParallelLayout(), requested={"context_parallel_size": 2})
 
 
 @pytest.mark.parametrize("kwargs, message", [

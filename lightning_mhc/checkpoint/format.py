@@ -42,12 +42,15 @@ MODEL = "state_dict"
 OPTIMIZERS = "optimizer_states"
 PARAM_GROUPS = "optimizer_param_groups"
 LAYOUT_FIELDS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "data_parallel_size", "virtual_pipeline_model_parallel_size", "sequence_parallel")
+                 "data_parallel_size", "virtual_pipeline_model_parallel_size", "sequence_parallel",
+                 "context_parallel_size")
+LAYOUT_DEFAULTS = (1, 1, 1, 1, 1, False, 1)
+"""A one-process layout's record; a checkpoint from before a field existed had its default."""
 
 
 def layout_record(layout: ParallelLayout | None) -> dict[str, Any]:
     if layout is None:
-        return dict(zip(LAYOUT_FIELDS, (1, 1, 1, 1, 1, False)))
+        return dict(zip(LAYOUT_FIELDS, LAYOUT_DEFAULTS))
     return {name: getattr(layout, name) for name in LAYOUT_FIELDS}
 
 
@@ -219,7 +222,8 @@ def _load(path: Path, meta: dict[str, Any], module: torch.nn.Module, optimizers:
         None if optimizer is None else
         _optimizer_state(path, optimizer, assemble(), settings[i] if i < len(settings) else None)
         for i, (optimizer, assemble) in enumerate(zip(optimizers, assemblers))]
-    if all(meta.get(k) == v for k, v in current.items()):
+    # the RNG streams are per rank (and differ over CP ranks): restored on the saving layout only
+    if all(meta.get(k, default) == current[k] for k, default in zip(LAYOUT_FIELDS, LAYOUT_DEFAULTS)):
         rng = path / rng_file(global_rank)
         if rng.is_file():
             set_all_rng_states(torch.load(rng, map_location="cpu", weights_only=False))

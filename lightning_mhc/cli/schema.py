@@ -640,6 +640,10 @@ class TrainConfig:
         from lightning_mhc.parallelize.weights import check_weights
 
         m, d = self.model, self.data
+        if self.parallel.context_parallel_size > 1:
+            raise ConfigError(f"parallel.context_parallel_size={self.parallel.context_parallel_size}: context "
+                              "parallelism runs the project's GPT (model=tiny, small, gpt_125m), not model=hf yet; "
+                              "use parallel.context_parallel_size=1.")
         self.layout.check_model({}, d.seq_length)  # the sequence, where sequence parallelism splits it
         try:
             config = hf_config(m.hf_dir)

@@ -40,8 +40,12 @@ all-gather per layer, in the same order on every rank). The test
 ``tests/test_context_parallel.py::test_retained_bytes`` measures both against the un-split
 attention.
 
-Dropout in the attention is refused: a reproducible CP dropout needs each rank to draw the mask
-of its own queries against the global keys, not implemented in this first piece.
+**Dropout** (``dropout_p``): each chunk's SDPA call draws the mask of its own queries against its
+keys from the current generator, so a rank draws only its rows of the attention matrix. The masks
+are not the ones one process would draw for the whole matrix (one call, one draw); they are this
+rank's stream's (the model runs it inside the parallel randomizer's fork, which differs over CP
+ranks, as megatron's CP ranks draw apart), reproducible, and replayed under recompute
+(``regather_in_backward`` re-runs the calls with the generator state of the forward).
 """
 from __future__ import annotations
 
@@ -181,26 +185,26 @@ def _reversed_causal_bias(chunk_len: int, key_len: int, dtype, device) -> Tensor
 
 
 def _causal_chunk_attention(query: Tensor, keys: Tensor, values: Tensor, scale: float | None, gqa: bool,
-                            strided_bias: bool) -> Tensor:
+                            strided_bias: bool, dropout_p: float = 0.0) -> Tensor:
     """A chunk's queries against its causal prefix of keys (the chunk's own block last), lower-right causal."""
     chunk_len, key_len = query.shape[2], keys.shape[2]
     if not strided_bias:
         # flash / efficient kernels take the lower-right alignment without a materialized mask
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(chunk_len, key_len),
-                                              scale=scale, enable_gqa=gqa)
+                                              dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     # CPU's SDPA materializes a boolean or CausalBias mask as a dense fp32 [chunk_len, key_len] and keeps
     # it for backward (4 bytes per score entry: quadratic in the sequence, as big as K/V at 1024
     # tokens); it keeps a strided float mask as given, so the queries run in reversed order against
     # a one-row mask (the flips are copies without saved state; the reversed query replaces the view
     # of q that SDPA would keep)
     bias = _reversed_causal_bias(chunk_len, key_len, query.dtype, query.device)
-    reversed_out = F.scaled_dot_product_attention(query.flip(2), keys, values, attn_mask=bias, scale=scale,
-                                                  enable_gqa=gqa)
+    reversed_out = F.scaled_dot_product_attention(query.flip(2), keys, values, attn_mask=bias, dropout_p=dropout_p,
+                                                  scale=scale, enable_gqa=gqa)
     return reversed_out.flip(2)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, key_padding_mask: Tensor | None,
-            scale: float | None) -> Tensor:
+            scale: float | None, dropout_p: float = 0.0) -> Tensor:
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     # one all-gather (and one reduce-scatter back) for K and V together: half the collectives' latency
     keys, values = gather_sequence(torch.stack((k, v)), group, dim=3).unbind(0)   # [b, kv_heads, s, d] each
@@ -215,7 +219,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, key_padding_ma
         prefix_keys, prefix_values = keys[:, :, :key_len], values[:, :, :key_len]
         if causal and key_padding_mask is None:
             outputs.append(_causal_chunk_attention(query, prefix_keys, prefix_values, scale, gqa,
-                                                   strided_bias=q.device.type == "cpu"))
+                                                   strided_bias=q.device.type == "cpu", dropout_p=dropout_p))
             continue
         mask = None
         if key_padding_mask is not None:
@@ -223,7 +227,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, group, causal: bool, key_padding_ma
             if causal:   # dense [b, 1, chunk_len, key_len], kept by SDPA for backward
                 mask = mask & _chunk_mask(chunk, chunk_len, key_len, q.device)
         outputs.append(F.scaled_dot_product_attention(query, prefix_keys, prefix_values, attn_mask=mask,
-                                                      scale=scale, enable_gqa=gqa))
+                                                      dropout_p=dropout_p, scale=scale, enable_gqa=gqa))
     return torch.cat(outputs, dim=2)
 
 
@@ -239,9 +243,11 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal
     ``[b, heads, s/cp, d]``, in the local order of ``q``. A query row whose keys are all masked
     gets SDPA's answer for it (zeros on CPU), as the un-split attention would.
     ``regather_in_backward``: keep only the local q, k, v for backward and gather K/V again there.
+    ``dropout_p``: attention dropout, each rank drawing the masks of its own query rows from the
+    current generator (see the module docstring: not one process's masks).
     """
-    if dropout_p:
-        raise ValueError("context_parallel_attention does not support attention dropout (dropout_p must be 0.0)")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"expected q [b, heads, s, d] and k, v [b, kv_heads, s, d] alike; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -256,5 +262,5 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group, *, causal
             raise ValueError(f"key_padding_mask must be bool {list(expected)} (the full sequence); "
                              f"got {key_padding_mask.dtype} {list(key_padding_mask.shape)}")
     if regather_in_backward:
-        return checkpoint(_attend, q, k, v, group, causal, key_padding_mask, scale, use_reentrant=False)
-    return _attend(q, k, v, group, causal, key_padding_mask, scale)
+        return checkpoint(_attend, q, k, v, group, causal, key_padding_mask, scale, dropout_p, use_reentrant=False)
+    return _attend(q, k, v, group, causal, key_padding_mask, scale, dropout_p)

@@ -7,12 +7,12 @@ gradients that are final, and a bucket whose gradients are all final starts its 
 reduction at once, while backward goes on through the earlier layers. :meth:`finish` (before the
 optimizer step) starts what is left, waits for every bucket and completes it.
 
-A bucket decides what its reduction is: :class:`AllReduceBucket` averages the gradients over DP
-and writes them back into ``.grad`` (the same sums as the post-backward reduction, bucket by
-bucket); the distributed optimizer's buckets reduce-scatter them instead
+A bucket decides what its reduction is: :class:`AllReduceBucket` sums the gradients over the
+ranks that hold its parameters (``grads.reduction_group``: DP x CP, or expert-DP for an expert's;
+a bucket holds dense or expert parameters, never both), divides by DP, and writes them back into ``.grad``
+(the same sums as the post-backward reduction, bucket by bucket); the distributed optimizer's buckets reduce-scatter them instead
 (``lightning_mhc.distributed.optimizer``). Without :meth:`start`, :meth:`finish` alone is the
-post-backward reduction over the same buckets. A bucket holds either dense or expert parameters
-and is reduced over its ``group`` (``grads.reduction_group``: DP, or expert-DP for the experts).
+post-backward reduction over the same buckets.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from lightning_mhc.distributed.layout import ParallelLayout
 
 
 class AllReduceBucket:
-    """Gradients averaged over DP in place: one flat all-reduce over ``group``."""
+    """Gradients summed over ``group`` and divided by DP in place: one flat all-reduce."""
 
     def __init__(self, params: list[torch.nn.Parameter], chunk: int, group) -> None:
         self.params, self.chunk, self.group = params, chunk, group

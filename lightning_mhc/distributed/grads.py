@@ -2,7 +2,9 @@
 
 megatron-core's DistributedDataParallel needs CUDA (contiguous grad buffers on
 the current device); this is the device-agnostic equivalent for gloo and NCCL:
-a bucketed all-reduce over the DP group, under sequence parallelism the
+a bucketed all-reduce over the DP group (DP x CP with context parallelism: every CP rank holds
+the same parameters and saw a part of each sample, so its gradient is a partial sum; averaged over
+DP only, see :func:`reduction_group`), under sequence parallelism the
 all-reduce over TP of the parameters replicated across TP (norms,
 hyper-connections, row-parallel biases: each TP rank saw only its part of the
 sequence; megatron's ``_allreduce_layernorm_grads``), the all-reduce of the
@@ -55,18 +57,6 @@ def is_expert_parameter(param: torch.nn.Parameter) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def reduction_group(param: torch.nn.Parameter, layout: ParallelLayout):
-    """The ranks ``param``'s gradient is reduced over: the expert-data-parallel ones for an
-    expert's parameter, the data-parallel ones for every other."""
-    return layout.expert_dp_group if is_expert_parameter(param) else layout.dp_group
-
-
-def gradient_divisor(layout: ParallelLayout) -> int:
-    """What every reduced gradient is divided by: the data-parallel ranks whose batches make the
-    batch (an expert's gradient, reduced over fewer ranks, holds its EP peers' tokens already)."""
-    return layout.data_parallel_size
-
-
 def by_reduction_group(params: Iterable[torch.nn.Parameter], layout: ParallelLayout
                        ) -> list[tuple[object, list[torch.nn.Parameter]]]:
     """``params`` split into (group, its parameters in order): the dense ones, then the experts'."""
@@ -98,17 +88,41 @@ def _parameters(models: torch.nn.Module | Iterable[torch.nn.Module]) -> list[tor
     return [p for model in models for p in model.parameters()]
 
 
+def reduction_group(param: torch.nn.Parameter, layout: ParallelLayout):
+    """The one place that says over which ranks a parameter's gradient is reduced: the ranks that
+    hold a replica of it. What TP does not split is replicated over DP x CP (``dp_cp_group``); an
+    expert's parameters (megatron's marker ``param.allreduce = False``) over the expert-data-parallel
+    ranks only (``expert_dp_group``). The sum is divided by DP (:func:`gradient_divisor`)
+    in either case: the CP ranks' losses are parts of one sample's loss (each rank's loss is its
+    tokens' sum over the sample's whole token count), so their gradients add up, not average."""
+    return layout.expert_dp_group if is_expert_parameter(param) else layout.dp_cp_group
+
+
+def gradient_divisor(layout: ParallelLayout) -> int:
+    """What every reduced gradient is divided by: the data-parallel size (not DP x CP: the CP
+    ranks' losses are parts of one sample's; nor expert-DP: an expert's gradient, reduced over
+    fewer ranks, holds its EP peers' tokens already, megatron's ``expert_gradient_scaling_factor``)."""
+    return layout.data_parallel_size
+
+
+def has_replicas(layout: ParallelLayout) -> bool:
+    """Whether any parameter is replicated over other ranks (DP x CP > 1): a gradient reduction runs."""
+    return layout.data_parallel_size * layout.context_parallel_size > 1
+
+
 def allreduce_data_parallel_grads(
     params: Iterable[torch.nn.Parameter], layout: ParallelLayout, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> int:
-    """Average gradients over DP in buckets (in reverse parameter order, the order backward
-    produces them), each over its :func:`reduction_group`. Returns the number of buckets (0 when
-    DP = 1)."""
-    if layout.data_parallel_size == 1:
+    """Sum gradients over their :func:`reduction_group` in buckets (in reverse parameter order,
+    the order backward produces them), divided by DP. Returns the number of buckets (0 without
+    replicas)."""
+    if not has_replicas(layout):
         return 0
-    return sum(_allreduce_flat([p.grad for p in part if p.grad is not None], group, bucket_bytes,
-                               gradient_divisor(layout))
-               for group, part in by_reduction_group(reversed(list(params)), layout))
+    count = 0
+    for group, group_params in by_reduction_group(reversed(list(params)), layout):
+        grads = [p.grad for p in group_params if p.grad is not None]
+        count += _allreduce_flat(grads, group, bucket_bytes, divisor=gradient_divisor(layout))
+    return count
 
 
 def is_partial_over_tp(param: torch.nn.Parameter, layout: ParallelLayout) -> bool:

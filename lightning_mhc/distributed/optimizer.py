@@ -7,11 +7,13 @@ device, around the torch optimizer the user built (nothing of the update is writ
 
 - the rank's trainable parameters (reverse order: the order backward finishes them) are cut into
   buckets, the tied embedding alone in its own, so that its shard is the same on the first and
-  the last stage; a bucket is padded to a multiple of DP, and DP rank ``r`` owns its ``r``-th
-  equal range: *pieces* of parameters, cut wherever the range ends. Under expert parallelism the
-  experts' parameters get buckets of their own, cut over the expert-data-parallel ranks (those
-  holding the same experts; ``grads.reduction_group``): each rank's state is then ``1/DP`` of the
-  dense parameters and ``1/(DP/EP)`` of its ``E/EP`` experts;
+  the last stage; a bucket is padded to a multiple of the ranks that hold replicas of its
+  parameters (``grads.reduction_group``: DP x CP under context parallelism, which replicates the
+  parameters over CP too), and rank ``r`` of them owns its ``r``-th equal range: *pieces* of
+  parameters, cut wherever the range ends. Under expert parallelism the experts' parameters get
+  buckets of their own, cut over the expert-data-parallel ranks (those holding the same experts):
+  each rank's state is then ``1/(DP x CP)`` of the dense parameters and ``1/(DP x CP/EP)`` of its
+  ``E/EP`` experts;
 - the user's optimizer is pointed at fp32 *main* pieces instead of the parameters, group by group
   (its settings and learning-rate scheduler unchanged): views of the parameters when they are
   fp32, fp32 copies when the model holds bf16 weights (``bf16-true``). Its state (AdamW's
@@ -100,8 +102,9 @@ def got_gradient(param: torch.nn.Parameter) -> bool:
 
 class ShardBucket:
     """Parameters of one dtype whose gradients accumulate in one fp32 buffer (each parameter's
-    ``main_grad`` a view of its range), reduce-scattered over the ``parts`` ranks of ``group``
-    (all-reduced in place when ``parts == 1``) into this rank's range (``index``)."""
+    ``main_grad`` a view of its range), summed over ``group`` (the parameters' replicas) and
+    reduce-scattered into ``parts`` ranges (``parts`` its size, this rank's the ``index``-th), or
+    all-reduced in place when ``parts == 1``."""
 
     def __init__(self, params: list[torch.nn.Parameter], chunk: int, group, parts: int, index: int) -> None:
         self.params, self.chunk, self.group, self.parts = params, chunk, group, parts
@@ -183,6 +186,7 @@ class ShardBucket:
         group = self.group
         if self.parts == 1:
             return
+        group = self.group
         device, dtype = self.params[0].device, self.params[0].dtype
         own = torch.zeros(self.shard_numel, dtype=dtype, device=device)
         for p, flat_range, shard_range in self.pieces():
@@ -216,8 +220,8 @@ class DistributedOptimizer:
         optimizer: a torch optimizer over parameters of ``chunks``, not stepped yet.
         chunks: this rank's model chunks (its stage, or the virtual-pipeline chunks).
         layout: the parallel layout.
-        shard: cut each bucket over the DP ranks (ZeRO-1); False: every rank holds all of it
-            (fp32 main weights for a bf16 model, gradients all-reduced).
+        shard: cut each bucket over the ranks that hold its parameters (ZeRO-1: DP x CP); False:
+            every rank holds all of it (fp32 main weights for a bf16 model, gradients all-reduced).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, chunks: Sequence[torch.nn.Module], layout: ParallelLayout,
@@ -232,15 +236,15 @@ class DistributedOptimizer:
         self.optimizer, self.layout = optimizer, layout
         trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
-        def parts_and_index(group) -> tuple[int, int]:
+        def place(group) -> tuple[int, int]:  # (parts, this rank's index) of a bucket reduced over group
             return (dist.get_world_size(group), dist.get_rank(group)) if shard else (1, 0)
 
         self.buckets = [
-            ShardBucket(params, i, group, *parts_and_index(group))
+            ShardBucket(params, i, group, *place(group))
             for i, chunk in enumerate(chunks)
-            for group, chunk_params in by_reduction_group(
+            for group, group_params in by_reduction_group(
                 [p for p in reversed(list(chunk.parameters())) if p.requires_grad], layout)
-            for params in buckets(chunk_params, bucket_bytes,
+            for params in buckets(group_params, bucket_bytes,
                                   alone=lambda p: bool(getattr(p, "shared_embedding", False)))
         ]
         self.pieces: dict[int, Piece] = {}

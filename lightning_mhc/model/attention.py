@@ -4,6 +4,13 @@
 group ``[q_1..q_k, k, v]``, so each TP rank holds whole groups.
 ``linear_proj`` (row-parallel) returns its bias separately for the
 bias-dropout-add that follows.
+
+Under context parallelism (``context_parallel_group`` set by ``GPTModel``) a rank holds two chunks
+of the sequence; the core attention all-gathers K and V over the CP group
+(``distributed.context_parallel``: only the K/V heads it has, before any GQA repeat) and each local
+query attends to its causal prefix in global positions. A recompute that re-runs the core
+attention (``core_attn``, ``full``) re-runs the gather too: the same collective, in the same
+order on every CP rank, since the ranks run the same backward.
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ import torch.nn.functional as F
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from torch import Tensor
 
+from lightning_mhc.distributed.context_parallel import context_parallel_attention
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.parallel_linear import SPColumnParallelLinear, output_projection
@@ -32,6 +40,9 @@ class SelfAttention(torch.nn.Module):
         self.recompute_core_attention = False  # "core_attn" in recompute_modules
         self.kv_cache = None
         """A ``generation.LayerKVCache`` while generating: keys and values of earlier positions."""
+        self.context_parallel_group = None
+        """The CP group (set by ``GPTModel`` under context parallelism): attention over the whole
+        sequence from this rank's chunks."""
         qkv_size = self.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = SPColumnParallelLinear(
             config.hidden_size,
@@ -70,10 +81,14 @@ class SelfAttention(torch.nn.Module):
         (query ``i`` sees keys ``0 .. past + i``)."""
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        dropout = self.config.attention_dropout if self.training else 0.0
+        if self.context_parallel_group is not None:  # this rank's chunks against the gathered K/V
+            with rng_fork():  # heads split over TP, queries over CP: masks differ on every rank
+                out = context_parallel_attention(q, k, v, self.context_parallel_group, dropout_p=dropout)
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         if self.heads_per_group > 1:
             k = k.repeat_interleave(self.heads_per_group, dim=1)
             v = v.repeat_interleave(self.heads_per_group, dim=1)
-        dropout = self.config.attention_dropout if self.training else 0.0
         mask = None
         if past:  # causal over the cached positions too
             mask = torch.ones(s, past + s, dtype=torch.bool, device=q.device).tril(diagonal=past)

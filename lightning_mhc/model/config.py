@@ -335,15 +335,14 @@ PARALLEL_LAYOUT_FIELDS = (
 """The parallel layout: the strategy's, set on the config when the model is built
 (``with_parallel_layout``), never written by ``config_dict.model_config_to_dict``."""
 
-_NOT_RUN = ("which the strategy does not run (it runs tensor, sequence, pipeline, virtual-pipeline, expert and "
-            "data parallelism)")
+_NOT_RUN = ("which the strategy does not run (it runs tensor, sequence, context, pipeline, virtual-pipeline, "
+            "expert and data parallelism)")
 _NOT_BUILT = "which the model does not implement"
-_CONTEXT_PARALLEL = (_NOT_RUN, "Leave {name} at its default ({default!r}); to spread the work, use data "
-                               "parallelism (devices = TP x PP x DP) or shorter sequences")
+_CONTEXT_PARALLEL = (_NOT_RUN, "Leave {name} at its default ({default!r}); context_parallel_size splits "
+                               "the sequence over ranks with all-gathered K/V")
 UNSUPPORTED_OPTIONS: dict[str, tuple[str, str]] = {
     "pipeline_model_parallel_layout": (_NOT_RUN, "Leave it None: every stage holds num_layers / "
                                                  "pipeline_model_parallel_size layers"),
-    "context_parallel_size": _CONTEXT_PARALLEL,
     "hierarchical_context_parallel_sizes": _CONTEXT_PARALLEL,
     "hybrid_context_parallel": _CONTEXT_PARALLEL,
     "fp32_residual_connection": (_NOT_BUILT, "Leave it False (the residual streams keep params_dtype); for an "

@@ -4,20 +4,30 @@ First stage (``pre_process``): vocab-parallel embedding (+ learned positions),
 dropout, stream expansion. Last stage (``post_process``): stream contraction,
 final norm, column-parallel output layer and vocab-parallel cross-entropy.
 A middle stage receives its input through :meth:`set_input_tensor`.
+
+Context parallelism (``context_parallel_size = cp > 1``): every CP rank of a data-parallel rank
+receives the same micro-batch and keeps its two chunks of the sequence (:meth:`GPTModel.on_this_rank`,
+megatron's ``get_batch_on_this_cp_rank``; the labels are the next tokens already, shifted before
+the split); RoPE and learned positions take each token's global position (``chunk_positions``);
+the attention gathers K/V over the CP group; what crosses stages is ``[s/cp, b, n*C]``; the loss of
+a rank is its tokens' sum over the whole sequence's token count (:func:`gpt_loss_func`).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from torch import Tensor
 
-from lightning_mhc.distributed.layout import active_layout
+from lightning_mhc.distributed.context_parallel import chunk_positions, shard_sequence
+from lightning_mhc.distributed.layout import ParallelLayout, active_layout
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.parallel_linear import SPColumnParallelLinear
-from lightning_mhc.model.rope import rotary_freqs
+from lightning_mhc.model.attention import SelfAttention
+from lightning_mhc.model.rope import rotary_freqs_at
 from lightning_mhc.model.sequence_parallel import mark_sequence_parallel_parameters, scatter_to_sequence_parallel_region
 from lightning_mhc.model.transformer_block import TransformerBlock
 from lightning_mhc.recompute.rng import rng_fork
@@ -69,6 +79,8 @@ class GPTModel(torch.nn.Module):
         post_process: this stage computes logits and the loss (last stage).
         layer_range: ``(start, end)`` global 0-based layers built here;
             default: all ``config.num_layers`` layers.
+        layout: the built layout the model runs on (its TP and CP groups); default: the one
+            built last (``active_layout()``).
 
     ``forward`` returns the per-token loss ``[b, s]`` when ``labels`` are given
     and this is the last stage, the vocab-parallel logits ``[b, s, V/tp]`` when
@@ -81,9 +93,16 @@ class GPTModel(torch.nn.Module):
         pre_process: bool = True,
         post_process: bool = True,
         layer_range: tuple[int, int] | None = None,
+        layout: ParallelLayout | None = None,
     ) -> None:
         super().__init__()
-        active_layout().check_model(config.split_sizes())  # the TP group its layers split over
+        layout = layout if layout is not None else active_layout()
+        layout.check_model(config.split_sizes())  # the TP group its layers split over
+        cp = config.context_parallel_size
+        if cp > 1 and cp != layout.context_parallel_size:  # (CP 1: a whole-sequence model, in any process)
+            raise ConfigError(f"the model config has context_parallel_size={cp}, but the layout it is built on has "
+                              f"{layout.context_parallel_size}: build the config with "
+                              "with_parallel_layout(config, layout).")
         start, end = layer_range if layer_range is not None else (0, config.num_layers)
         if not 0 <= start <= end <= config.num_layers:
             raise ConfigError(
@@ -128,6 +147,22 @@ class GPTModel(torch.nn.Module):
             self.embedding.word_embeddings.weight.shared_embedding = True
         if config.sequence_parallel:
             mark_sequence_parallel_parameters(self.decoder)
+        self.context_parallel_group = layout.cp_group if cp > 1 else None
+        """The CP group (None without context parallelism), handed to every attention."""
+        self.context_parallel_rank = layout.context_parallel_rank if cp > 1 else 0
+        for module in self.modules():
+            if isinstance(module, SelfAttention):
+                module.context_parallel_group = self.context_parallel_group
+
+    def on_this_rank(self, microbatch: dict) -> dict:
+        """The part of a micro-batch this rank computes: under context parallelism its two chunks
+        of every ``[b, s]`` entry (``tokens``, ``labels``, ``loss_mask``, ``position_ids``); the
+        micro-batch itself otherwise."""
+        cp = self.config.context_parallel_size
+        if cp == 1:
+            return microbatch
+        return {key: shard_sequence(value, self.context_parallel_rank, cp, dim=1) if key in SEQUENCE_KEYS else value
+                for key, value in microbatch.items()}
 
     def global_parameter_name(self, local_name: str) -> str:
         """The parameter's name in the whole (unpartitioned) model: local layer indices
@@ -148,12 +183,30 @@ class GPTModel(torch.nn.Module):
         ``temperature == 0``, else sampled (``top_k`` / ``top_p``); see ``generation.generate``."""
         from lightning_mhc.model.generation import generate
 
+        if self.config.context_parallel_size > 1:
+            raise ConfigError(f"generate runs the whole sequence in one process, but this model splits it over "
+                              f"context_parallel_size={self.config.context_parallel_size} ranks: load the checkpoint "
+                              "with MHCGPTModule.load_from_checkpoint(dir) and generate there.")
         return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, stop_token, use_cache, generator)
 
     def pipeline_tensor_shape(self, micro_batch_size: int, seq_length: int) -> tuple[int, int, int]:
-        """What crosses stages: the residual stream ``[s, b, n*C]`` (``[s/TP, b, n*C]`` under
-        sequence parallelism)."""
-        return (seq_length // self._sequence_shards(), micro_batch_size, self.config.residual_width)
+        """What crosses stages: the residual stream ``[s/cp, b, n*C]`` (``[s/(cp*TP), b, n*C]`` under
+        sequence parallelism) for a micro-batch of ``seq_length`` tokens per sample."""
+        cp, sp = self.config.context_parallel_size, self._sequence_shards()
+        split = (2 * cp if cp > 1 else 1) * sp
+        if cp > 1 and seq_length % split:  # the runtime asks on every rank before the schedule: refused there
+            over_tp = f", each over {sp} TP ranks" if sp > 1 else ""
+            raise ConfigError(f"a micro-batch of {seq_length} tokens per sample cannot be split: "
+                              f"context_parallel_size={cp} cuts it into 2 * {cp} chunks{over_tp}; use a sequence "
+                              f"length divisible by {split}.")
+        return (seq_length // (sp * cp), micro_batch_size, self.config.residual_width)
+
+    def _global_positions(self, local: int, start_position: int, device: torch.device) -> Tensor:
+        """The global position of each of this rank's ``local`` tokens (before sequence parallelism)."""
+        cp = self.config.context_parallel_size
+        if cp > 1:
+            return chunk_positions(local * cp, self.context_parallel_rank, cp, device=device)
+        return torch.arange(start_position, start_position + local, device=device)
 
     def _sequence_shards(self) -> int:
         return self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
@@ -174,24 +227,27 @@ class GPTModel(torch.nn.Module):
         labels: Tensor | None = None,
         start_position: int = 0,
     ) -> Tensor:
-        """``start_position``: the position of the first token (a KV-cached generation step)."""
+        """``start_position``: the position of the first token (a KV-cached generation step).
+        Under context parallelism ``input_ids`` and ``labels`` are this rank's chunks
+        (:meth:`on_this_rank`)."""
+        if not self.pre_process and self.input_tensor is None:
+            raise RuntimeError(
+                "this stage has no embedding: call set_input_tensor() with the previous "
+                "stage's output before forward"
+            )
+        local = (input_ids.shape[1] if self.pre_process  # this rank's tokens (all of its CP chunks)
+                 else self.input_tensor.shape[0] * self._sequence_shards())
+        device = input_ids.device if self.pre_process else self.input_tensor.device
+        positions = self._global_positions(local, start_position, device)
         if self.pre_process:
-            if position_ids is None and start_position:
-                position_ids = torch.arange(start_position, start_position + input_ids.shape[1], device=input_ids.device)
+            if position_ids is None and (start_position or self.config.context_parallel_size > 1):
+                position_ids = positions
             hidden_states = self.embedding(input_ids, position_ids)
         else:
-            if self.input_tensor is None:
-                raise RuntimeError(
-                    "this stage has no embedding: call set_input_tensor() with the previous "
-                    "stage's output before forward"
-                )
             hidden_states = self.input_tensor
         freqs = None
-        if self.config.position_embedding_type == "rope":
-            freqs = rotary_freqs(  # positions of the whole sequence: attention sees all of it
-                start_position + hidden_states.shape[0] * self._sequence_shards(), self.config.kv_channels,
-                self.config.rotary_base, hidden_states.device,
-            )[start_position:]
+        if self.config.position_embedding_type == "rope":  # the tokens' global positions: attention sees all of them
+            freqs = rotary_freqs_at(positions, self.config.kv_channels, self.config.rotary_base)
         hidden_states = self.decoder(hidden_states, freqs)
         if not self.post_process:
             return hidden_states
@@ -217,19 +273,37 @@ def mask_vocab_padding(logits: Tensor, vocab_size: int) -> Tensor:
     return logits.masked_fill(padding, float("-inf"))
 
 
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+"""The ``[b, s]`` entries of a GPT micro-batch: split over the CP ranks (``GPTModel.on_this_rank``)."""
+
+
 def gpt_forward_step(model: GPTModel, microbatch: dict) -> Tensor:
     """The pipeline schedule's per-microbatch forward: tokens on the first stage, labels on
-    the last; returns the hidden state or the per-token loss ``[b, s]``."""
+    the last (this rank's chunks of them under context parallelism); returns the hidden state or
+    the per-token loss ``[b, s]`` (``[b, s/cp]``)."""
+    microbatch = model.on_this_rank(microbatch)
     return model(
         microbatch["tokens"] if model.pre_process else None,
         labels=microbatch["labels"] if model.post_process else None,
     )
 
 
-def gpt_loss_func(per_token_loss: Tensor, microbatch: dict) -> Tensor:
-    """Mean loss over the microbatch's tokens, honouring an optional ``loss_mask``."""
+def gpt_loss_func(per_token_loss: Tensor, microbatch: dict, context_parallel_group=None) -> Tensor:
+    """Mean loss over the microbatch's tokens, honouring an optional ``loss_mask``.
+
+    Under context parallelism (``context_parallel_group``; ``per_token_loss`` and ``microbatch``
+    this rank's chunks) it is this rank's part of that mean: its tokens' (masked) sum over the
+    token count all-reduced over CP. The parts add up to the whole sequence's mean, however unevenly
+    the mask spreads the kept tokens over the ranks (the runtime sums losses and gradients over CP)."""
     mask = microbatch.get("loss_mask")
+    if context_parallel_group is None:
+        if mask is None:
+            return per_token_loss.mean()
+        mask = mask.to(per_token_loss.dtype)
+        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
     if mask is None:
-        return per_token_loss.mean()
+        return per_token_loss.sum() / (per_token_loss.numel() * dist.get_world_size(context_parallel_group))
     mask = mask.to(per_token_loss.dtype)
-    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
+    count = mask.sum().detach()
+    dist.all_reduce(count, group=context_parallel_group)
+    return (per_token_loss * mask).sum() / count.clamp(min=1)

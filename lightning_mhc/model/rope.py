@@ -7,9 +7,16 @@ from torch import Tensor
 
 def rotary_freqs(seq_len: int, head_dim: int, base: int, device: torch.device) -> Tensor:
     """Angles ``[s, 1, 1, head_dim]`` in fp32 (megatron's non-interleaved layout)."""
+    return rotary_freqs_at(torch.arange(seq_len, device=device), head_dim, base)
+
+
+def rotary_freqs_at(positions: Tensor, head_dim: int, base: int) -> Tensor:
+    """Angles ``[len(positions), 1, 1, head_dim]`` of the given global token positions (under
+    context parallelism a rank's tokens are two chunks of the sequence: ``chunk_positions``);
+    each row is the one ``rotary_freqs`` computes at that position, bit for bit."""
+    device = positions.device
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     return torch.cat([angles, angles], dim=-1)[:, None, None, :]
 
 

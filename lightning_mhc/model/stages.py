@@ -62,5 +62,6 @@ def build_gpt_chunks(
     """
     stages = layout.num_virtual_stages
     ranges = partition_layers(config.num_layers, stages, first_stage_layers, last_stage_layers)
-    return [GPTModel(config, pre_process=stage == 0, post_process=stage == stages - 1, layer_range=ranges[stage])
+    return [GPTModel(config, pre_process=stage == 0, post_process=stage == stages - 1, layer_range=ranges[stage],
+                     layout=layout)
             for stage in layout.local_virtual_stages()]

@@ -31,7 +31,8 @@ from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.sharding import global_namer
 from lightning_mhc.distributed.fail_fast import FailFast
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
-from lightning_mhc.distributed.grads import clip_grad_norm_, finalize_model_grads, global_grad_norm, gradient_divisor
+from lightning_mhc.distributed.grads import (clip_grad_norm_, finalize_model_grads, global_grad_norm, gradient_divisor,
+                                             has_replicas)
 from lightning_mhc.distributed.launcher_watch import watch_launcher
 from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from lightning_mhc.distributed.optimizer import DistributedOptimizer, optimizer_state_bytes
@@ -92,6 +93,14 @@ class ParallelRuntime:
         """A module that cannot run on this layout is refused with what to change."""
         self._check_contract(module)
         self._check_chunks(module)
+        self._check_context_parallel(module)
+
+    def _check_context_parallel(self, module: Any) -> None:
+        cp = self.settings.layout.context_parallel_size
+        if module is not None and cp > 1 and not getattr(module, "supports_context_parallel", False):
+            raise ConfigError(
+                f"context_parallel_size={cp} splits each sequence over {cp} ranks, which the model must do "
+                f"itself; {type(module).__name__} does not (MHCGPTModule does): use context_parallel_size=1.")
 
     def _check_contract(self, module: Any) -> None:
         layout = self.settings.layout
@@ -137,7 +146,8 @@ class ParallelRuntime:
         layout = self.layout = s.layout.build(s.timeout)
         model_parallel_manual_seed(s.seed, layout)
         self.fail_fast.start(f"rank {dist.get_rank()} (TP rank {layout.tensor_model_parallel_rank}, PP rank "
-                             f"{layout.pipeline_model_parallel_rank}, DP rank {layout.data_parallel_rank})")
+                             f"{layout.pipeline_model_parallel_rank}, CP rank {layout.context_parallel_rank}, DP rank "
+                             f"{layout.data_parallel_rank})")
 
     def remove_gradient_hooks(self) -> None:
         for reduction in self._grad_reductions.values():
@@ -155,7 +165,8 @@ class ParallelRuntime:
     # ------------------------------------------------------------------ data
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Distinct data per DP rank; TP and PP peers of one DP rank see the same batches."""
+        """Distinct data per DP rank; TP, CP and PP peers of one DP rank see the same batches (each
+        CP rank keeps its part of every sequence: the module shards the batch)."""
         if self.layout is None:
             raise RuntimeError("the data-parallel split is known once the processes have started "
                                "(Trainer.fit / Fabric.launch)")
@@ -173,8 +184,8 @@ class ParallelRuntime:
             if (sampler.num_replicas, sampler.rank) != (dp, dp_rank):
                 raise ConfigError(
                     f"the DataLoader's DistributedSampler has num_replicas={sampler.num_replicas}, "
-                    f"rank={sampler.rank}, but this process is data-parallel rank {dp_rank} of {dp} (TP and PP "
-                    f"peers of a data-parallel rank must read the same samples). {fix}"
+                    f"rank={sampler.rank}, but this process is data-parallel rank {dp_rank} of {dp} (TP, CP and "
+                    f"PP peers of a data-parallel rank must read the same samples). {fix}"
                 )
         if not distributed and dp > 1 and warn_unsplit:
             rank_zero_warn(
@@ -235,7 +246,7 @@ class ParallelRuntime:
     def _overlap(self, module: Any, forward_only: bool, accumulate: int):
         """The schedule's hook that starts the overlapped DP reduction, or None (see
         ``overlap_grad_reduce``)."""
-        if forward_only or accumulate > 1 or not self.settings.overlap_grad_reduce or self.layout.data_parallel_size == 1:
+        if forward_only or accumulate > 1 or not self.settings.overlap_grad_reduce or not has_replicas(self.layout):
             return None
         if self.takes_over(module):
             return self.distributed_optimizer.reduction.start

@@ -97,12 +97,14 @@ def backward_step(
 
 
 def reduce_loss(total: Tensor | None, num_microbatches: int, device: torch.device, layout: ParallelLayout) -> Tensor:
-    """Mean over microbatches and DP on the last stage, then broadcast along the pipeline."""
+    """Mean over microbatches and DP on the last stage, then broadcast along the pipeline. Under
+    context parallelism a rank's loss is its part of the sample's loss (its tokens' sum over the
+    whole token count), so the sum over DP x CP divided by DP is the DP mean of whole losses."""
     loss = torch.zeros((), dtype=torch.float32, device=device)
     if layout.is_last_stage:
         loss += total.float() / num_microbatches
-        if layout.data_parallel_size > 1:
-            dist.all_reduce(loss, group=layout.dp_group)
+        if layout.data_parallel_size * layout.context_parallel_size > 1:
+            dist.all_reduce(loss, group=layout.dp_cp_group)
             loss /= layout.data_parallel_size
     if layout.pipeline_model_parallel_size > 1:
         dist.broadcast(loss, src=layout.last_stage_rank, group=layout.pp_group)

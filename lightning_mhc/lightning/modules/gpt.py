@@ -26,7 +26,7 @@ from lightning_mhc.distributed.layout import ParallelLayout, active_layout
 from lightning_mhc.recompute.policy import RecomputePolicy
 
 class MHCGPTModule(PipelinedLMModule):
-    """An mHC GPT trained with ``MHCParallelStrategy`` (any TP/PP/DP layout).
+    """An mHC GPT trained with ``MHCParallelStrategy`` (any TP/CP/PP/DP layout).
 
     Batches are dicts with ``tokens`` and ``labels`` (``[batch, seq]``, long) and
     optionally ``loss_mask``. ``configure_model`` builds only this rank's
@@ -69,6 +69,9 @@ class MHCGPTModule(PipelinedLMModule):
         peak_flops: one device's peak FLOP/s, for the logged ``mfu``; None: the figure of a known
             GPU (``lightning_mhc.model.flops``), and no ``mfu`` on CPU or an unknown device.
     """
+
+    supports_context_parallel = True
+    """Its model splits the sequence over CP ranks (``GPTModel.on_this_rank``)."""
 
     def __init__(
         self,
@@ -171,7 +174,10 @@ class MHCGPTModule(PipelinedLMModule):
         return gpt_forward_step(self.model_chunks()[chunk], microbatch)
 
     def loss_func(self, per_token_loss: Tensor, microbatch: dict) -> Tensor:
-        return gpt_loss_func(per_token_loss, microbatch)
+        """The micro-batch's mean loss; under context parallelism this rank's part of it (see
+        ``gpt_loss_func``: a subclass's own loss must be a part too, summing to the mean over CP)."""
+        last = self.model_chunks()[-1]
+        return gpt_loss_func(per_token_loss, last.on_this_rank(microbatch), last.context_parallel_group)
 
     def pipeline_tensor_shape(self, microbatch: dict) -> tuple[int, ...]:
         batch, seq = microbatch["tokens"].shape
@@ -184,9 +190,10 @@ class MHCGPTModule(PipelinedLMModule):
         is needed (TP = PP = 1; any DP size, each rank continues its own batch)."""
         chunks = self.model_chunks()
         if len(chunks) != 1 or not (chunks[0].pre_process and chunks[0].post_process) \
-                or chunks[0].config.tensor_model_parallel_size != 1:
+                or chunks[0].config.tensor_model_parallel_size != 1 or chunks[0].config.context_parallel_size != 1:
             raise ConfigError("predict_step generates with the whole model in each process: run predict with "
-                              "MHCParallelStrategy(tensor_model_parallel_size=1, pipeline_model_parallel_size=1), "
+                              "MHCParallelStrategy(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, "
+                              "context_parallel_size=1), "
                               "or load the checkpoint with MHCGPTModule.load_from_checkpoint(dir).")
         tokens = batch["tokens"] if isinstance(batch, Mapping) else batch
         return chunks[0].generate(tokens, **self.generation_kwargs)
