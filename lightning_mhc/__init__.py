@@ -1,7 +1,7 @@
 """lightning_mhc: train mHC transformers with TP/PP/DP from one line of Lightning.
 
 Rooms by concept (the README's "Layout" is the map); each imports only the rooms before it here:
-``ops`` <- ``recompute`` <- ``distributed`` <- ``model`` <- ``checkpoint`` <- ``parallelize`` <- ``data``
+``ops`` <- ``recompute`` <- ``distributed`` <- ``model`` <- ``checkpoint`` <- ``any_model`` <- ``data``
 <- ``strategies`` <- ``fabric``, ``lightning`` <- ``cli`` (``testing``: helpers for tests and benchmarks).
 Public names are loaded on first use, so importing one room never imports the rooms above it,
 with one deliberate exception: once Lightning itself is imported, the registration hook imports
@@ -25,13 +25,13 @@ _PUBLIC = {
     "MHCRecomputeCallback": "lightning_mhc.lightning",
     "MHCGPTModule": "lightning_mhc.lightning",
     "ParallelLMModule": "lightning_mhc.lightning",
-    "parallelize": "lightning_mhc.parallelize",
-    "add_hyper_connections": "lightning_mhc.parallelize",
-    "load_pretrained": "lightning_mhc.parallelize",
-    "save_hyper_connections": "lightning_mhc.parallelize",
-    "hyper_connection_modules": "lightning_mhc.parallelize",
-    "record_module_init": "lightning_mhc.parallelize",
-    "build_recorded_module": "lightning_mhc.parallelize",
+    "parallelize": "lightning_mhc.any_model",
+    "add_hyper_connections": "lightning_mhc.any_model",
+    "load_pretrained": "lightning_mhc.any_model",
+    "save_hyper_connections": "lightning_mhc.any_model",
+    "hyper_connection_modules": "lightning_mhc.any_model",
+    "record_module_init": "lightning_mhc.any_model",
+    "build_recorded_module": "lightning_mhc.any_model",
     "MHCTransformerConfig": "lightning_mhc.model",
     "ActivationMemoryMeter": "lightning_mhc.recompute",
     "CheckpointWithoutOutput": "lightning_mhc.recompute",

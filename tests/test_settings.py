@@ -210,7 +210,7 @@ def test_the_virtual_size_is_an_int_everywhere():
 
 
 # ------------------------------------------------------------------ the rooms
-ROOMS = ["ops", "recompute", "distributed", "model", "checkpoint", "parallelize", "data", "strategies", "fabric",
+ROOMS = ["ops", "recompute", "distributed", "model", "checkpoint", "any_model", "data", "strategies", "fabric",
          "lightning", "cli"]
 """The package's rooms, each importing only those before it (fabric and lightning are peers)."""
 FIRST_ROOM_OF = {"lightning": "data", "hydra": "strategies", "omegaconf": "strategies"}
@@ -273,9 +273,15 @@ def test_distributed_imports_nothing_above_it_when_loaded():
     assert not loaded & above, sorted(loaded & above)
 
 
-def test_the_public_name_parallelize_calls_the_function_after_its_package_is_imported():
-    import lightning_mhc.parallelize  # noqa: F401  (binds lightning_mhc.parallelize to the package)
+def test_the_public_name_parallelize_is_the_function():
+    """``from lightning_mhc import parallelize`` gives the function itself, before and after its room
+    (``lightning_mhc.any_model``) is imported: no room shares the function's name."""
+    import lightning_mhc
+    import lightning_mhc.any_model
+
     from lightning_mhc import parallelize as public
+
+    assert public is lightning_mhc.any_model.parallelize is lightning_mhc.parallelize
 
     with pytest.raises(ConfigError, match="unknown recompute policy 'bogus'"):
         public(_meta_model(), recompute="bogus")

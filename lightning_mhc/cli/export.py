@@ -12,7 +12,7 @@ def export(path: Path, out: Path) -> dict:
     """The whole model of a checkpoint of any layout, written to ``out``: an ``MHCGPTModule``'s as
     one safetensors file and its config (``model/export.py``); a Hugging Face model's
     (``lightning-mhc-train model=hf``) as ``save_pretrained`` writes it, its hyper-connections and
-    tokenizer beside it (``parallelize/export.py``). Returns what was written."""
+    tokenizer beside it (``any_model/export.py``). Returns what was written."""
     import time
 
     from lightning_mhc.lightning import MHCGPTModule
@@ -42,7 +42,7 @@ def _export_hf(path: Path, hparams: dict, out: Path) -> dict:
     import shutil
 
     from lightning_mhc.lightning.modules.hf import HFCausalLMModule
-    from lightning_mhc.parallelize.export import export_pretrained
+    from lightning_mhc.any_model.export import export_pretrained
 
     written = export_pretrained(path, HFCausalLMModule.whole_model(hparams), out)
     tokenizer = Path(hparams["model_dir"]) / "tokenizer.json"

@@ -233,7 +233,7 @@ class ModelConfig:
             self.pretrained = to_absolute_path(os.path.expanduser(self.pretrained))
         else:
             self.config = to_absolute_path(os.path.expanduser(self.config))
-        from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
+        from lightning_mhc.any_model.hyper_connections import HyperConnectionSettings
 
         try:
             self.hyper_connection_settings = HyperConnectionSettings.of(self.hyper_connections, self.init_seed,
@@ -253,7 +253,7 @@ class ModelConfig:
 def _check_built_in_plan(model: Any, plan: str) -> None:
     """model=hf: the command line takes a built-in plan by name (a plan of one's own is a Python
     object: ``parallelize`` from a script)."""
-    from lightning_mhc.parallelize.families import PLANS
+    from lightning_mhc.any_model.families import PLANS
 
     family = getattr(model.config, "model_type", None) if plan == "auto" else plan
     if family not in PLANS:
@@ -611,8 +611,8 @@ class TrainConfig:
         stages, the hyper-connection plan against the model, the pretrained files' tensors), on the
         model recorded on the meta device: nothing is allocated."""
         from lightning_mhc.lightning.modules.hf import hf_config, recorded_hf_model
-        from lightning_mhc.parallelize.model import check_parallelize
-        from lightning_mhc.parallelize.weights import check_weights
+        from lightning_mhc.any_model.model import check_parallelize
+        from lightning_mhc.any_model.weights import check_weights
 
         m, d = self.model, self.data
         self.layout.check_model({}, d.seq_length)  # the sequence, where sequence parallelism splits it
