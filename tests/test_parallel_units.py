@@ -123,3 +123,39 @@ def _p2p_times_out(rank: int, world: int) -> str:
 def test_p2p_wait_has_a_deadline():
     results = spawn_ranks(_p2p_times_out, 2, timeout_s=120)
     assert "no timeout" not in results[1] and "sender idle" == results[0]
+
+
+def _cp_ep_groups(rank: int, world: int) -> dict:
+    def ranks(group) -> list[int]:
+        return dist.get_process_group_ranks(group)
+
+    seen = {}
+    for tp, cp, ep in ((2, 2, 2), (1, 2, 2), (1, 2, 4)):
+        layout = ParallelLayout(tp, context_parallel_size=cp, expert_model_parallel_size=ep).build()
+        seen[(tp, cp, ep)] = dict(
+            tp=ranks(layout.tp_group), cp=ranks(layout.cp_group), dp=ranks(layout.dp_group),
+            dp_cp=ranks(layout.dp_cp_group), ep=ranks(layout.ep_group), edp=ranks(layout.expert_dp_group),
+            places=(layout.context_parallel_rank, layout.data_parallel_rank, layout.expert_model_parallel_rank),
+            sizes=(layout.data_parallel_size, layout.expert_data_parallel_size))
+    return seen
+
+
+def test_context_and_expert_parallel_groups_follow_megatrons_rank_order():
+    """TP fastest, then CP, then DP (then PP); DP x CP is where replicated gradients are reduced; EP is
+    carved out of DP x CP ranks that hold the same TP shard, the rest replicate each expert."""
+    with pytest.raises(ConfigError, match=r"\* context_parallel_size=2 = 4 does not divide the world size 6"):
+        ParallelLayout(2, context_parallel_size=2, world_size=6)
+    with pytest.raises(ConfigError, match=r"expert_model_parallel_size=4 does not divide the 2 data- and context-"):
+        ParallelLayout(2, expert_model_parallel_size=4, world_size=4)
+    with pytest.raises(ConfigError, match=r"context_parallel_size=2 cuts seq_length=6 into 2 \* 2 chunks and "
+                                          r"sequence_parallel=True splits each over tensor_model_parallel_size=2"):
+        ParallelLayout(2, sequence_parallel=True, context_parallel_size=2).check_model({}, seq_length=6)
+    per_rank = spawn_ranks(_cp_ep_groups, 4, timeout_s=120)
+    r0, r3 = per_rank[0], per_rank[3]
+    assert r0[(2, 2, 2)] == dict(tp=[0, 1], cp=[0, 2], dp=[0], dp_cp=[0, 2], ep=[0, 2], edp=[0], places=(0, 0, 0),
+                                 sizes=(1, 1))
+    assert r3[(2, 2, 2)] == dict(tp=[2, 3], cp=[1, 3], dp=[3], dp_cp=[1, 3], ep=[1, 3], edp=[3], places=(1, 0, 1),
+                                 sizes=(1, 1))
+    assert r3[(1, 2, 2)] == dict(tp=[3], cp=[2, 3], dp=[1, 3], dp_cp=[0, 1, 2, 3], ep=[2, 3], edp=[1, 3],
+                                 places=(1, 1, 1), sizes=(2, 2))
+    assert r3[(1, 2, 4)]["ep"] == [0, 1, 2, 3] and r3[(1, 2, 4)]["sizes"] == (2, 1)

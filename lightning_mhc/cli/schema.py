@@ -291,6 +291,10 @@ class ParallelConfig:
     """With TP > 1: the residual stream, norms and hyper-connections on seq_length / TP tokens per rank."""
     virtual_pipeline_model_parallel_size: int = 1
     """Model chunks per pipeline stage (interleaved 1F1B); 1: one chunk."""
+    context_parallel_size: int = 1
+    """Ranks that split each sequence (CP); DP = devices / (TP x CP x PP)."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split the experts of MoE layers (EP), carved out of DP x CP."""
     num_microbatches: Optional[int] = None
     """null: data.global_batch_size / (data.micro_batch_size x DP); given, it must be that number."""
     deallocate_pipeline_outputs: bool = True

@@ -1,12 +1,18 @@
-"""The parallel layout: one value for the TP x PP x DP degrees, checked when it is made, that
-carries this rank's place and process groups once built (torchtitan's ``ParallelDims``).
+"""The parallel layout: one value for the TP x CP x PP x DP (and EP) degrees, checked when it is
+made, that carries this rank's place and process groups once built (torchtitan's ``ParallelDims``).
 
 Every entry point makes one (the CLI from its config, each strategy from its arguments,
 ``parallelize`` outside a strategy from the user's), and passes it down. :meth:`ParallelLayout.build`
 has megatron-core's ``parallel_state`` make the groups over the initialised default process group
 (gloo on CPU, NCCL on GPU) and returns the built layout, which the runtime (point-to-point, the
 schedules, gradient reduction, RNG seeding, checkpoints) receives explicitly. Megatron's rank
-order: TP fastest, then DP, then PP. DP is ``world_size / (TP * PP)``.
+order: TP fastest, then CP, then DP, then PP. DP is ``world_size / (TP * CP * PP)``.
+
+Context parallelism (CP) splits each sequence over ``CP`` ranks that see the same samples: what
+TP does not split is replicated over DP x CP, so its gradients are reduced (and the distributed
+optimizer shards) over that group, while the data is split over DP only. Expert parallelism (EP)
+splits the experts of an MoE layer over ``EP`` ranks carved out of the DP x CP ranks (megatron's
+rule): expert parameters are replicated over the remaining expert-data-parallel ranks only.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ RUNTIME_NAMES = KeyNames({
 """How layout errors name values by default (a strategy's and the model's arguments)."""
 
 DEGREES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-           "sequence_parallel")
+           "sequence_parallel", "context_parallel_size", "expert_model_parallel_size")
 """The fields of :class:`ParallelLayout` that a user chooses (megatron's names); the world size and
 this rank's place come from the processes."""
 
@@ -43,7 +49,16 @@ class ProcessGroups:
     tensor: Any
     pipeline: Any
     data: Any
+    """The ranks that read different samples (DP, without CP)."""
     model_parallel: Any
+    context: Any
+    """The ranks that split one sequence (CP; size 1 without it)."""
+    data_context: Any
+    """DP x CP: the ranks over which what TP does not split is replicated (gradients, ZeRO-1)."""
+    expert: Any
+    """The ranks that split the experts (EP; size 1 without it)."""
+    expert_data: Any
+    """The ranks over which an expert's parameters are replicated (DP x CP / EP)."""
     embedding: Any | None
     """First and last stage of this pipeline (tied embedding); None off those stages or without PP."""
     pipeline_ranks: tuple[int, ...]
@@ -56,12 +71,15 @@ def _positive_int(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A TP x PP x DP layout: its degrees, checked when made (the one place the layout rules
+    """A TP x CP x PP x DP (x EP) layout: its degrees, checked when made (the one place the layout rules
     live); once :meth:`build` has run, also this rank's ranks and process groups.
 
     ``virtual_pipeline_model_parallel_size`` is ``v``: each rank holds ``v`` model chunks
     (interleaved 1F1B; 1 is the plain pipeline). ``sequence_parallel``: the residual stream,
-    norms, hyper-connections and dropout run on ``s / TP`` tokens per TP rank. ``world_size=None``:
+    norms, hyper-connections and dropout run on ``s / TP`` tokens per TP rank.
+    ``context_parallel_size``: each sequence split over ``CP`` ranks (load-balanced chunks, see
+    ``distributed.context_parallel``). ``expert_model_parallel_size``: the experts of MoE layers
+    split over ``EP`` ranks of DP x CP. ``world_size=None``:
     not known yet (a strategy before launch); :meth:`build` checks it. ``names``: how errors
     name the values (``errors.KeyNames``; the CLI passes its config keys).
     """
@@ -70,12 +88,16 @@ class ParallelLayout:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
     world_size: int | None = None
     names: KeyNames = field(default=RUNTIME_NAMES, compare=False, repr=False)
     tensor_model_parallel_rank: int | None = None
     """This rank's place, once built (None before)."""
     pipeline_model_parallel_rank: int | None = None
     data_parallel_rank: int | None = None
+    context_parallel_rank: int | None = None
+    expert_model_parallel_rank: int | None = None
     groups: ProcessGroups | None = field(default=None, compare=False, repr=False)
     """This rank's process groups, once built (None before, and in a copy sent to another process)."""
 
@@ -95,7 +117,7 @@ class ParallelLayout:
     def _check_degrees(self) -> None:
         t, key = self.names.term, self.names.key
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "virtual_pipeline_model_parallel_size"):
+                     "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
             if not _positive_int(getattr(self, name)):
                 self._fail(f"{t(name, getattr(self, name))}: must be a positive integer.")
         if not isinstance(self.sequence_parallel, bool):
@@ -117,11 +139,20 @@ class ParallelLayout:
 
     def _check_world(self, world: int) -> None:
         tp, pp, t = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.names.term
-        if not _positive_int(world) or world % (tp * pp):
+        cp, ep = self.context_parallel_size, self.expert_model_parallel_size
+        if not _positive_int(world) or world % (tp * cp * pp):
+            product = f"{t('tensor_model_parallel_size', tp)} * {t('pipeline_model_parallel_size', pp)}"
+            product += f" * {t('context_parallel_size', cp)}" if cp > 1 else ""
             self._fail(
-                f"{t('tensor_model_parallel_size', tp)} * {t('pipeline_model_parallel_size', pp)} = {tp * pp} "
-                f"does not divide {t('world_size', world)}. Use a number of devices that is a multiple of "
-                f"{tp * pp}, or change the TP/PP sizes."
+                f"{product} = {tp * cp * pp} does not divide {t('world_size', world)}. Use a number of devices "
+                f"that is a multiple of {tp * cp * pp}, or change the {'TP/CP/PP' if cp > 1 else 'TP/PP'} sizes."
+            )
+        replicas = world // (tp * pp)  # DP x CP: the ranks experts are split over (megatron's rule)
+        if replicas % ep:
+            self._fail(
+                f"{t('expert_model_parallel_size', ep)} does not divide the {replicas} data- and context-parallel "
+                f"ranks of {t('world_size', world)} (world / (TP * PP)): experts are split over ranks that "
+                f"hold the same stage and TP shard. Use an EP size that divides {replicas}, or more devices."
             )
 
     def with_world(self, world_size: int) -> ParallelLayout:
@@ -151,9 +182,24 @@ class ParallelLayout:
                     f"{t(name, value)} is not divisible by {t('tensor_model_parallel_size', tp)}. Choose a "
                     f"tensor-parallel size that divides {value}, or change {key(name)}."
                 )
-        if self.sequence_parallel and seq_length is not None and seq_length % tp:
-            self._fail(f"{t('sequence_parallel', True)} splits {t('seq_length', seq_length)} over "
-                       f"{t('tensor_model_parallel_size', tp)} ranks: use a sequence length divisible by {tp}.")
+        if seq_length is not None and seq_length % self.sequence_split:
+            self._fail(f"{self._sequence_split_reason(seq_length)}: use a sequence length divisible by "
+                       f"{self.sequence_split}.")
+
+    @property
+    def sequence_split(self) -> int:
+        """What the sequence length must divide by: ``2 * CP`` load-balanced chunks, each split again
+        over TP under sequence parallelism."""
+        cp = self.context_parallel_size
+        return (2 * cp if cp > 1 else 1) * (self.tensor_model_parallel_size if self.sequence_parallel else 1)
+
+    def _sequence_split_reason(self, seq_length: int) -> str:
+        t, cp, tp = self.names.term, self.context_parallel_size, self.tensor_model_parallel_size
+        sp = f"{t('sequence_parallel', True)} splits {{}} over {t('tensor_model_parallel_size', tp)} ranks"
+        if cp == 1:
+            return sp.format(t('seq_length', seq_length))
+        chunks = f"{t('context_parallel_size', cp)} cuts {t('seq_length', seq_length)} into 2 * {cp} chunks"
+        return f"{chunks} and {sp.format('each')}" if self.sequence_parallel else chunks
 
     def check_microbatches(self, num_microbatches: int, group: int | None = None) -> int:
         """The microbatches of one step on this layout: at least one; with a virtual pipeline,
@@ -185,7 +231,13 @@ class ParallelLayout:
     def data_parallel_size(self) -> int:
         if self.world_size is None:
             raise RuntimeError("the data-parallel size is known once the world size is")
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return self.world_size // (self.tensor_model_parallel_size * self.context_parallel_size
+                                   * self.pipeline_model_parallel_size)
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """The ranks one expert's parameters are replicated over: DP x CP / EP."""
+        return self.data_parallel_size * self.context_parallel_size // self.expert_model_parallel_size
 
     @property
     def model_parallel_size(self) -> int:
@@ -260,15 +312,32 @@ class ParallelLayout:
         return self._groups().model_parallel
 
     @property
+    def cp_group(self):
+        return self._groups().context
+
+    @property
+    def dp_cp_group(self):
+        """DP x CP: where the gradients of what TP does not split are reduced (the DP group without CP)."""
+        return self._groups().data_context
+
+    @property
+    def ep_group(self):
+        return self._groups().expert
+
+    @property
+    def expert_dp_group(self):
+        return self._groups().expert_data
+
+    @property
     def embedding_group(self):
         return self._groups().embedding
 
     def build(self, timeout: datetime.timedelta | None = None) -> ParallelLayout:
-        """This layout with this rank's place and megatron-core's TP, PP, DP (and embedding) groups,
+        """This layout with this rank's place and megatron-core's TP, CP, PP, DP, EP (and embedding) groups,
         made over the initialised default process group (whose size is checked first).
 
         The groups of the layout built last are kept while they live, when they are the ones this
-        layout needs (the same TP and PP sizes in the same world; the virtual pipeline and sequence
+        layout needs (the same TP, CP, PP and EP sizes in the same world; the virtual pipeline and sequence
         parallelism need no groups of their own): a model built on them (megatron's layers keep
         them) goes on working, as after ``Trainer.fit`` for ``trainer.save_checkpoint``,
         ``validate``, ``test`` or a second ``fit``. Other sizes replace them (destroyed)."""
@@ -289,6 +358,8 @@ class ParallelLayout:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
             **kwargs,
         )
         _ACTIVE = world._adopt_megatron_groups()
@@ -299,13 +370,14 @@ class ParallelLayout:
         return all(getattr(self, name) == getattr(other, name) for name in (*DEGREES, "world_size"))
 
     def _same_groups(self, other: ParallelLayout) -> bool:
-        """Megatron's groups of one would serve the other: the same TP and PP sizes and world."""
+        """Megatron's groups of one would serve the other: the same TP, CP, PP, EP sizes and world."""
         return all(getattr(self, name) == getattr(other, name)
-                   for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "world_size"))
+                   for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                                "expert_model_parallel_size", "world_size"))
 
     def _adopt_megatron_groups(self) -> ParallelLayout:
         """This layout with the place and groups megatron's ``parallel_state`` holds now (whose
-        TP and PP sizes it must have)."""
+        TP, CP, PP and EP sizes it must have)."""
         ps = parallel_state
         pipeline_ranks = tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
         # megatron's default embedding ranks: the first and last stage (its is_rank_in_embedding_group
@@ -316,6 +388,10 @@ class ParallelLayout:
             pipeline=ps.get_pipeline_model_parallel_group(),
             data=ps.get_data_parallel_group(),
             model_parallel=ps.get_model_parallel_group(),
+            context=ps.get_context_parallel_group(),
+            data_context=ps.get_data_parallel_group(with_context_parallel=True),
+            expert=ps.get_expert_model_parallel_group(),
+            expert_data=ps.get_expert_data_parallel_group(),
             embedding=ps.get_embedding_group() if in_embedding else None,
             pipeline_ranks=pipeline_ranks,
         )
@@ -323,7 +399,8 @@ class ParallelLayout:
             self, world_size=dist.get_world_size(),
             tensor_model_parallel_rank=ps.get_tensor_model_parallel_rank(),
             pipeline_model_parallel_rank=ps.get_pipeline_model_parallel_rank(),
-            data_parallel_rank=ps.get_data_parallel_rank(), groups=groups)
+            data_parallel_rank=ps.get_data_parallel_rank(), context_parallel_rank=ps.get_context_parallel_rank(),
+            expert_model_parallel_rank=ps.get_expert_model_parallel_rank(), groups=groups)
 
 
 def stage_ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -347,7 +424,10 @@ def active_layout() -> ParallelLayout:
         return _ACTIVE
     if parallel_state.model_parallel_is_initialized():
         return ParallelLayout(parallel_state.get_tensor_model_parallel_world_size(),
-                              parallel_state.get_pipeline_model_parallel_world_size())._adopt_megatron_groups()
+                              parallel_state.get_pipeline_model_parallel_world_size(),
+                              context_parallel_size=parallel_state.get_context_parallel_world_size(),
+                              expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                              )._adopt_megatron_groups()
     return single_process_layout()
 
 
