@@ -209,6 +209,53 @@ def test_the_virtual_size_is_an_int_everywhere():
         MHCParallelStrategy(virtual_pipeline_model_parallel_size=None)
 
 
+# ------------------------------------------------ the strategies' explicit keywords
+def _keywords_problems(strategy: type) -> list[str]:
+    """How a strategy's ``__init__`` differs from ``settings``, then the settings' fields (the layout's
+    degrees first) with the dataclasses' defaults and types, then its own, then its Lightning base's."""
+    import dataclasses
+    import inspect
+    import typing
+
+    from lightning_mhc.strategies.settings import SETTING_NAMES
+
+    fields = {f.name: f for cls in (ParallelLayout, ParallelSettings) for f in dataclasses.fields(cls)}
+    hints = {**typing.get_type_hints(ParallelLayout), **typing.get_type_hints(ParallelSettings)}
+    own_hints = typing.get_type_hints(strategy.__init__)
+    params = list(inspect.signature(strategy.__init__).parameters.values())[1:]
+    problems = []
+    if params[0].name != "settings":
+        problems.append(f"first argument {params[0].name!r}, not 'settings'")
+    taken = [p.name for p in params[1:len(SETTING_NAMES) + 1]]
+    if taken != list(SETTING_NAMES):
+        problems.append(f"settings keywords {taken} != {list(SETTING_NAMES)}")
+    for p in params[1:len(SETTING_NAMES) + 1]:
+        if p.name in fields and (p.kind is not p.KEYWORD_ONLY or p.default != fields[p.name].default
+                                 or own_hints[p.name] != hints[p.name]):
+            problems.append(f"{p.name}: {p.kind.name}, default {p.default!r}, type {own_hints[p.name]} != "
+                            f"the field's {fields[p.name].default!r}, {hints[p.name]}")
+    lightning_base = next(cls for cls in strategy.__mro__ if cls.__module__.startswith("lightning."))
+    theirs = [(p.name, p.default) for p in list(inspect.signature(lightning_base.__init__).parameters.values())[1:]]
+    ends = [(p.name, p.default) for p in params[len(params) - len(theirs):]]
+    if ends != theirs:
+        problems.append(f"last arguments {ends} != {lightning_base.__qualname__}'s {theirs}")
+    return problems
+
+
+def test_the_strategies_keywords_are_the_settings_fields():
+    """Both strategies write their keywords out (``help()``, IDEs, LightningCLI read them): the
+    same names, order, defaults and types as ParallelSettings' fields and the layout's DEGREES."""
+    from lightning_mhc.lightning import MHCParallelStrategy as TrainerStrategy
+
+    problems = {cls.__module__: _keywords_problems(cls) for cls in (TrainerStrategy, FabricStrategy)}
+    assert not any(problems.values()), problems
+    for cls in (TrainerStrategy, FabricStrategy):  # a keyword reaches the settings, and the settings whole
+        strategy = cls(expert_model_parallel_size=2, timeout=datetime.timedelta(seconds=5), seed=7)
+        assert strategy.settings == ParallelSettings(ParallelLayout(expert_model_parallel_size=2),
+                                                     timeout=datetime.timedelta(seconds=5), seed=7)
+        assert cls(strategy.settings).settings is strategy.settings
+
+
 # ------------------------------------------------------------------ the rooms
 ROOMS = ["ops", "recompute", "distributed", "model", "checkpoint", "any_model", "data", "strategies", "fabric",
          "lightning", "cli"]
