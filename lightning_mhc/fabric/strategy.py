@@ -281,10 +281,8 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
                 if k != model_key and k not in optimizer_keys}
         step = next((rest[k] for k in ("global_step", "step") if isinstance(rest.get(k), int)), None)
         checkpoint = {
-            "state_dict": dist_checkpoint.model_state(module, self.layout),
-            "optimizer_states": [dist_checkpoint.optimizer_state(state[k], module, self.layout,
-                                                                 self.runtime.optimizer_pieces(state[k]))
-                                 for k in optimizer_keys],
+            "state_dict": self.runtime.model_state(module),
+            "optimizer_states": [self.runtime.optimizer_state(state[k], module) for k in optimizer_keys],
             FABRIC_OBJECTS: dict(model=model_key, optimizers=optimizer_keys),
             FABRIC_STATE: rest,
             "global_step": step,

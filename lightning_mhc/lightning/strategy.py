@@ -261,14 +261,12 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     # ---------------------------------------------------------- checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's pieces of the whole model's tensors, by global name (views: no copy)."""
-        return dist_checkpoint.model_state(self.lightning_module, self.layout)
+        return self.runtime.model_state(self.lightning_module)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's per-parameter states as pieces of the whole model's (AdamW's moments
         are resharded like their parameters), and its param-group settings."""
-        optimizer = unwrap_optimizer(optimizer)
-        return dist_checkpoint.optimizer_state(optimizer, self.lightning_module, self.layout,
-                                               self.runtime.optimizer_pieces(optimizer))
+        return self.runtime.optimizer_state(unwrap_optimizer(optimizer), self.lightning_module)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Crash-safe (``lightning_mhc.checkpoint.commit``): every rank writes its pieces into a
