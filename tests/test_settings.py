@@ -3,7 +3,6 @@ is refused by that function, with that function's message, through every door th
 CLI, the Trainer, Fabric, ``parallelize``); the rooms import only the rooms below them."""
 from __future__ import annotations
 
-import ast
 import datetime
 import pathlib
 import re
@@ -254,70 +253,6 @@ def test_the_strategies_keywords_are_the_settings_fields():
         assert strategy.settings == ParallelSettings(ParallelLayout(expert_model_parallel_size=2),
                                                      timeout=datetime.timedelta(seconds=5), seed=7)
         assert cls(strategy.settings).settings is strategy.settings
-
-
-# ------------------------------------------------------------------ the rooms
-ROOMS = ["ops", "recompute", "distributed", "model", "checkpoint", "any_model", "data", "strategies", "fabric",
-         "lightning", "cli"]
-"""The package's rooms, each importing only those before it (fabric and lightning are peers)."""
-FIRST_ROOM_OF = {"lightning": "data", "hydra": "strategies", "omegaconf": "strategies"}
-"""The first room that may import each of these packages (data modules are Lightning's; the
-launchers know Hydra's multirun)."""
-ABOVE_ALL = set(FIRST_ROOM_OF)
-
-
-def _imports(path: pathlib.Path) -> set[str]:
-    """Every module a file imports, at the top or inside a function, absolute."""
-    names = set()
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            names.add(base)
-    return names
-
-
-def _room(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if parts[0] == "lightning_mhc" and len(parts) > 1 and parts[1] in ROOMS else None
-
-
-def test_each_room_imports_only_the_rooms_below_it():
-    problems = []
-    for room in ROOMS:
-        allowed = set(ROOMS[:ROOMS.index(room) + 1]) - ({"lightning"} if room == "fabric" else set())
-        for path in (PACKAGE / room).rglob("*.py"):
-            for module in _imports(path):
-                other = _room(module)
-                if other is not None and other not in allowed:
-                    problems.append(f"{path.relative_to(ROOT)} imports {module}")
-                top = module.split(".")[0]
-                if top in FIRST_ROOM_OF and ROOMS.index(room) < ROOMS.index(FIRST_ROOM_OF[top]):
-                    problems.append(f"{path.relative_to(ROOT)} imports {module}")
-    assert not problems, "\n".join(problems)
-
-
-def test_distributed_imports_nothing_above_it_when_loaded():
-    """``distributed`` loaded whole pulls in no Lightning, Hydra, model, checkpoint or strategy."""
-    import subprocess
-    import sys
-
-    from subprocess_env import child_env
-
-    code = ("import pkgutil, importlib, sys, lightning_mhc.distributed as d\n"
-            "for m in pkgutil.walk_packages(d.__path__, 'lightning_mhc.distributed.'): importlib.import_module(m.name)\n"
-            "print(sorted({n.split('.')[0] if not n.startswith('lightning_mhc.') else '.'.join(n.split('.')[:2]) "
-            "for n in sys.modules}))")
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120,
-                          env=child_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    loaded = set(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
-    above = {f"lightning_mhc.{room}" for room in ROOMS[ROOMS.index("distributed") + 1:]} | ABOVE_ALL
-    assert not loaded & above, sorted(loaded & above)
 
 
 def test_the_public_name_parallelize_is_the_function():
