@@ -72,6 +72,22 @@ def test_every_config_composes_and_validates(group, option, tmp_path):
         assert cfg.transformer_config().num_layers == cfg.model.num_layers
 
 
+def test_sample_corpus_experiment_from_another_directory(tmp_path, monkeypatch, capsys):
+    """``experiment=sample_corpus`` started in a directory without ``conf/`` or ``data/``: the packaged
+    experiment, its ``data.blend=sample`` indexed into the cache on first use (a fresh cache here), and
+    the check before launch passes (it opens the indexed pair and counts the samples the run needs)."""
+    from train_cli import check_before_launch
+
+    monkeypatch.setenv("LIGHTNING_MHC_CACHE", str(tmp_path / "cache"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    status, err = check_before_launch(["experiment=sample_corpus", "trainer.max_steps=2"], elsewhere, monkeypatch,
+                                      capsys)
+    assert status == 0, err[-3000:]
+    assert len(list((tmp_path / "cache").glob("sample-*/sample_text_document.idx"))) == 1
+    assert not list(elsewhere.iterdir()), "the check wrote into the directory it ran in"
+
+
 def test_mhc_implementation_reaches_the_model_config():
     assert compose_config().transformer_config().mhc_implementation == "auto"
     assert compose_config("model.mhc_implementation=reference").transformer_config().mhc_implementation == "reference"

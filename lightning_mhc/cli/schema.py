@@ -383,6 +383,7 @@ class DataConfig:
         directory), ``~`` expanded: the run reads these absolute paths."""
         from hydra.utils import to_absolute_path
 
+        from lightning_mhc.data import sample
         from lightning_mhc.data.tokenizers import is_named
 
         def absolute(path: str) -> str:
@@ -394,8 +395,9 @@ class DataConfig:
             self.cache_dir = absolute(self.cache_dir)
         if self.tokenizer and not is_named(self.tokenizer):
             self.tokenizer = absolute(self.tokenizer)
-        if self.source == "megatron":
-            self.blend = [item if isinstance(item, float) else absolute(item) for item in self.blend]
+        if self.source == "megatron":  # data.blend=sample: the shipped corpus, indexed once into the user's cache
+            self.blend = [item if isinstance(item, float) else sample.indexed_prefix() if item == sample.SAMPLE
+                          else absolute(item) for item in self.blend]
 
     def tokenizer_vocab_size(self) -> int:
         """The vocabulary the data needs: the tokenizer's (data=megatron) or the bytes'."""
