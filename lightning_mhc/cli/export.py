@@ -29,12 +29,11 @@ def export(path: Path, out: Path) -> dict:
 
 def _hyperparameters(path: Path) -> dict:
     """The checkpoint's saved hyperparameters (a clear error for a missing or incomplete one)."""
-    from lightning_mhc.checkpoint import legacy
-    from lightning_mhc.checkpoint.commit import read_metadata
-    from lightning_mhc.checkpoint.format import read_trainer_state
+    from lightning_mhc.checkpoint.format import read_metadata, read_trainer_state
 
-    if not Path(path).is_dir() or legacy.is_legacy(read_metadata(Path(path))):
+    if not Path(path).is_dir():
         return {}  # MHCGPTModule.load_from_checkpoint names what it is
+    read_metadata(Path(path))  # a clear error for a missing, incomplete or earlier-format checkpoint
     return read_trainer_state(Path(path)).get("hyper_parameters") or {}
 
 
