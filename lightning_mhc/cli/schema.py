@@ -383,7 +383,8 @@ class DataConfig:
         directory), ``~`` expanded: the run reads these absolute paths."""
         from hydra.utils import to_absolute_path
 
-        from lightning_mhc.data import sample
+        from lightning_mhc.data.preprocess import sample_prefix
+        from lightning_mhc.data.sample import SAMPLE
         from lightning_mhc.data.tokenizers import is_named
 
         def absolute(path: str) -> str:
@@ -396,7 +397,7 @@ class DataConfig:
         if self.tokenizer and not is_named(self.tokenizer):
             self.tokenizer = absolute(self.tokenizer)
         if self.source == "megatron":  # data.blend=sample: the shipped corpus, indexed once into the user's cache
-            self.blend = [item if isinstance(item, float) else sample.indexed_prefix() if item == sample.SAMPLE
+            self.blend = [item if isinstance(item, float) else sample_prefix() if item == SAMPLE
                           else absolute(item) for item in self.blend]
 
     def tokenizer_vocab_size(self) -> int:

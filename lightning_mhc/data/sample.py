@@ -6,16 +6,13 @@ the package: ``sample_corpus/corpus.jsonl`` holds the docstrings of the Python s
 ``sample_corpus/tokenizer.json`` a byte-level BPE trained on it with the ``tokenizers`` trainer.
 The name ``sample`` stands for them where a path is taken (``--input sample``,
 ``--tokenizer sample``, ``data.tokenizer=sample``), and ``data.blend=sample`` names the corpus in
-Megatron's indexed format (:func:`indexed_prefix`, made once into the user's cache). Rebuild both with
+Megatron's indexed format (``preprocess.sample_prefix``, made once into the user's cache). Rebuild both with
 ``python -m lightning_mhc.data.sample [OUT_DIR]``; tests call ``train_bpe`` on text they make.
 """
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -30,35 +27,6 @@ EOD = "<|endoftext|>"
 def resolve(spec: str | Path, file: str) -> str:
     """``'sample'`` -> the shipped ``file``; anything else unchanged."""
     return str(SAMPLE_DIR / file) if str(spec) == SAMPLE else str(spec)
-
-
-def indexed_prefix(cache_dir: str | Path | None = None) -> str:
-    """The shipped corpus in Megatron's indexed format (the shipped BPE, an end-of-document token
-    after each document): the prefix of its ``.bin`` / ``.idx`` pair, what ``data.blend=sample``
-    reads. Made on first use (seconds) into ``cache_dir`` (default ``$LIGHTNING_MHC_CACHE``, else
-    ``$XDG_CACHE_HOME/lightning_mhc``, else ``~/.cache/lightning_mhc``), under a name that changes with
-    the shipped files, so it works from any directory and an installed package's folder is never
-    written."""
-    from lightning_mhc.data.preprocess import preprocess
-
-    digest = hashlib.sha256()
-    for name in ("corpus.jsonl", "tokenizer.json"):
-        digest.update((SAMPLE_DIR / name).read_bytes())
-    cache = Path(cache_dir or os.environ.get("LIGHTNING_MHC_CACHE")
-                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_mhc").expanduser()
-    folder = cache / f"sample-{digest.hexdigest()[:12]}"
-    prefix = folder / "sample_text_document"
-    if not prefix.with_suffix(".idx").is_file():
-        # made aside and renamed into place: a reader never sees half a pair, and of two makers
-        # (two runs started at once) the second keeps the first's
-        staging = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
-        preprocess(SAMPLE, staging / "sample", tokenizer=SAMPLE, append_eod=True, progress=False)
-        try:
-            staging.rename(folder)
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)
-    return str(prefix)
 
 
 def stdlib_docstrings(max_bytes: int = CORPUS_BYTES) -> list[str]:
