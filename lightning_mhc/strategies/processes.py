@@ -17,8 +17,8 @@ from lightning_mhc.strategies.settings import ParallelSettings
 
 class StrategyProcesses:
     """Mixed in before the Lightning base class (which provides the devices and the cluster
-    environment): the constructor (a :class:`ParallelSettings` or its fields, building
-    ``self.runtime``), devices and ranks, the launcher, the registry name, barrier and broadcast.
+    environment): the constructor (the :class:`ParallelSettings` its subclass's ``__init__`` made,
+    building ``self.runtime``), devices and ranks, the launcher, the registry name, barrier and broadcast.
     Everything else of the parallel run is ``self.runtime``
     (:class:`~lightning_mhc.strategies.runtime.ParallelRuntime`)."""
 
