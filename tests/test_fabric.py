@@ -40,7 +40,7 @@ def test_fabric_finds_the_strategy_by_name_and_class():
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-    import lightning_mhc  # noqa: F401  (registers with Fabric and the Trainer)
+    # importing lightning_mhc.fabric (next line) registers "mhc_parallel" with Fabric
     from lightning_mhc.fabric import MHCParallelStrategy
     from lightning_mhc.strategies.processes import StrategyProcesses
     from lightning_mhc.strategies.runtime import ParallelRuntime
