@@ -205,7 +205,7 @@ def _kind(command: Command) -> str:
         return "train"
     if argv[0] in ENTRY_POINTS:
         return argv[0]
-    if argv[0] == "python" and argv[1:2] == ["-m"]:
+    if argv[0] == "python" and argv[1:2] == ["-m"] or argv[0] == "torchrun" and "-m" in argv:
         return "module"
     if argv[0] in ("python", "torchrun"):
         return "script"
@@ -445,7 +445,11 @@ def _check_pytest(command, scratch, monkeypatch, capsys):
 
 
 def _check_module(command, scratch, monkeypatch, capsys):
-    assert importlib.util.find_spec(command.argv[2]) is not None, f"no module {command.argv[2]}"
+    argv = command.argv
+    if argv[0] == "torchrun":
+        _check_torchrun_options(argv[1:argv.index("-m")])
+    module = argv[argv.index("-m") + 1]
+    assert importlib.util.find_spec(module) is not None, f"no module {module}"
 
 
 CHECKS = {"train": _check_train, "script": _check_script, "lightning-mhc-export": _check_export,
