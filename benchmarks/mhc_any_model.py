@@ -45,7 +45,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def llama(hidden: int = HIDDEN, layers: int = LAYERS):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_mhc.parallelize import record_module_init
+    from lightning_mhc.any_model import record_module_init
 
     with record_module_init():
         return LlamaForCausalLM(LlamaConfig(
@@ -59,7 +59,7 @@ def one_process(rounds: int, hidden: int, layers: int) -> dict:
     import torch.distributed as dist
 
     from lightning_mhc.distributed.layout import ParallelLayout
-    from lightning_mhc.parallelize import parallelize
+    from lightning_mhc.any_model import parallelize
     from lightning_mhc.recompute import ActivationMemoryMeter
     from lightning_mhc.testing.launch import free_port
 

@@ -42,7 +42,7 @@ def _parallel_load(rank: int, world: int, args: argparse.Namespace, weights: str
     from transformers import LlamaForCausalLM
 
     from lightning_mhc.distributed.layout import ParallelLayout
-    from lightning_mhc.parallelize import parallelize, record_module_init
+    from lightning_mhc.any_model import parallelize, record_module_init
 
     layout = ParallelLayout(2, 2).build()
     with record_module_init():

@@ -133,7 +133,7 @@ def continue_variants(args, train: torch.Tensor, validation: torch.Tensor, saved
 
     from lightning_mhc import add_hyper_connections
     from lightning_mhc.model.divergence import StreamDivergenceMonitor
-    from lightning_mhc.parallelize.hyper_connections import hyper_connection_blocks
+    from lightning_mhc.any_model.hyper_connections import hyper_connection_blocks
 
     runs = {}
     for label, gate in VARIANTS:

@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_mhc import MHCParallelStrategy, MHCRecomputeCallback, ParallelLMModule, record_module_init
 from lightning_mhc.data.sources import SyntheticTokens
-from lightning_mhc.parallelize import export_pretrained
+from lightning_mhc.any_model import export_pretrained
 
 CONFIG = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=32)
 

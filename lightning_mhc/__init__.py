@@ -1,12 +1,11 @@
 """lightning_mhc: train mHC transformers with TP/PP/DP from one line of Lightning.
 
-Rooms by concept (the README's "Layout" is the map); each imports only the rooms before it here:
-``ops`` <- ``recompute`` <- ``distributed`` <- ``model`` <- ``checkpoint`` <- ``parallelize`` <- ``data``
-<- ``strategies`` <- ``fabric``, ``lightning`` <- ``cli`` (``testing``: helpers for tests and benchmarks).
-Public names are loaded on first use, so importing one room never imports the rooms above it,
-with one deliberate exception: once Lightning itself is imported, the registration hook imports
-``fabric`` and ``lightning`` to register ``"mhc_parallel"``. ``MHCParallelStrategy`` here is the
-Trainer's; Fabric's is ``lightning_mhc.fabric.MHCParallelStrategy``.
+The rooms and what each may import: docs/rooms.md. Public names are loaded on first use
+(``__getattr__`` below), so ``import lightning_mhc`` and the rooms below ``strategies`` never import
+Lightning. ``strategy="mhc_parallel"`` is registered by the room that defines the strategy:
+``import lightning_mhc.lightning`` (or ``from lightning_mhc import MHCParallelStrategy``, which
+imports it) for the Trainer, ``import lightning_mhc.fabric`` for Fabric. ``MHCParallelStrategy``
+here is the Trainer's; Fabric's is ``lightning_mhc.fabric.MHCParallelStrategy``.
 """
 from __future__ import annotations
 
@@ -25,13 +24,13 @@ _PUBLIC = {
     "MHCRecomputeCallback": "lightning_mhc.lightning",
     "MHCGPTModule": "lightning_mhc.lightning",
     "ParallelLMModule": "lightning_mhc.lightning",
-    "parallelize": "lightning_mhc.parallelize",
-    "add_hyper_connections": "lightning_mhc.parallelize",
-    "load_pretrained": "lightning_mhc.parallelize",
-    "save_hyper_connections": "lightning_mhc.parallelize",
-    "hyper_connection_modules": "lightning_mhc.parallelize",
-    "record_module_init": "lightning_mhc.parallelize",
-    "build_recorded_module": "lightning_mhc.parallelize",
+    "parallelize": "lightning_mhc.any_model",
+    "add_hyper_connections": "lightning_mhc.any_model",
+    "load_pretrained": "lightning_mhc.any_model",
+    "save_hyper_connections": "lightning_mhc.any_model",
+    "hyper_connection_modules": "lightning_mhc.any_model",
+    "record_module_init": "lightning_mhc.any_model",
+    "build_recorded_module": "lightning_mhc.any_model",
     "MHCTransformerConfig": "lightning_mhc.model",
     "ActivationMemoryMeter": "lightning_mhc.recompute",
     "CheckpointWithoutOutput": "lightning_mhc.recompute",
@@ -49,13 +48,11 @@ __all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str):
+    """``lightning_mhc.NAME``: imports the room that defines NAME only now, on first use."""
     if name in _PUBLIC:
         return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'lightning_mhc' has no attribute {name!r}")
 
 
-# ``strategy="mhc_parallel"`` works once Lightning is imported too, in either order, without
-# this import pulling Lightning in (see lightning_mhc/_registration.py).
-from lightning_mhc._registration import register_with_lightning as _register_with_lightning  # noqa: E402
-
-_register_with_lightning()
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

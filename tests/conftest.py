@@ -14,6 +14,9 @@ import os
 # workers and groups of up to 8 ranks on 2 cores, where more threads only contend (a 4-rank run
 # beside a busy process took 121 s with torch's default of one thread per core, 85 s with one)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# data.blend=sample indexes the shipped corpus once into the user's cache: the suite's own folder
+# instead (one per worker, shared by its child processes), so no test writes into the real ~/.cache
+os.environ.setdefault("LIGHTNING_MHC_CACHE", __import__("tempfile").mkdtemp(prefix="lightning_mhc_cache_"))
 
 import torch  # noqa: E402
 

@@ -81,17 +81,18 @@ def test_data_position_is_by_global_sample_and_refuses_another_global_batch():
 
 
 def test_export_refuses_missing_incomplete_and_earlier_format(tmp_path, capsys, no_model_parallel):
-    from lightning_mhc.checkpoint import commit, legacy
+    from lightning_mhc.checkpoint import commit
+    from lightning_mhc.checkpoint.format import LEGACY_FORMAT
     from lightning_mhc.cli.export import main
 
     old = tmp_path / "old.ckpt"
     old.mkdir()
-    commit.write_metadata(old, dict(format=legacy.FORMAT, world_size=4, tensor_model_parallel_size=2,
+    commit.write_metadata(old, dict(format=LEGACY_FORMAT, world_size=4, tensor_model_parallel_size=2,
                                     pipeline_model_parallel_size=2, data_parallel_size=1))
     (tmp_path / "partial.ckpt").mkdir()
     for path, message in ((tmp_path / "absent.ckpt", "does not exist"),
                           (tmp_path / "partial.ckpt", "metadata.json is missing"),
-                          (old, r"per-\(tp, pp\) format .* To convert it, resume it once on TP=2, PP=2")):
+                          (old, r"per-\(tp, pp\) format .* convert it once with torchrun --nproc-per-node 4 -m lightning_mhc.cli.convert")):
         with pytest.raises(SystemExit) as exit_info:
             main([str(path), str(tmp_path / "out")])
         assert exit_info.value.code == 2
@@ -100,3 +101,68 @@ def test_export_refuses_missing_incomplete_and_earlier_format(tmp_path, capsys, 
     from megatron.core import parallel_state
 
     assert not parallel_state.model_parallel_is_initialized()  # refused before building anything
+
+
+# ------------------------------------------------ the earlier format, converted once
+_CONVERT_MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64, max_sequence_length=8)
+
+
+def _earlier_format_and_reference_on_tp2(rank: int, world: int, old: str, reference: str) -> None:
+    """A rank of TP 2: an MHCGPTModule after one AdamW step, saved in the earlier per-(tp, pp) format
+    as it was written (each stage's local state dicts, the trainer state, metadata.json) and in
+    today's format (the reference the conversion must give)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from lightning_mhc.checkpoint import commit
+    from lightning_mhc.checkpoint.format import LEGACY_FORMAT, TRAINER_STATE, model_state, optimizer_state, save
+    from lightning_mhc.distributed.layout import ParallelLayout
+    from lightning_mhc.lightning import MHCGPTModule
+
+    layout = ParallelLayout(tensor_model_parallel_size=2, world_size=world).build()
+    module = MHCGPTModule(_CONVERT_MODEL)
+    module.configure_model()
+    optimizer = module.configure_optimizers(max_steps=1)["optimizer"]
+    for k, parameter in enumerate(module.parameters()):  # a step with AdamW's moments to carry over
+        parameter.grad = torch.full_like(parameter, 0.01 * (k + 1))
+    optimizer.step()
+    trainer_state = {"hyper_parameters": dict(module.hparams), "global_step": 1, "epoch": 0}
+    old = Path(old)
+    old.mkdir(exist_ok=True)
+    torch.save({"state_dict": module.state_dict(), "optimizer_states": [optimizer.state_dict()]},
+               old / f"model_tp{layout.tensor_model_parallel_rank}_pp0.pt")
+    if rank == 0:
+        torch.save(trainer_state, old / TRAINER_STATE)
+    dist.barrier()
+    if rank == 0:
+        commit.write_metadata(old, dict(format=LEGACY_FORMAT, world_size=2, tensor_model_parallel_size=2,
+                                        pipeline_model_parallel_size=1, data_parallel_size=1, global_step=1))
+    save({**trainer_state, "state_dict": model_state(module, layout),
+          "optimizer_states": [optimizer_state(optimizer, module, layout)]}, Path(reference), layout, rank)
+
+
+def test_the_earlier_format_is_converted_once_then_loads(tmp_path, no_model_parallel):
+    """``torchrun --nproc-per-node 2 -m lightning_mhc.cli.convert OLD NEW`` on a TP 2 checkpoint of the
+    earlier format: NEW holds bit for bit the model and AdamW state that saving on TP 2 gives, and the
+    trainer state; it loads whole in one process, where OLD is refused naming the command."""
+    from lightning_mhc import ConfigError, MHCGPTModule
+    from lightning_mhc.checkpoint.format import read_tensors, read_trainer_state
+    from lightning_mhc.testing.launch import spawn_ranks
+
+    old, new, reference = tmp_path / "old.ckpt", tmp_path / "new.ckpt", tmp_path / "reference.ckpt"
+    spawn_ranks(_earlier_format_and_reference_on_tp2, 2, str(old), str(reference), timeout_s=240)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                           "lightning_mhc.cli.convert", str(old), str(new)],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for prefix in ("state_dict.", "optimizer_states."):
+        converted, expected = read_tensors(new, prefix), read_tensors(reference, prefix)
+        assert converted.keys() == expected.keys() and expected, prefix
+        assert all(torch.equal(converted[k], expected[k]) for k in expected), prefix
+    state = read_trainer_state(new)
+    assert state["global_step"] == 1 and state["hyper_parameters"]["model_config"] == _CONVERT_MODEL
+    with pytest.raises(ConfigError, match=r"earlier per-\(tp, pp\) format .* torchrun --nproc-per-node 2 -m "
+                                          r"lightning_mhc.cli.convert"):
+        MHCGPTModule.load_from_checkpoint(old)
+    assert MHCGPTModule.load_from_checkpoint(new).model_config.num_layers == 2

@@ -121,8 +121,8 @@ def test_the_command_line_trains_with_the_python_apis_defaults(llama_dir, monkey
 
     from lightning_mhc import add_hyper_connections
     from lightning_mhc.lightning.modules.hf import HFCausalLMModule
-    from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
-    from lightning_mhc.parallelize.model import parallelize
+    from lightning_mhc.any_model.hyper_connections import HyperConnectionSettings
+    from lightning_mhc.any_model.model import parallelize
 
     monkeypatch.chdir(llama_dir.parent)
     cfg = compose_config("model=hf", f"model.pretrained={llama_dir}", "data=synthetic", "model.hyper_connections=4")
@@ -147,7 +147,7 @@ def test_the_flops_of_a_hugging_face_model_match_torchs_flop_counter():
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from lightning_mhc.lightning.modules.hf import _forward_flops_of
-    from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
+    from lightning_mhc.any_model.hyper_connections import HyperConnectionSettings
 
     batch, seq = 2, 24
     for model in (LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -269,7 +269,7 @@ def test_the_exports_of_a_trained_hyper_connected_model_agree(llama_dir, tmp_pat
     from lightning_mhc.data.sample import SAMPLE_VOCAB
     from lightning_mhc.data.sources import SyntheticTokens
     from lightning_mhc.lightning.modules.hf import HFCausalLMModule
-    from lightning_mhc.parallelize import export_pretrained, load_checkpoint
+    from lightning_mhc.any_model import export_pretrained, load_checkpoint
 
     pl.seed_everything(0, verbose=False)
     module = HFCausalLMModule(str(llama_dir), pretrained=True, hyper_connections=4, lr=3e-3, weight_decay=0.0,

@@ -205,7 +205,7 @@ def _kind(command: Command) -> str:
         return "train"
     if argv[0] in ENTRY_POINTS:
         return argv[0]
-    if argv[0] == "python" and argv[1:2] == ["-m"]:
+    if argv[0] == "python" and argv[1:2] == ["-m"] or argv[0] == "torchrun" and "-m" in argv:
         return "module"
     if argv[0] in ("python", "torchrun"):
         return "script"
@@ -445,7 +445,11 @@ def _check_pytest(command, scratch, monkeypatch, capsys):
 
 
 def _check_module(command, scratch, monkeypatch, capsys):
-    assert importlib.util.find_spec(command.argv[2]) is not None, f"no module {command.argv[2]}"
+    argv = command.argv
+    if argv[0] == "torchrun":
+        _check_torchrun_options(argv[1:argv.index("-m")])
+    module = argv[argv.index("-m") + 1]
+    assert importlib.util.find_spec(module) is not None, f"no module {module}"
 
 
 CHECKS = {"train": _check_train, "script": _check_script, "lightning-mhc-export": _check_export,
@@ -606,6 +610,62 @@ def test_strategy_arguments_are_documented():
     assert listed == arguments, (listed, arguments)
     preemption = ["save_on_preemption", "preemption_grace_s"]
     assert _arguments(FabricStrategy) == [a for a in arguments if a not in preemption]
+
+
+# ------------------------------------------------------------------ the supported versions
+_OPERATOR_ORDER = (">=", ">", "==", "~=", "<=", "<", "!=")
+
+
+def _range(specifier) -> str:
+    """``>=2.4,<3`` as the README writes it: ``>= 2.4, < 3``."""
+    specs = sorted(specifier, key=lambda spec: _OPERATOR_ORDER.index(spec.operator))
+    return ", ".join(f"{spec.operator} {spec.version}" for spec in specs)
+
+
+def _supported() -> list[tuple[str, str, str, list[str], object]]:
+    """``(package, README label, required range, tested versions, SpecifierSet)`` per row of
+    pyproject.toml's ``[tool.lightning_mhc.tested]``, in its order."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = PYPROJECT["project"]
+    core = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    extras = {name: {Requirement(r).name: Requirement(r) for r in reqs}
+              for name, reqs in project["optional-dependencies"].items() if name != "dev"}
+    rows = []
+    for package, tested in PYPROJECT["tool"]["lightning_mhc"]["tested"].items():
+        if package == "python":
+            label, specifier = "Python", SpecifierSet(project["requires-python"])
+        elif package in core:
+            label, specifier = package, core[package].specifier
+        else:
+            extra = next(name for name, reqs in extras.items() if package in reqs)
+            label, specifier = f"{package} (extra `{extra}`)", extras[extra][package].specifier
+        rows.append((package, label, _range(specifier), tested, specifier))
+    return rows
+
+
+def test_the_supported_versions_have_one_source():
+    """README.md's Install table is pyproject.toml's required ranges and ``[tool.lightning_mhc.tested]``
+    row by row; each tested version is in its range; every x.y.z version the Install section, the
+    Makefile's CPU torch and benchmarks/gpu_check.py's GPU wheels name is a tested one."""
+    rows = _supported()
+    expected = [f"| {label} | {required} | {'; '.join(tested)} |" for _, label, required, tested, _ in rows]
+    install = (ROOT / "README.md").read_text().split("## Install\n", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in install.splitlines() if line.startswith("| ")][1:]  # past the header row
+    assert table == expected, "README.md's Install table, from pyproject.toml:\n" + "\n".join(expected)
+    for package, _, required, tested, specifier in rows:
+        outside = [version for version in tested if version not in specifier]
+        assert not outside, f"{package}: tested {outside} outside its range {required}"
+    versions = {version for _, _, _, tested, _ in rows for version in tested}
+    named = set(re.findall(r"(?<![\d.])\d+\.\d+\.\d+(?![\d.])", install.split("```bash")[0] + install.split("```")[-1]))
+    assert named <= versions, f"README.md's Install section names untested versions {sorted(named - versions)}"
+    tested = {package: versions for package, _, _, versions, _ in rows}
+    cpu_torch = re.search(r"^CPU_TORCH \?= torch==(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert cpu_torch in tested["torch"], f"the Makefile installs torch {cpu_torch}, tested: {tested['torch']}"
+    wheels = re.search(r"^GPU_WHEELS = \((.*)\)$", (ROOT / "benchmarks" / "gpu_check.py").read_text(), re.M).group(1)
+    for name, version in re.findall(r'"([\w-]+)==([\w.]+)"', wheels):
+        assert name not in tested or version in tested[name], f"gpu_check.py pins {name}=={version}: tested {tested[name]}"
 
 
 def test_config_group_table_is_the_config_folder():

@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from lightning_mhc.checkpoint import commit, legacy
+from lightning_mhc.checkpoint import commit
+from lightning_mhc.checkpoint.format import LEGACY_FORMAT
 from train_cli import check_before_launch, run_train, stream_divergences, train_losses
 
 # 6 steps of the tiny mHC model on synthetic tokens (64 steps per epoch at a global batch of 4)
@@ -100,7 +101,7 @@ def test_bad_checkpoint_paths_are_refused_before_launch(tmp_path, monkeypatch, c
     (partial / "model_tp0_pp0.pt").write_bytes(b"")
     other_layout = tmp_path / "tp2.ckpt"
     other_layout.mkdir()
-    commit.write_metadata(other_layout, dict(format=legacy.FORMAT, world_size=2, tensor_model_parallel_size=2,
+    commit.write_metadata(other_layout, dict(format=LEGACY_FORMAT, world_size=2, tensor_model_parallel_size=2,
                                              pipeline_model_parallel_size=1, data_parallel_size=1, global_step=3))
     earlier_run = tmp_path / "earlier_run"
     earlier_run.mkdir()
@@ -108,7 +109,7 @@ def test_bad_checkpoint_paths_are_refused_before_launch(tmp_path, monkeypatch, c
     cases = [
         (["ckpt_path=does/not/exist"], "does not exist"),
         ([f"ckpt_path={partial}"], "metadata.json is missing"),
-        ([f"ckpt_path={other_layout}"], "was saved with tensor_model_parallel_size=2"),
+        ([f"ckpt_path={other_layout}"], "convert it once with torchrun --nproc-per-node 2 -m lightning_mhc.cli.convert"),
         ([f"hydra.run.dir={earlier_run}", "ckpt_path=nope"], "does not exist"),
     ]
     (overrides, message), *others = cases

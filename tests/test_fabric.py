@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -39,7 +40,7 @@ def test_fabric_finds_the_strategy_by_name_and_class():
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-    import lightning_mhc  # noqa: F401  (registers with Fabric and the Trainer)
+    # importing lightning_mhc.fabric (next line) registers "mhc_parallel" with Fabric
     from lightning_mhc.fabric import MHCParallelStrategy
     from lightning_mhc.strategies.processes import StrategyProcesses
     from lightning_mhc.strategies.runtime import ParallelRuntime
@@ -58,6 +59,11 @@ def test_fabric_finds_the_strategy_by_name_and_class():
         assert all(name not in vars(cls) for name in shared), cls
     assert type(strategy.runtime) is ParallelRuntime
     assert type(TrainerStrategy(tensor_model_parallel_size=2).runtime) is ParallelRuntime
+    # the checkpoint's model and optimizer states too come through the runtime, not around it
+    import inspect
+    for cls in (MHCParallelStrategy, TrainerStrategy):
+        source = inspect.getsource(inspect.getmodule(cls))
+        assert not re.search(r"checkpoint\.(model|optimizer)_state\(", source), cls
 
 
 def test_fabric_strategy_rejects_a_bad_layout_before_starting():

@@ -24,7 +24,7 @@ from lm_models import SEQ, VOCAB, WIDTH, PlainTransformer, gemma2, gpt_neox, lla
 
 import lightning_mhc  # noqa: E402
 from lightning_mhc import ConfigError, add_hyper_connections, record_module_init  # noqa: E402
-from lightning_mhc.parallelize import Branch, HyperConnectionPlan  # noqa: E402
+from lightning_mhc.any_model import Branch, HyperConnectionPlan  # noqa: E402
 
 FAMILIES = {"llama": llama, "gemma2": gemma2, "gpt_neox": gpt_neox}
 TOKENS = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
@@ -303,7 +303,7 @@ def test_stream_divergence_and_its_monitor():
     monitor.observe("a", independent)  # the same block again in the step: not counted
     assert monitor.take() == {"a": 0.0} and not monitor.armed
 
-    from lightning_mhc.parallelize.hyper_connections import hyper_connection_blocks
+    from lightning_mhc.any_model.hyper_connections import hyper_connection_blocks
 
     torch.manual_seed(0)
     model = add_hyper_connections(llama(), 4)
@@ -320,8 +320,8 @@ def test_the_checks_change_nothing_and_one_registry_holds_both_plans():
     parallelized, or checked again); every built-in family is one ``FAMILIES`` entry holding its TP
     plan and its hyper-connection plan, which the two lookups read."""
     from lightning_mhc.distributed.layout import ParallelLayout
-    from lightning_mhc.parallelize import FAMILIES, HC_PLANS, PLANS, check_parallelize
-    from lightning_mhc.parallelize.families import resolve_hc_plan, resolve_plan
+    from lightning_mhc.any_model import FAMILIES, HC_PLANS, PLANS, check_parallelize
+    from lightning_mhc.any_model.families import resolve_hc_plan, resolve_plan
 
     with record_module_init():
         model = llama()

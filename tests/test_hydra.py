@@ -86,7 +86,7 @@ def test_the_gpt_keys_are_the_model_configs_fields():
     from lightning_mhc.cli.schema import (GPT_SIZES, NULL_IS_A_CHOICE, ModelConfig, RecomputeConfig,
                                           _gpt_defaults)
     from lightning_mhc.model.config import MHCTransformerConfig
-    from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
+    from lightning_mhc.any_model.hyper_connections import HyperConnectionSettings
     from lightning_mhc.recompute import RecomputePolicy
 
     def allowed(annotation) -> set:  # the types a field's annotation admits (ours are strings: future annotations)
@@ -110,6 +110,22 @@ def test_the_gpt_keys_are_the_model_configs_fields():
     recompute = RecomputeConfig()
     assert (recompute.policy, recompute.recompute_modules, recompute.mhc_recompute_layer_num) == (
         RecomputePolicy().name, RecomputePolicy().modules, RecomputePolicy().layer_num)
+
+
+def test_sample_corpus_experiment_from_another_directory(tmp_path, monkeypatch, capsys):
+    """``experiment=sample_corpus`` started in a directory without ``conf/`` or ``data/``: the packaged
+    experiment, its ``data.blend=sample`` indexed into the cache on first use (a fresh cache here), and
+    the check before launch passes (it opens the indexed pair and counts the samples the run needs)."""
+    from train_cli import check_before_launch
+
+    monkeypatch.setenv("LIGHTNING_MHC_CACHE", str(tmp_path / "cache"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    status, err = check_before_launch(["experiment=sample_corpus", "trainer.max_steps=2"], elsewhere, monkeypatch,
+                                      capsys)
+    assert status == 0, err[-3000:]
+    assert len(list((tmp_path / "cache").glob("sample-*/sample_text_document.idx"))) == 1
+    assert not list(elsewhere.iterdir()), "the check wrote into the directory it ran in"
 
 
 def test_mhc_implementation_reaches_the_model_config():

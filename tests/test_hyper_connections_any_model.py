@@ -19,7 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
 from lm_models import FAMILIES, SEQ, VOCAB, PlainTransformer, gpt2, llama  # noqa: E402
 
 from lightning_mhc import ConfigError, add_hyper_connections  # noqa: E402
-from lightning_mhc.parallelize import (  # noqa: E402
+from lightning_mhc.any_model import (  # noqa: E402
     Branch, HyperConnectionPlan, build_recorded_module, parallelize, record_module_init)
 from lightning_mhc.recompute import RecomputePolicy  # noqa: E402
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager  # noqa: E402

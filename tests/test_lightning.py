@@ -16,7 +16,8 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
-from lightning_mhc.checkpoint import commit, legacy
+from lightning_mhc.checkpoint import commit
+from lightning_mhc.checkpoint.format import LEGACY_FORMAT
 from lightning_mhc.checkpoint import format as checkpoint_format
 from lightning_mhc.distributed.pipeline.protocol import split_microbatches
 from lightning_mhc.distributed.fail_fast import FailFast, PeerFailure
@@ -225,12 +226,12 @@ def test_incomplete_or_mismatched_checkpoint(tmp_path):
     (tmp_path / "partial" / "model_tp0_pp0.pt").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="metadata.json is missing"):
         checkpoint_format.load(tmp_path / "partial", None, [], layout, 0)
-    done = tmp_path / "done"  # the earlier per-(tp, pp) format on another layout: refused, saying how to convert
+    done = tmp_path / "done"  # the earlier per-(tp, pp) format: refused on any layout, naming the conversion
     done.mkdir()
-    commit.write_metadata(done, dict(format=legacy.FORMAT, world_size=2, tensor_model_parallel_size=1,
+    commit.write_metadata(done, dict(format=LEGACY_FORMAT, world_size=2, tensor_model_parallel_size=1,
                                      pipeline_model_parallel_size=2, data_parallel_size=1))
-    with pytest.raises(ConfigError, match=r"per-\(tp, pp\) format .* saved with tensor_model_parallel_size=1, "
-                                          r"pipeline_model_parallel_size=2.*To convert it, resume it once on TP=1, PP=2"):
+    with pytest.raises(ConfigError, match=r"per-\(tp, pp\) format .* saved on TP=1 x PP=2\), which no loader reads: "
+                                          r"convert it once with torchrun --nproc-per-node 2 -m lightning_mhc.cli.convert"):
         checkpoint_format.load(done, None, [], layout, 0)
 
 

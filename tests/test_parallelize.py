@@ -28,7 +28,7 @@ from lm_models import FAMILIES, MODELS, PLAIN_PLAN, SEQ, VOCAB, PlainTransformer
 from subprocess_env import child_env  # noqa: E402
 
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule  # noqa: E402
-from lightning_mhc.parallelize import (  # noqa: E402
+from lightning_mhc.any_model import (  # noqa: E402
     GPT2, LLAMA, Column, TPPlan, build_recorded_module, check_plan, parallelize, record_module_init)
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_parallelize.py"
@@ -180,7 +180,7 @@ def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained, family_
         assert loss_diff <= 1e-5 and weight_diff <= 1e-5
     for name in MODEL_NAMES:
         check_one_process_use(name, tmp_path / "ckpt" / name, tmp_path / "export" / name, model_parallel)
-    from lightning_mhc.parallelize import load_checkpoint
+    from lightning_mhc.any_model import load_checkpoint
 
     another_model = r"lacks \d+ tensor\(s\) of LlamaForCausalLM, e.g. model\.model\.embed_tokens"
     with pytest.raises(ConfigError, match=another_model):
@@ -194,7 +194,7 @@ def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained, family_
 def check_one_process_use(name: str, ckpt_dir: pathlib.Path, export_dir: pathlib.Path, layout) -> None:
     from safetensors.torch import load_model
 
-    from lightning_mhc.parallelize import export_pretrained, load_checkpoint
+    from lightning_mhc.any_model import export_pretrained, load_checkpoint
 
     make, plan = MODELS[name]
     expected = torch.load(ckpt_dir / "logits.pt")
@@ -347,7 +347,7 @@ def _meta(make, **kwargs):
      r"plan names attribute 'cfg.heads' of blocks.0.attn \(Attention\), which it does not have"),
 ])
 def test_wrong_plan_is_refused_naming_the_module(make, plan, tp, match):
-    from lightning_mhc.parallelize.families import resolve_plan
+    from lightning_mhc.any_model.families import resolve_plan
 
     with pytest.raises(ConfigError, match=match) as error:
         model = _meta(make)
@@ -650,7 +650,7 @@ def test_example_runs_as_written(tmp_path):
     recompute, a checkpoint, a Hugging Face export that from_pretrained reads."""
     from transformers import GPT2LMHeadModel
 
-    from lightning_mhc.parallelize import load_checkpoint
+    from lightning_mhc.any_model import load_checkpoint
 
     example = pathlib.Path(__file__).parents[1] / "examples" / "hf_gpt2_parallel.py"
     proc = subprocess.run([sys.executable, str(example)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
@@ -679,10 +679,10 @@ def test_a_plan_without_an_output_finds_the_head(name):
     column-split head gives vocabulary-parallel logits."""
     from lm_models import DICT_PLAN, MODELS
 
-    from lightning_mhc.parallelize import record_module_init
-    from lightning_mhc.parallelize.model import _default_output, _output_plan
-    from lightning_mhc.parallelize.pipeline import find_parts
-    from lightning_mhc.parallelize.families import resolve_plan
+    from lightning_mhc.any_model import record_module_init
+    from lightning_mhc.any_model.model import _default_output, _output_plan
+    from lightning_mhc.any_model.pipeline import find_parts
+    from lightning_mhc.any_model.families import resolve_plan
 
     make, _ = MODELS[name]
     with record_module_init():
@@ -716,8 +716,8 @@ def test_weights_that_do_not_fit_are_refused_naming_the_tensor(tmp_path, change,
     from safetensors.torch import load_file, save_file
 
     from lm_models import tied_llama
-    from lightning_mhc.parallelize import record_module_init
-    from lightning_mhc.parallelize.weights import check_weights
+    from lightning_mhc.any_model import record_module_init
+    from lightning_mhc.any_model.weights import check_weights
 
     directory = _saved_tied_llama(tmp_path / "weights", **({"intermediate_size": 256} if change == "shape" else {}))
     if change in ("drop", "extra", "dtype"):

@@ -3,7 +3,6 @@ is refused by that function, with that function's message, through every door th
 CLI, the Trainer, Fabric, ``parallelize``); the rooms import only the rooms below them."""
 from __future__ import annotations
 
-import ast
 import datetime
 import pathlib
 import re
@@ -209,73 +208,62 @@ def test_the_virtual_size_is_an_int_everywhere():
         MHCParallelStrategy(virtual_pipeline_model_parallel_size=None)
 
 
-# ------------------------------------------------------------------ the rooms
-ROOMS = ["ops", "recompute", "distributed", "model", "checkpoint", "parallelize", "data", "strategies", "fabric",
-         "lightning", "cli"]
-"""The package's rooms, each importing only those before it (fabric and lightning are peers)."""
-FIRST_ROOM_OF = {"lightning": "data", "hydra": "strategies", "omegaconf": "strategies"}
-"""The first room that may import each of these packages (data modules are Lightning's; the
-launchers know Hydra's multirun)."""
-ABOVE_ALL = set(FIRST_ROOM_OF)
+# ------------------------------------------------ the strategies' explicit keywords
+def _keywords_problems(strategy: type) -> list[str]:
+    """How a strategy's ``__init__`` differs from ``settings``, then the settings' fields (the layout's
+    degrees first) with the dataclasses' defaults and types, then its own, then its Lightning base's."""
+    import dataclasses
+    import inspect
+    import typing
 
+    from lightning_mhc.strategies.settings import SETTING_NAMES
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """Every module a file imports, at the top or inside a function, absolute."""
-    names = set()
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            names.add(base)
-    return names
-
-
-def _room(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if parts[0] == "lightning_mhc" and len(parts) > 1 and parts[1] in ROOMS else None
-
-
-def test_each_room_imports_only_the_rooms_below_it():
+    fields = {f.name: f for cls in (ParallelLayout, ParallelSettings) for f in dataclasses.fields(cls)}
+    hints = {**typing.get_type_hints(ParallelLayout), **typing.get_type_hints(ParallelSettings)}
+    own_hints = typing.get_type_hints(strategy.__init__)
+    params = list(inspect.signature(strategy.__init__).parameters.values())[1:]
     problems = []
-    for room in ROOMS:
-        allowed = set(ROOMS[:ROOMS.index(room) + 1]) - ({"lightning"} if room == "fabric" else set())
-        for path in (PACKAGE / room).rglob("*.py"):
-            for module in _imports(path):
-                other = _room(module)
-                if other is not None and other not in allowed:
-                    problems.append(f"{path.relative_to(ROOT)} imports {module}")
-                top = module.split(".")[0]
-                if top in FIRST_ROOM_OF and ROOMS.index(room) < ROOMS.index(FIRST_ROOM_OF[top]):
-                    problems.append(f"{path.relative_to(ROOT)} imports {module}")
-    assert not problems, "\n".join(problems)
+    if params[0].name != "settings":
+        problems.append(f"first argument {params[0].name!r}, not 'settings'")
+    taken = [p.name for p in params[1:len(SETTING_NAMES) + 1]]
+    if taken != list(SETTING_NAMES):
+        problems.append(f"settings keywords {taken} != {list(SETTING_NAMES)}")
+    for p in params[1:len(SETTING_NAMES) + 1]:
+        if p.name in fields and (p.kind is not p.KEYWORD_ONLY or p.default != fields[p.name].default
+                                 or own_hints[p.name] != hints[p.name]):
+            problems.append(f"{p.name}: {p.kind.name}, default {p.default!r}, type {own_hints[p.name]} != "
+                            f"the field's {fields[p.name].default!r}, {hints[p.name]}")
+    lightning_base = next(cls for cls in strategy.__mro__ if cls.__module__.startswith("lightning."))
+    theirs = [(p.name, p.default) for p in list(inspect.signature(lightning_base.__init__).parameters.values())[1:]]
+    ends = [(p.name, p.default) for p in params[len(params) - len(theirs):]]
+    if ends != theirs:
+        problems.append(f"last arguments {ends} != {lightning_base.__qualname__}'s {theirs}")
+    return problems
 
 
-def test_distributed_imports_nothing_above_it_when_loaded():
-    """``distributed`` loaded whole pulls in no Lightning, Hydra, model, checkpoint or strategy."""
-    import subprocess
-    import sys
+def test_the_strategies_keywords_are_the_settings_fields():
+    """Both strategies write their keywords out (``help()``, IDEs, LightningCLI read them): the
+    same names, order, defaults and types as ParallelSettings' fields and the layout's DEGREES."""
+    from lightning_mhc.lightning import MHCParallelStrategy as TrainerStrategy
 
-    from subprocess_env import child_env
-
-    code = ("import pkgutil, importlib, sys, lightning_mhc.distributed as d\n"
-            "for m in pkgutil.walk_packages(d.__path__, 'lightning_mhc.distributed.'): importlib.import_module(m.name)\n"
-            "print(sorted({n.split('.')[0] if not n.startswith('lightning_mhc.') else '.'.join(n.split('.')[:2]) "
-            "for n in sys.modules}))")
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120,
-                          env=child_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    loaded = set(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
-    above = {f"lightning_mhc.{room}" for room in ROOMS[ROOMS.index("distributed") + 1:]} | ABOVE_ALL
-    assert not loaded & above, sorted(loaded & above)
+    problems = {cls.__module__: _keywords_problems(cls) for cls in (TrainerStrategy, FabricStrategy)}
+    assert not any(problems.values()), problems
+    for cls in (TrainerStrategy, FabricStrategy):  # a keyword reaches the settings, and the settings whole
+        strategy = cls(expert_model_parallel_size=2, timeout=datetime.timedelta(seconds=5), seed=7)
+        assert strategy.settings == ParallelSettings(ParallelLayout(expert_model_parallel_size=2),
+                                                     timeout=datetime.timedelta(seconds=5), seed=7)
+        assert cls(strategy.settings).settings is strategy.settings
 
 
-def test_the_public_name_parallelize_calls_the_function_after_its_package_is_imported():
-    import lightning_mhc.parallelize  # noqa: F401  (binds lightning_mhc.parallelize to the package)
+def test_the_public_name_parallelize_is_the_function():
+    """``from lightning_mhc import parallelize`` gives the function itself, before and after its room
+    (``lightning_mhc.any_model``) is imported: no room shares the function's name."""
+    import lightning_mhc
+    import lightning_mhc.any_model
+
     from lightning_mhc import parallelize as public
+
+    assert public is lightning_mhc.any_model.parallelize is lightning_mhc.parallelize
 
     with pytest.raises(ConfigError, match="unknown recompute policy 'bogus'"):
         public(_meta_model(), recompute="bogus")

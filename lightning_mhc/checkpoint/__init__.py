@@ -1,6 +1,6 @@
 """Checkpoints: reshardable on ``torch.distributed.checkpoint`` (``format.py``: keyed by global
-names, ``sharding.py``: each rank's pieces), crash-safe (``commit.py``), the earlier
-per-(tp, pp) format (``legacy.py``), and one-process loading and export (``export.py``).
+names, ``sharding.py``: each rank's pieces; the earlier per-(tp, pp) format refused, naming
+``lightning_mhc.cli.convert``), crash-safe (``commit.py``).
 No Lightning import: the Trainer and Fabric strategies share it."""
 from lightning_mhc.checkpoint.commit import (
     FAULT_ENV,
@@ -8,10 +8,10 @@ from lightning_mhc.checkpoint.commit import (
     IncompleteCheckpointError,
     is_complete,
     latest_complete,
-    read_metadata,
     remove,
 )
-from lightning_mhc.checkpoint.format import FORMAT, load, model_state, optimizer_state, read_trainer_state, save
+from lightning_mhc.checkpoint.format import (
+    FORMAT, load, model_state, optimizer_state, read_metadata, read_trainer_state, save)
 
 __all__ = [
     "FAULT_ENV", "FAULT_PHASES", "FORMAT", "IncompleteCheckpointError", "is_complete", "latest_complete", "load",

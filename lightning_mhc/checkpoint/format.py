@@ -12,7 +12,8 @@ files around them.
 
 A checkpoint saved on one layout loads on any other (TP, PP, DP, SP, virtual pipeline; one
 process too): every rank asks DCP for the pieces of the global tensors it holds now.
-Checkpoints of the earlier per-(tp, pp) format load through ``legacy.py``.
+Checkpoints of the earlier per-(tp, pp) format (``LEGACY_FORMAT``) are refused, naming the command
+that converts them once (``lightning_mhc/cli/convert.py``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from lightning_mhc.checkpoint import commit, legacy
+from lightning_mhc.checkpoint import commit
 from lightning_mhc.checkpoint.sharding import (
     Sharder,
     global_namer,
@@ -37,6 +38,8 @@ from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.recompute.rng import get_all_rng_states, set_all_rng_states
 
 FORMAT = "lightning_mhc.dcp/1"
+LEGACY_FORMAT = "lightning_mhc.sharded/1"
+"""The earlier per-(tp, pp) format: no loader reads it; ``lightning_mhc.cli.convert`` rewrites it."""
 TRAINER_STATE = "trainer_state.pt"
 MODEL = "state_dict"
 OPTIMIZERS = "optimizer_states"
@@ -121,11 +124,8 @@ def load(path: Path, module: torch.nn.Module, optimizers: list[torch.optim.Optim
     index) read from whatever layout saved ``path`` (``pieces``: as :func:`optimizer_state`).
     Restores the RNG states when the layout is the saving one."""
     path = Path(path)
-    meta = commit.read_metadata(path)
-    if legacy.is_legacy(meta):
-        checkpoint = legacy.read(path, meta, layout, global_rank)
-    else:
-        checkpoint = _load(path, meta, module, optimizers, layout, global_rank, pieces)
+    meta = read_metadata(path)
+    checkpoint = _load(path, meta, module, optimizers, layout, global_rank, pieces)
     checkpoint["lightning_mhc_metadata"] = meta
     return checkpoint
 
@@ -161,10 +161,7 @@ def read_tensors(path: Path, prefix: str = MODEL + ".") -> dict[str, torch.Tenso
 
 def _open_whole(path: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """``(metadata, DCP reader, DCP tensor metadata)`` of a checkpoint to read whole."""
-    meta = commit.read_metadata(path)
-    if legacy.is_legacy(meta):
-        raise ConfigError(legacy.not_reshardable(path, meta))
-    return (meta, *_dcp_reader(path))
+    return (read_metadata(path), *_dcp_reader(path))
 
 
 def _dcp_reader(path: Path) -> tuple[Any, dict[str, Any]]:
@@ -173,6 +170,20 @@ def _dcp_reader(path: Path) -> tuple[Any, dict[str, Any]]:
 
     reader = dcp.FileSystemReader(path)
     return reader, reader.read_metadata().state_dict_metadata
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``metadata.json``, refused in one line when it is missing (an incomplete
+    checkpoint), of the earlier format (naming the command that converts it) or of another."""
+    meta = commit.read_metadata(path)
+    if meta.get("format") == LEGACY_FORMAT:
+        tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
+        raise ConfigError(f"checkpoint {path} is in the earlier per-(tp, pp) format ({LEGACY_FORMAT}, saved on TP={tp} "
+                          f"x PP={pp}), which no loader reads: convert it once with torchrun --nproc-per-node "
+                          f"{tp * pp} -m lightning_mhc.cli.convert {path} NEW, then load NEW.")
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"checkpoint {path} has format {meta.get('format')!r}; this version reads {FORMAT}.")
+    return meta
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -184,9 +195,6 @@ def _load(path: Path, meta: dict[str, Any], module: torch.nn.Module, optimizers:
           layout: ParallelLayout | None, global_rank: int, pieces: Iterable[tuple]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint {path} has format {meta.get('format')!r}; this version reads {FORMAT} "
-                          f"and {legacy.FORMAT}.")
     current = layout_record(layout)
     _, global_names = global_namer(module, layout)
     if not (meta.get("global_names", True) and global_names) and \

@@ -12,7 +12,7 @@ def export(path: Path, out: Path) -> dict:
     """The whole model of a checkpoint of any layout, written to ``out``: an ``MHCGPTModule``'s as
     one safetensors file and its config (``model/export.py``); a Hugging Face model's
     (``lightning-mhc-train model=hf``) as ``save_pretrained`` writes it, its hyper-connections and
-    tokenizer beside it (``parallelize/export.py``). Returns what was written."""
+    tokenizer beside it (``any_model/export.py``). Returns what was written."""
     import time
 
     from lightning_mhc.lightning import MHCGPTModule
@@ -29,12 +29,11 @@ def export(path: Path, out: Path) -> dict:
 
 def _hyperparameters(path: Path) -> dict:
     """The checkpoint's saved hyperparameters (a clear error for a missing or incomplete one)."""
-    from lightning_mhc.checkpoint import legacy
-    from lightning_mhc.checkpoint.commit import read_metadata
-    from lightning_mhc.checkpoint.format import read_trainer_state
+    from lightning_mhc.checkpoint.format import read_metadata, read_trainer_state
 
-    if not Path(path).is_dir() or legacy.is_legacy(read_metadata(Path(path))):
+    if not Path(path).is_dir():
         return {}  # MHCGPTModule.load_from_checkpoint names what it is
+    read_metadata(Path(path))  # a clear error for a missing, incomplete or earlier-format checkpoint
     return read_trainer_state(Path(path)).get("hyper_parameters") or {}
 
 
@@ -42,7 +41,7 @@ def _export_hf(path: Path, hparams: dict, out: Path) -> dict:
     import shutil
 
     from lightning_mhc.lightning.modules.hf import HFCausalLMModule
-    from lightning_mhc.parallelize.export import export_pretrained
+    from lightning_mhc.any_model.export import export_pretrained
 
     written = export_pretrained(path, HFCausalLMModule.whole_model(hparams), out)
     tokenizer = Path(hparams["model_dir"]) / "tokenizer.json"

@@ -100,7 +100,7 @@ def resolve_ckpt_path(cfg: TrainConfig, output_dir: Path) -> str | None:
     """
     from hydra.utils import to_absolute_path
 
-    from lightning_mhc.checkpoint import commit, legacy
+    from lightning_mhc.checkpoint import commit, read_metadata
 
     if cfg.ckpt_path is None:
         return None
@@ -114,11 +114,9 @@ def resolve_ckpt_path(cfg: TrainConfig, output_dir: Path) -> str | None:
     else:
         path = Path(to_absolute_path(os.path.expanduser(cfg.ckpt_path)))
     try:
-        meta = commit.read_metadata(path)
+        read_metadata(path)  # also refuses the earlier format, naming the command that converts it
     except FileNotFoundError as error:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path}: {error}") from None
-    p = cfg.parallel
-    legacy.check_layout(path, meta, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     return str(path)
 
 

@@ -250,7 +250,7 @@ class ModelConfig:
             self.pretrained = to_absolute_path(os.path.expanduser(self.pretrained))
         else:
             self.config = to_absolute_path(os.path.expanduser(self.config))
-        from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings
+        from lightning_mhc.any_model.hyper_connections import HyperConnectionSettings
 
         try:
             self.hyper_connection_settings = HyperConnectionSettings.of(self.hyper_connections, self.init_seed,
@@ -270,7 +270,7 @@ class ModelConfig:
 def _check_built_in_plan(model: Any, plan: str) -> None:
     """model=hf: the command line takes a built-in plan by name (a plan of one's own is a Python
     object: ``parallelize`` from a script)."""
-    from lightning_mhc.parallelize.families import PLANS
+    from lightning_mhc.any_model.families import PLANS
 
     family = getattr(model.config, "model_type", None) if plan == "auto" else plan
     if family not in PLANS:
@@ -400,6 +400,8 @@ class DataConfig:
         directory), ``~`` expanded: the run reads these absolute paths."""
         from hydra.utils import to_absolute_path
 
+        from lightning_mhc.data.preprocess import sample_prefix
+        from lightning_mhc.data.sample import SAMPLE
         from lightning_mhc.data.tokenizers import is_named
 
         def absolute(path: str) -> str:
@@ -411,8 +413,9 @@ class DataConfig:
             self.cache_dir = absolute(self.cache_dir)
         if self.tokenizer and not is_named(self.tokenizer):
             self.tokenizer = absolute(self.tokenizer)
-        if self.source == "megatron":
-            self.blend = [item if isinstance(item, float) else absolute(item) for item in self.blend]
+        if self.source == "megatron":  # data.blend=sample: the shipped corpus, indexed once into the user's cache
+            self.blend = [item if isinstance(item, float) else sample_prefix() if item == SAMPLE
+                          else absolute(item) for item in self.blend]
 
     def tokenizer_vocab_size(self) -> int:
         """The vocabulary the data needs: the tokenizer's (data=megatron) or the bytes'."""
@@ -636,8 +639,8 @@ class TrainConfig:
         stages, the hyper-connection plan against the model, the pretrained files' tensors), on the
         model recorded on the meta device: nothing is allocated."""
         from lightning_mhc.lightning.modules.hf import hf_config, recorded_hf_model
-        from lightning_mhc.parallelize.model import check_parallelize
-        from lightning_mhc.parallelize.weights import check_weights
+        from lightning_mhc.any_model.model import check_parallelize
+        from lightning_mhc.any_model.weights import check_weights
 
         m, d = self.model, self.data
         if self.parallel.context_parallel_size > 1:

@@ -12,9 +12,11 @@ interrupted run leaves no pair that looks complete.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from typing import Iterator
 import numpy
 from tqdm import tqdm
 
-from lightning_mhc.data.sample import resolve
+from lightning_mhc.data.sample import SAMPLE, SAMPLE_DIR, resolve
 from lightning_mhc.data.text import text_problem
 from lightning_mhc.data.tokenizers import load_tokenizer
 from lightning_mhc.errors import ConfigError
@@ -170,6 +172,33 @@ def preprocess(input: str | Path, output_prefix: str | Path, tokenizer: str = "b
         os.replace(final[key] + ".bin.tmp", final[key] + ".bin")
         os.replace(final[key] + ".idx.tmp", final[key] + ".idx")  # last: a complete pair
     return PreprocessResult(final, documents, tokens, time.perf_counter() - start, skipped)
+
+
+def sample_prefix(cache_dir: str | Path | None = None) -> str:
+    """The shipped corpus in Megatron's indexed format (the shipped BPE, an end-of-document token
+    after each document): the prefix of its ``.bin`` / ``.idx`` pair, what ``data.blend=sample``
+    reads. Made on first use (seconds) into ``cache_dir`` (default ``$LIGHTNING_MHC_CACHE``, else
+    ``$XDG_CACHE_HOME/lightning_mhc``, else ``~/.cache/lightning_mhc``), under a name that changes with
+    the shipped files, so it works from any directory and an installed package's folder is never
+    written."""
+    digest = hashlib.sha256()
+    for name in ("corpus.jsonl", "tokenizer.json"):
+        digest.update((SAMPLE_DIR / name).read_bytes())
+    cache = Path(cache_dir or os.environ.get("LIGHTNING_MHC_CACHE")
+                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_mhc").expanduser()
+    folder = cache / f"sample-{digest.hexdigest()[:12]}"
+    prefix = folder / "sample_text_document"
+    if not prefix.with_suffix(".idx").is_file():
+        # made aside and renamed into place: a reader never sees half a pair, and of two makers
+        # (two runs started at once) the second keeps the first's
+        staging = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        preprocess(SAMPLE, staging / "sample", tokenizer=SAMPLE, append_eod=True, progress=False)
+        try:
+            staging.rename(folder)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(prefix)
 
 
 def _discard(builders: dict, final: dict[str, str]) -> None:

@@ -5,7 +5,8 @@ the package: ``sample_corpus/corpus.jsonl`` holds the docstrings of the Python s
 (one JSON line per module, ``{"text": ...}``; Python Software Foundation License) and
 ``sample_corpus/tokenizer.json`` a byte-level BPE trained on it with the ``tokenizers`` trainer.
 The name ``sample`` stands for them where a path is taken (``--input sample``,
-``--tokenizer sample``, ``data.tokenizer=sample``). Rebuild both with
+``--tokenizer sample``, ``data.tokenizer=sample``), and ``data.blend=sample`` names the corpus in
+Megatron's indexed format (``preprocess.sample_prefix``, made once into the user's cache). Rebuild both with
 ``python -m lightning_mhc.data.sample [OUT_DIR]``; tests call ``train_bpe`` on text they make.
 """
 from __future__ import annotations

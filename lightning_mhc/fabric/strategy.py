@@ -24,6 +24,7 @@ every rank and restore the objects passed to ``fabric.load``.
 """
 from __future__ import annotations
 
+import datetime
 import math
 import weakref
 from contextlib import AbstractContextManager, nullcontext
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
@@ -49,7 +52,7 @@ from lightning_mhc.recompute.policy import attach_recompute
 from lightning_mhc.strategies.launcher import MHCFabricLauncher
 from lightning_mhc.strategies.processes import StrategyProcesses
 from lightning_mhc.strategies.runtime import refuse_gradient_scaler, sync_replicas, with_grads
-from lightning_mhc.strategies.settings import ParallelSettings, settings_signature
+from lightning_mhc.strategies.settings import ParallelSettings
 
 FABRIC_OBJECTS = "fabric_objects"
 """Checkpoint entry: which keys of ``fabric.save``'s state were the model and the optimizers."""
@@ -59,7 +62,6 @@ _TRAINER_OBJECTS = ("state_dict", "optimizer_states", PARAM_GROUPS, "lightning_m
 """Entries of a Trainer checkpoint that are not the user's: the model, the optimizers, our metadata."""
 
 
-@settings_signature
 class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     """Tensor, pipeline and data parallelism with megatron-core process groups, for Fabric.
 
@@ -84,8 +86,34 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
 
     launcher_class = MHCFabricLauncher
 
-    def __init__(self, settings: ParallelSettings | None = None, **kwargs: Any) -> None:
-        super().__init__(settings, **kwargs)
+    def __init__(self, settings: ParallelSettings | None = None, *,
+                 # ParallelSettings' fields, the layout as its degrees (tests/test_settings.py keeps
+                 # this list and its defaults equal to the settings')
+                 tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1,
+                 virtual_pipeline_model_parallel_size: int = 1,
+                 sequence_parallel: bool = False,
+                 context_parallel_size: int = 1,
+                 expert_model_parallel_size: int = 1,
+                 num_microbatches: int | None = None,
+                 deallocate_pipeline_outputs: bool = True,
+                 process_group_backend: str | None = None,
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+                 seed: int = 1234,
+                 gradient_bucket_bytes: int = 25 * 2**20,
+                 overlap_grad_reduce: bool = True,
+                 raise_on_nonfinite_loss: bool = True,
+                 measure_activation_memory: bool = False,
+                 use_distributed_optimizer: bool = False,
+                 # Lightning Fabric's ParallelStrategy
+                 accelerator: Accelerator | None = None,
+                 parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: ClusterEnvironment | None = None,
+                 checkpoint_io: CheckpointIO | None = None,
+                 precision: Precision | None = None) -> None:
+        super().__init__(ParallelSettings.from_keywords(settings, locals()), accelerator=accelerator,
+                         parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io, precision=precision)
         self._backward_sync_control = _GradientSyncControl()
         self._modules: weakref.WeakKeyDictionary[Module, None] = weakref.WeakKeyDictionary()
         """The set-up modules, in order (those still alive): whose gradients ``backward`` reduces."""
@@ -253,10 +281,8 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
                 if k != model_key and k not in optimizer_keys}
         step = next((rest[k] for k in ("global_step", "step") if isinstance(rest.get(k), int)), None)
         checkpoint = {
-            "state_dict": dist_checkpoint.model_state(module, self.layout),
-            "optimizer_states": [dist_checkpoint.optimizer_state(state[k], module, self.layout,
-                                                                 self.runtime.optimizer_pieces(state[k]))
-                                 for k in optimizer_keys],
+            "state_dict": self.runtime.model_state(module),
+            "optimizer_states": [self.runtime.optimizer_state(state[k], module) for k in optimizer_keys],
             FABRIC_OBJECTS: dict(model=model_key, optimizers=optimizer_keys),
             FABRIC_STATE: rest,
             "global_step": step,

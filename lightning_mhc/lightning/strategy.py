@@ -25,6 +25,7 @@ the Trainer's hooks onto them.
 """
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from pathlib import Path
@@ -33,7 +34,10 @@ from typing import Any, Callable, Mapping
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -47,10 +51,9 @@ from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.strategies.processes import StrategyProcesses
 from lightning_mhc.strategies.runtime import refuse_gradient_scaler, sync_replicas, unwrap_optimizer
-from lightning_mhc.strategies.settings import ParallelSettings, settings_signature
+from lightning_mhc.strategies.settings import ParallelSettings
 
 
-@settings_signature
 class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     """Tensor, pipeline and data parallelism with megatron-core process groups, for the Trainer.
 
@@ -71,9 +74,36 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
 
     launcher_class = MHCSubprocessLauncher
 
-    def __init__(self, settings: ParallelSettings | None = None, *, save_on_preemption: bool = True,
-                 preemption_grace_s: float = 25.0, **kwargs: Any) -> None:
-        super().__init__(settings, **kwargs)
+    def __init__(self, settings: ParallelSettings | None = None, *,
+                 # ParallelSettings' fields, the layout as its degrees (tests/test_settings.py keeps
+                 # this list and its defaults equal to the settings')
+                 tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1,
+                 virtual_pipeline_model_parallel_size: int = 1,
+                 sequence_parallel: bool = False,
+                 context_parallel_size: int = 1,
+                 expert_model_parallel_size: int = 1,
+                 num_microbatches: int | None = None,
+                 deallocate_pipeline_outputs: bool = True,
+                 process_group_backend: str | None = None,
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+                 seed: int = 1234,
+                 gradient_bucket_bytes: int = 25 * 2**20,
+                 overlap_grad_reduce: bool = True,
+                 raise_on_nonfinite_loss: bool = True,
+                 measure_activation_memory: bool = False,
+                 use_distributed_optimizer: bool = False,
+                 save_on_preemption: bool = True,
+                 preemption_grace_s: float = 25.0,
+                 # Lightning's ParallelStrategy
+                 accelerator: Accelerator | None = None,
+                 parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: ClusterEnvironment | None = None,
+                 checkpoint_io: CheckpointIO | None = None,
+                 precision_plugin: Precision | None = None) -> None:
+        super().__init__(ParallelSettings.from_keywords(settings, locals()), accelerator=accelerator,
+                         parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.save_on_preemption = save_on_preemption
         self.preemption = PreemptionState(preemption_grace_s)
         self.last_step_end: float | None = None
@@ -231,14 +261,12 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     # ---------------------------------------------------------- checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's pieces of the whole model's tensors, by global name (views: no copy)."""
-        return dist_checkpoint.model_state(self.lightning_module, self.layout)
+        return self.runtime.model_state(self.lightning_module)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's per-parameter states as pieces of the whole model's (AdamW's moments
         are resharded like their parameters), and its param-group settings."""
-        optimizer = unwrap_optimizer(optimizer)
-        return dist_checkpoint.optimizer_state(optimizer, self.lightning_module, self.layout,
-                                               self.runtime.optimizer_pieces(optimizer))
+        return self.runtime.optimizer_state(unwrap_optimizer(optimizer), self.lightning_module)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Crash-safe (``lightning_mhc.checkpoint.commit``): every rank writes its pieces into a

@@ -12,13 +12,13 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.strategies.runtime import ParallelRuntime, broadcast_object
-from lightning_mhc.strategies.settings import SETTING_NAMES, ParallelSettings
+from lightning_mhc.strategies.settings import ParallelSettings
 
 
 class StrategyProcesses:
     """Mixed in before the Lightning base class (which provides the devices and the cluster
-    environment): the constructor (a :class:`ParallelSettings` or its fields, building
-    ``self.runtime``), devices and ranks, the launcher, the registry name, barrier and broadcast.
+    environment): the constructor (the :class:`ParallelSettings` its subclass's ``__init__`` made,
+    building ``self.runtime``), devices and ranks, the launcher, the registry name, barrier and broadcast.
     Everything else of the parallel run is ``self.runtime``
     (:class:`~lightning_mhc.strategies.runtime.ParallelRuntime`)."""
 
@@ -26,12 +26,11 @@ class StrategyProcesses:
     launcher_class: type
     """The subprocess launcher (Fabric's or the Trainer's, with ``launcher.JobLauncherMixin``)."""
 
-    def __init__(self, settings: ParallelSettings | None = None, **kwargs: Any) -> None:
-        """``settings``, or its fields as keyword arguments; the other ``kwargs`` go to Lightning's
-        strategy (the subclass's signature lists them all: ``settings.settings_signature``)."""
-        options = {name: kwargs.pop(name) for name in SETTING_NAMES if name in kwargs}
-        super().__init__(**kwargs)
-        self.runtime = ParallelRuntime(ParallelSettings.of(settings, **options))
+    def __init__(self, settings: ParallelSettings, **lightning_arguments: Any) -> None:
+        """``settings`` (made by the subclass's ``__init__``, which lists every keyword); the
+        ``lightning_arguments`` go to Lightning's strategy."""
+        super().__init__(**lightning_arguments)
+        self.runtime = ParallelRuntime(settings)
         self._num_nodes = 1
         self.last_grad_norm: float | None = None
         """The global gradient norm of the last step (before clipping)."""

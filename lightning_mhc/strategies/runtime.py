@@ -347,6 +347,15 @@ class ParallelRuntime:
             update_expert_biases(module)
 
     # ------------------------------------------------------------ checkpoints
+    def model_state(self, module: torch.nn.Module) -> dict[str, Any]:
+        """This rank's pieces of the whole model's tensors, by global name (views: no copy)."""
+        return dist_checkpoint.model_state(module, self.layout)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, Any]:
+        """The optimizer's per-parameter states as pieces of the whole model's (AdamW's moments are
+        resharded like their parameters; under ZeRO-1 this rank's shard), and its param-group settings."""
+        return dist_checkpoint.optimizer_state(optimizer, module, self.layout, self.optimizer_pieces(optimizer))
+
     def save(self, checkpoint: dict[str, Any], path: Path, module: torch.nn.Module, global_rank: int) -> None:
         """Every rank: write ``checkpoint`` (``state_dict`` / ``optimizer_states`` as pieces, see
         ``lightning_mhc.checkpoint.format``) crash-safely into the directory ``path``."""

@@ -1,19 +1,16 @@
 """The strategies' settings: one frozen dataclass, checked when made, passed down as the value.
 
 Both ``MHCParallelStrategy`` classes (the Trainer's and Fabric's) take its fields (the layout as
-its degrees) as keyword arguments, or a whole ``ParallelSettings`` (the CLI builds one from its
-config);
-:func:`settings_signature` lists the fields in the strategies' ``__init__`` signature, so that
-``help()``, IDEs and LightningCLI see them without a second copy of the list.
+its degrees) as keyword arguments, written out in their ``__init__`` (what ``help()``, IDEs and
+LightningCLI read; tests/test_settings.py keeps them equal to :data:`SETTING_NAMES` and these
+defaults), or a whole ``ParallelSettings`` (the CLI builds one from its config).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import inspect
-import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from lightning_mhc.distributed.layout import DEGREES, RUNTIME_NAMES, ParallelLayout
 from lightning_mhc.errors import ConfigError, KeyNames
@@ -117,28 +114,26 @@ class ParallelSettings:
                             "arguments, not both (dataclasses.replace(settings, ...) changes some).")
         return settings
 
+    @classmethod
+    def from_keywords(cls, settings: ParallelSettings | None, keywords: Mapping[str, Any]) -> ParallelSettings:
+        """What a strategy's ``__init__`` was given: ``settings``, or the settings made of its
+        keyword arguments (``keywords``: its ``locals()``, of which the :data:`SETTING_NAMES` are
+        read). A keyword left at its default counts as not given, so ``settings`` with a keyword
+        that changes something is refused (``of``)."""
+        given = {name: keywords[name] for name in SETTING_NAMES
+                 if not _is_default(keywords[name], SETTING_DEFAULTS[name])}
+        return cls.of(settings, **given)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    # the type too: ``sequence_parallel=0`` is not the default False but a value to refuse
+    return type(value) is type(default) and value == default
+
 
 SETTING_NAMES = (*DEGREES, *(f.name for f in dataclasses.fields(ParallelSettings)
                              if f.init and not f.kw_only and f.name != "layout"))
 """What a strategy takes as keyword arguments: the layout's degrees, then the other settings."""
 
-
-def settings_signature(cls: type) -> type:
-    """Class decorator for a strategy whose ``__init__(self, settings=None, *, <own>, **kwargs)``
-    takes :class:`ParallelSettings`' fields and its Lightning base's arguments through ``kwargs``:
-    its signature then lists them all by name (``help()``, IDEs and LightningCLI see them)."""
-    init = cls.__init__
-    own = inspect.signature(init).parameters
-    hints = {**typing.get_type_hints(ParallelLayout), **typing.get_type_hints(ParallelSettings)}
-    defaults = {f.name: f.default for cls_ in (ParallelLayout, ParallelSettings) for f in dataclasses.fields(cls_)}
-    settings = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name],
-                                  annotation=hints[name]) for name in SETTING_NAMES]
-    lightning_base = next(b for b in cls.__mro__ if b.__module__.startswith("lightning."))
-    base = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-            for name, p in inspect.signature(lightning_base.__init__).parameters.items()
-            if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    own_hints = typing.get_type_hints(init)
-    kept = [p.replace(annotation=own_hints.get(name, p.annotation)) for name, p in own.items()
-            if p.kind is not p.VAR_KEYWORD]
-    init.__signature__ = inspect.Signature([*kept[:2], *settings, *kept[2:], *base])
-    return cls
+SETTING_DEFAULTS = {f.name: f.default for cls in (ParallelLayout, ParallelSettings) for f in dataclasses.fields(cls)
+                    if f.name in SETTING_NAMES}
+"""Their defaults (the dataclasses'), which the strategies' ``__init__`` repeat."""

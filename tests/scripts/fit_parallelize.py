@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 from lm_models import FAMILIES, MODELS, SEQ, VOCAB
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule
 from lightning_mhc.data.sources import SyntheticTokens
-from lightning_mhc.parallelize import add_hyper_connections, build_recorded_module, parallelize, record_module_init
+from lightning_mhc.any_model import add_hyper_connections, build_recorded_module, parallelize, record_module_init
 
 GLOBAL_BATCH, STEPS, SEED, LR = 8, 4, 5, 0.5
 STREAMS = 4

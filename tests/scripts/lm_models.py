@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mhc.parallelize import Column, TPPlan
+from lightning_mhc.any_model import Column, TPPlan
 
 VOCAB, SEQ, WIDTH, LAYERS, HEADS = 128, 16, 64, 4, 4
 

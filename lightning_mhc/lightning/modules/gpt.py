@@ -205,17 +205,13 @@ class MHCGPTModule(PipelinedLMModule):
         Lightning's own ``load_from_checkpoint``."""
         from pathlib import Path
 
-        from lightning_mhc.checkpoint import legacy
-        from lightning_mhc.checkpoint.commit import read_metadata
-        from lightning_mhc.checkpoint.format import load_whole, read_trainer_state
+        from lightning_mhc.checkpoint.format import load_whole, read_metadata, read_trainer_state
         from lightning_mhc.distributed.layout import single_process_layout
 
         path = Path(checkpoint_path)
         if path.is_file():
             return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, **kwargs)
-        meta = read_metadata(path)  # a clear error for a missing or incomplete checkpoint, before anything is built
-        if legacy.is_legacy(meta):
-            raise ConfigError(legacy.not_reshardable(path, meta))
+        read_metadata(path)  # a clear error for a missing, incomplete or earlier-format checkpoint, before anything is built
         state = read_trainer_state(path)
         hparams = {**(state.get("hyper_parameters") or {}), **kwargs}
         if "model_config" not in hparams:

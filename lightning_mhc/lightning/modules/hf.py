@@ -20,8 +20,8 @@ from torch import nn
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.lightning.modules.base import OPTIMIZERS
 from lightning_mhc.lightning.modules.parallel_lm import ParallelLMModule
-from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings, add_hyper_connections
-from lightning_mhc.parallelize.record import record_module_init
+from lightning_mhc.any_model.hyper_connections import HyperConnectionSettings, add_hyper_connections
+from lightning_mhc.any_model.record import record_module_init
 
 
 def hf_config(model_dir: str | Path):
@@ -55,7 +55,7 @@ class HFCausalLMModule(ParallelLMModule):
             safetensors too).
         pretrained: start from the directory's weights; False: fresh weights drawn from ``seed``.
         hyper_connections: ``n`` residual streams with hyper-connections added (exact at step 0:
-            ``lightning_mhc.parallelize.hyper_connections``); None or 1: the model as it is.
+            ``lightning_mhc.any_model.hyper_connections``); None or 1: the model as it is.
         plan: the tensor-parallel plan (``"auto"``: by the config's ``model_type``).
         seed: the initialisation seed (fresh weights, and the hyper-connections' parameters).
         optimizer, lr, weight_decay, betas, warmup_steps, min_lr_ratio: the optimizer recipe
@@ -104,7 +104,7 @@ class HFCausalLMModule(ParallelLMModule):
     def whole_model(hparams: dict[str, Any]) -> nn.Module:
         """The whole model of a run with these hyperparameters, in this process, materialised
         (its base weights as the directory's config builds them; load a checkpoint into it with
-        ``lightning_mhc.parallelize.load_checkpoint``), its hyper-connections added."""
+        ``lightning_mhc.any_model.load_checkpoint``), its hyper-connections added."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_config(hf_config(hparams["model_dir"]), dtype="float32")

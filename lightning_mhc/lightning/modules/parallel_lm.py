@@ -26,8 +26,8 @@ from torch import Tensor
 from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.lightning.modules.base import PipelinedLMModule
 from lightning_mhc.model.divergence import StreamDivergenceMonitor
-from lightning_mhc.parallelize.hyper_connections import hyper_connection_blocks
-from lightning_mhc.parallelize.model import (
+from lightning_mhc.any_model.hyper_connections import hyper_connection_blocks
+from lightning_mhc.any_model.model import (
     ParallelModel, check_recompute, parallelize, refuse_hf_gradient_checkpointing)
 from lightning_mhc.recompute.policy import RecomputePolicy
 
@@ -58,7 +58,7 @@ class ParallelLMModule(PipelinedLMModule):
         """This rank's part of the model: set in ``configure_model`` with ``parallelize(...)``."""
 
     def parallelize(self, model: torch.nn.Module, plan: Any = None, **kwargs: Any) -> ParallelModel:
-        """:func:`lightning_mhc.parallelize.parallelize` with the recompute policy an
+        """:func:`lightning_mhc.any_model.parallelize` with the recompute policy an
         ``MHCRecomputeCallback`` chose (``none``, ``selective``, ``full``; ``mhc_block`` with
         ``hyper_connections=n``), if one did."""
         if self.recompute_policy is not None:
@@ -124,7 +124,7 @@ class ParallelLMModule(PipelinedLMModule):
 
     def global_name_in_model(self, name: str) -> str:
         """The whole model's name: checkpoints load on any layout and into the model as written
-        (``lightning_mhc.parallelize.load_checkpoint``)."""
+        (``lightning_mhc.any_model.load_checkpoint``)."""
         return self._parallel_model().global_parameter_name(name)
 
     def on_fit_start(self) -> None:

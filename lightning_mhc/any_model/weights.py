@@ -27,8 +27,8 @@ from torch import nn
 from lightning_mhc.checkpoint.sharding import tp_placement
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.parallelize.hc_plan import drawn_from_seed
-from lightning_mhc.parallelize.tensor_parallel import strided_runs
+from lightning_mhc.any_model.hc_plan import drawn_from_seed
+from lightning_mhc.any_model.tensor_parallel import strided_runs
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -1,6 +1,6 @@
 """The model families built in: for each Hugging Face ``config.model_type``, one entry holding both
-what tensor parallelism splits (its :class:`~lightning_mhc.parallelize.plan.TPPlan`) and where the
-hyper-connections go (its :class:`~lightning_mhc.parallelize.hc_plan.HyperConnectionPlan`), and
+what tensor parallelism splits (its :class:`~lightning_mhc.any_model.plan.TPPlan`) and where the
+hyper-connections go (its :class:`~lightning_mhc.any_model.hc_plan.HyperConnectionPlan`), and
 the two lookups by name or by ``"auto"`` (the model's ``model_type``) that ``parallelize`` and
 ``add_hyper_connections`` make. A family that is not here takes plans of the user's own
 (docs/bring_your_own_model.md, docs/mhc_any_model.md)."""
@@ -12,8 +12,8 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.parallelize.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
-from lightning_mhc.parallelize.plan import GPT2, GPT_NEOX, LLAMA, OPT, PHI3, QWEN3, Style, TPPlan, resolve_tp_plan
+from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
+from lightning_mhc.any_model.plan import GPT2, GPT_NEOX, LLAMA, OPT, PHI3, QWEN3, Style, TPPlan, resolve_tp_plan
 
 
 # ------------------------------------------------------------------ where the hyper-connections go

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from lightning_mhc.errors import ConfigError, KeyNames
 from lightning_mhc.distributed.layout import ParallelLayout, active_layout
-from lightning_mhc.parallelize.pipeline import (
+from lightning_mhc.any_model.pipeline import (
     FirstStageStub,
     ModelParts,
     NotOnThisStage,
@@ -40,17 +40,17 @@ from lightning_mhc.parallelize.pipeline import (
     split_blocks,
     stage_block_list,
 )
-from lightning_mhc.parallelize.families import resolve_plan
-from lightning_mhc.parallelize.plan import Column, TPPlan, check_plan, linear_dims
-from lightning_mhc.parallelize.hyper_connections import (
+from lightning_mhc.any_model.families import resolve_plan
+from lightning_mhc.any_model.plan import Column, TPPlan, check_plan, linear_dims
+from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionPlan,
     HyperConnectionSettings,
     add_hyper_connections,
 )
-from lightning_mhc.parallelize.record import InitFn, Materializer, is_meta
-from lightning_mhc.parallelize.weights import check_weights, load_weights
+from lightning_mhc.any_model.record import InitFn, Materializer, is_meta
+from lightning_mhc.any_model.weights import check_weights, load_weights
 from lightning_mhc.model.sequence_parallel import mark_sequence_parallel_parameters
-from lightning_mhc.parallelize.tensor_parallel import (
+from lightning_mhc.any_model.tensor_parallel import (
     apply_style,
     divide_attributes,
     gather_replicated_sequence,
@@ -63,7 +63,7 @@ from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, RecomputeP
 from lightning_mhc.recompute.without_output import checkpoint
 from lightning_mhc.recompute.rng import rng_fork
 
-log = logging.getLogger("lightning_mhc.parallelize")
+log = logging.getLogger("lightning_mhc.any_model")
 IGNORE_INDEX = -100
 
 

@@ -63,11 +63,11 @@ from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
-from lightning_mhc.parallelize.families import resolve_hc_plan
-from lightning_mhc.parallelize.hc_files import SavePretrainedWithHyperConnections
-from lightning_mhc.parallelize.hc_plan import HYPER_CONNECTIONS, Branch, HyperConnectionPlan
-from lightning_mhc.parallelize.pipeline import find_parts, replace_hidden_states
-from lightning_mhc.parallelize.record import record_module_init
+from lightning_mhc.any_model.families import resolve_hc_plan
+from lightning_mhc.any_model.hc_files import SavePretrainedWithHyperConnections
+from lightning_mhc.any_model.hc_plan import HYPER_CONNECTIONS, Branch, HyperConnectionPlan
+from lightning_mhc.any_model.pipeline import find_parts, replace_hidden_states
+from lightning_mhc.any_model.record import record_module_init
 from lightning_mhc.recompute.groups import RecomputeGroup
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput

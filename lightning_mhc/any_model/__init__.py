@@ -1,5 +1,6 @@
-"""Tensor, pipeline and data parallelism for a model as written (a Hugging Face model, or any
-PyTorch transformer with a list of repeated blocks), without rewriting it on megatron layers.
+"""Any model as written, split and retrofitted: tensor, pipeline and data parallelism for a
+model as written (a Hugging Face model, or any PyTorch transformer with a list of repeated
+blocks), without rewriting it on megatron layers, and mHC added to it.
 
     with record_module_init():                       # meta device: nothing allocated
         model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4))
@@ -25,21 +26,18 @@ PyTorch transformer with a list of repeated blocks), without rewriting it on meg
 
 No Lightning import: ``lightning_mhc.lightning.ParallelLMModule`` is the LightningModule side.
 """
-import sys
-import types
-
-from lightning_mhc.parallelize.families import FAMILIES, HC_PLANS, PLANS, Family
-from lightning_mhc.parallelize.hc_plan import Branch, HyperConnectionPlan
-from lightning_mhc.parallelize.hyper_connections import (
+from lightning_mhc.any_model.families import FAMILIES, HC_PLANS, PLANS, Family
+from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan
+from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionSettings, add_hyper_connections, hyper_connection_modules)
-from lightning_mhc.parallelize.export import consolidated_state_dict, export_pretrained, load_checkpoint, load_pretrained
-from lightning_mhc.parallelize.hc_files import save_hyper_connections
-from lightning_mhc.parallelize.model import (
+from lightning_mhc.any_model.export import consolidated_state_dict, export_pretrained, load_checkpoint, load_pretrained
+from lightning_mhc.any_model.hc_files import save_hyper_connections
+from lightning_mhc.any_model.model import (
     MaterializedReport, ParallelModel, build_recorded_module, check_parallelize, parallelize)
-from lightning_mhc.parallelize.plan import (
+from lightning_mhc.any_model.plan import (
     GPT2, GPT_NEOX, LLAMA, OPT, PHI3, QWEN3, Column, Replicate, ReplicateOnSplit, Row, TPPlan, VocabEmbedding,
     check_plan)
-from lightning_mhc.parallelize.record import record_module_init
+from lightning_mhc.any_model.record import record_module_init
 
 __all__ = [
     "Branch", "FAMILIES", "Family", "GPT2", "GPT_NEOX", "HC_PLANS", "HyperConnectionPlan", "HyperConnectionSettings",
@@ -49,14 +47,3 @@ __all__ = [
     "load_checkpoint", "load_pretrained", "parallelize", "record_module_init", "save_hyper_connections",
 ]
 
-
-class _CallableModule(types.ModuleType):
-    """Once this package is imported, the import system binds ``lightning_mhc.parallelize`` to it, so
-    ``from lightning_mhc import parallelize`` gives the package, not the function of that public
-    name; calling the package calls the function, so the name works either way."""
-
-    def __call__(self, *args, **kwargs) -> ParallelModel:
-        return parallelize(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -33,9 +33,9 @@ from torch import nn
 
 from lightning_mhc.checkpoint.format import MODEL, read_tensors
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.parallelize.hc_files import HYPER_CONNECTION_SETTINGS, HYPER_CONNECTION_WEIGHTS
-from lightning_mhc.parallelize.hc_plan import Branch, HyperConnectionPlan, drawn_from_seed
-from lightning_mhc.parallelize.hyper_connections import HyperConnectionSettings, add_hyper_connections
+from lightning_mhc.any_model.hc_files import HYPER_CONNECTION_SETTINGS, HYPER_CONNECTION_WEIGHTS
+from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, drawn_from_seed
+from lightning_mhc.any_model.hyper_connections import HyperConnectionSettings, add_hyper_connections
 
 MODULE_PREFIX = "model."
 """Where ``ParallelLMModule`` keeps the model: its checkpoints name tensors ``model.<name>``."""

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from lightning_mhc.parallelize.hc_plan import drawn_from_seed
+from lightning_mhc.any_model.hc_plan import drawn_from_seed
 
 
 HYPER_CONNECTION_WEIGHTS = "hyper_connections.safetensors"

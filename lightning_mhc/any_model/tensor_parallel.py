@@ -35,8 +35,8 @@ from lightning_mhc.model.sequence_parallel import (
     sequence_mapping,
     split_sequence,
 )
-from lightning_mhc.parallelize.pipeline import replace_hidden_states
-from lightning_mhc.parallelize.plan import Column, Replicate, ReplicateOnSplit, Row, Style, VocabEmbedding, linear_dims
+from lightning_mhc.any_model.pipeline import replace_hidden_states
+from lightning_mhc.any_model.plan import Column, Replicate, ReplicateOnSplit, Row, Style, VocabEmbedding, linear_dims
 from lightning_mhc.recompute.rng import rng_fork
 
 
