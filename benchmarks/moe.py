@@ -37,7 +37,7 @@ def _model(args: argparse.Namespace, layout, hyper_connections: bool):
     from lightning_mhc.distributed.grads import finalize_model_grads, is_expert_parameter
     from lightning_mhc.model import MHCTransformerConfig
     from lightning_mhc.model.config import with_parallel_layout
-    from lightning_mhc.model.moe import set_aux_loss_scale, update_expert_biases
+    from lightning_mhc.distributed.expert_parallel import set_aux_loss_scale, update_expert_biases
     from lightning_mhc.model.stages import build_gpt_chunks
     from lightning_mhc.recompute import RecomputePolicy, attach_recompute
 

@@ -8,7 +8,8 @@ import torch
 
 from lightning_mhc import GPTModel
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.model.moe import MoELayer, update_expert_biases
+from lightning_mhc.distributed.expert_parallel import update_expert_biases
+from lightning_mhc.model.moe import MoELayer
 from lightning_mhc.model.moe_mlp import MoEMLP
 from lightning_mhc.recompute import RecomputePolicy, attach_recompute
 from model_utils import tiny_config

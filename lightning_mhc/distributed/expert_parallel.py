@@ -8,7 +8,8 @@ its own tokens; :func:`dispatch_tokens` sends every token to the rank holding it
 Why our own and not megatron-core's ``MoEAlltoAllTokenDispatcher``: that one creates a CUDA stream
 when it is built and so cannot run on CPU, where gloo's ``all_to_all_single`` with uneven splits
 (and empty ones) works. Nothing here knows about the model: the MoE layer
-(``lightning_mhc.model.moe``) uses it.
+(``lightning_mhc.model.moe``) uses it, and is an :class:`ExpertLayer`, what the training runtime
+asks of any MoE layer once per step.
 """
 from __future__ import annotations
 
@@ -135,3 +136,28 @@ def combine_tokens(expert_output: Tensor, state: DispatchState) -> Tensor:
     by_source[state.by_expert] = torch.arange(state.by_expert.numel(), device=state.by_expert.device)
     back_in_source_order = expert_output.index_select(0, by_source)
     return all_to_all(back_in_source_order, state.input_splits, state.output_splits, state.group)
+
+
+class ExpertLayer(torch.nn.Module):
+    """What the training runtime (``strategies``) asks of an MoE layer, without knowing the model:
+    the factor its auxiliary losses' gradient gets (``aux_loss_scale``, set before each step's
+    schedule) and the expert-bias update after each optimizer step."""
+
+    aux_loss_scale: float = 1.0
+
+    def update_expert_bias(self) -> None:
+        """Move the experts' routing bias by this step's token counts (nothing without one)."""
+
+
+def set_aux_loss_scale(module: torch.nn.Module, scale: float) -> None:
+    """Set ``aux_loss_scale`` on every :class:`ExpertLayer` in ``module``."""
+    for sub in module.modules():
+        if isinstance(sub, ExpertLayer):
+            sub.aux_loss_scale = scale
+
+
+def update_expert_biases(module: torch.nn.Module) -> None:
+    """Update the expert bias of every :class:`ExpertLayer` in ``module`` (once per optimizer step)."""
+    for sub in module.modules():
+        if isinstance(sub, ExpertLayer):
+            sub.update_expert_bias()

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_mhc.distributed.expert_parallel import combine_tokens, dispatch_tokens, group_rank, group_size
+from lightning_mhc.distributed.expert_parallel import (ExpertLayer, combine_tokens, dispatch_tokens, group_rank,
+                                                      group_size)
 
 
 @dataclasses.dataclass
@@ -306,7 +307,7 @@ class SharedExperts(torch.nn.Module):
 
 
 # ------------------------------------------------------------------ the layer
-class MoELayer(torch.nn.Module):
+class MoELayer(ExpertLayer):
     """Router, routed experts (this rank's share of them) and shared experts.
 
     ``ep_group``: the expert-parallel group; rank ``r`` of ``ep`` holds experts
@@ -449,17 +450,3 @@ class MoELayer(torch.nn.Module):
         taken = self.step_tokens_per_expert, self.step_aux_losses, self.step_forwards
         self.step_tokens_per_expert, self.step_aux_losses, self.step_forwards = None, {}, 0
         return taken
-
-
-def set_aux_loss_scale(module: torch.nn.Module, scale: float) -> None:
-    """Set ``aux_loss_scale`` on every :class:`MoELayer` in ``module``."""
-    for sub in module.modules():
-        if isinstance(sub, MoELayer):
-            sub.aux_loss_scale = scale
-
-
-def update_expert_biases(module: torch.nn.Module) -> None:
-    """Update the expert bias of every :class:`MoELayer` in ``module`` (once per optimizer step)."""
-    for sub in module.modules():
-        if isinstance(sub, MoELayer):
-            sub.update_expert_bias()

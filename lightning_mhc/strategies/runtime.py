@@ -44,7 +44,7 @@ from lightning_mhc.distributed.pipeline.protocol import (
 )
 from lightning_mhc.distributed.random import model_parallel_manual_seed
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.model.moe import set_aux_loss_scale, update_expert_biases
+from lightning_mhc.distributed.expert_parallel import set_aux_loss_scale, update_expert_biases
 from lightning_mhc.recompute.memory import ActivationMemoryMeter
 from lightning_mhc.strategies.settings import ParallelSettings
 
