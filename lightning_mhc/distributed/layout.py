@@ -254,6 +254,17 @@ class ParallelLayout:
         pp, rank = self.pipeline_model_parallel_size, self._place("pipeline_model_parallel_rank")
         return [chunk * pp + rank for chunk in range(self.virtual_pipeline_model_parallel_size)]
 
+    def place(self) -> str:
+        """This rank's place as messages name it: "TP rank 0, PP rank 1, DP rank 0", with its CP and
+        EP ranks where the layout splits over them."""
+        ranks = [("TP", "tensor_model_parallel_rank"), ("PP", "pipeline_model_parallel_rank")]
+        if self.context_parallel_size > 1:
+            ranks.append(("CP", "context_parallel_rank"))
+        ranks.append(("DP", "data_parallel_rank"))
+        if self.expert_model_parallel_size > 1:
+            ranks.append(("EP", "expert_model_parallel_rank"))
+        return ", ".join(f"{short} rank {self._place(name)}" for short, name in ranks)
+
     @property
     def is_first_stage(self) -> bool:
         return self._place("pipeline_model_parallel_rank") == 0

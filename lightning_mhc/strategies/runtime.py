@@ -145,9 +145,7 @@ class ParallelRuntime:
             atexit.register(destroy_default_group)
         layout = self.layout = s.layout.build(s.timeout)
         model_parallel_manual_seed(s.seed, layout)
-        self.fail_fast.start(f"rank {dist.get_rank()} (TP rank {layout.tensor_model_parallel_rank}, PP rank "
-                             f"{layout.pipeline_model_parallel_rank}, CP rank {layout.context_parallel_rank}, DP rank "
-                             f"{layout.data_parallel_rank})")
+        self.fail_fast.start(f"rank {dist.get_rank()} ({layout.place()})")
 
     def remove_gradient_hooks(self) -> None:
         for reduction in self._grad_reductions.values():
