@@ -11,6 +11,7 @@ import datetime
 import os
 import pickle
 import queue
+import resource
 import socket
 import time
 import traceback
@@ -57,12 +58,23 @@ def _worker(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, True, pickle.dumps(out)))
+        results.put((rank, True, pickle.dumps(out), _cpu_s()))
     except BaseException:  # report everything, including KeyboardInterrupt in a child
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc(), _cpu_s()))
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _cpu_s() -> float:
+    """This rank's CPU seconds (user + system) so far: a forked rank starts from zero."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+ranks_cpu_s = 0.0
+"""CPU seconds the ranks of this process's ``spawn_ranks`` calls reported: they are the fork
+server's children, so ``getrusage(RUSAGE_CHILDREN)`` here never sees them (tests/cpu_time.py)."""
 
 
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "lightning_mhc.model", "lightning_mhc.distributed",
@@ -96,6 +108,7 @@ def spawn_ranks(
     failing rank's traceback, or :class:`TimeoutError` after ``timeout_s``.
     Collectives inside the group time out after ``timeout_s`` as well.
     """
+    global ranks_cpu_s
     ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
@@ -115,7 +128,7 @@ def spawn_ranks(
     try:
         while len(outputs) < world_size:
             try:
-                rank, ok, payload = results.get(timeout=0.2)
+                rank, ok, payload, cpu_s = results.get(timeout=0.2)
             except queue.Empty:
                 for rank, proc in enumerate(procs):
                     if rank not in outputs and proc.exitcode not in (None, 0):
@@ -124,6 +137,7 @@ def spawn_ranks(
                     missing = sorted(set(range(world_size)) - set(outputs))
                     raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f}s")
                 continue
+            ranks_cpu_s += cpu_s
             if not ok:
                 raise RankError(f"rank {rank} of {world_size} failed:\n{payload}")
             outputs[rank] = pickle.loads(payload)
