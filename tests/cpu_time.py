@@ -3,43 +3,61 @@ is noise): ``python -m pytest -p cpu_time FILE`` prints the tests that used most
 ``LIGHTNING_MHC_CPU_TIMES=path.jsonl`` appends one line per test to that file (one file for all
 xdist workers: each line is written whole).
 
-A test's CPU is user + system time of the pytest process and of its children, before and after
-the test (``getrusage``): a child counts once it is reaped, which every helper here does before
-the test ends (``spawn_ranks`` joins its ranks; ``subprocess.run`` waits). Ranks forked by the
-fork server are its children, not pytest's: they are counted through the server's own reaping
-only when the server exits, so for spawned groups the figure is read from the ranks themselves
-(``lightning_mhc.testing.launch`` reports each rank's CPU, summed here per test)."""
+A test's CPU is the user + system time of three kinds of process:
+- the pytest process itself, before and after the test (``getrusage(RUSAGE_SELF)``);
+- every Python process started while it ran, each reporting its own CPU at exit
+  (``cpu_time_site/sitecustomize.py``, on the children's ``PYTHONPATH``): Lightning's launcher
+  and torchrun start ranks that nobody may reap into this process's ``RUSAGE_CHILDREN``;
+- the ranks of ``spawn_ranks``, forked by the fork server, which exit without ``atexit``
+  (``lightning_mhc.testing.launch`` sums what they report).
+Processes killed by a signal report nothing (the fault tests' victims are undercounted)."""
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import resource
+import tempfile
 
 import pytest
 
 _times: dict[str, float] = {}
+_SITE = pathlib.Path(__file__).parent / "cpu_time_site"
+_LOG = os.environ.setdefault("LIGHTNING_MHC_CPU_LOG", tempfile.mkstemp(prefix="cpu_time_", suffix=".jsonl")[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_SITE), os.environ.get("PYTHONPATH")]))
 
 
-def _cpu(who: int) -> float:
-    usage = resource.getrusage(who)
+def _self_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _children_cpu(nodeid: str) -> float:
+    total = 0.0
+    with open(_LOG) as handle:
+        for line in handle:
+            record = json.loads(line)
+            if record["test"] == nodeid:
+                total += record["cpu_s"]
+    return total
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     from lightning_mhc.testing import launch
 
-    before_self, before_children = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
-    before_ranks = launch.ranks_cpu_s
+    # a fork server started during this test is charged to it, and reports nothing itself (os._exit)
+    os.environ["LIGHTNING_MHC_CPU_TEST"] = item.nodeid
+    before_self, before_ranks = _self_cpu(), launch.ranks_cpu_s
     yield
-    own = _cpu(resource.RUSAGE_SELF) - before_self
-    children = _cpu(resource.RUSAGE_CHILDREN) - before_children
+    own = _self_cpu() - before_self
     ranks = launch.ranks_cpu_s - before_ranks
+    children = _children_cpu(item.nodeid)
     _times[item.nodeid] = own + children + ranks
     path = os.environ.get("LIGHTNING_MHC_CPU_TIMES")
     if path:
-        line = json.dumps({"test": item.nodeid, "self_s": round(own, 2), "children_s": round(children, 2),
-                           "ranks_s": round(ranks, 2)})
+        line = json.dumps({"test": item.nodeid, "total_s": round(own + children + ranks, 2), "self_s": round(own, 2),
+                           "children_s": round(children, 2), "ranks_s": round(ranks, 2)})
         with open(path, "a") as handle:
             handle.write(line + "\n")
 
