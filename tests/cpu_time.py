@@ -10,7 +10,9 @@ A test's CPU is the user + system time of three kinds of process:
   and torchrun start ranks that nobody may reap into this process's ``RUSAGE_CHILDREN``;
 - the ranks of ``spawn_ranks``, forked by the fork server, which exit without ``atexit``
   (``lightning_mhc.testing.launch`` sums what they report).
-Processes killed by a signal report nothing (the fault tests' victims are undercounted)."""
+Processes killed by a signal report nothing (the fault tests' victims are undercounted), and the
+fork server reports at the end of the run only (``pytest_unconfigure``), charged to no test: sum
+the lines of ``LIGHTNING_MHC_CPU_LOG`` (one file per run) for a file's or a run's whole CPU."""
 from __future__ import annotations
 
 import json
@@ -24,6 +26,7 @@ import pytest
 _times: dict[str, float] = {}
 _SITE = pathlib.Path(__file__).parent / "cpu_time_site"
 _LOG = os.environ.setdefault("LIGHTNING_MHC_CPU_LOG", tempfile.mkstemp(prefix="cpu_time_", suffix=".jsonl")[1])
+pathlib.Path(_LOG).touch()
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_SITE), os.environ.get("PYTHONPATH")]))
 
 
@@ -60,6 +63,17 @@ def pytest_runtest_protocol(item, nextitem):
                            "children_s": round(children, 2), "ranks_s": round(ranks, 2)})
         with open(path, "a") as handle:
             handle.write(line + "\n")
+
+
+def pytest_unconfigure(config):
+    """The whole run's own line in the log: this process's CPU and its spawned ranks'. The fork
+    server, a child started once per process, writes its line after this one, at its own exit:
+    the sum of every line of the log is the run's CPU."""
+    from lightning_mhc.testing import launch
+
+    with open(_LOG, "a") as handle:
+        handle.write(json.dumps({"test": "pytest", "pid": os.getpid(), "cpu_s": _self_cpu()}) + "\n")
+        handle.write(json.dumps({"test": "ranks", "pid": os.getpid(), "cpu_s": launch.ranks_cpu_s}) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -39,6 +39,7 @@ def _worker(
     backend: str,
     timeout_s: float,
     threads: int,
+    init_group: bool,
     results: "mp.Queue",
     args: tuple,
 ) -> None:
@@ -51,12 +52,13 @@ def _worker(
     )
     torch.set_num_threads(threads)
     try:
-        torch.distributed.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        if init_group:
+            torch.distributed.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
         out = fn(rank, world_size, *args)
         results.put((rank, True, pickle.dumps(out), _cpu_s()))
     except BaseException:  # report everything, including KeyboardInterrupt in a child
@@ -78,9 +80,10 @@ server's children, so ``getrusage(RUSAGE_CHILDREN)`` here never sees them (tests
 
 
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "lightning_mhc.model", "lightning_mhc.distributed",
-           "lightning_mhc.recompute")
+           "lightning_mhc.recompute", "lightning.pytorch", "lightning_mhc.lightning")
 """Imported once by the fork server the ranks are forked from: a rank then starts in a fraction
-of a second instead of importing torch and megatron-core again (seconds of CPU each)."""
+of a second instead of importing torch, megatron-core and Lightning again (about 7 s of CPU in
+all, the most of what a small run's process costs)."""
 
 
 def _context():
@@ -100,13 +103,17 @@ def spawn_ranks(
     timeout_s: float = 300.0,
     backend: str = "gloo",
     threads_per_rank: int = 1,
+    init_group: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
 
     ``fn`` must be importable (a module-level function). Returns the ranks'
     return values in rank order. Raises :class:`RankError` with the first
     failing rank's traceback, or :class:`TimeoutError` after ``timeout_s``.
-    Collectives inside the group time out after ``timeout_s`` as well.
+    Collectives inside the group time out after ``timeout_s`` as well. With ``init_group=False``
+    no process group is made: ``fn`` finds the variables torchrun sets (``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``) and makes its own, as a Lightning
+    strategy in processes started outside it does.
     """
     global ranks_cpu_s
     ctx = _context()
@@ -115,7 +122,7 @@ def spawn_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, backend, timeout_s, threads_per_rank, results, args),
+            args=(fn, rank, world_size, port, backend, timeout_s, threads_per_rank, init_group, results, args),
             daemon=True,
         )
         for rank in range(world_size)
