@@ -55,12 +55,6 @@ def left_behind(pgid: int, wait_s: float = 2.0) -> bool:
     return True
 
 
-def fit_gpt(tmp_path: pathlib.Path, *args: str, timeout: float = 420) -> dict:
-    out = tmp_path / "result.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    proc = run_script("fit_gpt.py", *args, "--out", str(out), timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
 
 
 def _script_rank(rank: int, world_size: int, path: str, args: list[str], cwd: str) -> None:
@@ -87,9 +81,10 @@ def run_on_ranks(name: str, devices: int, *args: str, cwd: pathlib.Path = SCRIPT
                 init_group=False)
 
 
-def fit_gpt_on_ranks(tmp_path: pathlib.Path, devices: int, *args: str, timeout: float = 420) -> dict:
-    """``fit_gpt``'s result, its ranks forked by ``run_on_ranks``."""
+def fit_gpt(tmp_path: pathlib.Path, *args: str, timeout: float = 420) -> dict:
+    """What ``fit_gpt.py *args`` wrote (``--devices`` of them: its ranks, by ``run_on_ranks``)."""
     out = tmp_path / "result.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    run_on_ranks("fit_gpt.py", devices, "--devices", str(devices), *args, "--out", str(out), timeout=timeout)
+    devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
+    run_on_ranks("fit_gpt.py", devices, *args, "--out", str(out), timeout=timeout)
     return json.loads(out.read_text())

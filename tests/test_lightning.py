@@ -23,7 +23,7 @@ from lightning_mhc.distributed.pipeline.protocol import split_microbatches
 from lightning_mhc.distributed.fail_fast import FailFast, PeerFailure
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.testing.launch import free_port
-from script_runs import SCRIPTS, fit_gpt_on_ranks, left_behind, run_on_ranks, run_script
+from script_runs import SCRIPTS, fit_gpt, left_behind, run_on_ranks, run_script
 from subprocess_env import child_env
 
 
@@ -31,9 +31,9 @@ def test_tp2_pp2_matches_one_device(tmp_path):
     """devices=4, TP=2, PP=2, mhc_block recompute == devices=1 on the same global batches; and
     the same with sequence parallelism and two virtual-pipeline chunks per stage (interleaved
     1F1B) through Trainer.fit."""
-    single = fit_gpt_on_ranks(tmp_path / "one", 1, "--scenario", "equivalence")
-    parallel = fit_gpt_on_ranks(tmp_path / "four", 4, "--tp", "2", "--pp", "2", "--scenario", "equivalence",
-                                "--then-sp-v2")  # a second Trainer in the same 4 processes
+    single = fit_gpt(tmp_path / "one", "--devices", "1", "--scenario", "equivalence")
+    parallel = fit_gpt(tmp_path / "four", "--devices", "4", "--tp", "2", "--pp", "2", "--scenario", "equivalence",
+                       "--then-sp-v2")  # a second Trainer in the same 4 processes
     assert len(single["losses"]) == len(parallel["losses"]) == len(parallel["losses_sp_v2"]) == 6
     torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), rtol=0, atol=1e-5)
     assert single["losses"][3] < single["losses"][0]  # it trains
@@ -47,7 +47,7 @@ def test_resume_mid_epoch_is_exact(tmp_path, devices, tp, pp):
     from the step checkpoints of steps 2 and 4 (mid-epoch) and 6 (an epoch boundary), and from
     the end-of-epoch checkpoint (on_train_epoch_end) of step 3. (TP 2 x PP 2 resumes exactly through
     lightning-mhc-train: tests/test_entry_point.py.)"""
-    result = fit_gpt_on_ranks(tmp_path, devices, "--tp", str(tp), "--pp", str(pp), "--scenario", "resume")
+    result = fit_gpt(tmp_path, "--devices", str(devices), "--tp", str(tp), "--pp", str(pp), "--scenario", "resume")
     uninterrupted = torch.tensor(result["uninterrupted"])
     assert len(uninterrupted) == 7
     assert sorted(result["resumed"]) == ["2", "4", "6", "epoch_end_3"]
