@@ -80,10 +80,11 @@ server's children, so ``getrusage(RUSAGE_CHILDREN)`` here never sees them (tests
 
 
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "lightning_mhc.model", "lightning_mhc.distributed",
-           "lightning_mhc.recompute", "lightning.pytorch", "lightning_mhc.lightning")
+           "lightning_mhc.recompute")
 """Imported once by the fork server the ranks are forked from: a rank then starts in a fraction
-of a second instead of importing torch, megatron-core and Lightning again (about 7 s of CPU in
-all, the most of what a small run's process costs)."""
+of a second instead of importing torch and megatron-core again (seconds of CPU each). Read when
+the server starts (a process's first ``spawn_ranks``): a caller whose ranks need more, such as
+the test suite's (Lightning), adds to it before."""
 
 
 def _context():
