@@ -6,8 +6,9 @@ validation loss and the final weights within 1e-5 (fp32). With dropout 0.1 (CP 2
 ``mhc_block`` and ``full`` (which re-runs the attention and its K/V gather) equal ``none`` bit for
 bit. With hidden dropout 0.1 and ``exact_hidden_dropout`` (attention dropout 0): CP 4 and CP 2 x TP 2
 with sequence parallelism (``mhc_block``) equal one process, CP 2 x DP 2 with the distributed
-optimizer (``full``) equals TP 2 x DP 2 (``mhc_block``; DP ranks draw their own samples' masks, so the
-reference is a DP 2 layout without CP, which the option makes TP-free), all within 1e-5.
+optimizer (``full``) equals TP 2 x DP 2 and CP 2 x PP 2 equals TP 2 x PP 2 (``mhc_block``; DP ranks
+draw their own samples' masks and stages from their own streams, so the reference is the layout
+with TP in place of CP, which the option makes equal to TP 1), all within 1e-5.
 A checkpoint saved at CP 2 x DP 2 after step 2 continues at CP 1 as the uninterrupted run.
 And ``lightning-mhc-train parallel=cp2`` against the same command on one process.
 """
@@ -28,7 +29,7 @@ CASES = ["cp4", "cp2pp2", "cp2tp2sp", "cp2dp2"]
 DROPOUT = ["cp2dp2_dropout_none", "cp2dp2_dropout_mhc_block", "cp2dp2_dropout_full"]
 # exact_hidden_dropout: case -> the case it equals (1e-5); "single_exact" runs in one process
 EXACT = {"cp4_exact": "single_exact", "cp2tp2sp_exact": "single_exact",
-         "cp2dp2_exact_dropout_full": "tp2dp2_exact"}
+         "cp2dp2_exact_dropout_full": "tp2dp2_exact", "cp2pp2_exact": "tp2pp2_exact"}
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:
@@ -47,7 +48,7 @@ def run_group(directory: pathlib.Path, devices: int, cases: list[str], compare: 
 
 @pytest.mark.slow
 def test_context_parallel_fit_equals_one_process(tmp_path):
-    four = run_group(tmp_path, 4, CASES + DROPOUT + list(EXACT) + ["tp2dp2_exact"])
+    four = run_group(tmp_path, 4, CASES + DROPOUT + list(EXACT) + ["tp2dp2_exact", "tp2pp2_exact"])
     compare = ([f"single:{case}" for case in CASES + ["resume"]] + [f"{DROPOUT[0]}:{case}" for case in DROPOUT[1:]]
                + [f"{want}:{case}" for case, want in EXACT.items()])
     one = run_group(tmp_path, 1, ["single", "resume", "single_exact"], compare)

@@ -35,6 +35,7 @@ LAYOUTS = {  # case -> (TP, CP, PP, sequence parallelism, distributed optimizer)
     "single": (1, 1, 1, False, False), "resume": (1, 1, 1, False, False),
     "cp4": (1, 4, 1, False, False), "cp2pp2": (1, 2, 2, False, False), "cp2tp2sp": (2, 2, 1, True, False),
     "cp2dp2": (1, 2, 1, False, True), "tp2dp2": (2, 1, 1, False, False),
+    "tp2pp2": (2, 1, 2, False, False),
 }
 
 
