@@ -10,7 +10,8 @@ weights within 1e-5 (every weight at CP 2 x DP 2; at TP 2 x CP 2 the weights TP 
 norms, hyper-connections, Qwen2's row biases). One sample is right-padded (``attention_mask``, its
 labels ignored there), so the padding mask crosses the CP split; the loss's kept tokens fall
 unevenly on the CP ranks. Refused in one line: Mistral's sliding window, Gemma 2 (softcapping and
-sliding windows), position ids given by the batch.
+sliding windows), position ids given by the batch. The public door (slow):
+``lightning-mhc-train model=hf parallel=cp2`` against the same command on one process.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
-from lm_models import VOCAB, gemma2, hf_model, llama, mistral  # noqa: E402
+from lm_models import VOCAB, gemma2, hf_model, llama, mistral, save_sample_llama  # noqa: E402
+from train_cli import run_train, train_losses  # noqa: E402
 
 from lightning_mhc.any_model import build_recorded_module, check_parallelize, parallelize, record_module_init  # noqa: E402
 from lightning_mhc.distributed.context_parallel import gather_sequence  # noqa: E402
@@ -159,3 +161,24 @@ def test_families_cp_cannot_split_exactly_are_refused(make, message):
         model = make()
     with pytest.raises(ConfigError, match=message):
         check_parallelize(model, "auto", layout=ParallelLayout(context_parallel_size=2))
+
+
+def _cli_losses(directory: pathlib.Path, llama_dir: pathlib.Path, *overrides: str) -> dict[int, float]:
+    directory.mkdir()
+    proc = run_train(directory, "model=hf", f"model.pretrained={llama_dir}", "model.hyper_connections=4",
+                     "data=synthetic", "trainer=debug", "trainer.max_steps=4", "recompute=mhc_block", *overrides,
+                     timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    (run_dir,) = list((directory / "outputs").glob("*/*"))
+    return train_losses(run_dir / "metrics.csv")
+
+
+@pytest.mark.slow
+def test_lightning_mhc_train_model_hf_parallel_cp2_equals_one_process(tmp_path):
+    """The public door: ``lightning-mhc-train model=hf parallel=cp2 trainer.devices=2`` (a saved
+    Llama with 4 streams, ``mhc_block``, 4 steps) logs the one-process command's losses (1e-5)."""
+    llama_dir = save_sample_llama(tmp_path / "llama")
+    single = _cli_losses(tmp_path / "single", llama_dir)
+    cp2 = _cli_losses(tmp_path / "cp2", llama_dir, "parallel=cp2", "trainer.devices=2")
+    assert sorted(single) == sorted(cp2) and len(single) == 4
+    assert max(abs(single[step] - cp2[step]) for step in single) < 1e-5, (single, cp2)
