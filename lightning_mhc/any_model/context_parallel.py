@@ -142,7 +142,8 @@ def _register(group) -> str:
 def _padding_mask(batch_size: int, q_length: int, kv_length: int, attention_mask: Tensor | None = None,
                   **_: Any) -> Tensor | None:
     """transformers' mask hook: the whole sequence's ``[b, s]`` padding mask, as given (the causal
-    part is the CP attention's); None when every token attends (no dense mask is built)."""
+    part is the CP attention's); None when every token attends, so no dense mask is built (the
+    check is one host sync per forward, as transformers' own SDPA mask makes)."""
     if attention_mask is None or bool(attention_mask.all()):
         return None
     return attention_mask

@@ -103,7 +103,8 @@ class ParallelModel(nn.Module):
     ``global_parameter_name`` (the whole model's names: checkpoints reshard).
 
     With PP = 1, ``model(input_ids=...)`` is the model's forward (logits; split over the
-    vocabulary when ``vocab_parallel_logits``)."""
+    vocabulary when ``vocab_parallel_logits``). Under context parallelism it takes the whole
+    sequence and returns this rank's chunks' logits (``any_model/context_parallel.py``)."""
 
     def __init__(self, chunks: list[nn.Module], num_virtual_stages: int, hidden_size: int,
                  vocab_parallel_logits: bool, aliases: dict[str, str], report: MaterializedReport,
