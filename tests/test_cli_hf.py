@@ -70,8 +70,10 @@ def _hf(llama_dir, *extra):
     (["model.plan=bloom"], r"model.plan=bloom: LlamaForCausalLM names no built-in plan; the command line takes the "
                            r"built-in plans \(.*llama.*\).* call parallelize\(\) from Python"),
     (["model.init_seed=-1"], r"model.init_seed=-1: must be an integer >= 0"),
-    (["parallel=cp2", "trainer.devices=2"], r"parallel.context_parallel_size=2: context parallelism runs the "
-                                            r"project's GPT \(model=tiny, small, gpt_125m\), not model=hf yet"),
+    (["parallel=tp2cp2", "trainer.devices=4", "model.hyper_connections=4"], None),  # Llama: split over CP
+    (["parallel=cp2", "trainer.devices=2", "data.seq_length=62"],
+     r"parallel.context_parallel_size=2 cuts data.seq_length=62 into 2 \* 2 chunks: use a sequence length divisible "
+     r"by 4"),
     (["data.seq_length=256"], r"data.seq_length=256 exceeds its max_position_embeddings=128"),
 ])
 def test_the_command_line_checks_a_hugging_face_model_before_launch(llama_dir, extra, message, tmp_path, monkeypatch,

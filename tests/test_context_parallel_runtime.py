@@ -215,5 +215,6 @@ def test_a_module_that_does_not_split_the_sequence_is_refused_under_cp():
     from lightning_mhc import MHCParallelStrategy
 
     with pytest.raises(ConfigError, match=r"^context_parallel_size=2 splits each sequence over 2 ranks, which the "
-                                          r"model must do itself; LightningModule does not \(MHCGPTModule does\)"):
+                                          r"model must do itself; LightningModule does not \(MHCGPTModule and "
+                                          r"ParallelLMModule do\)"):
         MHCParallelStrategy(context_parallel_size=2).runtime.check_module(pl.LightningModule())

@@ -638,17 +638,14 @@ class TrainConfig:
     def _check_hf_model(self) -> None:
         """model=hf: the model's config against the data, and everything ``parallelize`` refuses on
         this layout (a family without a plan, sizes TP does not divide, too few layers for the
-        stages, the hyper-connection plan against the model, the pretrained files' tensors), on the
-        model recorded on the meta device: nothing is allocated."""
+        stages, the hyper-connection plan against the model, a family context parallelism cannot
+        split, the pretrained files' tensors), on the model recorded on the meta device: nothing is
+        allocated."""
         from lightning_mhc.lightning.modules.hf import hf_config, recorded_hf_model
         from lightning_mhc.any_model.model import check_parallelize
         from lightning_mhc.any_model.weights import check_weights
 
         m, d = self.model, self.data
-        if self.parallel.context_parallel_size > 1:
-            raise ConfigError(f"parallel.context_parallel_size={self.parallel.context_parallel_size}: context "
-                              "parallelism runs the project's GPT (model=tiny, small, gpt_125m), not model=hf yet; "
-                              "use parallel.context_parallel_size=1.")
         self.layout.check_model({}, d.seq_length)  # the sequence, where sequence parallelism splits it
         try:
             config = hf_config(m.hf_dir)

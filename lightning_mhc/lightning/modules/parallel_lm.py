@@ -50,6 +50,10 @@ class ParallelLMModule(PipelinedLMModule):
         lr, weight_decay, betas: AdamW settings.
     """
 
+    supports_context_parallel = True
+    """``parallelize`` splits the sequence over CP ranks (the Hugging Face families of
+    ``any_model.context_parallel``; it refuses the others): batches stay whole, the model cuts them."""
+
     def __init__(self, lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95)) -> None:
         super().__init__()
         self.save_hyperparameters()
