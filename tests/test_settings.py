@@ -122,8 +122,8 @@ SETTINGS: dict[str, tuple[tuple[object, str], dict[str, object]]] = {
 @pytest.fixture
 def refusals(monkeypatch):
     """Every rule function of ``SETTINGS`` wrapped: the ConfigErrors it raises are recorded as
-    ``(function, message)``."""
-    raised: list[tuple[str, str]] = []
+    ``(function, error)``."""
+    raised: list[tuple[str, ConfigError]] = []
 
     def spy(owner, name: str) -> None:
         original = getattr(owner, name)
@@ -132,7 +132,7 @@ def refusals(monkeypatch):
             try:
                 return original(*args, **kwargs)
             except ConfigError as error:
-                raised.append((name, str(error)))
+                raised.append((name, error))
                 raise
 
         monkeypatch.setattr(owner, name, wrapper)
@@ -146,6 +146,7 @@ def refusals(monkeypatch):
 def test_a_bad_setting_is_refused_by_its_one_function_through_every_door(setting, refusals, single_rank_group,
                                                                          tmp_path, monkeypatch, capsys):
     from lightning_mhc.cli.preflight import PREFIX
+    from lightning_mhc.cli.schema import in_config_keys
     from lightning_mhc.distributed.layout import destroy_parallel
 
     (_, function), doors = SETTINGS[setting]
@@ -162,12 +163,19 @@ def test_a_bad_setting_is_refused_by_its_one_function_through_every_door(setting
             printed = str(error.value)
         destroy_parallel()
         assert refusals, f"{setting} through the {door}: refused by no rule function ({printed})"
-        raised_by, message = refusals[0]  # the innermost: a caller's re-raise is recorded after it
+        raised_by, raised = refusals[0]  # the innermost: a caller's re-raise is recorded after it
         assert raised_by == function, f"{setting} through the {door}: refused by {raised_by}, not {function}"
-        # the door passes the rule's message on as it is (the CLI: on one line, after its prefix)
-        expected = PREFIX + " ".join(message.split()) if door == "cli" else message
+        # the door passes the rule's error on, its words and values, only its fields relabelled: the
+        # CLI by its table, on one line after its prefix; parallelize and the callback by their
+        # arguments (a recompute policy's fields); the other doors as the rule wrote it
+        if door == "cli":
+            expected = PREFIX + " ".join(str(in_config_keys(raised)).split())
+        else:
+            caught = error.value
+            assert (caught.rule, caught.fix, caught.values) == (raised.rule, raised.fix, raised.values), door
+            expected = str(raised.relabel(caught.labels))
         assert printed == expected, (door, printed, expected)
-        messages[door] = message
+        messages[door] = printed
     # the same words wherever Python arguments name the values (parallelize names the model's side
     # of "mhc_block needs hyper-connections" its own way: a model it splits has none)
     python_doors = {messages[d] for d in ("trainer", "fabric", "parallelize")
@@ -265,5 +273,5 @@ def test_the_public_name_parallelize_is_the_function():
 
     assert public is lightning_mhc.any_model.parallelize is lightning_mhc.parallelize
 
-    with pytest.raises(ConfigError, match="unknown recompute policy 'bogus'"):
+    with pytest.raises(ConfigError, match="policy='bogus' is not a recompute policy"):
         public(_meta_model(), recompute="bogus")

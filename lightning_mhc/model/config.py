@@ -164,7 +164,7 @@ class MHCTransformerConfig(TransformerConfig):
         if not self.enable_hyper_connections and self.num_residual_streams != 1:
             raise ConfigError(
                 "{enable_hyper_connections} with {num_residual_streams}: without hyper-connections there is one "
-                "residual stream.", "Set {num_residual_streams:1} or {enable_hyper_connections:True}.",
+                "residual stream.", "Set {num_residual_streams.key}=1 or {enable_hyper_connections.key}=True.",
                 values=dict(enable_hyper_connections=False, num_residual_streams=self.num_residual_streams))
         if self.mhc_implementation not in MHC_IMPLEMENTATIONS:
             raise ConfigError(

@@ -171,7 +171,7 @@ class RecomputePolicy:
             granularity, "none")
         _check_hyper_connections(name, config.enable_hyper_connections)
         if name == "mhc_block" and granularity != "selective":
-            raise ConfigError("{policy} needs {recompute_granularity:'selective'} (got {recompute_granularity}).",
+            raise ConfigError("{policy} needs {recompute_granularity:'selective'} (got {recompute_granularity.value!r}).",
                               "Set {recompute_granularity:'selective'}.",
                               values=dict(policy=name, recompute_granularity=granularity))
         modules = tuple(config.recompute_modules or ()) if granularity == "selective" else None
