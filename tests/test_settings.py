@@ -275,3 +275,86 @@ def test_the_public_name_parallelize_is_the_function():
 
     with pytest.raises(ConfigError, match="policy='bogus' is not a recompute policy"):
         public(_meta_model(), recompute="bogus")
+
+
+# ------------------------------------------------------------------ the CLI's relabel table
+def _error_fields(path: pathlib.Path) -> set[str]:
+    """The fields the ConfigErrors of one module can name: the keys of their ``values`` (and of a
+    layout's ``_fail(...)`` keywords), read from the source. A key held in a variable is followed to
+    what it can hold: a loop over a tuple (written out or a module constant), a parameter (its
+    default and every ``<parameter>="..."`` keyword in the package), a dict assigned in the function."""
+    import ast
+    import importlib
+
+    module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    tree = ast.parse(path.read_text())
+    fields: set[str] = set()
+
+    def constants(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, (ast.Tuple, ast.List)):
+            return [c for element in node.elts for c in constants(element)]
+        if isinstance(node, ast.Name) and isinstance(getattr(module, node.id, None), tuple):
+            return list(getattr(module, node.id))
+        return []
+
+    def name_values(name: str, function: ast.AST) -> list[str]:
+        found = [c for loop in ast.walk(function) if isinstance(loop, ast.For)
+                 and isinstance(loop.target, ast.Name) and loop.target.id == name for c in constants(loop.iter)]
+        args = function.args if isinstance(function, ast.FunctionDef) else None
+        if args is not None and name in [a.arg for a in args.args + args.kwonlyargs]:
+            defaults = dict(zip([a.arg for a in args.args][::-1], args.defaults[::-1]))
+            found += constants(defaults[name]) if name in defaults else []
+            found += [c for source in PACKAGE.rglob("*.py") for call in ast.walk(ast.parse(source.read_text()))
+                      if isinstance(call, ast.Call) for k in call.keywords if k.arg == name for c in constants(k.value)]
+        assert found, f"{path.name}: what the key {name!r} of an error holds is not found"
+        return found
+
+    def keys(node: ast.AST, function: ast.AST) -> list[str]:
+        if isinstance(node, ast.Dict):
+            return [k for key, value in zip(node.keys, node.values)
+                    for k in (keys(value, function) if key is None else
+                              constants(key) or name_values(key.id, function))]
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "dict":
+            return [k for keyword in node.keywords
+                    for k in ([keyword.arg] if keyword.arg else keys(keyword.value, function))]
+        kwarg = function.args.kwarg
+        if isinstance(node, ast.Name) and kwarg is not None and node.id == kwarg.arg:
+            return []  # a helper's **values: the keywords of its calls, read there
+        if isinstance(node, ast.Name):  # a dict assigned in the function
+            assigned = [a.value for a in ast.walk(function) if isinstance(a, ast.Assign)
+                        and any(getattr(t, "id", None) == node.id for t in a.targets)]
+            assert assigned, f"{path.name}: the values {node.id!r} of an error are not found"
+            return [k for value in assigned for k in keys(value, function)]
+        raise AssertionError(f"{path.name}:{node.lineno}: an error's values the test cannot read")
+
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        for call in ast.walk(function):
+            name = getattr(call, "func", None)
+            name = getattr(name, "id", None) or getattr(name, "attr", None)
+            if name == "ConfigError":
+                fields.update(k for keyword in call.keywords if keyword.arg == "values"
+                              for k in keys(keyword.value, function))
+            elif name == "_fail":
+                fields.update(k for keyword in call.keywords
+                              for k in ([keyword.arg] if keyword.arg else keys(keyword.value, function)))
+    return fields
+
+
+def test_the_clis_relabel_table_names_every_field_a_value_can_name():
+    """Every field the values the CLI builds can name in a ConfigError has a row in the CLI's one
+    table (``schema.CONFIG_LABELS``), or is listed as a field no config key sets; a value that
+    learns to name a new field fails here until the table names it."""
+    from lightning_mhc.cli.schema import CONFIG_LABELS, NOT_SET_BY_THE_CLI
+
+    values = [path for path in PACKAGE.rglob("*.py") if path.parent.name != "cli" and path.name != "errors.py"]
+    named = {field for path in values for field in _error_fields(path)}
+    assert {"tensor_model_parallel_size", "num_attention_heads", "world_size", "num_microbatches", "timeout",
+            "policy", "recompute_modules", "enable_hyper_connections", "hyper_connections",
+            "mhc_init_gating_factor"} <= named, "the scan misses fields it should find"
+    assert not set(NOT_SET_BY_THE_CLI) & set(CONFIG_LABELS)
+    missing = sorted(named - set(CONFIG_LABELS) - set(NOT_SET_BY_THE_CLI))
+    assert not missing, f"fields a value's error can name, without a row in schema.CONFIG_LABELS: {missing}"

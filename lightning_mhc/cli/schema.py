@@ -812,7 +812,7 @@ policy, model config) to its config keys: their errors are relabelled by it (``i
 
 NOT_SET_BY_THE_CLI = ("process_group_backend", "gradient_bucket_bytes", "recompute_granularity",
                       "fine_grained_activation_offloading", "mtp_num_layers", "inference_fuse_tp_communication",
-                      "normalization")
+                      "normalization", "overlap_grad_reduce", "measure_activation_memory")
 """Fields a value's error can name that no config key sets (the CLI leaves them at their defaults,
 which pass): their errors cannot come through the CLI, so they need no row."""
 
