@@ -286,7 +286,6 @@ def _error_fields(path: pathlib.Path) -> set[str]:
     import ast
     import importlib
 
-    module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
     tree = ast.parse(path.read_text())
     fields: set[str] = set()
 
@@ -295,8 +294,9 @@ def _error_fields(path: pathlib.Path) -> set[str]:
             return [node.value]
         if isinstance(node, (ast.Tuple, ast.List)):
             return [c for element in node.elts for c in constants(element)]
-        if isinstance(node, ast.Name) and isinstance(getattr(module, node.id, None), tuple):
-            return list(getattr(module, node.id))
+        if isinstance(node, ast.Name):  # a module constant
+            module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+            return list(getattr(module, node.id)) if isinstance(getattr(module, node.id, None), tuple) else []
         return []
 
     def name_values(name: str, function: ast.AST) -> list[str]:
