@@ -11,6 +11,11 @@ import ast
 from typing import Any, Callable, Mapping
 
 
+def literal(text: str) -> str:
+    """``text`` as literal text in a ConfigError template (its braces doubled)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
 class Label:
     """How a door names one field: its ``key`` (``{field.key}`` in a message), and the field with a
     value (``{field}``): ``term`` holds ``{key}`` and ``{value}`` (default ``{key}={value}``), or is a
@@ -86,5 +91,5 @@ class ConfigError(ValueError):
 
     def within(self, where: str) -> ConfigError:
         """This error said of ``where`` (``'<where>: <message>'``), its fields still relabellable."""
-        where = where.replace("{", "{{").replace("}", "}}") if self.values else where
+        where = literal(where) if self.values else where
         return ConfigError(f"{where}: {self.rule}", self.fix, values=self.values, labels=self.labels, show=self.show)

@@ -302,13 +302,13 @@ def _check_ties(model: nn.Module, plan: TPPlan) -> None:
                               "the head), or 'replicate' for all.")
 
 
-def _tp_error(message: str, tp: int) -> ConfigError:
-    """A refusal whose ``message`` names the TP size as ``TP_TERM`` (the layout's field, which a door
-    relabels)."""
-    return ConfigError(message, values=dict(tensor_model_parallel_size=tp))
-
-
 TP_TERM = "{tensor_model_parallel_size}"
+"""How a plan's refusal names the TP size: the layout's field (a door relabels it)."""
+
+
+def _tp_error(message: str, tp: int) -> ConfigError:
+    """A refusal whose ``message`` names the TP size as ``TP_TERM``."""
+    return ConfigError(message, values=dict(tensor_model_parallel_size=tp))
 
 
 def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
@@ -342,7 +342,8 @@ def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
         if module.num_embeddings % tp:
             raise _tp_error(
                 f"{name} (nn.Embedding) has {module.num_embeddings} rows, not divisible by {TP_TERM}. Pad the "
-                f"vocabulary to a multiple of {tp} (e.g. vocab_size={module.num_embeddings + (-module.num_embeddings) % tp}) "
+                f"vocabulary to a multiple of {tp} (e.g. "
+                f"vocab_size={module.num_embeddings + (-module.num_embeddings) % tp}) "
                 f"or map {name} to 'replicate'.", tp)
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ConfigError(f"{name}: nn.Embedding with max_norm, sparse=True or scale_grad_by_freq=True cannot be "

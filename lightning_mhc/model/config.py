@@ -15,7 +15,7 @@ from typing import Any
 from megatron.core.transformer import TransformerConfig
 
 from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
-from lightning_mhc.errors import ConfigError, Label
+from lightning_mhc.errors import ConfigError, Label, literal
 from lightning_mhc.ops import MHC_IMPLEMENTATIONS, triton_available
 from lightning_mhc.recompute.policy import RecomputePolicy
 
@@ -220,7 +220,8 @@ class MHCTransformerConfig(TransformerConfig):
         labels["policy"] = Label("recompute_granularity", lambda policy: (
             switch if policy == "mhc_block" else f"recompute_granularity={self.recompute_granularity!r}"))
         if "recompute_modules" in spelled:  # the list as given, 'mhc' included
-            labels["recompute_modules"] = Label("recompute_modules", lambda _: f"recompute_modules={spelled['recompute_modules']}")
+            given = spelled["recompute_modules"]
+            labels["recompute_modules"] = Label("recompute_modules", lambda _: f"recompute_modules={given}")
         return labels
 
     def _validate_moe(self) -> None:
@@ -232,9 +233,8 @@ class MHCTransformerConfig(TransformerConfig):
         named = dict(num_moe_experts=experts, expert_model_parallel_size=ep)
         if not experts:
             if ep > 1:
-                raise ConfigError("{expert_model_parallel_size} without experts:",
-                                  f"set {{num_moe_experts.key}} (a multiple of {ep}) or {{expert_model_parallel_size:1}}.",
-                                  values=named)
+                raise ConfigError("{expert_model_parallel_size} without experts:", f"set {{num_moe_experts.key}} (a "
+                                  f"multiple of {ep}) or {{expert_model_parallel_size:1}}.", values=named)
             return
         if experts % ep:
             raise ConfigError("{num_moe_experts} does not split over {expert_model_parallel_size}: the experts must "
@@ -256,7 +256,8 @@ class MHCTransformerConfig(TransformerConfig):
                 (isinstance(freq, int) and freq >= 1)
                 or (isinstance(freq, (list, tuple)) and len(freq) == self.num_layers and set(freq) <= {0, 1})):
             raise ConfigError("{moe_layer_freq}:", "give an int >= 1 (every that many layers, from the first) or a "
-                              f"list of {self.num_layers} zeros and ones (one per layer).", values=dict(moe_layer_freq=freq))
+                              f"list of {self.num_layers} zeros and ones (one per layer).",
+                              values=dict(moe_layer_freq=freq))
         if self.sequence_parallel:
             raise ConfigError("{num_moe_experts} with {sequence_parallel} is not implemented (the experts would see "
                               "part of the sequence on each TP rank):", "set {sequence_parallel:False}.",
@@ -264,7 +265,8 @@ class MHCTransformerConfig(TransformerConfig):
         try:
             moe_config(self)
         except ValueError as error:
-            raise ConfigError("{num_moe_experts}: " + _escape(str(error)) + ".", values=dict(num_moe_experts=experts)) from None
+            raise ConfigError("{num_moe_experts}: " + literal(str(error)) + ".",
+                              values=dict(num_moe_experts=experts)) from None
 
     def _validate_gpt(self) -> None:
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -340,11 +342,6 @@ def check_supported_options(values: Mapping[str, Any], who: str = "model_config"
 @functools.cache
 def _megatron_defaults() -> dict[str, Any]:
     return {f.name: _default(f) for f in dataclasses.fields(TransformerConfig)}
-
-def _escape(text: str) -> str:
-    """``text`` as literal text in a ConfigError template (its braces doubled)."""
-    return text.replace("{", "{{").replace("}", "}}")
-
 
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:

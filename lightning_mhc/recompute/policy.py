@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, literal
 from lightning_mhc.recompute.groups import attach_block_recompute, block_ranges, detach_block_recompute
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 
@@ -81,7 +81,7 @@ class RecomputePolicy:
                               "{policy}.", "Drop {recompute_modules.key} or change the policy.", values=named)
         unknown = sorted(set(modules) - set(SUPPORTED_MODULES))
         if unknown:
-            raise ConfigError(f"{{recompute_modules}}: {unknown} not supported by this model;",
+            raise ConfigError(f"{{recompute_modules}}: {literal(str(unknown))} not supported by this model;",
                               f"choose from {', '.join(SUPPORTED_MODULES)}.", values=named)
         if self.block and "mlp" in modules:
             raise ConfigError(
@@ -171,7 +171,8 @@ class RecomputePolicy:
             granularity, "none")
         _check_hyper_connections(name, config.enable_hyper_connections)
         if name == "mhc_block" and granularity != "selective":
-            raise ConfigError("{policy} needs {recompute_granularity:'selective'} (got {recompute_granularity.value!r}).",
+            raise ConfigError("{policy} needs {recompute_granularity:'selective'} "
+                              "(got {recompute_granularity.value!r}).",
                               "Set {recompute_granularity:'selective'}.",
                               values=dict(policy=name, recompute_granularity=granularity))
         modules = tuple(config.recompute_modules or ()) if granularity == "selective" else None
