@@ -68,6 +68,11 @@ class ConfigError(ValueError):
         self.labels, self.show = dict(labels or {}), show
         super().__init__(self._message())
 
+    def __reduce__(self):
+        # another process (a spawned rank's error) receives the finished message: a door's labels may
+        # hold functions, which do not pickle
+        return ConfigError, (str(self),)
+
     @property
     def fields(self) -> tuple[str, ...]:
         """The fields this error names (its own terms)."""

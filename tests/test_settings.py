@@ -358,3 +358,26 @@ def test_the_clis_relabel_table_names_every_field_a_value_can_name():
     assert not set(NOT_SET_BY_THE_CLI) & set(CONFIG_LABELS)
     missing = sorted(named - set(CONFIG_LABELS) - set(NOT_SET_BY_THE_CLI))
     assert not missing, f"fields a value's error can name, without a row in schema.CONFIG_LABELS: {missing}"
+
+
+def test_a_config_error_carries_its_fields_and_a_door_relabels_them():
+    """A value's error: its fields, values, rule and fix, its message in its own terms; a door's
+    labels rename a field (its key, its term, its value converted), the last door's label winning;
+    ``within`` keeps them relabellable; a finished message keeps its braces."""
+    import pickle
+
+    from lightning_mhc.errors import Label
+
+    error = ConfigError("{timeout} with {sequence_parallel}:", "set {sequence_parallel:False} or raise {seed.key}.",
+                        values=dict(timeout=datetime.timedelta(seconds=0), sequence_parallel=True, seed=3))
+    assert error.fields == ("timeout", "sequence_parallel", "seed")
+    assert str(error) == ("timeout=datetime.timedelta(0) with sequence_parallel=True: set sequence_parallel=False "
+                          "or raise seed.")
+    door = error.relabel({"timeout": Label("t_s", convert=lambda t: t.total_seconds()), "seed": "run.seed",
+                          "other": "never.named"}, show=lambda value: str(value).lower())
+    assert str(door) == "t_s=0.0 with sequence_parallel=true: set sequence_parallel=false or raise run.seed."
+    outer = door.within("model={x}").relabel({"seed": Label("s", lambda value: f"the seed {value}")})
+    assert str(outer) == "model={x}: t_s=0.0 with sequence_parallel=true: set sequence_parallel=false or raise s."
+    assert (outer.fix, outer.values, outer.rule) == (error.fix, error.values, "model={{x}}: " + error.rule)
+    assert str(ConfigError("a {finished} message")) == "a {finished} message"
+    assert str(pickle.loads(pickle.dumps(door))) == str(door)  # a spawned rank sends it back (labels: functions)
