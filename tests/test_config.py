@@ -27,6 +27,11 @@ from model_utils import tiny_config, train_steps
         (dict(normalization="LayerNorm"), "RMSNorm"),
         (dict(position_embedding_type="alibi"), "position_embedding_type='alibi'"),
         (dict(mhc_recompute_layer_num=0), "mhc_recompute_layer_num=0"),
+        (dict(exact_hidden_dropout=True, attention_dropout=0.1, context_parallel_size=2),
+         "exact_hidden_dropout=True with attention_dropout=0.1 under tensor_model_parallel_size=1, "
+         "context_parallel_size=2: the attention's dropout"),
+        (dict(exact_hidden_dropout=True, attention_dropout=0.1, tensor_model_parallel_size=2),
+         "Set attention_dropout=0 or exact_hidden_dropout=False"),
     ],
 )
 def test_invalid_configs(overrides, match):

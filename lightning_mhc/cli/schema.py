@@ -114,6 +114,8 @@ class ModelConfig:
     max_sequence_length: Optional[int] = None
     hidden_dropout: Optional[float] = None
     attention_dropout: Optional[float] = None
+    exact_hidden_dropout: Optional[bool] = None
+    """true: hidden dropout masks independent of TP and CP (docs/context_parallel.md); refuses attention dropout there."""
     activation: Optional[str] = None
     add_bias_linear: Optional[bool] = None
     share_embeddings_and_output_weights: Optional[bool] = None

@@ -89,6 +89,15 @@ class MHCTransformerConfig(TransformerConfig):
     """'rope', 'learned_absolute' or 'none'."""
     rotary_base: int = 10000
     share_embeddings_and_output_weights: bool = True
+    exact_hidden_dropout: bool = False
+    """Draw the residual-stream dropout masks (embedding, bias-dropout-adds) as a layout without
+    TP and CP draws them: each rank draws the mask of the whole sequence and keeps its rows (its CP
+    chunks, its sequence-parallel slice), so TP and CP leave training with hidden_dropout as it is
+    at TP 1 and CP 1 (one process's, with DP and PP at 1). Off by default, as megatron: it costs cp
+    (x tp under sequence parallelism) times the random draws and a transient whole-sequence mask
+    per dropout, the memory CP is there to save. With TP or CP it refuses attention_dropout > 0
+    (SDPA draws inside; it cannot keep one process's masks) and takes the reference's ops for the
+    hyper-connection bias-dropout-add (the Triton kernels draw inside too)."""
     init_seed: int = 1234
     """Seed of the parameter initialisation. Every parameter is drawn from its own generator,
     seeded by (init_seed, the parameter's global name), so a model has the same weights under
@@ -269,6 +278,14 @@ class MHCTransformerConfig(TransformerConfig):
                               values=dict(num_moe_experts=experts)) from None
 
     def _validate_gpt(self) -> None:
+        if (self.exact_hidden_dropout and self.attention_dropout > 0
+                and (self.tensor_model_parallel_size > 1 or self.context_parallel_size > 1)):
+            raise ConfigError(
+                f"exact_hidden_dropout=True with attention_dropout={self.attention_dropout} under "
+                f"tensor_model_parallel_size={self.tensor_model_parallel_size}, context_parallel_size="
+                f"{self.context_parallel_size}: the attention's dropout, drawn inside SDPA on this rank's heads "
+                "and queries, cannot draw one process's masks. Set attention_dropout=0 or exact_hidden_dropout=False."
+            )
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ConfigError("{position_embedding_type}:", f"choose one of {', '.join(POSITION_EMBEDDING_TYPES)}.",
                               values=dict(position_embedding_type=self.position_embedding_type))
