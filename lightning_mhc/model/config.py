@@ -281,11 +281,13 @@ class MHCTransformerConfig(TransformerConfig):
         if (self.exact_hidden_dropout and self.attention_dropout > 0
                 and (self.tensor_model_parallel_size > 1 or self.context_parallel_size > 1)):
             raise ConfigError(
-                f"exact_hidden_dropout=True with attention_dropout={self.attention_dropout} under "
-                f"tensor_model_parallel_size={self.tensor_model_parallel_size}, context_parallel_size="
-                f"{self.context_parallel_size}: the attention's dropout, drawn inside SDPA on this rank's heads "
-                "and queries, cannot draw one process's masks. Set attention_dropout=0 or exact_hidden_dropout=False."
-            )
+                "{exact_hidden_dropout} with {attention_dropout} under {tensor_model_parallel_size}, "
+                "{context_parallel_size}: the attention's dropout, drawn inside SDPA on this rank's heads and "
+                "queries, cannot draw one process's masks.",
+                "Set {attention_dropout:0} or {exact_hidden_dropout:False}.",
+                values=dict(exact_hidden_dropout=True, attention_dropout=self.attention_dropout,
+                            tensor_model_parallel_size=self.tensor_model_parallel_size,
+                            context_parallel_size=self.context_parallel_size))
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ConfigError("{position_embedding_type}:", f"choose one of {', '.join(POSITION_EMBEDDING_TYPES)}.",
                               values=dict(position_embedding_type=self.position_embedding_type))
