@@ -118,7 +118,8 @@ def test_megatron_names_round_trip_through_the_dict():
      r"Set mhc_num_residual_streams=1 or enable_hyper_connections=True"),
     # Megatron-LM transformer_config.py: 'mhc' requires mHC on, refuses 'mlp'; ours also needs 'selective'
     (dict(enable_mhc_connections=False, recompute_granularity="selective", recompute_modules=["mhc"]),
-     r"'mhc' in recompute_modules .* needs enable_mhc_connections=True \(got False\)"),
+     r"'mhc' in recompute_modules .* needs enable_mhc_connections=True "
+     r"\(Megatron-LM's name for enable_hyper_connections\)"),
     (dict(recompute_granularity="selective", recompute_modules=["mhc", "mlp"]),
      r"'mhc' in recompute_modules .* cannot be combined with 'mlp' in recompute_modules=\['mhc', 'mlp'\]"),
     (dict(recompute_modules=["core_attn", "mhc"]),

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.errors import ConfigError, Label
 from lightning_mhc.distributed.layout import ParallelLayout, active_layout
 from lightning_mhc.any_model.pipeline import (
     FirstStageStub,
@@ -60,7 +60,7 @@ from lightning_mhc.any_model.tensor_parallel import (
     scatter_sequence,
 )
 from lightning_mhc.recompute.groups import attach_block_recompute
-from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, RecomputePolicy
+from lightning_mhc.recompute.policy import RecomputePolicy
 from lightning_mhc.recompute.without_output import checkpoint
 from lightning_mhc.recompute.rng import rng_fork
 
@@ -421,18 +421,31 @@ def refuse_hf_gradient_checkpointing(model: nn.Module) -> None:
             "(MHCRecomputeCallback(\"full\") or parallelize(recompute=\"full\")) for the same memory saving, exactly.")
 
 
-def check_recompute(policy: RecomputePolicy, names: KeyNames = WITHOUT_HYPER_CONNECTIONS,
-                    hyper_connections: bool | None = None) -> None:
+PARALLELIZE_LABELS = {
+    "policy": Label("recompute"),
+    "hyper_connections": Label("hyper_connections", lambda _: (
+        "a model with hyper-connections (parallelize(..., hyper_connections=n), add_hyper_connections(model), or "
+        "MHCGPTModule)")),
+}
+"""How ``parallelize`` names a recompute policy's fields in its errors: by its arguments (a model it
+splits has hyper-connections or not, whichever way they were added)."""
+
+
+def check_recompute(policy: RecomputePolicy, hyper_connections: bool | None = None) -> None:
     """What ``parallelize`` runs of a recompute policy: no named ``modules`` (it checkpoints the
     modules its plan or ``recompute_modules`` name by pattern), and the block recompute only for a
     model with hyper-connections (``hyper_connections``; None: not known yet, checked when the
-    model is split). ``names``: how the error names the policy."""
-    if policy.modules is not None and not (policy.block and policy.modules == ("layernorm",)):
-        raise ConfigError(f"{names.term('policy', policy.name)} with recompute_modules={list(policy.modules)}: a model "
-                          "split by parallelize() names the selectively recomputed modules by pattern, "
-                          "parallelize(recompute_modules=[patterns]) (default: the plan's selective list).")
-    if hyper_connections is not None:
-        policy.check_model(hyper_connections=hyper_connections, names=names)
+    model is split). Its errors name ``parallelize``'s arguments (``PARALLELIZE_LABELS``)."""
+    try:
+        if policy.modules is not None and not (policy.block and policy.modules == ("layernorm",)):
+            raise ConfigError("{policy} with {recompute_modules}: a model split by parallelize() names the "
+                              "selectively recomputed modules by pattern,",
+                              "parallelize(recompute_modules=[patterns]) (default: the plan's selective list).",
+                              values=dict(policy=policy.name, recompute_modules=list(policy.modules)))
+        if hyper_connections is not None:
+            policy.check_model(hyper_connections, model_field="hyper_connections")
+    except ConfigError as error:
+        raise error.relabel(PARALLELIZE_LABELS) from None
 
 
 def _add_hyper_connections(model: nn.Module, hyper_connections: int | HyperConnectionSettings | None,
@@ -472,7 +485,7 @@ def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, A
     if recompute_modules is not None:
         plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
     stages = layout.num_virtual_stages
-    check_plan(model, plan, layout.tensor_model_parallel_size, names=layout.names)
+    check_plan(model, plan, layout.tensor_model_parallel_size)
     parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute.full or layout.sequence_parallel,
                          after_blocks=plan.after_blocks)
     ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
