@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_mhc import ConfigError  # noqa: E402
 from lightning_mhc.any_model import (  # noqa: E402
-    add_hyper_connections, check_parallelize, export_pretrained, load_pretrained, parallelize, record_module_init)
+    add_hyper_connections, build_recorded_module, check_parallelize, export_pretrained, load_pretrained, parallelize, record_module_init)
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 
@@ -31,6 +31,8 @@ TRAINED = ("mixtral", "qwen3_moe")
 """Trained on EP 2 x PP 2."""
 LOGITS_ONLY = ("qwen2_moe", "olmoe")
 """Step-0 logits on EP 2."""
+SEEDED = "qwen2_moe"
+"""Also built from seed 0 (no files) on EP 2."""
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                bos_token_id=0, eos_token_id=1, pad_token_id=None)
 
@@ -53,11 +55,11 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
 
 
-def _parallel(directory: pathlib.Path, layout: ParallelLayout):
-    config = transformers.AutoConfig.from_pretrained(directory)
-    with record_module_init():
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return parallelize(model, "auto", layout=layout, weights=directory, hyper_connections=STREAMS)
+def _parallel(directory: pathlib.Path, layout: ParallelLayout, from_files: bool = True):
+    """The model of ``directory`` on ``layout``: its weights read from the files, or drawn from seed 0."""
+    model = _meta(transformers.AutoConfig.from_pretrained(directory))
+    return parallelize(model, "auto", layout=layout, weights=directory if from_files else None,
+                       hyper_connections=STREAMS)
 
 
 def _train_on_ep2_pp2(directory: pathlib.Path, checkpoint: pathlib.Path) -> dict:
@@ -104,10 +106,12 @@ def _all_cases(rank: int, world: int, root: str) -> dict:
     root = pathlib.Path(root)
     results = {name: _train_on_ep2_pp2(root / name, root / f"{name}.ckpt") for name in TRAINED}
     layout = ParallelLayout(expert_model_parallel_size=2).build()
-    for name in LOGITS_ONLY:
-        with torch.no_grad():
-            results[name] = parallelize_logits = _parallel(root / name, layout)(input_ids=batch(0)[rank:rank + 1, :-1])
-        assert parallelize_logits.shape == (1, SEQ, VOCAB)
+    rows = batch(0)[rank:rank + 1, :-1]
+    with torch.no_grad():
+        for name in LOGITS_ONLY:
+            results[name] = _parallel(root / name, layout)(input_ids=rows)
+        # drawn, not read: each rank cuts its experts out of the whole tensors the seed draws
+        results["seeded"] = _parallel(root / SEEDED, layout, from_files=False)(input_ids=rows)
     return results
 
 
@@ -176,8 +180,10 @@ def test_moe_models_on_expert_parallel_layouts_equal_one_process(saved):
               f"exported weights within {worst:.2g} of one process (training moved them by up to {moved:.2g})")
         assert worst <= 1e-5 < moved
 
-    for name in LOGITS_ONLY:
-        expected = _logits(_reference(saved / name), batch(0))
+    seeded = add_hyper_connections(_meta(transformers.AutoConfig.from_pretrained(saved / SEEDED)), STREAMS)
+    for name, reference in [(name, _reference(saved / name)) for name in LOGITS_ONLY] + \
+            [("seeded", build_recorded_module(seeded))]:
+        expected = _logits(reference, batch(0))
         for rank, r in enumerate(results):
             torch.testing.assert_close(r[name], expected[rank:rank + 1], rtol=0, atol=1e-5)
 
