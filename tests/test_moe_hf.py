@@ -6,6 +6,7 @@ One spawned 4-rank group runs every case: tiny Mixtral and Qwen3-MoE on EP 2 x P
 EP rank holds 2 of the 4 experts and routes its own rows), step-0 logits and 3 SGD steps through
 the 1F1B schedule, then a checkpoint exported by ``export_pretrained`` and read back by
 ``from_pretrained``; Qwen2-MoE (shared expert with its sigmoid gate) and OLMoE on EP 2 (DP 4),
+step-0 logits (Qwen2-MoE also drawn from the seed, not read); Mixtral on TP 2 x EP 2 (DP 2),
 step-0 logits. The one-process references run here, in the test's process.
 """
 from __future__ import annotations
@@ -56,10 +57,11 @@ def batch(step: int) -> torch.Tensor:
 
 
 def _parallel(directory: pathlib.Path, layout: ParallelLayout, from_files: bool = True):
-    """The model of ``directory`` on ``layout``: its weights read from the files, or drawn from seed 0."""
+    """The model of ``directory`` on ``layout``: its weights read from the files, or drawn from seed 0
+    (the logits gathered over TP)."""
     model = _meta(transformers.AutoConfig.from_pretrained(directory))
     return parallelize(model, "auto", layout=layout, weights=directory if from_files else None,
-                       hyper_connections=STREAMS)
+                       hyper_connections=STREAMS, loss_parallel=False)
 
 
 def _train_on_ep2_pp2(directory: pathlib.Path, checkpoint: pathlib.Path) -> dict:
@@ -112,6 +114,10 @@ def _all_cases(rank: int, world: int, root: str) -> dict:
             results[name] = _parallel(root / name, layout)(input_ids=rows)
         # drawn, not read: each rank cuts its experts out of the whole tensors the seed draws
         results["seeded"] = _parallel(root / SEEDED, layout, from_files=False)(input_ids=rows)
+        # TP 2 x EP 2 (DP 2): the attention split over TP, the experts whole on both TP ranks
+        layout = ParallelLayout(tensor_model_parallel_size=2, expert_model_parallel_size=2).build()
+        dp_rank = layout.data_parallel_rank
+        results["tp2ep2"] = dp_rank, _parallel(root / TRAINED[0], layout)(input_ids=batch(0)[dp_rank:dp_rank + 1, :-1])
     return results
 
 
@@ -180,6 +186,9 @@ def test_moe_models_on_expert_parallel_layouts_equal_one_process(saved):
               f"exported weights within {worst:.2g} of one process (training moved them by up to {moved:.2g})")
         assert worst <= 1e-5 < moved
 
+    expected = _logits(_reference(saved / TRAINED[0]), batch(0))
+    for dp_rank, logits in (r["tp2ep2"] for r in results):
+        torch.testing.assert_close(logits, expected[dp_rank:dp_rank + 1], rtol=0, atol=1e-5)
     seeded = add_hyper_connections(_meta(transformers.AutoConfig.from_pretrained(saved / SEEDED)), STREAMS)
     for name, reference in [(name, _reference(saved / name)) for name in LOGITS_ONLY] + \
             [("seeded", build_recorded_module(seeded))]:
