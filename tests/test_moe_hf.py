@@ -16,6 +16,7 @@ import pathlib
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,6 +35,8 @@ LOGITS_ONLY = ("qwen2_moe", "olmoe")
 """Step-0 logits on EP 2."""
 SEEDED = "qwen2_moe"
 """Also built from seed 0 (no files) on EP 2."""
+FUSED = "olmoe"
+"""Also read from one file of the model's own state dict (fused expert tensors) on EP 2."""
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                bos_token_id=0, eos_token_id=1, pad_token_id=None)
 
@@ -56,11 +59,11 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
 
 
-def _parallel(directory: pathlib.Path, layout: ParallelLayout, from_files: bool = True):
-    """The model of ``directory`` on ``layout``: its weights read from the files, or drawn from seed 0
-    (the logits gathered over TP)."""
+def _parallel(directory: pathlib.Path, layout: ParallelLayout, weights: pathlib.Path | None | bool = True):
+    """The model of ``directory`` on ``layout`` (the logits gathered over TP), its weights read from
+    its files (``True``), from other files, or drawn from seed 0 (``None``)."""
     model = _meta(transformers.AutoConfig.from_pretrained(directory))
-    return parallelize(model, "auto", layout=layout, weights=directory if from_files else None,
+    return parallelize(model, "auto", layout=layout, weights=directory if weights is True else weights,
                        hyper_connections=STREAMS, loss_parallel=False)
 
 
@@ -113,7 +116,9 @@ def _all_cases(rank: int, world: int, root: str) -> dict:
         for name in LOGITS_ONLY:
             results[name] = _parallel(root / name, layout)(input_ids=rows)
         # drawn, not read: each rank cuts its experts out of the whole tensors the seed draws
-        results["seeded"] = _parallel(root / SEEDED, layout, from_files=False)(input_ids=rows)
+        results["seeded"] = _parallel(root / SEEDED, layout, weights=None)(input_ids=rows)
+        # the fused [E, ...] tensors in the file (as the model names them): each rank reads its block
+        results["fused"] = _parallel(root / FUSED, layout, weights=root / f"{FUSED}.safetensors")(input_ids=rows)
         # TP 2 x EP 2 (DP 2): the attention split over TP, the experts whole on both TP ranks
         layout = ParallelLayout(tensor_model_parallel_size=2, expert_model_parallel_size=2).build()
         dp_rank = layout.data_parallel_rank
@@ -143,6 +148,8 @@ def saved(tmp_path_factory) -> pathlib.Path:
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         model.save_pretrained(root / name, max_shard_size="40KB")
+        if name == FUSED:
+            save_file(model.state_dict(), root / f"{name}.safetensors")
     return root
 
 
@@ -191,7 +198,7 @@ def test_moe_models_on_expert_parallel_layouts_equal_one_process(saved):
         torch.testing.assert_close(logits, expected[dp_rank:dp_rank + 1], rtol=0, atol=1e-5)
     seeded = add_hyper_connections(_meta(transformers.AutoConfig.from_pretrained(saved / SEEDED)), STREAMS)
     for name, reference in [(name, _reference(saved / name)) for name in LOGITS_ONLY] + \
-            [("seeded", build_recorded_module(seeded))]:
+            [("seeded", build_recorded_module(seeded)), ("fused", _reference(saved / FUSED))]:
         expected = _logits(reference, batch(0))
         for rank, r in enumerate(results):
             torch.testing.assert_close(r[name], expected[rank:rank + 1], rtol=0, atol=1e-5)
