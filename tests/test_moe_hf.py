@@ -22,7 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_mhc import ConfigError  # noqa: E402
 from lightning_mhc.any_model import (  # noqa: E402
-    add_hyper_connections, build_recorded_module, check_parallelize, export_pretrained, load_pretrained, parallelize, record_module_init)
+    add_hyper_connections, build_recorded_module, check_parallelize, export_pretrained, load_pretrained, parallelize,
+    record_module_init)
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 

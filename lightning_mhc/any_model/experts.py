@@ -15,6 +15,11 @@ model's own, replicated, so the routing (the same top-k and weights) and what is
 experts are the model's; the experts compute what the model's do, ``act_fn(x W_gate^T) * (x
 W_up^T)`` then ``W_down``, weighted by the router's weights and summed over each token's k experts.
 
+Weights: ``save_pretrained`` writes one tensor per expert and part (transformers 5 converts the
+fused tensors back to the legacy names); :func:`merged_experts` reads from transformers' own
+conversions how they join, and ``weights.py`` reads each rank's experts only (:class:`PerExpertFiles`).
+Files that hold the fused tensors are read as a block of dim 0 per EP rank.
+
 The router's auxiliary loss (Mixtral's ``output_router_logits``) is the model's, outside the
 loss :class:`~lightning_mhc.any_model.model.ParallelModel` computes (next-token cross entropy): a
 run that wants it adds it in its own ``loss_func``.
