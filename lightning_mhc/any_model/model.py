@@ -41,6 +41,7 @@ from lightning_mhc.any_model.pipeline import (
     stage_block_list,
 )
 from lightning_mhc.any_model.context_parallel import SequenceSplit, check_context_parallel_family, split_over_context
+from lightning_mhc.any_model.experts import check_experts, shard_experts
 from lightning_mhc.any_model.families import resolve_plan
 from lightning_mhc.any_model.plan import Column, TPPlan, check_plan, linear_dims
 from lightning_mhc.any_model.hyper_connections import (
@@ -396,6 +397,7 @@ def _checked_parts(model: nn.Module, plan: Any, layout: ParallelLayout, blocks: 
                    ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
     """The checks of :func:`check_parallelize` on a model whose hyper-connections are in place."""
     check_recompute(recompute, hyper_connections=_hyper_connection_streams(model) > 1)
+    check_experts(model, layout)
     return _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
 
 
@@ -580,6 +582,7 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
                     random_region(sub, region)
             if recompute.selective and any(_matches(sub_name, p) for p in plan.selective):
                 _checkpointed(sub)
+        shard_experts(module, layout)  # this EP rank's experts (nothing without EP)
         if split_sequence:
             for region in regions.values():
                 gather_sequence_into(region)
