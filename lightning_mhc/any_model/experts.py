@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from lightning_mhc.distributed.expert_parallel import ExpertLayer, combine_tokens, dispatch_tokens
 from lightning_mhc.distributed.layout import ParallelLayout
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, literal
 from lightning_mhc.any_model.plan import LLAMA, QWEN3, TPPlan
 from lightning_mhc.model.moe import grouped_matmul
 
@@ -72,16 +72,17 @@ def check_experts(model: nn.Module, layout: ParallelLayout) -> None:
     if ep == 1:
         return
     experts = [(name, module) for name, module in model.named_modules() if is_fused_experts(module)]
-    term = layout.names.term("expert_model_parallel_size", ep)
+    values = {"expert_model_parallel_size": ep}
     if not experts:
-        raise ConfigError(f"{term}: {type(model).__name__} has no fused experts (a module with gate_up_proj "
-                          "[E, 2I, H] and down_proj [E, H, I], as Mixtral's, Qwen2/3-MoE's and OLMoE's mlp.experts) to "
-                          "split; set it to 1.")
+        raise ConfigError("{expert_model_parallel_size}: " + literal(
+            f"{type(model).__name__} has no fused experts (a module with gate_up_proj [E, 2I, H] and down_proj "
+            "[E, H, I], as Mixtral's, Qwen2/3-MoE's and OLMoE's mlp.experts) to split;"), "set it to 1.", values=values)
     for name, module in experts:
         count = module.gate_up_proj.shape[0]
         if count % ep:
-            raise ConfigError(f"{term}: {name} has {count} experts, which do not split evenly over {ep} ranks; "
-                              "choose an expert_model_parallel_size that divides them.")
+            raise ConfigError("{expert_model_parallel_size}: " + literal(
+                f"{name} has {count} experts, which do not split evenly over {ep} ranks;"),
+                "choose an {expert_model_parallel_size.key} that divides them.", values=values)
 
 
 def shard_experts(module: nn.Module, layout: ParallelLayout) -> None:
