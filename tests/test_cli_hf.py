@@ -70,9 +70,13 @@ def _hf(llama_dir, *extra):
     (["model.plan=bloom"], r"model.plan=bloom: LlamaForCausalLM names no built-in plan; the command line takes the "
                            r"built-in plans \(.*llama.*\).* call parallelize\(\) from Python"),
     (["model.init_seed=-1"], r"model.init_seed=-1: must be an integer >= 0"),
-    (["parallel=cp2", "trainer.devices=2"], r"parallel.context_parallel_size=2: context parallelism runs the "
-                                            r"project's GPT \(model=tiny, small, gpt_125m\), not model=hf yet"),
+    (["parallel=tp2cp2", "trainer.devices=4", "model.hyper_connections=4"], None),  # Llama: split over CP
+    (["parallel=cp2", "trainer.devices=2", "data.seq_length=62"],
+     r"parallel.context_parallel_size=2 cuts data.seq_length=62 into 2 \* 2 chunks: use a sequence length divisible "
+     r"by 4"),
     (["data.seq_length=256"], r"data.seq_length=256 exceeds its max_position_embeddings=128"),
+    (["parallel.expert_model_parallel_size=2", "trainer.devices=2"],
+     r"parallel.expert_model_parallel_size=2: LlamaForCausalLM has no fused experts .* to split; set it to 1"),
 ])
 def test_the_command_line_checks_a_hugging_face_model_before_launch(llama_dir, extra, message, tmp_path, monkeypatch,
                                                                    capsys):
@@ -89,11 +93,20 @@ def test_the_command_line_checks_a_hugging_face_model_before_launch(llama_dir, e
 
 
 def test_a_family_without_a_plan_and_a_missing_model_are_refused(tmp_path, monkeypatch, capsys):
-    """A config of a family with no built-in plan, a directory without config.json, both model keys."""
-    from transformers import BloomConfig
+    """A config of a family with no built-in plan, a directory without config.json, both model keys; an MoE
+    model's expert-parallel sizes (``any_model/experts.py``): one that divides its experts is accepted."""
+    from transformers import BloomConfig, MixtralConfig
 
     BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=300).save_pretrained(tmp_path / "bloom")
+    MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2,
+                  num_local_experts=4, vocab_size=300).save_pretrained(tmp_path / "mixtral")
+    mixtral = ["model=hf", f"model.config={tmp_path / 'mixtral'}", "data=synthetic", "model.hyper_connections=4"]
+    # an MoE model's experts over EP 2 (DP 2) are accepted; 4 experts over EP 4 ranks too, not over 3
+    assert check_before_launch([*mixtral, "parallel.expert_model_parallel_size=2", "trainer.devices=2"], tmp_path,
+                               monkeypatch, capsys)[0] == 0
     cases = [
+        ([*mixtral, "parallel.expert_model_parallel_size=3", "trainer.devices=3", "data.global_batch_size=6"],
+         r"parallel.expert_model_parallel_size=3: model.layers.0.mlp.experts has 4 experts, which do not split evenly"),
         (["model=hf", f"model.config={tmp_path / 'bloom'}", "data=synthetic"],
          r"model.config=.*bloom: model.plan=auto: BloomForCausalLM has model_type 'bloom'; the command line takes the "
          r"built-in plans"),

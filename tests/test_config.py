@@ -27,6 +27,11 @@ from model_utils import tiny_config, train_steps
         (dict(normalization="LayerNorm"), "RMSNorm"),
         (dict(position_embedding_type="alibi"), "position_embedding_type='alibi'"),
         (dict(mhc_recompute_layer_num=0), "mhc_recompute_layer_num=0"),
+        (dict(exact_hidden_dropout=True, attention_dropout=0.1, context_parallel_size=2),
+         "exact_hidden_dropout=True with attention_dropout=0.1 under tensor_model_parallel_size=1, "
+         "context_parallel_size=2: the attention's dropout"),
+        (dict(exact_hidden_dropout=True, attention_dropout=0.1, tensor_model_parallel_size=2),
+         "Set attention_dropout=0 or exact_hidden_dropout=False"),
     ],
 )
 def test_invalid_configs(overrides, match):
@@ -113,7 +118,8 @@ def test_megatron_names_round_trip_through_the_dict():
      r"Set mhc_num_residual_streams=1 or enable_hyper_connections=True"),
     # Megatron-LM transformer_config.py: 'mhc' requires mHC on, refuses 'mlp'; ours also needs 'selective'
     (dict(enable_mhc_connections=False, recompute_granularity="selective", recompute_modules=["mhc"]),
-     r"'mhc' in recompute_modules .* needs enable_mhc_connections=True \(got False\)"),
+     r"'mhc' in recompute_modules .* needs enable_mhc_connections=True "
+     r"\(Megatron-LM's name for enable_hyper_connections\)"),
     (dict(recompute_granularity="selective", recompute_modules=["mhc", "mlp"]),
      r"'mhc' in recompute_modules .* cannot be combined with 'mlp' in recompute_modules=\['mhc', 'mlp'\]"),
     (dict(recompute_modules=["core_attn", "mhc"]),

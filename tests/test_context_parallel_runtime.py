@@ -2,7 +2,8 @@
 gradients of replicated parameters summed over DP x CP and divided by DP (the post-backward
 reduction, the overlapped buckets and the distributed optimizer's shards over DP x CP), the loss
 reduced the same way, every CP rank of a DP rank reading the same samples, and dropout streams
-that differ across CP ranks; against one process on the whole batch (fp32, 1e-6). The GPT (mHC
+that differ across CP ranks (and ``whole_sequence_dropout``: each rank's rows of the mask without
+CP); against one process on the whole batch (fp32, 1e-6). The GPT (mHC
 with 4 streams, grouped-query attention, RoPE or learned positions) at CP 2 and CP 4: the loss
 parts and the gradients summed over CP against the same model at CP 1 on every rank (1e-5); the
 pipeline shape ``[s/cp, b, n*C]``; generation refused.
@@ -23,12 +24,12 @@ from lightning_mhc.distributed.grads import finalize_model_grads
 from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from lightning_mhc.distributed.optimizer import DistributedOptimizer
 from lightning_mhc.distributed.pipeline.common import reduce_loss
-from lightning_mhc.distributed.random import model_parallel_manual_seed
+from lightning_mhc.distributed.random import model_parallel_manual_seed, whole_sequence_dropout
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import with_parallel_layout
 from lightning_mhc.model.gpt import gpt_forward_step, gpt_loss_func
 from lightning_mhc.model.stages import build_gpt_chunks
-from lightning_mhc.recompute.rng import rng_fork, set_parallel_randomizer
+from lightning_mhc.recompute.rng import MultiDimParallelRandomizer, rng_fork, set_parallel_randomizer
 from lightning_mhc.testing.launch import spawn_ranks
 
 DP, CP, BATCH, SEQ, WIDTH = 2, 2, 2, 8, 3
@@ -112,6 +113,7 @@ def _runtime_under_cp(rank: int, world: int) -> dict:
     model_parallel_manual_seed(11, layout)
     with rng_fork("tensor"):  # replicated over TP: still one stream per CP rank
         out["dropout"] = torch.nn.functional.dropout(torch.ones(64), 0.5).tolist()
+    out["whole_sequence_dropout"] = whole_sequence_dropout(torch.ones(4, 3), 0.5, True, sequence_parallel=False)
     set_parallel_randomizer(None)
     destroy_parallel()
     return out
@@ -196,11 +198,23 @@ def test_runtime_reduces_over_dp_x_cp_and_averages_over_dp(per_rank):
     assert len({tuple(r["dropout"]) for r in per_rank}) == DP * CP
 
 
+def test_whole_sequence_dropout_keeps_this_ranks_rows_of_the_mask_without_cp(per_rank):
+    """``exact_hidden_dropout``'s draw: each rank's rows (its two chunks) of the mask that the DP 2
+    layout without CP draws for the whole 8-row sequence in its replicated stream."""
+    for r in per_rank:
+        without_cp = MultiDimParallelRandomizer(11, {"tensor": 0, "data": r["dp_rank"], "pipeline": 0},
+                                                {"tensor": 1, "data": DP, "pipeline": 1})
+        with without_cp.get_randomizer("tensor").fork():
+            whole = torch.nn.functional.dropout(torch.ones(8, 3), 0.5)
+        assert torch.equal(r["whole_sequence_dropout"], shard_sequence(whole, r["cp_rank"], CP, dim=0))
+
+
 def test_a_module_that_does_not_split_the_sequence_is_refused_under_cp():
     import lightning.pytorch as pl
 
     from lightning_mhc import MHCParallelStrategy
 
     with pytest.raises(ConfigError, match=r"^context_parallel_size=2 splits each sequence over 2 ranks, which the "
-                                          r"model must do itself; LightningModule does not \(MHCGPTModule does\)"):
+                                          r"model must do itself; LightningModule does not \(MHCGPTModule and "
+                                          r"ParallelLMModule do\)"):
         MHCParallelStrategy(context_parallel_size=2).runtime.check_module(pl.LightningModule())

@@ -331,7 +331,7 @@ def test_the_checks_change_nothing_and_one_registry_holds_both_plans():
         assert len(parts.blocks) == 4 and all(hasattr(b, "hyper_connection_wiring") for b in parts.blocks)
     assert getattr(model, "hyper_connection_settings", None) is None
     assert {name for name, _ in model.named_modules()} == names
-    assert PLANS.keys() == HC_PLANS.keys() == FAMILIES.keys() and len(FAMILIES) == 12
+    assert PLANS.keys() == HC_PLANS.keys() == FAMILIES.keys() and len(FAMILIES) == 16  # 4 of them MoE (experts.py)
     for name, family in FAMILIES.items():
         assert resolve_plan(name) is family.tp is PLANS[name]
     assert resolve_plan("auto", model) is FAMILIES["llama"].tp

@@ -157,7 +157,7 @@ def test_bad_layout_fails_when_the_trainer_is_made():
     """The world (devices x nodes) is known when the Trainer is made: a layout it cannot hold is
     refused there, before any process starts."""
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 \* pipeline_model_parallel_size=2 = 4 "
-                                          r"does not divide the world size 1"):
+                                          r"does not divide world_size=1"):
         _trainer(MHCParallelStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
 
 
@@ -172,7 +172,7 @@ def test_plain_module_cannot_ask_for_model_parallelism():
     "kwargs, match",
     [
         (dict(policy="mhc_block", recompute_modules=["layernorm", "mlp"]), "Remove 'mlp'"),
-        (dict(policy="nonsense"), "unknown recompute policy 'nonsense'"),
+        (dict(policy="nonsense"), "policy='nonsense' is not a recompute policy"),
         (dict(policy="full", recompute_modules=["layernorm"]), "only used by the 'selective' and 'mhc_block'"),
     ],
 )

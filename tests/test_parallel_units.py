@@ -20,7 +20,7 @@ from model_utils import tiny_config
 def test_check_layout():
     assert ParallelLayout(2, 2, world_size=8).data_parallel_size == 2
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 \* pipeline_model_parallel_size=3 = 6 "
-                                          r"does not divide the world size 8"):
+                                          r"does not divide world_size=8"):
         ParallelLayout(2, 3, world_size=8)
     with pytest.raises(ConfigError, match="virtual_pipeline_model_parallel_size=None: must be a positive integer"):
         ParallelLayout(2, 2, virtual_pipeline_model_parallel_size=None)
@@ -143,7 +143,7 @@ def _cp_ep_groups(rank: int, world: int) -> dict:
 def test_context_and_expert_parallel_groups_follow_megatrons_rank_order():
     """TP fastest, then CP, then DP (then PP); DP x CP is where replicated gradients are reduced; EP is
     carved out of DP x CP ranks that hold the same TP shard, the rest replicate each expert."""
-    with pytest.raises(ConfigError, match=r"\* context_parallel_size=2 = 4 does not divide the world size 6"):
+    with pytest.raises(ConfigError, match=r"\* context_parallel_size=2 = 4 does not divide world_size=6"):
         ParallelLayout(2, context_parallel_size=2, world_size=6)
     with pytest.raises(ConfigError, match=r"expert_model_parallel_size=4 does not divide the 2 data- and context-"):
         ParallelLayout(2, expert_model_parallel_size=4, world_size=4)

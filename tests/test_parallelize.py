@@ -76,7 +76,7 @@ HC_MODELS = ("llama", "mistral")
 def references(tmp_path_factory, pretrained) -> dict:
     return run_group(tmp_path_factory.mktemp("reference"), 1,
                      [f"{m}:single" for m in (*MODEL_NAMES, "tiedllama", *FAMILIES)] + ["tiedllama:single:pretrained"]
-                     + [f"{m}:single:hc" for m in HC_MODELS], "--weights", str(pretrained))
+                     + [f"{m}:single:hc" for m in (*HC_MODELS, "mixtral")], "--weights", str(pretrained))
 
 
 def check_case(case: str, result: dict, references: dict) -> None:
@@ -134,7 +134,8 @@ RESUMED = ("gpt2:pp2:resume", "gpt2:tp2:resume", "llama:pp2:resume", "plain:tp2:
 
 
 def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained, family_weights, model_parallel):
-    """TP 2 x PP 2 against one process (also a Llama whose head is tied to its embedding, under a dict
+    """TP 2 x PP 2 against one process (also Mixtral with 4 streams on EP 2 x PP 2, its experts split
+    over the DP ranks; a Llama whose head is tied to its embedding, under a dict
     plan that names no output layer, and the families of ``lm_models.FAMILIES`` under their
     built-in plans: sliding windows, per-layer masks, fused projections, per-head norms, scaled
     embeddings, soft-capped logits, a final norm registered before the layers); its checkpoints (the model's own names) continue on PP 2 x
@@ -142,7 +143,8 @@ def test_tp2_x_pp2_and_its_checkpoints(tmp_path, references, pretrained, family_
     model in one process, and through save_pretrained / from_pretrained and back through
     parallelize(weights=), with its logits."""
     cases = ([f"{m}:tp2pp2" for m in MODEL_NAMES] + ["tiedllama:tp2pp2"]  # a tied head under the README's dict plan
-             + [f"{m}:tp2pp2:hc" for m in HC_MODELS] + ["llama:tp2pp2sp:hc"])
+             + [f"{m}:tp2pp2:hc" for m in HC_MODELS] + ["llama:tp2pp2sp:hc"]
+             + ["mixtral:ep2pp2:hc"])  # an MoE model's experts split over EP 2 (DP 2), test_moe_hf.py's layout
     families = [f"{m}:tp2pp2" for m in FAMILIES]
     retrofits = [f"{m}:tp2pp2:hc-pretrained-start" for m in HC_FAMILIES]
     results = run_group(tmp_path, 4, cases + list(RESUMED) + ["tiedllama:tp2pp2:pretrained"] + families + retrofits,

@@ -24,7 +24,7 @@ def test_of_takes_what_users_pass_and_the_policy_says_what_it_recomputes():
     assert asked == {"none": (False, False, False), "selective": (False, True, False),
                      "mhc_block": (False, False, True), "full": (True, False, False)}
     assert block.block_ranges(4, 5) == [(0, 2), (2, 4), (4, 5)]
-    with pytest.raises(ConfigError, match="unknown recompute policy 'blocks'"):
+    with pytest.raises(ConfigError, match="policy='blocks' is not a recompute policy"):
         RecomputePolicy.of("blocks")
 
 
@@ -42,7 +42,7 @@ def test_mhc_block_fields():
         ("mhc_block", dict(modules=["layernorm", "mlp"]), "Remove 'mlp'"),
         ("mhc_block", dict(modules=["moe_act"]), "choose from core_attn, layernorm, mlp"),
         ("full", dict(modules=["layernorm"]), "only used by the 'selective' and 'mhc_block'"),
-        ("checkpoint_everything", {}, "unknown recompute policy 'checkpoint_everything'"),
+        ("checkpoint_everything", {}, "policy='checkpoint_everything' is not a recompute policy"),
         ("mhc_block", dict(layer_num=0), "mhc_recompute_layer_num=0"),
     ],
 )

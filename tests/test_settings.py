@@ -122,8 +122,8 @@ SETTINGS: dict[str, tuple[tuple[object, str], dict[str, object]]] = {
 @pytest.fixture
 def refusals(monkeypatch):
     """Every rule function of ``SETTINGS`` wrapped: the ConfigErrors it raises are recorded as
-    ``(function, message)``."""
-    raised: list[tuple[str, str]] = []
+    ``(function, error)``."""
+    raised: list[tuple[str, ConfigError]] = []
 
     def spy(owner, name: str) -> None:
         original = getattr(owner, name)
@@ -132,7 +132,7 @@ def refusals(monkeypatch):
             try:
                 return original(*args, **kwargs)
             except ConfigError as error:
-                raised.append((name, str(error)))
+                raised.append((name, error))
                 raise
 
         monkeypatch.setattr(owner, name, wrapper)
@@ -146,6 +146,7 @@ def refusals(monkeypatch):
 def test_a_bad_setting_is_refused_by_its_one_function_through_every_door(setting, refusals, single_rank_group,
                                                                          tmp_path, monkeypatch, capsys):
     from lightning_mhc.cli.preflight import PREFIX
+    from lightning_mhc.cli.schema import in_config_keys
     from lightning_mhc.distributed.layout import destroy_parallel
 
     (_, function), doors = SETTINGS[setting]
@@ -162,12 +163,19 @@ def test_a_bad_setting_is_refused_by_its_one_function_through_every_door(setting
             printed = str(error.value)
         destroy_parallel()
         assert refusals, f"{setting} through the {door}: refused by no rule function ({printed})"
-        raised_by, message = refusals[0]  # the innermost: a caller's re-raise is recorded after it
+        raised_by, raised = refusals[0]  # the innermost: a caller's re-raise is recorded after it
         assert raised_by == function, f"{setting} through the {door}: refused by {raised_by}, not {function}"
-        # the door passes the rule's message on as it is (the CLI: on one line, after its prefix)
-        expected = PREFIX + " ".join(message.split()) if door == "cli" else message
+        # the door passes the rule's error on, its words and values, only its fields relabelled: the
+        # CLI by its table, on one line after its prefix; parallelize and the callback by their
+        # arguments (a recompute policy's fields); the other doors as the rule wrote it
+        if door == "cli":
+            expected = PREFIX + " ".join(str(in_config_keys(raised)).split())
+        else:
+            caught = error.value
+            assert (caught.rule, caught.fix, caught.values) == (raised.rule, raised.fix, raised.values), door
+            expected = str(raised.relabel(caught.labels))
         assert printed == expected, (door, printed, expected)
-        messages[door] = message
+        messages[door] = printed
     # the same words wherever Python arguments name the values (parallelize names the model's side
     # of "mhc_block needs hyper-connections" its own way: a model it splits has none)
     python_doors = {messages[d] for d in ("trainer", "fabric", "parallelize")
@@ -265,5 +273,111 @@ def test_the_public_name_parallelize_is_the_function():
 
     assert public is lightning_mhc.any_model.parallelize is lightning_mhc.parallelize
 
-    with pytest.raises(ConfigError, match="unknown recompute policy 'bogus'"):
+    with pytest.raises(ConfigError, match="policy='bogus' is not a recompute policy"):
         public(_meta_model(), recompute="bogus")
+
+
+# ------------------------------------------------------------------ the CLI's relabel table
+def _error_fields(path: pathlib.Path) -> set[str]:
+    """The fields the ConfigErrors of one module can name: the keys of their ``values`` (and of a
+    layout's ``_fail(...)`` keywords), read from the source. A key held in a variable is followed to
+    what it can hold: a loop over a tuple (written out or a module constant), a parameter (its
+    default and every ``<parameter>="..."`` keyword in the package), a dict assigned in the function."""
+    import ast
+    import importlib
+
+    tree = ast.parse(path.read_text())
+    fields: set[str] = set()
+
+    def constants(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, (ast.Tuple, ast.List)):
+            return [c for element in node.elts for c in constants(element)]
+        if isinstance(node, ast.Name):  # a module constant
+            module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+            return list(getattr(module, node.id)) if isinstance(getattr(module, node.id, None), tuple) else []
+        return []
+
+    def name_values(name: str, function: ast.AST) -> list[str]:
+        found = [c for loop in ast.walk(function) if isinstance(loop, ast.For)
+                 and isinstance(loop.target, ast.Name) and loop.target.id == name for c in constants(loop.iter)]
+        args = function.args if isinstance(function, ast.FunctionDef) else None
+        if args is not None and name in [a.arg for a in args.args + args.kwonlyargs]:
+            defaults = dict(zip([a.arg for a in args.args][::-1], args.defaults[::-1]))
+            found += constants(defaults[name]) if name in defaults else []
+            found += [c for source in PACKAGE.rglob("*.py") for call in ast.walk(ast.parse(source.read_text()))
+                      if isinstance(call, ast.Call) for k in call.keywords if k.arg == name for c in constants(k.value)]
+        assert found, f"{path.name}: what the key {name!r} of an error holds is not found"
+        return found
+
+    def keys(node: ast.AST, function: ast.AST) -> list[str]:
+        if isinstance(node, ast.Dict):
+            return [k for key, value in zip(node.keys, node.values)
+                    for k in (keys(value, function) if key is None else
+                              constants(key) or name_values(key.id, function))]
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "dict":
+            return [k for keyword in node.keywords
+                    for k in ([keyword.arg] if keyword.arg else keys(keyword.value, function))]
+        kwarg = function.args.kwarg
+        if isinstance(node, ast.Name) and kwarg is not None and node.id == kwarg.arg:
+            return []  # a helper's **values: the keywords of its calls, read there
+        if isinstance(node, ast.Name):  # a dict assigned in the function
+            assigned = [a.value for a in ast.walk(function) if isinstance(a, ast.Assign)
+                        and any(getattr(t, "id", None) == node.id for t in a.targets)]
+            assert assigned, f"{path.name}: the values {node.id!r} of an error are not found"
+            return [k for value in assigned for k in keys(value, function)]
+        raise AssertionError(f"{path.name}:{node.lineno}: an error's values the test cannot read")
+
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        for call in ast.walk(function):
+            name = getattr(call, "func", None)
+            name = getattr(name, "id", None) or getattr(name, "attr", None)
+            if name == "ConfigError":
+                fields.update(k for keyword in call.keywords if keyword.arg == "values"
+                              for k in keys(keyword.value, function))
+            elif name == "_fail":
+                fields.update(k for keyword in call.keywords
+                              for k in ([keyword.arg] if keyword.arg else keys(keyword.value, function)))
+    return fields
+
+
+def test_the_clis_relabel_table_names_every_field_a_value_can_name():
+    """Every field the values the CLI builds can name in a ConfigError has a row in the CLI's one
+    table (``schema.CONFIG_LABELS``), or is listed as a field no config key sets; a value that
+    learns to name a new field fails here until the table names it."""
+    from lightning_mhc.cli.schema import CONFIG_LABELS, NOT_SET_BY_THE_CLI
+
+    values = [path for path in PACKAGE.rglob("*.py") if path.parent.name != "cli" and path.name != "errors.py"]
+    named = {field for path in values for field in _error_fields(path)}
+    assert {"tensor_model_parallel_size", "num_attention_heads", "world_size", "num_microbatches", "timeout",
+            "policy", "recompute_modules", "enable_hyper_connections", "hyper_connections",
+            "mhc_init_gating_factor"} <= named, "the scan misses fields it should find"
+    assert not set(NOT_SET_BY_THE_CLI) & set(CONFIG_LABELS)
+    missing = sorted(named - set(CONFIG_LABELS) - set(NOT_SET_BY_THE_CLI))
+    assert not missing, f"fields a value's error can name, without a row in schema.CONFIG_LABELS: {missing}"
+
+
+def test_a_config_error_carries_its_fields_and_a_door_relabels_them():
+    """A value's error: its fields, values, rule and fix, its message in its own terms; a door's
+    labels rename a field (its key, its term, its value converted), the last door's label winning;
+    ``within`` keeps them relabellable; a finished message keeps its braces."""
+    import pickle
+
+    from lightning_mhc.errors import Label
+
+    error = ConfigError("{timeout} with {sequence_parallel}:", "set {sequence_parallel:False} or raise {seed.key}.",
+                        values=dict(timeout=datetime.timedelta(seconds=0), sequence_parallel=True, seed=3))
+    assert error.fields == ("timeout", "sequence_parallel", "seed")
+    assert str(error) == ("timeout=datetime.timedelta(0) with sequence_parallel=True: set sequence_parallel=False "
+                          "or raise seed.")
+    door = error.relabel({"timeout": Label("t_s", convert=lambda t: t.total_seconds()), "seed": "run.seed",
+                          "other": "never.named"}, show=lambda value: str(value).lower())
+    assert str(door) == "t_s=0.0 with sequence_parallel=true: set sequence_parallel=false or raise run.seed."
+    outer = door.within("model={x}").relabel({"seed": Label("s", lambda value: f"the seed {value}")})
+    assert str(outer) == "model={x}: t_s=0.0 with sequence_parallel=true: set sequence_parallel=false or raise s."
+    assert (outer.fix, outer.values, outer.rule) == (error.fix, error.values, "model={{x}}: " + error.rule)
+    assert str(ConfigError("a {finished} message")) == "a {finished} message"
+    assert str(pickle.loads(pickle.dumps(door))) == str(door)  # a spawned rank sends it back (labels: functions)

@@ -75,6 +75,31 @@ def test_hidden_dropout_active_only_in_training(model_parallel):
     assert not torch.equal(train_a, train_b)
 
 
+@pytest.mark.parametrize("implementation", ["fused", "reference"])
+def test_exact_hidden_dropout_changes_nothing_in_one_process(model_parallel, implementation):
+    """At TP 1 and CP 1 ``exact_hidden_dropout`` draws the masks of the default streams (its stream
+    has the replicated stream's seed and the whole sequence is this rank's): loss and gradients bit
+    for bit, with the randomizer the strategies install."""
+    from lightning_mhc.distributed.random import model_parallel_manual_seed
+    from lightning_mhc.recompute.rng import set_parallel_randomizer
+
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for exact in (False, True):
+        model = GPTModel(tiny_config(hidden_dropout=0.3, exact_hidden_dropout=exact,
+                                     mhc_implementation=implementation, mhc_sinkhorn_iterations=4))
+        model_parallel_manual_seed(5, model_parallel)
+        loss = model(tokens, labels=tokens.roll(-1, 1)).mean()
+        loss.backward()
+        runs.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    set_parallel_randomizer(None)
+    (loss, grads), (exact_loss, exact_grads) = runs
+    assert torch.equal(loss, exact_loss)
+    assert all(torch.equal(grads[name], exact_grads[name]) for name in grads)
+    model.eval()  # and dropout was on: eval differs
+    assert not torch.equal(model(tokens, labels=tokens.roll(-1, 1)).mean().detach(), exact_loss)
+
+
 def test_gpt_forward_backward_shapes(model_parallel):
     cfg = tiny_config(vocab_size=200, hidden_dropout=0.1, attention_dropout=0.1)
     model = GPTModel(cfg)

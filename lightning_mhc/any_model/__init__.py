@@ -10,7 +10,9 @@ blocks), without rewriting it on megatron layers, and mHC added to it.
   from them with name-seeded generators (layout-invariant initial weights);
 - ``plan.py``: TP plans by module-name patterns and their checks; ``hc_plan.py``: where
   hyper-connections go in a block; ``families.py``: one entry per built-in Hugging Face family
-  (12 ``model_type`` names) holding both its plans, chosen by ``model_type`` with ``plan="auto"``;
+  (16 ``model_type`` names) holding both its plans, chosen by ``model_type`` with ``plan="auto"``;
+- ``experts.py``: Hugging Face mixture-of-experts models (Mixtral, Qwen2/3-MoE, OLMoE) under
+  expert parallelism: each EP rank's experts, the token exchange, their per-expert weights;
 - ``tensor_parallel.py``: the styles applied in place with megatron-core's TP mappings;
 - ``pipeline.py``: the block list, the stage split, stubs for parts on other stages;
 - ``model.py``: :func:`parallelize`, :class:`ParallelModel` (the pipeline contract), and

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.any_model.experts import MIXTRAL, OLMOE, QWEN3_MOE
 from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
 from lightning_mhc.any_model.plan import GPT2, GPT_NEOX, LLAMA, OPT, PHI3, QWEN3, Style, TPPlan, resolve_tp_plan
 
@@ -76,6 +77,9 @@ FAMILIES: dict[str, Family] = {
     # the query/key norms of Qwen3 and Gemma 3
     "qwen3": Family(QWEN3, LLAMA_BRANCHES), "gemma3": Family(QWEN3, GEMMA2_BRANCHES),
     "gemma3_text": Family(QWEN3, GEMMA2_BRANCHES),
+    # sparse-MoE blocks (experts.py): the routed experts split over EP, not TP
+    "mixtral": Family(MIXTRAL, LLAMA_BRANCHES), "qwen2_moe": Family(MIXTRAL, LLAMA_BRANCHES),
+    "qwen3_moe": Family(QWEN3_MOE, LLAMA_BRANCHES), "olmoe": Family(OLMOE, LLAMA_BRANCHES),
 }
 """The built-in families by Hugging Face ``config.model_type``."""
 

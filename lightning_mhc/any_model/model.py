@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.errors import ConfigError, Label
 from lightning_mhc.distributed.layout import ParallelLayout, active_layout
 from lightning_mhc.any_model.pipeline import (
     FirstStageStub,
@@ -40,6 +40,8 @@ from lightning_mhc.any_model.pipeline import (
     split_blocks,
     stage_block_list,
 )
+from lightning_mhc.any_model.context_parallel import SequenceSplit, check_context_parallel_family, split_over_context
+from lightning_mhc.any_model.experts import check_experts, shard_experts
 from lightning_mhc.any_model.families import resolve_plan
 from lightning_mhc.any_model.plan import Column, TPPlan, check_plan, linear_dims
 from lightning_mhc.any_model.hyper_connections import (
@@ -59,7 +61,7 @@ from lightning_mhc.any_model.tensor_parallel import (
     scatter_sequence,
 )
 from lightning_mhc.recompute.groups import attach_block_recompute
-from lightning_mhc.recompute.policy import WITHOUT_HYPER_CONNECTIONS, RecomputePolicy
+from lightning_mhc.recompute.policy import RecomputePolicy
 from lightning_mhc.recompute.without_output import checkpoint
 from lightning_mhc.recompute.rng import rng_fork
 
@@ -102,13 +104,16 @@ class ParallelModel(nn.Module):
     ``global_parameter_name`` (the whole model's names: checkpoints reshard).
 
     With PP = 1, ``model(input_ids=...)`` is the model's forward (logits; split over the
-    vocabulary when ``vocab_parallel_logits``)."""
+    vocabulary when ``vocab_parallel_logits``). Under context parallelism it takes the whole
+    sequence and returns this rank's chunks' logits (``any_model/context_parallel.py``)."""
 
     def __init__(self, chunks: list[nn.Module], num_virtual_stages: int, hidden_size: int,
                  vocab_parallel_logits: bool, aliases: dict[str, str], report: MaterializedReport,
                  forward_kwargs: dict[str, Any], recompute: RecomputePolicy = RecomputePolicy(),
-                 sequence_shards: int = 1) -> None:
+                 sequence_shards: int = 1, sequence_split: SequenceSplit | None = None) -> None:
         super().__init__()
+        self.sequence_split = sequence_split
+        """Under context parallelism: the whole sequence given is cut to this rank's chunks (inputs, labels)."""
         self.sequence_shards = sequence_shards
         """TP under sequence parallelism (each rank's blocks hold ``seq / sequence_shards`` tokens), else 1."""
         self.recompute = recompute
@@ -133,6 +138,8 @@ class ParallelModel(nn.Module):
         the activations for the next stage, or the logits on the last."""
         if self.training and torch.is_grad_enabled():  # turned on after parallelize (Fabric, a plain loop)
             refuse_hf_gradient_checkpointing(self.chunks[chunk])
+        if self.sequence_split is not None:
+            inputs = self.sequence_split.split_inputs(inputs)
         self._running, self._blocks_ran = chunk, False
         try:
             with rng_fork("tensor"):  # replicated across TP, distinct per DP and PP rank
@@ -152,22 +159,30 @@ class ParallelModel(nn.Module):
 
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Mean next-token cross entropy over the labels that are not ``-100`` (``labels[b, s]``
-        is the target of position ``s``); fp32; over the vocabulary slices when split."""
+        is the target of position ``s``); fp32; over the vocabulary slices when split. Under context
+        parallelism ``labels`` are the whole sequence's, the logits this rank's chunks', and the
+        result is this rank's part of the mean (``SequenceSplit.loss``)."""
+        if self.sequence_split is not None:
+            labels = self.sequence_split.split_labels(labels)
         keep = labels != IGNORE_INDEX
         if self.vocab_parallel_logits:
             from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-            per_token = vocab_parallel_cross_entropy(logits.float(), labels.masked_fill(~keep, 0))
-            return (per_token * keep).sum() / keep.sum().clamp(min=1)
-        per_token = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                    reduction="none")
-        return per_token.sum() / keep.sum().clamp(min=1)  # 0, not NaN, when every label is ignored (as above)
+            per_token = vocab_parallel_cross_entropy(logits.float(), labels.masked_fill(~keep, 0)) * keep
+        else:
+            per_token = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                        reduction="none").view_as(labels)
+        if self.sequence_split is not None:
+            return self.sequence_split.loss(per_token, keep)
+        return per_token.sum() / keep.sum().clamp(min=1)  # 0, not NaN, when every label is ignored
 
     def pipeline_tensor_shape(self, inputs: Mapping[str, Any]) -> tuple[int, ...]:
         """What crosses stages: the hidden states ``[batch, seq, hidden]`` (``seq / TP`` under
-        sequence parallelism; ``hidden``: ``n * C`` with ``n`` hyper-connection streams)."""
+        sequence parallelism, ``/ CP`` under context parallelism; ``hidden``: ``n * C`` with ``n``
+        hyper-connection streams)."""
         first = next(v for v in inputs.values() if isinstance(v, Tensor))
-        return (first.shape[0], first.shape[1] // self.sequence_shards, self.hidden_size)
+        cp = self.sequence_split.size if self.sequence_split is not None else 1
+        return (first.shape[0], first.shape[1] // (self.sequence_shards * cp), self.hidden_size)
 
     def global_parameter_name(self, name: str) -> str:
         """A state-dict name of this module as the whole model names it: no chunk prefix, and a
@@ -303,6 +318,7 @@ def parallelize(
     _check_recorded(model)
     _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
     plan, parts, ranges = _checked_parts(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
+    sequence_split = split_over_context(model, layout)  # the attention through CP, by transformers' registry
     checked = check_weights(model, weights) if weights is not None else None  # before the build changes the model
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     whole = _unique_numel(model)
@@ -318,7 +334,7 @@ def parallelize(
     report = MaterializedReport(_unique_numel(nn.ModuleList(chunks)), whole, tp, pp)
     model_parallel = ParallelModel(chunks, layout.num_virtual_stages, hidden, vocab_parallel, aliases, report,
                                    _forward_kwargs(model), recompute,
-                                   tp if layout.sequence_parallel else 1)
+                                   tp if layout.sequence_parallel else 1, sequence_split)
     _connect_stages(model_parallel, stage_ends, last_stage, layout.sequence_parallel and tp > 1)
     _mark_shared_embeddings(model_parallel, materializer,
                             _tied_across_stages(ties, parts, ranges, last_stage) if parts else ())
@@ -360,6 +376,8 @@ def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] |
     if HyperConnectionSettings.of(hyper_connections).enabled and _hyper_connection_streams(model) == 1:
         model = copy.deepcopy(model)  # meta tensors: nothing is allocated
     _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
+    if layout.context_parallel_size > 1:
+        check_context_parallel_family(model)
     return _checked_parts(model, plan, layout, blocks, pipeline_split, RecomputePolicy.of(recompute),
                           recompute_modules)
 
@@ -379,6 +397,7 @@ def _checked_parts(model: nn.Module, plan: Any, layout: ParallelLayout, blocks: 
                    ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
     """The checks of :func:`check_parallelize` on a model whose hyper-connections are in place."""
     check_recompute(recompute, hyper_connections=_hyper_connection_streams(model) > 1)
+    check_experts(model, layout)
     return _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
 
 
@@ -404,18 +423,31 @@ def refuse_hf_gradient_checkpointing(model: nn.Module) -> None:
             "(MHCRecomputeCallback(\"full\") or parallelize(recompute=\"full\")) for the same memory saving, exactly.")
 
 
-def check_recompute(policy: RecomputePolicy, names: KeyNames = WITHOUT_HYPER_CONNECTIONS,
-                    hyper_connections: bool | None = None) -> None:
+PARALLELIZE_LABELS = {
+    "policy": Label("recompute"),
+    "hyper_connections": Label("hyper_connections", lambda _: (
+        "a model with hyper-connections (parallelize(..., hyper_connections=n), add_hyper_connections(model), or "
+        "MHCGPTModule)")),
+}
+"""How ``parallelize`` names a recompute policy's fields in its errors: by its arguments (a model it
+splits has hyper-connections or not, whichever way they were added)."""
+
+
+def check_recompute(policy: RecomputePolicy, hyper_connections: bool | None = None) -> None:
     """What ``parallelize`` runs of a recompute policy: no named ``modules`` (it checkpoints the
     modules its plan or ``recompute_modules`` name by pattern), and the block recompute only for a
     model with hyper-connections (``hyper_connections``; None: not known yet, checked when the
-    model is split). ``names``: how the error names the policy."""
-    if policy.modules is not None and not (policy.block and policy.modules == ("layernorm",)):
-        raise ConfigError(f"{names.term('policy', policy.name)} with recompute_modules={list(policy.modules)}: a model "
-                          "split by parallelize() names the selectively recomputed modules by pattern, "
-                          "parallelize(recompute_modules=[patterns]) (default: the plan's selective list).")
-    if hyper_connections is not None:
-        policy.check_model(hyper_connections=hyper_connections, names=names)
+    model is split). Its errors name ``parallelize``'s arguments (``PARALLELIZE_LABELS``)."""
+    try:
+        if policy.modules is not None and not (policy.block and policy.modules == ("layernorm",)):
+            raise ConfigError("{policy} with {recompute_modules}: a model split by parallelize() names the "
+                              "selectively recomputed modules by pattern,",
+                              "parallelize(recompute_modules=[patterns]) (default: the plan's selective list).",
+                              values=dict(policy=policy.name, recompute_modules=list(policy.modules)))
+        if hyper_connections is not None:
+            policy.check_model(hyper_connections, model_field="hyper_connections")
+    except ConfigError as error:
+        raise error.relabel(PARALLELIZE_LABELS) from None
 
 
 def _add_hyper_connections(model: nn.Module, hyper_connections: int | HyperConnectionSettings | None,
@@ -455,7 +487,7 @@ def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, A
     if recompute_modules is not None:
         plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
     stages = layout.num_virtual_stages
-    check_plan(model, plan, layout.tensor_model_parallel_size, names=layout.names)
+    check_plan(model, plan, layout.tensor_model_parallel_size)
     parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute.full or layout.sequence_parallel,
                          after_blocks=plan.after_blocks)
     ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
@@ -550,6 +582,7 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
                     random_region(sub, region)
             if recompute.selective and any(_matches(sub_name, p) for p in plan.selective):
                 _checkpointed(sub)
+        shard_experts(module, layout)  # this EP rank's experts (nothing without EP)
         if split_sequence:
             for region in regions.values():
                 gather_sequence_into(region)

@@ -34,7 +34,7 @@ from typing import Mapping, Union
 
 from torch import nn
 
-from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -235,14 +235,12 @@ def _get_path(obj, path: str):
     return obj
 
 
-def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None = None,
-               names: KeyNames = KeyNames()) -> None:
+def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None = None) -> None:
     """Refuse a plan that cannot apply to ``model`` at TP size ``tp`` (ConfigError, one line naming
     the module and the fix): a pattern that matches no module, a style on a module it cannot split,
-    a size or attribute that does not divide by ``tp``, an unknown random region. ``names``: how
-    the error names the TP size (a layout's: the CLI's config key)."""
+    a size or attribute that does not divide by ``tp``, an unknown random region. The errors name
+    the TP size ``tensor_model_parallel_size`` (a door relabels it: ``ConfigError.relabel``)."""
     model_name = model_name or type(model).__name__
-    tp_term = names.term("tensor_model_parallel_size", tp)
     names = [name for name, _ in model.named_modules() if name]
     example = next((n for n in reversed(names) if n.count(".") >= 2), names[-1] if names else "")
     for section, patterns in (("layers", plan.layers), ("divide", plan.divide), ("divisible", plan.divisible),
@@ -265,13 +263,13 @@ def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None =
     for name, module in modules.items():
         style = plan.style_of(name) if name else None
         if style is not None:
-            _check_style(name, module, style, tp, tp_term)
+            _check_style(name, module, style, tp)
         for pattern, attrs in plan.divide.items():
             if name and fnmatch.fnmatchcase(name, pattern):
-                _check_divisible(name, module, attrs, tp, "divided by", tp_term)
+                _check_divisible(name, module, attrs, tp, "divided by")
         for pattern, attrs in plan.divisible.items():
             if name and fnmatch.fnmatchcase(name, pattern):
-                _check_divisible(name, module, attrs, tp, "split across", tp_term)
+                _check_divisible(name, module, attrs, tp, "split across")
         for pattern, attrs in plan.equal.items():
             if name and fnmatch.fnmatchcase(name, pattern):
                 _check_equal(name, module, attrs, tp)
@@ -304,7 +302,16 @@ def _check_ties(model: nn.Module, plan: TPPlan) -> None:
                               "the head), or 'replicate' for all.")
 
 
-def _check_style(name: str, module: nn.Module, style: Style, tp: int, tp_term: str) -> None:
+TP_TERM = "{tensor_model_parallel_size}"
+"""How a plan's refusal names the TP size: the layout's field (a door relabels it)."""
+
+
+def _tp_error(message: str, tp: int) -> ConfigError:
+    """A refusal whose ``message`` names the TP size as ``TP_TERM``."""
+    return ConfigError(message, values=dict(tensor_model_parallel_size=tp))
+
+
+def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
     kind = type(module).__name__
     if isinstance(style, (Column, Row)):
         dims = linear_dims(module)
@@ -320,34 +327,35 @@ def _check_style(name: str, module: nn.Module, style: Style, tp: int, tp_term: s
                 raise ConfigError(f"{name}: Column(stride={style.stride}, gather_output=True) would gather the parts "
                                   "rank by rank, out of order; keep gather_output=False for a strided output.")
             if style.stride < 1 or size % (parts * tp):
-                raise ConfigError(
+                raise _tp_error(
                     f"{name} ({kind}) has {size} output features: {parts} part(s) of {size // max(parts, 1)} cannot be "
-                    f"split across {tp_term} ranks. Use a TP size that divides "
-                    f"{size // max(parts, 1)}, or map {name} to 'replicate'.")
+                    f"split across {TP_TERM} ranks. Use a TP size that divides "
+                    f"{size // max(parts, 1)}, or map {name} to 'replicate'.", tp)
         elif getattr(module, in_attr) % tp:
-            raise ConfigError(
+            raise _tp_error(
                 f"{name} ({kind}) has {getattr(module, in_attr)} input features, not divisible by "
-                f"{tp_term}. Use a TP size that divides it, or map {name} to 'replicate'.")
+                f"{TP_TERM}. Use a TP size that divides it, or map {name} to 'replicate'.", tp)
     elif isinstance(style, VocabEmbedding):
         if not isinstance(module, nn.Embedding):
             raise ConfigError(f"plan maps {name} ({kind}) to 'vocab', which splits nn.Embedding rows only: map it to "
                               "'column'/'row' (linear layers) or 'replicate'.")
         if module.num_embeddings % tp:
-            raise ConfigError(
-                f"{name} (nn.Embedding) has {module.num_embeddings} rows, not divisible by {tp_term}. Pad the vocabulary to a multiple of {tp} (e.g. vocab_size={module.num_embeddings + (-module.num_embeddings) % tp}) "
-                f"or map {name} to 'replicate'.")
+            raise _tp_error(
+                f"{name} (nn.Embedding) has {module.num_embeddings} rows, not divisible by {TP_TERM}. Pad the "
+                f"vocabulary to a multiple of {tp} (e.g. "
+                f"vocab_size={module.num_embeddings + (-module.num_embeddings) % tp}) "
+                f"or map {name} to 'replicate'.", tp)
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ConfigError(f"{name}: nn.Embedding with max_norm, sparse=True or scale_grad_by_freq=True cannot be "
                               "split by 'vocab'; map it to 'replicate'.")
 
 
-def _check_divisible(name: str, module: nn.Module, attrs: tuple[str, ...], tp: int, verb: str, tp_term: str) -> None:
+def _check_divisible(name: str, module: nn.Module, attrs: tuple[str, ...], tp: int, verb: str) -> None:
     for attr in attrs:
         value = _attribute(name, module, attr)
         if not isinstance(value, int) or value % tp:
-            raise ConfigError(
-                f"{name}.{attr}={value} cannot be {verb} {tp_term}: each TP rank must hold whole "
-                f"attention heads. Use a TP size that divides {value}.")
+            raise _tp_error(f"{name}.{attr}={value} cannot be {verb} {TP_TERM}: each TP rank must hold whole "
+                            f"attention heads. Use a TP size that divides {value}.", tp)
 
 
 def _check_equal(name: str, module: nn.Module, attrs: tuple[str, ...], tp: int) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
-from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.errors import ConfigError, Label
 from lightning_mhc.model.activations import ACTIVATIONS
 from lightning_mhc.ops import MHC_IMPLEMENTATIONS
 from lightning_mhc.recompute.policy import RecomputePolicy
@@ -53,20 +53,6 @@ def show(value: Any) -> str:
     if isinstance(value, str):
         return repr(value)
     return str(value)
-
-
-CONFIG_NAMES = KeyNames({
-    **{name: f"parallel.{name}" for name in (*DEGREES, "deallocate_pipeline_outputs")},
-    **{name: f"model.{name}" for name in ("num_layers", "num_attention_heads", "hidden_size", "num_query_groups",
-                                          "ffn_hidden_size")},
-    "padded_vocab_size": "the padded vocabulary {} (model.vocab_size rounded up to model.make_vocab_size_divisible_by)",
-    "world_size": "trainer.devices x trainer.num_nodes = {}", "seq_length": "data.seq_length",
-    "num_microbatches": "data.global_batch_size / (data.micro_batch_size x DP) = {}",
-    "timeout": lambda timeout: f"parallel.timeout_s={show(timeout.total_seconds())}", "seed": "seed",
-    "raise_on_nonfinite_loss": "trainer.raise_on_nonfinite_loss",
-    "use_distributed_optimizer": "optim.use_distributed_optimizer",
-}, show=show, keys={"num_microbatches": "data.global_batch_size", "padded_vocab_size": "model.vocab_size"})
-"""How the layout's and the strategy settings' rules name the config keys."""
 
 
 def _require(ok: bool, key: str, value: Any, rule: str, fix: str) -> None:
@@ -128,6 +114,8 @@ class ModelConfig:
     max_sequence_length: Optional[int] = None
     hidden_dropout: Optional[float] = None
     attention_dropout: Optional[float] = None
+    exact_hidden_dropout: Optional[bool] = None
+    """true: hidden dropout masks independent of TP and CP (docs/context_parallel.md); refuses attention dropout there."""
     activation: Optional[str] = None
     add_bias_linear: Optional[bool] = None
     share_embeddings_and_output_weights: Optional[bool] = None
@@ -334,16 +322,8 @@ class RecomputeConfig:
         return modules
 
     def to_policy(self) -> RecomputePolicy:
-        """The policy this group selects (checked), its errors naming the config keys."""
-        names = KeyNames({
-            "policy": "recompute.policy={}",
-            "enable_hyper_connections": "model.enable_hyper_connections",
-            "recompute_modules": lambda _: (f"recompute.recompute_modules={self.recompute_modules} / "
-                                            f"recompute.recompute_mlp={show(self.recompute_mlp)}"),
-            "mhc_recompute_layer_num": "recompute.mhc_recompute_layer_num",
-        }, show=lambda value: value if isinstance(value, str) else show(value),
-            keys={"recompute_modules": "recompute.recompute_modules (and set recompute.recompute_mlp=false)"})
-        return RecomputePolicy(self.policy, self.modules(), self.mhc_recompute_layer_num, names=names)
+        """The policy this group selects (checked)."""
+        return RecomputePolicy(self.policy, self.modules(), self.mhc_recompute_layer_num)
 
 
 MEGATRON_NEEDS = ("data=megatron reads indexed datasets: give data.blend=<prefix> (or [0.7,PATH_A,0.3,PATH_B]) and "
@@ -551,6 +531,14 @@ class TrainConfig:
     """fit (train, or resume from ckpt_path), or validate / test: evaluate ckpt_path on the held-out split."""
 
     def __post_init__(self) -> None:
+        """Every check across the groups; the values it makes (layout, settings, policy, model
+        config) refuse in their own terms, relabelled here, the CLI's one boundary, to config keys."""
+        try:
+            self._check()
+        except ConfigError as error:
+            raise in_config_keys(error) from None
+
+    def _check(self) -> None:
         _one_of("mode", self.mode, MODES, "Choose mode=fit|validate|test.")
         self.model.take_defaults()
         self.optim.take_model_defaults(self.model)
@@ -560,7 +548,8 @@ class TrainConfig:
         self.recompute_policy = self.recompute.to_policy()
         """The run's recompute policy, checked (handed to ``MHCRecomputeCallback``)."""
         if self.model.is_hf:
-            self.recompute_policy.check_model(self.model.hyper_connection_settings.enabled, names=HF_POLICY_NAMES)
+            self.recompute_policy.check_model(self.model.hyper_connection_settings.enabled,
+                                              model_field="hyper_connections")
         else:
             self.recompute_policy.check_model(self.model.enable_hyper_connections)
         if self.trainer.precision == "bf16-true" and not self.optim.use_distributed_optimizer:
@@ -570,7 +559,7 @@ class TrainConfig:
             check_shardable(OPTIMIZERS[self.optim.name], f"trainer.precision=bf16-mixed (optim.name={self.optim.name})",
                             f"trainer.precision=bf16-true: {BF16_WEIGHTS}")
         self.layout = ParallelLayout(**{name: getattr(self.parallel, name) for name in DEGREES},
-                                     world_size=self.world_size, names=CONFIG_NAMES)
+                                     world_size=self.world_size)
         """The run's layout, checked (its degrees in this world)."""
         self._take_tokenizer()
         self._check_batches()
@@ -579,14 +568,10 @@ class TrainConfig:
         if self.model.is_hf:
             self._check_hf_model()
             return
-        try:
-            config = self.transformer_config()  # megatron's and the model's own checks, with their messages
-            from lightning_mhc.model.config import with_parallel_layout
+        config = self.transformer_config()  # megatron's and the model's own checks, with their messages
+        from lightning_mhc.model.config import with_parallel_layout
 
-            # the model under this layout: experts over EP, MoE without sequence parallelism
-            with_parallel_layout(config, self.layout)
-        except ConfigError as error:
-            raise ConfigError(_with_group(str(error))) from None
+        with_parallel_layout(config, self.layout)  # the model under this layout: experts over EP
         self.layout.check_model({"num_layers": config.num_layers, **config.split_sizes()}, self.data.seq_length)
 
     # --------------------------------------------------------------- checks
@@ -636,17 +621,14 @@ class TrainConfig:
     def _check_hf_model(self) -> None:
         """model=hf: the model's config against the data, and everything ``parallelize`` refuses on
         this layout (a family without a plan, sizes TP does not divide, too few layers for the
-        stages, the hyper-connection plan against the model, the pretrained files' tensors), on the
-        model recorded on the meta device: nothing is allocated."""
+        stages, the hyper-connection plan against the model, a family context parallelism cannot
+        split, the pretrained files' tensors), on the model recorded on the meta device: nothing is
+        allocated."""
         from lightning_mhc.lightning.modules.hf import hf_config, recorded_hf_model
         from lightning_mhc.any_model.model import check_parallelize
         from lightning_mhc.any_model.weights import check_weights
 
         m, d = self.model, self.data
-        if self.parallel.context_parallel_size > 1:
-            raise ConfigError(f"parallel.context_parallel_size={self.parallel.context_parallel_size}: context "
-                              "parallelism runs the project's GPT (model=tiny, small, gpt_125m), not model=hf yet; "
-                              "use parallel.context_parallel_size=1.")
         self.layout.check_model({}, d.seq_length)  # the sequence, where sequence parallelism splits it
         try:
             config = hf_config(m.hf_dir)
@@ -666,7 +648,7 @@ class TrainConfig:
             if m.pretrained:
                 check_weights(model, m.pretrained)
         except ConfigError as error:
-            raise ConfigError(f"{m.hf_key}: {error}") from None
+            raise error.within(m.hf_key) from None
 
     def _check_batches(self) -> None:
         d, dp = self.data, self.data_parallel_size
@@ -712,7 +694,7 @@ class TrainConfig:
             self.layout, num_microbatches=self.num_microbatches,
             deallocate_pipeline_outputs=p.deallocate_pipeline_outputs, timeout=timeout, seed=self.seed,
             raise_on_nonfinite_loss=self.trainer.raise_on_nonfinite_loss, measure_activation_memory=True,
-            use_distributed_optimizer=self.optim.use_distributed_optimizer, names=CONFIG_NAMES)
+            use_distributed_optimizer=self.optim.use_distributed_optimizer)
 
     # ------------------------------------------------------------- builders
     def transformer_config(self):
@@ -724,21 +706,6 @@ class TrainConfig:
         kwargs["vocab_size"] = self.vocab_size
         kwargs["max_sequence_length"] = max(kwargs["max_sequence_length"], self.data.seq_length)
         return MHCTransformerConfig(**kwargs)
-
-
-HF_POLICY_NAMES = KeyNames({"policy": "recompute.policy={}", "enable_hyper_connections": lambda _: (
-    "model.hyper_connections=<n >= 2> (model=hf)")}, show=lambda value: value if isinstance(value, str) else show(value))
-"""How the recompute policy's model check names the keys for model=hf."""
-
-
-def _with_group(message: str) -> str:
-    """An MHCTransformerConfig message ('mhc_init_gating_factor=-1.0: ...') with the config key
-    it came from ('model.mhc_init_gating_factor=-1.0: ...')."""
-    name = message.split("=", 1)[0]
-    for group, schema in (("model", ModelConfig), ("recompute", RecomputeConfig)):
-        if name in _fields(schema):
-            return f"{group}.{message}"
-    return message
 
 
 # ------------------------------------------------------------------ unknown keys
@@ -805,3 +772,50 @@ def _unknown(values: Mapping[str, Any], schema: type, prefix: str):
             yield key, value, fields, prefix
         elif dataclasses.is_dataclass(fields[key]) and isinstance(value, Mapping):
             yield from _unknown(value, fields[key], f"{prefix}{key}.")
+
+
+# ------------------------------------------------------------------ relabelling errors
+def _override(value: Any) -> str:
+    """A value as an override writes it: ``show``'s, with strings bare (``recompute.policy=mhc_block``)."""
+    return value if isinstance(value, str) else show(value)
+
+
+def _recompute_modules(modules: list[str]) -> str:
+    """The policy's modules, where ``recompute.recompute_mlp=true`` may have added ``'mlp'``."""
+    return f"recompute.recompute_modules={modules}" + (" / recompute.recompute_mlp=true" if "mlp" in modules else "")
+
+
+CONFIG_LABELS: dict[str, Label] = {
+    **{name: Label(f"model.{name}") for name in _fields(ModelConfig)},
+    **{name: Label(f"parallel.{name}") for name in (*DEGREES, "deallocate_pipeline_outputs")},
+    "padded_vocab_size": Label("model.vocab_size", "the padded vocabulary {value} (model.vocab_size rounded up to "
+                                                   "model.make_vocab_size_divisible_by)"),
+    "kv_channels": Label("model.hidden_size", "the head dimension {value} (model.hidden_size / "
+                                              "model.num_attention_heads)"),
+    "world_size": Label("trainer.devices", "trainer.devices x trainer.num_nodes = {value}"),
+    "seq_length": Label("data.seq_length"),
+    "num_microbatches": Label("data.global_batch_size", "data.global_batch_size / (data.micro_batch_size x DP) = "
+                                                        "{value}"),
+    "timeout": Label("parallel.timeout_s", convert=lambda timeout: timeout.total_seconds()),
+    "seed": Label("seed"),
+    "raise_on_nonfinite_loss": Label("trainer.raise_on_nonfinite_loss"),
+    "use_distributed_optimizer": Label("optim.use_distributed_optimizer"),
+    "policy": Label("recompute.policy"),
+    "recompute_modules": Label("recompute.recompute_modules (and set recompute.recompute_mlp=false)",
+                               _recompute_modules),
+    "mhc_recompute_layer_num": Label("recompute.mhc_recompute_layer_num"),
+    "hyper_connections": Label("model.hyper_connections", lambda _: "model.hyper_connections=<n >= 2> (model=hf)"),
+}
+"""The one table from field names of the values the CLI builds (layout, strategy settings, recompute
+policy, model config) to its config keys: their errors are relabelled by it (``in_config_keys``)."""
+
+NOT_SET_BY_THE_CLI = ("process_group_backend", "gradient_bucket_bytes", "recompute_granularity",
+                      "fine_grained_activation_offloading", "mtp_num_layers", "inference_fuse_tp_communication",
+                      "normalization", "overlap_grad_reduce", "measure_activation_memory")
+"""Fields a value's error can name that no config key sets (the CLI leaves them at their defaults,
+which pass): their errors cannot come through the CLI, so they need no row."""
+
+
+def in_config_keys(error: ConfigError) -> ConfigError:
+    """``error`` (a value's, in its own terms) with its fields named by the config keys."""
+    return error.relabel(CONFIG_LABELS, show=_override)

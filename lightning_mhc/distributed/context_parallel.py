@@ -45,7 +45,10 @@ keys from the current generator, so a rank draws only its rows of the attention 
 are not the ones one process would draw for the whole matrix (one call, one draw); they are this
 rank's stream's (the model runs it inside the parallel randomizer's fork, which differs over CP
 ranks, as megatron's CP ranks draw apart), reproducible, and replayed under recompute
-(``regather_in_backward`` re-runs the calls with the generator state of the forward).
+(``regather_in_backward`` re-runs the calls with the generator state of the forward). The model
+config's ``exact_hidden_dropout``, which gives the residual stream's dropout one process's masks
+(``distributed.random.whole_sequence_dropout``), cannot do so here (SDPA draws inside, per call)
+and refuses attention dropout under CP.
 """
 from __future__ import annotations
 

@@ -24,14 +24,8 @@ from typing import Any, Mapping, Sequence
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.errors import ConfigError
 from lightning_mhc.recompute.rng import set_parallel_randomizer
-
-RUNTIME_NAMES = KeyNames({
-    "world_size": "the world size {}",
-    "padded_vocab_size": "padded vocabulary (vocab_size rounded up to make_vocab_size_divisible_by)",
-})
-"""How layout errors name values by default (a strategy's and the model's arguments)."""
 
 DEGREES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
            "sequence_parallel", "context_parallel_size", "expert_model_parallel_size")
@@ -80,8 +74,8 @@ class ParallelLayout:
     ``context_parallel_size``: each sequence split over ``CP`` ranks (load-balanced chunks, see
     ``distributed.context_parallel``). ``expert_model_parallel_size``: the experts of MoE layers
     split over ``EP`` ranks of DP x CP. ``world_size=None``:
-    not known yet (a strategy before launch); :meth:`build` checks it. ``names``: how errors
-    name the values (``errors.KeyNames``; the CLI passes its config keys).
+    not known yet (a strategy before launch); :meth:`build` checks it. Its errors name the
+    values by these fields (a door such as the CLI relabels them: ``ConfigError.relabel``).
     """
 
     tensor_model_parallel_size: int = 1
@@ -91,7 +85,6 @@ class ParallelLayout:
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     world_size: int | None = None
-    names: KeyNames = field(default=RUNTIME_NAMES, compare=False, repr=False)
     tensor_model_parallel_rank: int | None = None
     """This rank's place, once built (None before)."""
     pipeline_model_parallel_rank: int | None = None
@@ -111,49 +104,51 @@ class ParallelLayout:
         return {**self.__dict__, "groups": None}
 
     # ------------------------------------------------------------------ rules
-    def _fail(self, message: str) -> None:
-        raise ConfigError(message)
+    def _fail(self, rule: str, fix: str = "", **values: Any) -> None:
+        """Raise the ConfigError of a broken rule, naming ``values`` in the layout's own terms."""
+        raise ConfigError(rule, fix, values=values)
 
     def _check_degrees(self) -> None:
-        t, key = self.names.term, self.names.key
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
             if not _positive_int(getattr(self, name)):
-                self._fail(f"{t(name, getattr(self, name))}: must be a positive integer.")
+                self._fail(f"{{{name}}}: must be a positive integer.", **{name: getattr(self, name)})
         if not isinstance(self.sequence_parallel, bool):
-            self._fail(f"{t('sequence_parallel', self.sequence_parallel)}: must be true or false.")
+            self._fail("{sequence_parallel}: must be true or false.", sequence_parallel=self.sequence_parallel)
         vp, pp, tp = (self.virtual_pipeline_model_parallel_size, self.pipeline_model_parallel_size,
                       self.tensor_model_parallel_size)
         if vp > 1 and pp < 2:
             self._fail(
-                f"{t('virtual_pipeline_model_parallel_size', vp)} needs {key('pipeline_model_parallel_size')} >= 2 "
-                f"(it is {pp}): the interleaved schedule splits each stage into chunks. Set it to 1, or use "
-                "pipeline parallelism."
-            )
+                "{virtual_pipeline_model_parallel_size} needs {pipeline_model_parallel_size.key} >= 2 (it is "
+                f"{pp}): the interleaved schedule splits each stage into chunks.",
+                "Set it to 1, or use pipeline parallelism.",
+                virtual_pipeline_model_parallel_size=vp, pipeline_model_parallel_size=pp)
         if self.sequence_parallel and tp < 2:
             self._fail(
-                f"{t('sequence_parallel', True)} needs {key('tensor_model_parallel_size')} >= 2 (it is {tp}): the "
-                f"sequence is split across the tensor-parallel ranks. Set {t('sequence_parallel', False)}, or raise "
-                "the TP size."
-            )
+                "{sequence_parallel} needs {tensor_model_parallel_size.key} >= 2 "
+                f"(it is {tp}): the sequence is split across the tensor-parallel ranks.",
+                "Set {sequence_parallel:False}, or raise the TP size.",
+                sequence_parallel=True, tensor_model_parallel_size=tp)
 
     def _check_world(self, world: int) -> None:
-        tp, pp, t = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.names.term
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         cp, ep = self.context_parallel_size, self.expert_model_parallel_size
         if not _positive_int(world) or world % (tp * cp * pp):
-            product = f"{t('tensor_model_parallel_size', tp)} * {t('pipeline_model_parallel_size', pp)}"
-            product += f" * {t('context_parallel_size', cp)}" if cp > 1 else ""
+            product = "{tensor_model_parallel_size} * {pipeline_model_parallel_size}"
+            product += " * {context_parallel_size}" if cp > 1 else ""
             self._fail(
-                f"{product} = {tp * cp * pp} does not divide {t('world_size', world)}. Use a number of devices "
-                f"that is a multiple of {tp * cp * pp}, or change the {'TP/CP/PP' if cp > 1 else 'TP/PP'} sizes."
-            )
+                f"{product} = {tp * cp * pp} does not divide {{world_size}}.",
+                f"Use a number of devices that is a multiple of {tp * cp * pp}, or change the "
+                f"{'TP/CP/PP' if cp > 1 else 'TP/PP'} sizes.",
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                world_size=world)
         replicas = world // (tp * pp)  # DP x CP: the ranks experts are split over (megatron's rule)
         if replicas % ep:
             self._fail(
-                f"{t('expert_model_parallel_size', ep)} does not divide the {replicas} data- and context-parallel "
-                f"ranks of {t('world_size', world)} (world / (TP * PP)): experts are split over ranks that "
-                f"hold the same stage and TP shard. Use an EP size that divides {replicas}, or more devices."
-            )
+                f"{{expert_model_parallel_size}} does not divide the {replicas} data- and context-parallel "
+                "ranks of {world_size} (world / (TP * PP)): experts are split over ranks that hold the same "
+                "stage and TP shard.", f"Use an EP size that divides {replicas}, or more devices.",
+                expert_model_parallel_size=ep, world_size=world)
 
     def with_world(self, world_size: int) -> ParallelLayout:
         """This layout in a world of ``world_size`` processes (checked)."""
@@ -163,28 +158,29 @@ class ParallelLayout:
         """A model on this layout: ``num_layers`` split evenly over the (virtual) stages, the sizes of
         ``MODEL_SPLIT_BY_TP`` divisible by TP, and under sequence parallelism ``seq_length`` too
         (each checked when given)."""
-        t, key, tp = self.names.term, self.names.key, self.tensor_model_parallel_size
-        layers, pp, v = sizes.get("num_layers"), self.pipeline_model_parallel_size, \
+        tp, pp, v = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, \
             self.virtual_pipeline_model_parallel_size
+        layers = sizes.get("num_layers")
+        stages = dict(num_layers=layers, pipeline_model_parallel_size=pp)
         if layers is not None and layers % pp:
-            self._fail(f"{t('num_layers', layers)} cannot be split evenly over {t('pipeline_model_parallel_size', pp)} "
-                       f"stages. Use a number of layers divisible by {pp}.")
+            self._fail("{num_layers} cannot be split evenly over {pipeline_model_parallel_size} stages.",
+                       f"Use a number of layers divisible by {pp}.", **stages)
         if layers is not None and layers % (pp * v):
             self._fail(
-                f"{t('num_layers', layers)} cannot be split into {t('pipeline_model_parallel_size', pp)} x "
-                f"{t('virtual_pipeline_model_parallel_size', v)} = {pp * v} equal chunks. Use a number of layers "
-                f"divisible by {pp * v}, or another virtual pipeline size."
-            )
+                "{num_layers} cannot be split into {pipeline_model_parallel_size} x "
+                f"{{virtual_pipeline_model_parallel_size}} = {pp * v} equal chunks.",
+                f"Use a number of layers divisible by {pp * v}, or another virtual pipeline size.",
+                **stages, virtual_pipeline_model_parallel_size=v)
         for name in MODEL_SPLIT_BY_TP:
             value = sizes.get(name)
             if value is not None and value % tp:
-                self._fail(
-                    f"{t(name, value)} is not divisible by {t('tensor_model_parallel_size', tp)}. Choose a "
-                    f"tensor-parallel size that divides {value}, or change {key(name)}."
-                )
+                self._fail(f"{{{name}}} is not divisible by {{tensor_model_parallel_size}}.",
+                           f"Choose a tensor-parallel size that divides {value}, or change {{{name}.key}}.",
+                           **{name: value}, tensor_model_parallel_size=tp)
         if seq_length is not None and seq_length % self.sequence_split:
-            self._fail(f"{self._sequence_split_reason(seq_length)}: use a sequence length divisible by "
-                       f"{self.sequence_split}.")
+            self._fail(f"{self._sequence_split_reason()}: use a sequence length divisible by {self.sequence_split}.",
+                       seq_length=seq_length, context_parallel_size=self.context_parallel_size,
+                       sequence_parallel=self.sequence_parallel, tensor_model_parallel_size=tp)
 
     @property
     def sequence_split(self) -> int:
@@ -193,12 +189,12 @@ class ParallelLayout:
         cp = self.context_parallel_size
         return (2 * cp if cp > 1 else 1) * (self.tensor_model_parallel_size if self.sequence_parallel else 1)
 
-    def _sequence_split_reason(self, seq_length: int) -> str:
-        t, cp, tp = self.names.term, self.context_parallel_size, self.tensor_model_parallel_size
-        sp = f"{t('sequence_parallel', True)} splits {{}} over {t('tensor_model_parallel_size', tp)} ranks"
-        if cp == 1:
-            return sp.format(t('seq_length', seq_length))
-        chunks = f"{t('context_parallel_size', cp)} cuts {t('seq_length', seq_length)} into 2 * {cp} chunks"
+    def _sequence_split_reason(self) -> str:
+        """Why the sequence length must divide by ``sequence_split`` (a rule's template)."""
+        sp = "{{sequence_parallel}} splits {} over {{tensor_model_parallel_size}} ranks"
+        if self.context_parallel_size == 1:
+            return sp.format("{seq_length}")
+        chunks = f"{{context_parallel_size}} cuts {{seq_length}} into 2 * {self.context_parallel_size} chunks"
         return f"{chunks} and {sp.format('each')}" if self.sequence_parallel else chunks
 
     def check_microbatches(self, num_microbatches: int, group: int | None = None) -> int:
@@ -206,24 +202,25 @@ class ParallelLayout:
         megatron's rule for the interleaved schedule: microbatches run in groups of ``group``
         (default: the PP size) per model chunk, ``p <= group <= m``, and a last group shorter than
         ``p`` would stall the pipeline. Returns the group size (``m`` without a virtual pipeline)."""
-        m, p, t, key = num_microbatches, self.pipeline_model_parallel_size, self.names.term, self.names.key
+        m, p = num_microbatches, self.pipeline_model_parallel_size
         if not _positive_int(m):
-            self._fail(f"{t('num_microbatches', m)}: must be a positive integer.")
+            self._fail("{num_microbatches}: must be a positive integer.", num_microbatches=m)
         if self.virtual_pipeline_model_parallel_size == 1:
             return m
         group = group or p
-        multiple = t("pipeline_model_parallel_size", p) if group == p else f"the group size {group}"
-        needs = f"the interleaved schedule needs a number of microbatches ({t('num_microbatches', m)}) that is a " \
+        multiple = "{pipeline_model_parallel_size}" if group == p else f"the group size {group}"
+        needs = "the interleaved schedule needs a number of microbatches ({num_microbatches}) that is a " \
                 f"multiple of {multiple} (megatron's rule)"
-        fix = f"Change {key('num_microbatches')}, or drop the virtual pipeline."
+        fix = "Change {num_microbatches.key}, or drop the virtual pipeline."
         if not p <= group <= m:
             self._fail(f"the interleaved pipeline schedule runs microbatches in groups of {group} per model chunk, "
-                       f"which must lie in [{t('pipeline_model_parallel_size', p)}, {t('num_microbatches', m)}]: "
-                       f"{needs}, at least {max(p, group)}. {fix}")
+                       "which must lie in [{pipeline_model_parallel_size}, {num_microbatches}]: "
+                       f"{needs}, at least {max(p, group)}.", fix, num_microbatches=m, pipeline_model_parallel_size=p)
         if 0 < m % group < p:
-            self._fail(f"{t('num_microbatches', m)} leaves a last group of {m % group} microbatches for the "
+            self._fail(f"{{num_microbatches}} leaves a last group of {m % group} microbatches for the "
                        f"interleaved schedule (groups of {group}): it must be 0 or at least "
-                       f"{t('pipeline_model_parallel_size', p)}, else the pipeline stalls; {needs}. {fix}")
+                       f"{{pipeline_model_parallel_size}}, else the pipeline stalls; {needs}.", fix,
+                       num_microbatches=m, pipeline_model_parallel_size=p)
         return group
 
     # ------------------------------------------------------- degrees and stages
@@ -362,7 +359,7 @@ class ParallelLayout:
         live = _ACTIVE
         if live is not None and parallel_state.model_parallel_is_initialized() and live._same_groups(world):
             if not live.same_layout(world):
-                _ACTIVE = dataclasses.replace(live, **{name: getattr(self, name) for name in DEGREES}, names=self.names)
+                _ACTIVE = dataclasses.replace(live, **{name: getattr(self, name) for name in DEGREES})
             return _ACTIVE
         destroy_parallel()
         kwargs = {"distributed_timeout_minutes": max(1, int(timeout.total_seconds() // 60))} if timeout else {}

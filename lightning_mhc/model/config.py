@@ -15,7 +15,7 @@ from typing import Any
 from megatron.core.transformer import TransformerConfig
 
 from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
-from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.errors import ConfigError, Label, literal
 from lightning_mhc.ops import MHC_IMPLEMENTATIONS, triton_available
 from lightning_mhc.recompute.policy import RecomputePolicy
 
@@ -89,6 +89,15 @@ class MHCTransformerConfig(TransformerConfig):
     """'rope', 'learned_absolute' or 'none'."""
     rotary_base: int = 10000
     share_embeddings_and_output_weights: bool = True
+    exact_hidden_dropout: bool = False
+    """Draw the residual-stream dropout masks (embedding, bias-dropout-adds) as a layout without
+    TP and CP draws them: each rank draws the mask of the whole sequence and keeps its rows (its CP
+    chunks, its sequence-parallel slice), so TP and CP leave training with hidden_dropout as it is
+    at TP 1 and CP 1 (one process's, with DP and PP at 1). Off by default, as megatron: it costs cp
+    (x tp under sequence parallelism) times the random draws and a transient whole-sequence mask
+    per dropout, the memory CP is there to save. With TP or CP it refuses attention_dropout > 0
+    (SDPA draws inside; it cannot keep one process's masks) and takes the reference's ops for the
+    hyper-connection bias-dropout-add (the Triton kernels draw inside too)."""
     init_seed: int = 1234
     """Seed of the parameter initialisation. Every parameter is drawn from its own generator,
     seeded by (init_seed, the parameter's global name), so a model has the same weights under
@@ -100,10 +109,8 @@ class MHCTransformerConfig(TransformerConfig):
         # weight and keeps this rank's shard, which makes weights independent of TP.
         self.use_cpu_initialization = True
         if self.normalization != "RMSNorm":
-            raise ConfigError(
-                f"normalization={self.normalization!r} is not supported: the mHC model uses "
-                "RMSNorm. Set normalization='RMSNorm'."
-            )
+            raise ConfigError("{normalization} is not supported: the mHC model uses RMSNorm.",
+                              "Set {normalization:'RMSNorm'}.", values=dict(normalization=self.normalization))
         # before megatron's own checks, which would answer some of them with an unrelated message
         check_supported_options({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
                                 who="MHCTransformerConfig")
@@ -147,77 +154,84 @@ class MHCTransformerConfig(TransformerConfig):
     # ------------------------------------------------------------------ checks
     def _validate_mhc(self, megatron_names: Mapping[str, str] | None = None) -> None:
         """Our rules and Megatron-LM's for the mHC fields. ``megatron_names``: our field -> the
-        Megatron-LM spelling the user gave (``_take_megatron_names``), named in the messages."""
-        names = _Spelling(megatron_names)
-        self._validate_mhc_values(names)
-        self._validate_mhc_recompute(names)
-        self._validate_mhc_companions(names)
+        Megatron-LM spelling the user gave (``_take_megatron_names``), which the errors name."""
+        try:
+            self._validate_mhc_values()
+            self._validate_mhc_recompute()
+            self._validate_mhc_companions()
+        except ConfigError as error:
+            raise error.relabel(self._spelling_labels(megatron_names or {})) from None
 
-    def _validate_mhc_values(self, names: _Spelling) -> None:
+    def _validate_mhc_values(self) -> None:
         """Each mHC field's own range (and the stream count hyper-connections off allow)."""
         if self.num_residual_streams < 1:
-            raise ConfigError(
-                f"{names.given('num_residual_streams', self.num_residual_streams)}: need at least 1 stream "
-                "(the paper uses 4)."
-            )
+            raise ConfigError("{num_residual_streams}: need at least 1 stream (the paper uses 4).",
+                              values=dict(num_residual_streams=self.num_residual_streams))
         if self.mhc_sinkhorn_iterations < 1:
-            raise ConfigError(
-                f"mhc_sinkhorn_iterations={self.mhc_sinkhorn_iterations}: need at least 1 "
-                "Sinkhorn-Knopp iteration (default 20)."
-            )
+            raise ConfigError("{mhc_sinkhorn_iterations}: need at least 1 Sinkhorn-Knopp iteration (default 20).",
+                              values=dict(mhc_sinkhorn_iterations=self.mhc_sinkhorn_iterations))
         if not self.enable_hyper_connections and self.num_residual_streams != 1:
             raise ConfigError(
-                f"{names.given('enable_hyper_connections', False)} with "
-                f"{names.given('num_residual_streams', self.num_residual_streams)}: without hyper-connections "
-                f"there is one residual stream. Set {names.name('num_residual_streams')}=1 or "
-                f"{names.name('enable_hyper_connections')}=True."
-            )
+                "{enable_hyper_connections} with {num_residual_streams}: without hyper-connections there is one "
+                "residual stream.", "Set {num_residual_streams.key}=1 or {enable_hyper_connections.key}=True.",
+                values=dict(enable_hyper_connections=False, num_residual_streams=self.num_residual_streams))
         if self.mhc_implementation not in MHC_IMPLEMENTATIONS:
             raise ConfigError(
-                f"mhc_implementation={self.mhc_implementation!r}: choose one of "
-                f"{', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused ops; 'reference' "
-                "forces the op-by-op path)."
-            )
+                "{mhc_implementation}:", f"choose one of {', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused "
+                "ops; 'reference' forces the op-by-op path).", values=dict(mhc_implementation=self.mhc_implementation))
         if self.mhc_implementation == "triton" and not triton_available():
-            raise ConfigError("mhc_implementation='triton' needs Triton, which does not import here: "
-                              "pip install 'lightning_mhc[triton]', or choose 'auto', 'fused' or 'compile'.")
+            raise ConfigError("{mhc_implementation} needs Triton, which does not import here:",
+                              "pip install 'lightning_mhc[triton]', or choose 'auto', 'fused' or 'compile'.",
+                              values=dict(mhc_implementation="triton"))
         gating = self.mhc_init_gating_factor
         if isinstance(gating, bool) or not isinstance(gating, (int, float)) or not 0 <= gating < math.inf:
             raise ConfigError(
-                f"mhc_init_gating_factor={gating!r}: the initial value of the gating scalars a_pre, a_post, "
-                "a_res must be a finite number >= 0 (Megatron-LM refuses negative values). Use e.g. 0.01, "
-                "the paper's value."
-            )
+                "{mhc_init_gating_factor}: the initial value of the gating scalars a_pre, a_post, a_res must be a "
+                "finite number >= 0 (Megatron-LM refuses negative values).", "Use e.g. 0.01, the paper's value.",
+                values=dict(mhc_init_gating_factor=gating))
 
-    def _validate_mhc_recompute(self, names: _Spelling) -> None:
+    def _validate_mhc_recompute(self) -> None:
         """The recompute fields select a valid policy (``RecomputePolicy.of_config``: the policy's
-        rules, named as the user spelled the fields), and what megatron adds for block recompute."""
-        RecomputePolicy.of_config(self, names.key_names(self), names.recompute_switch())
+        rules), and what megatron adds for block recompute."""
+        RecomputePolicy.of_config(self)
         if self.recompute_hyper_connections and getattr(self, "fine_grained_activation_offloading", False):
             raise ConfigError(
-                f"{names.recompute_switch()} with fine_grained_activation_offloading=True: Megatron-LM does not "
-                "support the two together (its mHC recompute hook fires before the offloading "
-                "chunk exists) and this model does not offload. Set "
-                "fine_grained_activation_offloading=False."
-            )
+                "{policy} with {fine_grained_activation_offloading}: Megatron-LM does not support the two together "
+                "(its mHC recompute hook fires before the offloading chunk exists) and this model does not offload.",
+                "Set {fine_grained_activation_offloading:False}.",
+                values=dict(policy="mhc_block", fine_grained_activation_offloading=True))
 
-    def _validate_mhc_companions(self, names: _Spelling) -> None:
+    def _validate_mhc_companions(self) -> None:
         """Megatron features that do not combine with hyper-connections."""
         if not self.enable_hyper_connections:
             return
         if getattr(self, "mtp_num_layers", None) is not None:
             raise ConfigError(
-                f"{names.given('enable_hyper_connections', True)} with mtp_num_layers="
-                f"{self.mtp_num_layers}: Multi-Token Prediction does not combine with "
-                "hyper-connections (Megatron-LM refuses it too) and this model has no MTP head. "
-                "Leave mtp_num_layers=None."
-            )
+                "{enable_hyper_connections} with {mtp_num_layers}: Multi-Token Prediction does not combine with "
+                "hyper-connections (Megatron-LM refuses it too) and this model has no MTP head.",
+                "Leave {mtp_num_layers:None}.", values=dict(enable_hyper_connections=True,
+                                                            mtp_num_layers=self.mtp_num_layers))
         if getattr(self, "inference_fuse_tp_communication", False):
             raise ConfigError(
-                f"{names.given('enable_hyper_connections', True)} with inference_fuse_tp_communication="
-                "True: the fused inference tensor-parallel path assumes one residual stream "
-                "(Megatron-LM refuses it too). Set inference_fuse_tp_communication=False."
-            )
+                "{enable_hyper_connections} with {inference_fuse_tp_communication}: the fused inference "
+                "tensor-parallel path assumes one residual stream (Megatron-LM refuses it too).",
+                "Set {inference_fuse_tp_communication:False}.",
+                values=dict(enable_hyper_connections=True, inference_fuse_tp_communication=True))
+
+    def _spelling_labels(self, spelled: Mapping[str, str]) -> dict[str, Label]:
+        """How the mHC checks' errors name this config's fields: as the user spelled them
+        (``spelled``: our field -> the Megatron-LM name given), and the recompute policy as the
+        fields that selected it."""
+        labels = {ours: Label(alias, "{key}={value} (Megatron-LM's name for %s)" % ours)
+                  for ours, alias in spelled.items() if ours in MEGATRON_NAMES.values()}
+        switch = ("'mhc' in recompute_modules (Megatron-LM's switch for recompute_hyper_connections=True)"
+                  if "recompute_hyper_connections" in spelled else "recompute_hyper_connections=True")
+        labels["policy"] = Label("recompute_granularity", lambda policy: (
+            switch if policy == "mhc_block" else f"recompute_granularity={self.recompute_granularity!r}"))
+        if "recompute_modules" in spelled:  # the list as given, 'mhc' included
+            given = spelled["recompute_modules"]
+            labels["recompute_modules"] = Label("recompute_modules", lambda _: f"recompute_modules={given}")
+        return labels
 
     def _validate_moe(self) -> None:
         """The mixture-of-experts fields (megatron's names), before megatron's own checks, which
@@ -225,54 +239,67 @@ class MHCTransformerConfig(TransformerConfig):
         from lightning_mhc.model.moe_mlp import LOAD_BALANCING_TYPES, moe_config
 
         experts, ep = self.num_moe_experts, self.expert_model_parallel_size
+        named = dict(num_moe_experts=experts, expert_model_parallel_size=ep)
         if not experts:
             if ep > 1:
-                raise ConfigError(f"expert_model_parallel_size={ep} without experts: set num_moe_experts (a multiple "
-                                  f"of {ep}) or expert_model_parallel_size=1.")
+                raise ConfigError("{expert_model_parallel_size} without experts:", f"set {{num_moe_experts.key}} (a "
+                                  f"multiple of {ep}) or {{expert_model_parallel_size:1}}.", values=named)
             return
         if experts % ep:
-            raise ConfigError(f"num_moe_experts={experts} does not split over expert_model_parallel_size={ep}: "
-                              "the experts must divide evenly over the expert-parallel ranks.")
+            raise ConfigError("{num_moe_experts} does not split over {expert_model_parallel_size}: the experts must "
+                              "divide evenly over the expert-parallel ranks.", values=named)
+        topk = dict(moe_router_topk=self.moe_router_topk, num_moe_experts=experts)
         if not 1 <= self.moe_router_topk <= experts:
-            raise ConfigError(f"moe_router_topk={self.moe_router_topk} must be between 1 and num_moe_experts={experts}.")
+            raise ConfigError("{moe_router_topk} must be between 1 and {num_moe_experts}.", values=topk)
         if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
                 and not self.moe_router_pre_softmax):
-            raise ConfigError("moe_router_topk=1 with a softmax after the top-k gives every token the weight 1 "
-                              "and the router no gradient (megatron refuses it too): set moe_router_pre_softmax=True.")
+            raise ConfigError("{moe_router_topk} with a softmax after the top-k gives every token the weight 1 and the "
+                              "router no gradient (megatron refuses it too):", "set {moe_router_pre_softmax:True}.",
+                              values=dict(moe_router_topk=1, moe_router_pre_softmax=False))
         if self.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
-            raise ConfigError(f"moe_router_load_balancing_type={self.moe_router_load_balancing_type!r} is not "
-                              f"implemented: choose one of {', '.join(LOAD_BALANCING_TYPES)}.")
+            raise ConfigError("{moe_router_load_balancing_type} is not implemented:",
+                              f"choose one of {', '.join(LOAD_BALANCING_TYPES)}.",
+                              values=dict(moe_router_load_balancing_type=self.moe_router_load_balancing_type))
         freq = self.moe_layer_freq
         if isinstance(freq, bool) or not (
                 (isinstance(freq, int) and freq >= 1)
                 or (isinstance(freq, (list, tuple)) and len(freq) == self.num_layers and set(freq) <= {0, 1})):
-            raise ConfigError(f"moe_layer_freq={freq!r}: give an int >= 1 (every that many layers, from the first) "
-                              f"or a list of {self.num_layers} zeros and ones (one per layer).")
+            raise ConfigError("{moe_layer_freq}:", "give an int >= 1 (every that many layers, from the first) or a "
+                              f"list of {self.num_layers} zeros and ones (one per layer).",
+                              values=dict(moe_layer_freq=freq))
         if self.sequence_parallel:
-            raise ConfigError("num_moe_experts with sequence_parallel=True is not implemented (the experts would "
-                              "see part of the sequence on each TP rank): set sequence_parallel=False.")
+            raise ConfigError("{num_moe_experts} with {sequence_parallel} is not implemented (the experts would see "
+                              "part of the sequence on each TP rank):", "set {sequence_parallel:False}.",
+                              values=dict(num_moe_experts=experts, sequence_parallel=True))
         try:
             moe_config(self)
         except ValueError as error:
-            raise ConfigError(f"num_moe_experts={experts}: {error}.") from None
+            raise ConfigError("{num_moe_experts}: " + literal(str(error)) + ".",
+                              values=dict(num_moe_experts=experts)) from None
 
     def _validate_gpt(self) -> None:
+        if (self.exact_hidden_dropout and self.attention_dropout > 0
+                and (self.tensor_model_parallel_size > 1 or self.context_parallel_size > 1)):
+            raise ConfigError(
+                "{exact_hidden_dropout} with {attention_dropout} under {tensor_model_parallel_size}, "
+                "{context_parallel_size}: the attention's dropout, drawn inside SDPA on this rank's heads and "
+                "queries, cannot draw one process's masks.",
+                "Set {attention_dropout:0} or {exact_hidden_dropout:False}.",
+                values=dict(exact_hidden_dropout=True, attention_dropout=self.attention_dropout,
+                            tensor_model_parallel_size=self.tensor_model_parallel_size,
+                            context_parallel_size=self.context_parallel_size))
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise ConfigError(
-                f"position_embedding_type={self.position_embedding_type!r}: choose one of "
-                f"{', '.join(POSITION_EMBEDDING_TYPES)}."
-            )
+            raise ConfigError("{position_embedding_type}:", f"choose one of {', '.join(POSITION_EMBEDDING_TYPES)}.",
+                              values=dict(position_embedding_type=self.position_embedding_type))
         if self.vocab_size < 1 or self.max_sequence_length < 1:
-            raise ConfigError(
-                f"vocab_size={self.vocab_size}, max_sequence_length={self.max_sequence_length}: "
-                "both must be positive."
-            )
+            raise ConfigError("{vocab_size}, {max_sequence_length}: both must be positive.",
+                              values=dict(vocab_size=self.vocab_size, max_sequence_length=self.max_sequence_length))
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ConfigError(
-                f"position_embedding_type='rope' needs an even head dimension, got kv_channels="
-                f"{self.kv_channels} (hidden_size/num_attention_heads). Change hidden_size or "
-                "num_attention_heads."
-            )
+                "{position_embedding_type} needs an even head dimension, got {kv_channels} (hidden_size / "
+                "num_attention_heads).", "Change {hidden_size.key} or {num_attention_heads.key}.",
+                values=dict(position_embedding_type="rope", kv_channels=self.kv_channels, hidden_size=self.hidden_size,
+                            num_attention_heads=self.num_attention_heads))
 
     def split_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits in this model (``ParallelLayout.check_model``)."""
@@ -289,40 +316,6 @@ class MHCTransformerConfig(TransformerConfig):
     def residual_width(self) -> int:
         """Width of the stored residual stream: n * hidden_size."""
         return self.num_residual_streams * self.hidden_size
-
-
-class _Spelling:
-    """How the user spelled the mHC fields (``_take_megatron_names``: our field -> the Megatron-LM
-    spelling given), so that ``_validate_mhc``'s messages name what the user wrote."""
-
-    def __init__(self, megatron_names: Mapping[str, str] | None) -> None:
-        self.spelled = dict(megatron_names or {})
-
-    def name(self, field: str) -> str:
-        return self.spelled.get(field, field)
-
-    def given(self, field: str, value: Any) -> str:
-        """``field=value`` as the user wrote it."""
-        if field in self.spelled:
-            return f"{self.spelled[field]}={value!r} (Megatron-LM's name for {field})"
-        return f"{field}={value!r}"
-
-    def recompute_switch(self) -> str:
-        """The switch that turned the hyper-connection recompute on."""
-        if "recompute_hyper_connections" in self.spelled:
-            return "'mhc' in recompute_modules (Megatron-LM's switch for recompute_hyper_connections=True)"
-        return "recompute_hyper_connections=True"
-
-    def key_names(self, config: MHCTransformerConfig) -> KeyNames:
-        """How the recompute policy's rules name ``config``'s fields: as the user spelled them."""
-        return KeyNames({
-            "policy": lambda policy: (self.recompute_switch() if policy == "mhc_block"
-                                      else f"recompute_granularity={config.recompute_granularity!r}"),
-            "recompute_modules": lambda modules: "recompute_modules=" + self.spelled.get("recompute_modules",
-                                                                                         repr(modules)),
-            "enable_hyper_connections": lambda _: (f"{self.name('enable_hyper_connections')}=True "
-                                                   f"(got {config.enable_hyper_connections})"),
-        }, show=repr, keys={"recompute_modules": "recompute_modules"})
 
 
 # ------------------------------------------------------------ layout and unsupported options

@@ -27,10 +27,10 @@ from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
 from lightning_mhc.model.parallel_linear import SPColumnParallelLinear
 from lightning_mhc.model.attention import SelfAttention
+from lightning_mhc.model.bda import residual_dropout
 from lightning_mhc.model.rope import rotary_freqs_at
 from lightning_mhc.model.sequence_parallel import mark_sequence_parallel_parameters, scatter_to_sequence_parallel_region
 from lightning_mhc.model.transformer_block import TransformerBlock
-from lightning_mhc.recompute.rng import rng_fork
 
 WORD_EMBEDDINGS_KEY = "embedding.word_embeddings.weight"
 
@@ -54,6 +54,7 @@ class Embedding(torch.nn.Module):
             )
         self.dropout = torch.nn.Dropout(config.hidden_dropout)
         self.sequence_parallel = config.sequence_parallel
+        self.exact_dropout = config.exact_hidden_dropout
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
         emb = self.word_embeddings(input_ids)  # [b, s, C]
@@ -62,12 +63,10 @@ class Embedding(torch.nn.Module):
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
             emb = emb + self.position_embeddings(position_ids)
         emb = emb.transpose(0, 1).contiguous()  # [s, b, C]
-        if self.sequence_parallel:  # this rank's tokens: its own mask
+        if self.sequence_parallel:  # this rank's tokens
             emb = scatter_to_sequence_parallel_region(emb)
-            with rng_fork():
-                return self.dropout(emb)
-        with rng_fork("tensor"):  # replicated across TP: same mask there
-            return self.dropout(emb)
+        # the bias-dropout-adds' stream and mask (replicated across TP, or this rank's under SP)
+        return residual_dropout(emb, self.dropout.p, self.training, self.sequence_parallel, self.exact_dropout)
 
 
 class GPTModel(torch.nn.Module):

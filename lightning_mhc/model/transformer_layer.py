@@ -109,12 +109,12 @@ class TransformerLayer(torch.nn.Module):
     def _bda(self, x_with_bias, residual: Tensor, mappings: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Bias-dropout-add; with hyper-connections ``mappings`` is ``(H_res, H_post)``: ``H_res``
         mixes the streams of ``residual`` and ``H_post`` spreads the sub-layer output over them."""
-        sp = self.config.sequence_parallel
+        sp, exact = self.config.sequence_parallel, self.config.exact_hidden_dropout
         if mappings is None:
-            return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training, sp)
+            return bias_dropout_add(x_with_bias, residual, self.hidden_dropout, self.training, sp, exact)
         h_res, h_post = mappings
         return h_res_h_post_bias_dropout_add(x_with_bias, residual, h_res, h_post, self.hidden_dropout, self.training,
-                                             self.config.mhc_implementation, sequence_parallel=sp)
+                                             self.config.mhc_implementation, sequence_parallel=sp, exact_dropout=exact)
 
     def _checkpointed(self, manager, op: str, fn, *args):
         """``fn(*args)`` as a CheckpointWithoutOutput registered with ``manager``."""

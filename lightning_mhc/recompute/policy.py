@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.errors import ConfigError, literal
 from lightning_mhc.recompute.groups import attach_block_recompute, block_ranges, detach_block_recompute
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 
@@ -33,14 +33,6 @@ POLICIES = ("none", "selective", "mhc_block", "full")
 SUPPORTED_MODULES = ("core_attn", "layernorm", "mlp")
 """What ``recompute_modules`` may name (megatron's names for the GPT's sub-modules)."""
 _DEFAULT_MODULES = {"selective": ("layernorm", "mlp"), "mhc_block": ("layernorm",)}
-POLICY_NAMES = KeyNames({"policy": "recompute policy {}", "recompute_modules": "recompute_modules",
-                         "enable_hyper_connections": "enable_hyper_connections",
-                         "mhc_recompute_layer_num": "mhc_recompute_layer_num"}, show=repr)
-"""How policy errors name values by default (the Python arguments)."""
-WITHOUT_HYPER_CONNECTIONS = KeyNames({"policy": "recompute={}", "enable_hyper_connections": lambda _: (
-    "a model with hyper-connections (parallelize(..., hyper_connections=n), add_hyper_connections(model), or "
-    "MHCGPTModule)")}, show=repr)
-"""How the model half of a policy error is named for a model split by ``parallelize`` without them."""
 
 
 def _is_layer_count(value: Any) -> bool:
@@ -59,43 +51,43 @@ class RecomputePolicy:
             the policy's default, ``layernorm`` + ``mlp`` / ``layernorm``).
         layer_num: ``mhc_block``: layers per recompute block (None: the paper's
             ``max(1, int(sqrt(n L / (n + 2))))`` of the stage's ``L`` layers).
-        names: how errors name the values (``errors.KeyNames``; the CLI passes its config keys).
+
+    Errors name the values by megatron's fields (``policy``, ``recompute_modules``,
+    ``mhc_recompute_layer_num``, ``enable_hyper_connections``); a door relabels them
+    (``ConfigError.relabel``).
     """
 
     name: str = "none"
     modules: tuple[str, ...] | None = None
     layer_num: int | None = None
-    names: KeyNames = field(default=POLICY_NAMES, compare=False, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.modules is not None and not isinstance(self.modules, tuple):
             object.__setattr__(self, "modules", tuple(self.modules))
-        term, key, modules = self.names.term, self.names.key, self.modules
+        modules = self.modules
         if self.name not in POLICIES:
-            raise ConfigError(f"unknown {term('policy', self.name)}: choose one of {', '.join(POLICIES)}.")
+            raise ConfigError("{policy} is not a recompute policy:", f"choose one of {', '.join(POLICIES)}.",
+                              values=dict(policy=self.name))
         if not _is_layer_count(self.layer_num):
             raise ConfigError(
-                f"{term('mhc_recompute_layer_num', self.layer_num)}: a recompute block holds a whole, positive "
-                "number of layers (Megatron-LM refuses other values too). Use a positive integer, or None for "
-                "the paper's default."
-            )
+                "{mhc_recompute_layer_num}: a recompute block holds a whole, positive number of layers (Megatron-LM "
+                "refuses other values too).", "Use a positive integer, or None for the paper's default.",
+                values=dict(mhc_recompute_layer_num=self.layer_num))
         if modules is None:
             return
+        named = dict(policy=self.name, recompute_modules=list(modules))
         if self.name not in _DEFAULT_MODULES:
-            raise ConfigError(
-                f"{term('recompute_modules', list(modules))} is only used by the 'selective' and 'mhc_block' "
-                f"policies, not {self.name!r}. Drop {key('recompute_modules')} or change the policy."
-            )
+            raise ConfigError("{recompute_modules} is only used by the 'selective' and 'mhc_block' policies, not "
+                              "{policy}.", "Drop {recompute_modules.key} or change the policy.", values=named)
         unknown = sorted(set(modules) - set(SUPPORTED_MODULES))
         if unknown:
-            raise ConfigError(f"{term('recompute_modules', list(modules))}: {unknown} not supported by this model; "
-                              f"choose from {', '.join(SUPPORTED_MODULES)}.")
+            raise ConfigError(f"{{recompute_modules}}: {literal(str(unknown))} not supported by this model;",
+                              f"choose from {', '.join(SUPPORTED_MODULES)}.", values=named)
         if self.block and "mlp" in modules:
             raise ConfigError(
-                f"{term('policy', self.name)} cannot be combined with 'mlp' in {term('recompute_modules', list(modules))} "
-                "(recompute_mlp): the two checkpoint mechanisms conflict (Megatron-LM refuses it too). Remove 'mlp' "
-                f"from {key('recompute_modules')}, or use the 'selective' policy."
-            )
+                "{policy} cannot be combined with 'mlp' in {recompute_modules} (recompute_mlp): the two checkpoint "
+                "mechanisms conflict (Megatron-LM refuses it too).",
+                "Remove 'mlp' from {recompute_modules.key}, or use the 'selective' policy.", values=named)
 
     @classmethod
     def of(cls, policy: str | Mapping[str, Any] | RecomputePolicy | None = None) -> RecomputePolicy:
@@ -137,10 +129,12 @@ class RecomputePolicy:
         ``n`` residual streams (``layer_num`` each; None: the paper's ``max(1, int(sqrt(n L / (n + 2))))``)."""
         return block_ranges(layers, n, self.layer_num)
 
-    def check_model(self, hyper_connections: bool, names: KeyNames | None = None) -> None:
+    def check_model(self, hyper_connections: bool, model_field: str = "enable_hyper_connections") -> None:
         """What the policy asks of the model: ``mhc_block`` recomputes hyper-connections, which
-        the model must have (``names``: how to name the model's side; default the policy's)."""
-        _check_hyper_connections(self.name, hyper_connections, names or self.names)
+        the model must have (``hyper_connections``: whether it has them, the value of the model's
+        ``model_field``, which the error names: a GPT's ``enable_hyper_connections``, a model split by
+        ``parallelize`` its ``hyper_connections``)."""
+        _check_hyper_connections(self.name, hyper_connections, model_field)
 
     # ---------------------------------------------------------------- megatron's fields
     def transformer_fields(self) -> dict[str, Any]:
@@ -168,28 +162,30 @@ class RecomputePolicy:
         return dataclasses.replace(config, **self.transformer_fields())
 
     @classmethod
-    def of_config(cls, config, names: KeyNames = POLICY_NAMES,
-                  switch: str = "recompute_hyper_connections=True") -> RecomputePolicy:
+    def of_config(cls, config) -> RecomputePolicy:
         """The policy a config's ``recompute_*`` fields select (megatron's encoding), checked, the
-        model's hyper-connections included. ``switch``: how the fields turned the block recompute on."""
+        model's hyper-connections included. Its errors name the policy ``policy`` (the config
+        relabels it as the fields that selected it)."""
         granularity = config.recompute_granularity
         name = "mhc_block" if config.recompute_hyper_connections else {"full": "full", "selective": "selective"}.get(
             granularity, "none")
-        _check_hyper_connections(name, config.enable_hyper_connections, names)
+        _check_hyper_connections(name, config.enable_hyper_connections)
         if name == "mhc_block" and granularity != "selective":
-            raise ConfigError(f"{switch} needs recompute_granularity='selective' (got {granularity!r}). Set "
-                              "recompute_granularity='selective'.")
+            raise ConfigError("{policy} needs {recompute_granularity:'selective'} "
+                              "(got {recompute_granularity.value!r}).",
+                              "Set {recompute_granularity:'selective'}.",
+                              values=dict(policy=name, recompute_granularity=granularity))
         modules = tuple(config.recompute_modules or ()) if granularity == "selective" else None
-        return cls(name, modules, config.mhc_recompute_layer_num, names=names)
+        return cls(name, modules, config.mhc_recompute_layer_num)
 
 
-def _check_hyper_connections(policy: str, hyper_connections: bool, names: KeyNames) -> None:
+def _check_hyper_connections(policy: str, hyper_connections: bool,
+                             model_field: str = "enable_hyper_connections") -> None:
     if policy == "mhc_block" and not hyper_connections:
         raise ConfigError(
-            f"{names.term('policy', policy)} needs {names.term('enable_hyper_connections', True)}: it recomputes "
-            "hyper-connection activations, which this model does not have. Enable hyper-connections or choose the "
-            "'selective' or 'full' policy."
-        )
+            f"{{policy}} needs {{{model_field}:True}}: it recomputes hyper-connection activations, which this model "
+            "does not have.", "Enable hyper-connections or choose the 'selective' or 'full' policy.",
+            values={"policy": policy, model_field: hyper_connections})
 
 
 # ----------------------------------------------------------- attaching managers

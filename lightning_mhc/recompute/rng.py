@@ -98,16 +98,23 @@ class MultiDimParallelRandomizer:
     ``get_randomizer(*same)`` is ``base_seed + same_code * prod(sizes) +
     sum(rank_d * stride_d for d not in same)``: equal exactly across the
     named dimensions.
+
+    ``named_seeds``: further streams by name, each with a seed the caller chose (a stream that must
+    equal one another layout draws, which no ``same_groups`` expresses: ``get_named_randomizer``).
+    They are captured, restored and forked like the others.
     """
 
-    def __init__(self, base_seed: int, ranks: dict[str, int], sizes: dict[str, int]) -> None:
+    def __init__(self, base_seed: int, ranks: dict[str, int], sizes: dict[str, int],
+                 named_seeds: dict[str, int] | None = None) -> None:
         self.base_seed = base_seed
         self.names = list(sizes)
         self.ranks = ranks
+        self.sizes = dict(sizes)
         self.strides = [1]
         for name in self.names:
             self.strides.append(self.strides[-1] * sizes[name])
-        self._randomizers: dict[tuple[bool, ...], _Randomizer] = {}
+        self.named_seeds = dict(named_seeds or {})
+        self._randomizers: dict[tuple[bool, ...] | str, _Randomizer] = {}
 
     def seed_of(self, *same_groups: str) -> int:
         unknown = set(same_groups) - set(self.names)
@@ -123,6 +130,13 @@ class MultiDimParallelRandomizer:
         if key not in self._randomizers:
             self._randomizers[key] = _Randomizer(self.seed_of(*same_groups))
         return self._randomizers[key]
+
+    def get_named_randomizer(self, name: str) -> _Randomizer:
+        if name not in self.named_seeds:
+            raise ValueError(f"no stream named {name!r}; named streams: {sorted(self.named_seeds)}")
+        if name not in self._randomizers:
+            self._randomizers[name] = _Randomizer(self.named_seeds[name])
+        return self._randomizers[name]
 
     def get_states(self) -> dict:
         """Every stream's state; taken inside a fork, the live stream is read from the generators

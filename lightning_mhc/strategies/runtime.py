@@ -100,7 +100,8 @@ class ParallelRuntime:
         if module is not None and cp > 1 and not getattr(module, "supports_context_parallel", False):
             raise ConfigError(
                 f"context_parallel_size={cp} splits each sequence over {cp} ranks, which the model must do "
-                f"itself; {type(module).__name__} does not (MHCGPTModule does): use context_parallel_size=1.")
+                f"itself; {type(module).__name__} does not (MHCGPTModule and ParallelLMModule do): use "
+                "context_parallel_size=1.")
 
     def _check_contract(self, module: Any) -> None:
         layout = self.settings.layout

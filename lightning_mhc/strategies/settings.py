@@ -12,8 +12,8 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lightning_mhc.distributed.layout import DEGREES, RUNTIME_NAMES, ParallelLayout
-from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
+from lightning_mhc.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class ParallelSettings:
             optimizer state of ``1/DP`` of the parameters; gradients are reduce-scattered and the
             updated weights all-gathered (``lightning_mhc/distributed/optimizer.py``). Any
             element-wise torch optimizer (SGD, Adam, AdamW, ...); one optimizer per module.
-        names: how errors name the values (``errors.KeyNames``; the CLI passes its config keys).
+
+    Errors name the values by these fields (the CLI relabels them: ``ConfigError.relabel``).
     """
 
     layout: ParallelLayout = field(default_factory=ParallelLayout)
@@ -71,28 +72,27 @@ class ParallelSettings:
     raise_on_nonfinite_loss: bool = True
     measure_activation_memory: bool = False
     use_distributed_optimizer: bool = False
-    names: KeyNames = field(default=RUNTIME_NAMES, compare=False, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
-        term = self.names.term
         if not isinstance(self.layout, ParallelLayout):
             raise ConfigError(f"layout={self.layout!r}: give a ParallelLayout.")
         for name in ("deallocate_pipeline_outputs", "overlap_grad_reduce", "raise_on_nonfinite_loss",
                      "measure_activation_memory", "use_distributed_optimizer"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{term(name, getattr(self, name))}: must be true or false.")
+                raise ConfigError(f"{{{name}}}: must be true or false.", values={name: getattr(self, name)})
         self.layout.check_microbatches(self.microbatches)
         if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
-            raise ConfigError(f"{term('process_group_backend', self.process_group_backend)}: name a backend "
-                              "('gloo', 'nccl'), or leave it None for the device's default.")
+            raise ConfigError("{process_group_backend}: name a backend ('gloo', 'nccl'), or leave it None for the "
+                              "device's default.", values=dict(process_group_backend=self.process_group_backend))
         if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
-            raise ConfigError(f"{term('timeout', self.timeout)}: must be positive: the longest a collective may wait "
-                              "(default 10 minutes).")
+            raise ConfigError("{timeout}: must be positive: the longest a collective may wait (default 10 minutes).",
+                              values=dict(timeout=self.timeout))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ConfigError(f"{term('seed', self.seed)}: must be an integer in [0, 2**32).")
+            raise ConfigError("{seed}: must be an integer in [0, 2**32).", values=dict(seed=self.seed))
         bucket = self.gradient_bucket_bytes
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-            raise ConfigError(f"{term('gradient_bucket_bytes', bucket)}: must be a positive number of bytes.")
+            raise ConfigError("{gradient_bucket_bytes}: must be a positive number of bytes.",
+                              values=dict(gradient_bucket_bytes=bucket))
 
     @property
     def microbatches(self) -> int:
@@ -105,8 +105,7 @@ class ParallelSettings:
         (``layout.DEGREES``) and the other fields (not both)."""
         if settings is None:
             degrees = {name: options.pop(name) for name in DEGREES if name in options}
-            names = options.get("names", RUNTIME_NAMES)
-            return cls(ParallelLayout(**degrees, names=names), **options)
+            return cls(ParallelLayout(**degrees), **options)
         if not isinstance(settings, ParallelSettings):
             raise TypeError(f"settings={settings!r}: give a ParallelSettings, or its fields as keyword arguments.")
         if options:

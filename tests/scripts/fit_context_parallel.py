@@ -10,6 +10,8 @@ Every case fits ``MHCGPTModule`` (mHC, n = 4 streams, grouped-query attention, R
 the per-step losses and saves the final weights (``DIR/<case>``), which the test reads back whole.
 ``cp2dp2`` also saves a checkpoint after step 2 (``DIR/cp2dp2_step2``); the one-process
 ``resume`` case continues it at CP 1. ``*_dropout_<policy>`` cases run CP 2 x DP 2 with dropout 0.1.
+``<layout>_exact`` cases run hidden dropout 0.1 with ``exact_hidden_dropout`` (attention dropout 0),
+``<layout>_exact_dropout_<policy>`` with that recompute policy.
 ``--compare a:b`` (after the fits, in rank 0): the largest difference between the weights saved by
 cases ``a`` and ``b``, each read whole into this process (``MHCGPTModule.load_from_checkpoint``).
 """
@@ -32,7 +34,8 @@ SEQ, GLOBAL_BATCH, STEPS, SAVE_AT = 16, 8, 4, 2
 LAYOUTS = {  # case -> (TP, CP, PP, sequence parallelism, distributed optimizer)
     "single": (1, 1, 1, False, False), "resume": (1, 1, 1, False, False),
     "cp4": (1, 4, 1, False, False), "cp2pp2": (1, 2, 2, False, False), "cp2tp2sp": (2, 2, 1, True, False),
-    "cp2dp2": (1, 2, 1, False, True),
+    "cp2dp2": (1, 2, 1, False, True), "tp2dp2": (2, 1, 1, False, False),
+    "tp2pp2": (2, 1, 2, False, False),
 }
 
 
@@ -59,15 +62,18 @@ class Recorder(Callback):
             trainer.save_checkpoint(self.save_at)
 
 
-def gpt_config(dropout: float) -> dict:
+def gpt_config(dropout: float, exact: bool = False) -> dict:
+    # exact_hidden_dropout leaves attention dropout off (it refuses it under TP or CP)
     return dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                vocab_size=256, max_sequence_length=SEQ, hidden_dropout=dropout, attention_dropout=dropout,
-                mhc_sinkhorn_iterations=4)
+                vocab_size=256, max_sequence_length=SEQ, hidden_dropout=dropout,
+                attention_dropout=0.0 if exact else dropout, exact_hidden_dropout=exact, mhc_sinkhorn_iterations=4)
 
 
 def fit_case(case: str, devices: int, directory: pathlib.Path) -> dict:
     layout_name, _, policy = case.partition("_dropout_")
-    dropout = 0.1 if policy else 0.0
+    exact = layout_name.endswith("_exact")
+    layout_name = layout_name.removesuffix("_exact")
+    dropout = 0.1 if policy or exact else 0.0
     tp, cp, pp, sp, zero = LAYOUTS[layout_name]
     dp = devices // (tp * cp * pp)
     strategy = MHCParallelStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -80,7 +86,7 @@ def fit_case(case: str, devices: int, directory: pathlib.Path) -> dict:
                          callbacks=[recorder, MHCRecomputeCallback(policy or "mhc_block")])
     # SGD with momentum: weights within 1e-5 (AdamW divides each gradient by its own scale, so an
     # element whose gradient is ~0 in both runs can move by ~lr on rounding differences)
-    module = MHCGPTModule(gpt_config(dropout), lr=0.1, warmup_steps=0, optimizer="sgd")
+    module = MHCGPTModule(gpt_config(dropout, exact), lr=0.1, warmup_steps=0, optimizer="sgd")
     dataset = MaskedTokens(STEPS * GLOBAL_BATCH, SEQ)
     loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp, drop_last=True)
     val_loader = DataLoader(MaskedTokens(GLOBAL_BATCH, SEQ, seed=9), batch_size=GLOBAL_BATCH // dp)

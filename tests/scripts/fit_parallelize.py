@@ -57,8 +57,9 @@ def sgd(parameters):
     becomes a full-size step.)"""
     return torch.optim.SGD(parameters, lr=LR, momentum=0.9)
 LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2v2": (1, 2, 2), "tp2pp2": (2, 2, 1),
-           "tp2sp": (2, 1, 1), "tp2pp2sp": (2, 2, 1)}
-"""(TP, PP, v); ``...sp``: with sequence parallelism."""
+           "tp2sp": (2, 1, 1), "tp2pp2sp": (2, 2, 1), "ep2pp2": (1, 2, 1)}
+"""(TP, PP, v); ``...sp``: with sequence parallelism; ``ep2...``: with the experts split over 2 ranks
+(an MoE model's, ``any_model/experts.py``)."""
 
 
 class ParallelLM(ParallelLMModule):
@@ -209,24 +210,30 @@ def _gather(value):
 
 
 def whole_weights(module: pl.LightningModule, strategy: MHCParallelStrategy) -> dict[str, list]:
-    """The whole model's parameters by name, from every rank's pieces (TP slices joined)."""
+    """The whole model's parameters by name, from every rank's pieces (TP slices joined, and an
+    expert tensor's EP blocks: ``allreduce = False``, held by the EP ranks, which are DP ranks)."""
     layout = strategy.layout
     mine = {}
     for name, p in module.named_parameters():
         key = module.global_parameter_name(name) if hasattr(module, "global_parameter_name") else name
         mine[key.removeprefix("model.")] = (p.detach().cpu(), int(getattr(p, "partition_dim", -1))
                                             if getattr(p, "tensor_model_parallel", False) else None,
-                                            int(getattr(p, "partition_stride", 1)))
-    pieces = _gather((layout.data_parallel_rank, layout.tensor_model_parallel_rank, mine))
+                                            int(getattr(p, "partition_stride", 1)), getattr(p, "allreduce", True))
+    ep_rank = layout.expert_model_parallel_rank if layout.expert_model_parallel_size > 1 else 0
+    pieces = _gather((layout.data_parallel_rank, layout.tensor_model_parallel_rank, ep_rank, mine))
     whole: dict[str, torch.Tensor] = {}
-    for name in sorted({n for _, _, m in pieces for n in m}):
+    for name in sorted({n for *_, m in pieces for n in m}):
+        experts = {ep: m[name][0] for _, tp, ep, m in pieces if tp == 0 and name in m and m[name][3] is False}
+        if experts:  # this EP rank's block of experts, along dim 0
+            whole[name] = torch.cat([experts[ep] for ep in sorted(experts)])
+            continue
         # one piece per TP rank (a tied tensor is held by the first and the last stage: same values)
-        held = sorted({tp: m[name] for dp, tp, m in pieces if dp == 0 and name in m}.items(), key=lambda x: x[0])
-        tensor, dim, stride = held[0][1]
+        held = sorted({tp: m[name] for dp, tp, _, m in pieces if dp == 0 and name in m}.items(), key=lambda x: x[0])
+        tensor, dim, stride, _ = held[0][1]
         if dim is None:
             whole[name] = tensor
             continue
-        parts = [t.unflatten(dim, (stride, t.shape[dim] // stride)) for _, (t, _, _) in held]
+        parts = [t.unflatten(dim, (stride, t.shape[dim] // stride)) for _, (t, *_) in held]
         whole[name] = torch.cat(parts, dim + 1).flatten(dim, dim + 1)
     return {name: t.flatten().tolist() for name, t in whole.items()}
 
@@ -253,6 +260,7 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
     strategy = MHCParallelStrategy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                    virtual_pipeline_model_parallel_size=v, num_microbatches=2 if pp > 1 else 1,
                                    sequence_parallel=layout_name.endswith("sp"),
+                                   expert_model_parallel_size=2 if layout_name.startswith("ep2") else 1,
                                    use_distributed_optimizer="zero" in flags, **deadline)
     losses, masks, start = Losses(), DropoutMasks(), StartLogits()
     callbacks, ckpt_path = [losses], None
@@ -263,7 +271,7 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
     saved = checkpoints / (model + ("-hc" if streams else "")) if checkpoints is not None else None
     if saved is not None and "resume" in flags:
         ckpt_path = next(saved.glob("*step=2.ckpt"))
-    elif saved is not None and layout_name != "single" and flags <= {"hc"} and model not in FAMILIES:
+    elif saved is not None and layout_name not in ("single", "ep2pp2") and flags <= {"hc"} and model not in FAMILIES:
         callbacks += [ModelCheckpoint(dirpath=saved, filename="{step}", save_top_k=-1, every_n_train_steps=2),
                       FinalCheckpointAndLogits(saved)]
     saving = any(isinstance(c, ModelCheckpoint) for c in callbacks)

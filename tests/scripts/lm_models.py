@@ -162,13 +162,17 @@ def opt(dropout: float = 0.0) -> nn.Module:  # learned positions (offset 2), tie
                dropout=dropout, pad_token_id=1)
 
 
+def mixtral(dropout: float = 0.0) -> nn.Module:  # 4 routed experts, top 2: split over EP (any_model/experts.py)
+    return hf_model("MixtralConfig", "MixtralForCausalLM", dropout, num_local_experts=4, num_experts_per_tok=2)
+
+
 FAMILIES = {"mistral": (mistral, "mistral"), "qwen2": (qwen2, "qwen2"), "qwen3": (qwen3, "qwen3"),
             "gemma2": (gemma2, "gemma2"), "gemma3": (gemma3, "auto"), "phi3": (phi3, "phi3"),
             "gpt_neox": (gpt_neox, "gpt_neox"), "opt": (opt, "opt")}
 """Each family from a small config, with its built-in plan (Gemma 3's found by ``plan="auto"``)."""
 
 MODELS = {"gpt2": (gpt2, "gpt2"), "llama": (llama, "llama"), "plain": (PlainTransformer, PLAIN_PLAN),
-          "tiedllama": (tied_llama, DICT_PLAN), **FAMILIES}
+          "tiedllama": (tied_llama, DICT_PLAN), "mixtral": (mixtral, "auto"), **FAMILIES}
 
 
 def save_sample_llama(directory, **config):

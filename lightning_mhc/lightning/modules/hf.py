@@ -48,7 +48,9 @@ def recorded_hf_model(model_dir: str | Path) -> nn.Module:
 
 
 class HFCausalLMModule(ParallelLMModule):
-    """A Hugging Face causal LM of any built-in family (``parallelize``'s plans), on any TP x PP x DP.
+    """A Hugging Face causal LM of any built-in family (``parallelize``'s plans), on any TP x PP x DP,
+    and CP for the families ``parallelize`` splits over it (Llama, Mistral, Qwen2, Qwen3 without a
+    sliding window; the others refused when the model is built).
 
     Args:
         model_dir: a ``save_pretrained`` directory (its ``config.json``; with ``pretrained`` its

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_mhc.errors import ConfigError, KeyNames
+from lightning_mhc.errors import ConfigError, Label
 from lightning_mhc.lightning.modules.base import PipelinedLMModule
 from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.any_model.hyper_connections import hyper_connection_blocks
@@ -32,7 +32,7 @@ from lightning_mhc.any_model.model import (
 from lightning_mhc.recompute.policy import RecomputePolicy
 
 
-_CALLBACK_NAMES = KeyNames({"policy": "MHCRecomputeCallback({})"}, show=repr)
+_CALLBACK_LABELS = {"policy": Label("MHCRecomputeCallback", lambda policy: f"MHCRecomputeCallback({policy!r})")}
 """How the recompute policy's rules name the callback's choice for a model split by parallelize()
 (whether the model has hyper-connections, which ``mhc_block`` needs, ``parallelize`` checks)."""
 
@@ -50,6 +50,10 @@ class ParallelLMModule(PipelinedLMModule):
         lr, weight_decay, betas: AdamW settings.
     """
 
+    supports_context_parallel = True
+    """``parallelize`` splits the sequence over CP ranks (the Hugging Face families of
+    ``any_model.context_parallel``; it refuses the others): batches stay whole, the model cuts them."""
+
     def __init__(self, lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95)) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -66,7 +70,10 @@ class ParallelLMModule(PipelinedLMModule):
         return parallelize(model, plan, **kwargs)
 
     def check_recompute_policy(self, policy: RecomputePolicy) -> None:
-        check_recompute(policy, names=_CALLBACK_NAMES)
+        try:
+            check_recompute(policy)
+        except ConfigError as error:
+            raise error.relabel(_CALLBACK_LABELS) from None
 
     def attach_stream_divergence(self) -> StreamDivergenceMonitor | None:
         """The retrofit's blocks report their streams to the monitor (before the last block's mean)."""
