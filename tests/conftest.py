@@ -26,7 +26,12 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_mhc.testing.launch import free_port
+from lightning_mhc.testing import launch  # noqa: E402
+from lightning_mhc.testing.launch import free_port  # noqa: E402
+
+# The suite's fork server also holds Lightning: most of its forked ranks run Trainer.fit or Fabric
+# (tests/script_runs.py's run_on_ranks), and each would import it again (about 3 s of CPU)
+launch.PRELOAD += ("lightning.pytorch", "lightning_mhc.lightning")
 
 
 @pytest.fixture(scope="session")

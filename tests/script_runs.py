@@ -1,15 +1,17 @@
 """Running the scripts of tests/scripts/ as users run them (Lightning's launcher re-runs a script
-once per extra device)."""
+once per extra device), or on ranks forked from the preloaded fork server (``run_on_ranks``)."""
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import runpy
 import signal
 import subprocess
 import sys
 import time
 
+from lightning_mhc.testing.launch import spawn_ranks
 from subprocess_env import child_env
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
@@ -53,9 +55,36 @@ def left_behind(pgid: int, wait_s: float = 2.0) -> bool:
     return True
 
 
+
+
+def _script_rank(rank: int, world_size: int, path: str, args: list[str], cwd: str) -> None:
+    """One rank of ``run_on_ranks``: the script as ``python path *args`` runs it (its folder first
+    on ``sys.path``, ``__name__ == "__main__"``), in ``cwd``."""
+    os.chdir(cwd)
+    sys.path.insert(0, str(pathlib.Path(path).parent))
+    sys.argv = [path, *args]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exit:
+        if exit.code not in (None, 0):
+            raise
+
+
+def run_on_ranks(name: str, devices: int, *args: str, cwd: pathlib.Path = SCRIPTS, timeout: float = 420) -> None:
+    """The script on ``devices`` ranks forked from ``spawn_ranks``' fork server, each with the
+    variables torchrun sets: the strategy joins processes started outside it, as under torchrun,
+    and makes the process group itself. For runs whose subject is what the script computes, not
+    how its processes start: a fresh interpreter per rank (``run_script``) spends about 7 s of CPU
+    importing torch, Lightning and megatron-core before its first step, the most of a small
+    run's cost. A failing rank raises ``RankError`` with its traceback."""
+    spawn_ranks(_script_rank, devices, str(SCRIPTS / name), list(args), str(cwd), timeout_s=timeout,
+                init_group=False)
+
+
 def fit_gpt(tmp_path: pathlib.Path, *args: str, timeout: float = 420) -> dict:
+    """What ``fit_gpt.py *args`` wrote (``--devices`` of them: its ranks, by ``run_on_ranks``)."""
     out = tmp_path / "result.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    proc = run_script("fit_gpt.py", *args, "--out", str(out), timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
+    run_on_ranks("fit_gpt.py", devices, *args, "--out", str(out), timeout=timeout)
     return json.loads(out.read_text())

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-from subprocess_env import child_env
+from script_runs import run_on_ranks
 from train_cli import run_train, train_losses
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_context_parallel.py"
@@ -39,10 +37,8 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 
 def run_group(directory: pathlib.Path, devices: int, cases: list[str], compare: list[str] = ()) -> dict:
     out = directory / f"devices{devices}.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--devices", str(devices), "--cases", *cases, "--out", str(out),
-                           "--dir", str(directory), "--compare", *compare],
-                          capture_output=True, text=True, timeout=900, env=child_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_on_ranks(SCRIPT.name, devices, "--devices", str(devices), "--cases", *cases, "--out", str(out),
+                 "--dir", str(directory), "--compare", *compare, timeout=900)
     return json.loads(out.read_text())
 
 

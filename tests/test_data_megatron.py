@@ -23,6 +23,7 @@ from lightning_mhc.data.preprocess import preprocess
 from lightning_mhc.data.sample import train_bpe
 from lightning_mhc.data.samplers import ConsumedSamplesSampler
 from lightning_mhc.data.tokenizers import load_tokenizer
+from script_runs import run_on_ranks
 from subprocess_env import child_env
 from train_cli import check_before_launch
 
@@ -302,11 +303,8 @@ def test_resume_on_indexed_data_reads_no_earlier_sample_on_the_same_and_another_
     1e-6 (bit-exact on the same layout; TP 2's reductions add in another order) and no rank reads a
     sample of the first 3 global batches: the sampler starts at consumed_samples = 24."""
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "scripts" / "fit_megatron.py"),
-                           "--prefix", corpus["a"], "--tokenizer", corpus["tokenizer"], "--vocab", "300",
-                           "--work", str(tmp_path), "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=child_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_on_ranks("fit_megatron.py", 2, "--prefix", str(corpus["a"]), "--tokenizer", str(corpus["tokenizer"]),
+                 "--vocab", "300", "--work", str(tmp_path), "--out", str(out), timeout=600)  # its Trainer's 2 devices
     result = json.loads(out.read_text())
     full = {int(k): v for k, v in result["full"]["losses"].items()}
     assert sorted(full) == [1, 2, 3, 4, 5, 6] and result["full"]["dataset_length"] > 6 * 8  # step 3 is mid-epoch

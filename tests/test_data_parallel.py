@@ -1,6 +1,7 @@
 """Data parallelism end to end: ``Trainer.fit`` on shuffled DataLoaders against one process.
 
-One spawned group per world size runs all of its cases (tests/scripts/fit_data_parallel.py);
+One group of ranks per world size, forked from the preloaded fork server, runs all of its cases
+(tests/scripts/fit_data_parallel.py);
 the references run once, in one process, on the same global batches. Checked per step: the
 loss (and, for a plain LightningModule, the final weights), and which samples each rank
 trained on: disjoint across DP ranks, identical between TP/PP peers, together the reference's
@@ -10,13 +11,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from subprocess_env import child_env
+from script_runs import run_on_ranks
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_data_parallel.py"
 STEPS_PER_EPOCH, GLOBAL_BATCH = 3, 8
@@ -24,9 +23,7 @@ STEPS_PER_EPOCH, GLOBAL_BATCH = 3, 8
 
 def run_group(tmp_path: pathlib.Path, devices: int, cases: list[str]) -> dict:
     out = tmp_path / f"devices{devices}.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--devices", str(devices), "--cases", *cases,
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=child_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_on_ranks(SCRIPT.name, devices, "--devices", str(devices), "--cases", *cases, "--out", str(out), timeout=600)
     return json.loads(out.read_text())
 
 

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from script_runs import fit_gpt, left_behind, run_script
+from script_runs import fit_gpt, left_behind, run_on_ranks, run_script
 from subprocess_env import child_env
 
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "fabric_train.py"
@@ -119,10 +119,10 @@ def test_fabric_resume_under_torchrun_continues_like_the_uninterrupted_loop(exam
 def test_fabric_plain_data_parallel_and_resharded_loads(example_run, trainer_run, tmp_path):
     cwd, _ = example_run
     out = tmp_path / "result.json"
-    proc = run_script("fabric_checks.py", "--out", str(out), "--gpt-ckpt", str(cwd / "fabric_ckpt" / "step-3"),
-                      "--gpt-final", str(cwd / "fabric_ckpt" / "step-6"), "--trainer-final", trainer_run["checkpoint"],
-                      timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # its Fabrics' 2 devices, on forked ranks (the example's own launch is test_fabric_example_matches_trainer_fit's)
+    run_on_ranks("fabric_checks.py", 2, "--out", str(out), "--gpt-ckpt", str(cwd / "fabric_ckpt" / "step-3"),
+                 "--gpt-final", str(cwd / "fabric_ckpt" / "step-6"), "--trainer-final", trainer_run["checkpoint"],
+                 timeout=600)
     result = json.loads(out.read_text())
     assert result["strategy"] == "lightning_mhc.fabric.strategy.MHCParallelStrategy"  # strategy="mhc_parallel"
 

@@ -23,7 +23,7 @@ from lightning_mhc.distributed.pipeline.protocol import split_microbatches
 from lightning_mhc.distributed.fail_fast import FailFast, PeerFailure
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.testing.launch import free_port
-from script_runs import SCRIPTS, fit_gpt, left_behind, run_script
+from script_runs import SCRIPTS, fit_gpt, left_behind, run_on_ranks, run_script
 from subprocess_env import child_env
 
 
@@ -31,7 +31,6 @@ def test_tp2_pp2_matches_one_device(tmp_path):
     """devices=4, TP=2, PP=2, mhc_block recompute == devices=1 on the same global batches; and
     the same with sequence parallelism and two virtual-pipeline chunks per stage (interleaved
     1F1B) through Trainer.fit."""
-    (tmp_path / "one").mkdir(), (tmp_path / "four").mkdir()
     single = fit_gpt(tmp_path / "one", "--devices", "1", "--scenario", "equivalence")
     parallel = fit_gpt(tmp_path / "four", "--devices", "4", "--tp", "2", "--pp", "2", "--scenario", "equivalence",
                        "--then-sp-v2")  # a second Trainer in the same 4 processes
@@ -319,8 +318,7 @@ def test_nonfinite_gradient_of_a_plain_module_stops_training():
 def _idioms(tmp_path, devices: int) -> dict:
     out = tmp_path / f"devices{devices}" / "result.json"
     out.parent.mkdir(parents=True)
-    proc = run_script("fit_idioms.py", "--devices", str(devices), "--out", str(out), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_on_ranks("fit_idioms.py", devices, "--devices", str(devices), "--out", str(out), timeout=600)
     return json.loads(out.read_text())
 
 

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-from subprocess_env import child_env
+from script_runs import run_on_ranks
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_moe.py"
 TOLERANCE = 1e-5  # fp32: the order of the sums over ranks differs
@@ -24,9 +22,7 @@ STEPS, SAVE_AT = 4, 2  # as tests/scripts/fit_moe.py
 
 
 def _run(out: pathlib.Path, devices: int, *extra: str) -> dict:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out), *extra],
-                          capture_output=True, text=True, timeout=900, env=child_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_on_ranks(SCRIPT.name, devices, "--devices", str(devices), "--out", str(out), *extra, timeout=900)
     return json.loads(out.read_text())
 
 

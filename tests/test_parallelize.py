@@ -25,6 +25,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
 from lm_models import FAMILIES, MODELS, PLAIN_PLAN, SEQ, VOCAB, PlainTransformer, gpt2, hf_model, llama  # noqa: E402
+from script_runs import run_on_ranks  # noqa: E402
 from subprocess_env import child_env  # noqa: E402
 
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule  # noqa: E402
@@ -37,11 +38,8 @@ MODEL_NAMES = ("gpt2", "llama", "plain")
 
 def run_group(tmp_path: pathlib.Path, devices: int, cases: list[str], *options: str) -> dict:
     out = tmp_path / f"devices{devices}.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--devices", str(devices), "--cases", *cases,
-                           "--out", str(out), *options], capture_output=True, text=True, timeout=900,
-                          env=child_env(), cwd=SCRIPT.parent)
-    errors = [line for line in proc.stderr.splitlines() if re.search(r"\w(Error|Exception): ", line)]
-    assert proc.returncode == 0, "\n".join(errors[-3:]) + "\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_on_ranks(SCRIPT.name, devices, "--devices", str(devices), "--cases", *cases, "--out", str(out), *options,
+                 timeout=900)
     return json.loads(out.read_text())
 
 

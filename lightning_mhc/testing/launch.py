@@ -11,6 +11,7 @@ import datetime
 import os
 import pickle
 import queue
+import resource
 import socket
 import time
 import traceback
@@ -38,6 +39,7 @@ def _worker(
     backend: str,
     timeout_s: float,
     threads: int,
+    init_group: bool,
     results: "mp.Queue",
     args: tuple,
 ) -> None:
@@ -50,25 +52,39 @@ def _worker(
     )
     torch.set_num_threads(threads)
     try:
-        torch.distributed.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        if init_group:
+            torch.distributed.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
         out = fn(rank, world_size, *args)
-        results.put((rank, True, pickle.dumps(out)))
+        results.put((rank, True, pickle.dumps(out), _cpu_s()))
     except BaseException:  # report everything, including KeyboardInterrupt in a child
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc(), _cpu_s()))
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
+def _cpu_s() -> float:
+    """This rank's CPU seconds (user + system) so far: a forked rank starts from zero."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+ranks_cpu_s = 0.0
+"""CPU seconds the ranks of this process's ``spawn_ranks`` calls reported: they are the fork
+server's children, so ``getrusage(RUSAGE_CHILDREN)`` here never sees them (tests/cpu_time.py)."""
+
+
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "lightning_mhc.model", "lightning_mhc.distributed",
            "lightning_mhc.recompute")
 """Imported once by the fork server the ranks are forked from: a rank then starts in a fraction
-of a second instead of importing torch and megatron-core again (seconds of CPU each)."""
+of a second instead of importing torch and megatron-core again (seconds of CPU each). Read when
+the server starts (a process's first ``spawn_ranks``): a caller whose ranks need more, such as
+the test suite's (Lightning), adds to it before."""
 
 
 def _context():
@@ -88,21 +104,26 @@ def spawn_ranks(
     timeout_s: float = 300.0,
     backend: str = "gloo",
     threads_per_rank: int = 1,
+    init_group: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
 
     ``fn`` must be importable (a module-level function). Returns the ranks'
     return values in rank order. Raises :class:`RankError` with the first
     failing rank's traceback, or :class:`TimeoutError` after ``timeout_s``.
-    Collectives inside the group time out after ``timeout_s`` as well.
+    Collectives inside the group time out after ``timeout_s`` as well. With ``init_group=False``
+    no process group is made: ``fn`` finds the variables torchrun sets (``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``) and makes its own, as a Lightning
+    strategy in processes started outside it does.
     """
+    global ranks_cpu_s
     ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, backend, timeout_s, threads_per_rank, results, args),
+            args=(fn, rank, world_size, port, backend, timeout_s, threads_per_rank, init_group, results, args),
             daemon=True,
         )
         for rank in range(world_size)
@@ -115,7 +136,7 @@ def spawn_ranks(
     try:
         while len(outputs) < world_size:
             try:
-                rank, ok, payload = results.get(timeout=0.2)
+                rank, ok, payload, cpu_s = results.get(timeout=0.2)
             except queue.Empty:
                 for rank, proc in enumerate(procs):
                     if rank not in outputs and proc.exitcode not in (None, 0):
@@ -124,6 +145,7 @@ def spawn_ranks(
                     missing = sorted(set(range(world_size)) - set(outputs))
                     raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f}s")
                 continue
+            ranks_cpu_s += cpu_s
             if not ok:
                 raise RankError(f"rank {rank} of {world_size} failed:\n{payload}")
             outputs[rank] = pickle.loads(payload)

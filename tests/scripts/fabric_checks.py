@@ -1,4 +1,5 @@
-"""Fabric runs on 2 processes (Fabric's launcher re-runs this script), several phases in one launch.
+"""Fabric runs on 2 processes (ranks forked by tests/script_runs.run_on_ranks, or Fabric's launcher
+re-running this script), several phases in one launch.
 
     python fabric_checks.py --out result.json [--gpt-ckpt DIR]
 

@@ -1,5 +1,6 @@
-"""Lightning runs of MHCGPTModule for the strategy tests (launched as a script: Lightning's
-subprocess launcher re-runs it once per extra device).
+"""Lightning runs of MHCGPTModule for the strategy tests: on ranks forked by
+``script_runs.run_on_ranks`` (``fit_gpt``), or launched as a script where the launch is the
+subject (``--scenario fail``: Lightning's subprocess launcher re-runs it once per extra device).
 
     python fit_gpt.py --devices 4 --tp 2 --pp 2 [--sp] [--vp 2] --scenario equivalence --out losses.json
 """
