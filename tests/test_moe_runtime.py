@@ -111,10 +111,10 @@ def test_command_line_on_ep2_equals_one_process(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_moe_experts=3", "parallel.expert_model_parallel_size=2", "trainer.devices=2"],
-     "model.num_moe_experts=3 does not split over expert_model_parallel_size=2"),
+     "model.num_moe_experts=3 does not split over parallel.expert_model_parallel_size=2"),
     (["parallel.expert_model_parallel_size=4", "trainer.devices=2"],
      "parallel.expert_model_parallel_size=4 does not divide the 2 data- and context-parallel ranks"),
-    (["model.moe_router_topk=5"], "model.moe_router_topk=5 must be between 1 and num_moe_experts=4"),
+    (["model.moe_router_topk=5"], "model.moe_router_topk=5 must be between 1 and model.num_moe_experts=4"),
 ])
 def test_command_line_checks_experts_before_launch(tmp_path, monkeypatch, capsys, overrides, message):
     from train_cli import check_before_launch
