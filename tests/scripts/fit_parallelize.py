@@ -79,7 +79,7 @@ class ParallelLM(ParallelLMModule):
                 model = make(dropout=self.dropout)
             if self.hf_checkpointing == "before":
                 model.gradient_checkpointing_enable()
-            self.model = parallelize(model, plan, seed=SEED, recompute=self.recompute,
+            self.model = parallelize(model, plan, layout=self.layout, seed=SEED, recompute=self.recompute,
                                      loss_parallel=self.loss_parallel, weights=self.weights,
                                      hyper_connections=self.hyper_connections)
             if self.hf_checkpointing == "after":
