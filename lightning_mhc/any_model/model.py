@@ -3,12 +3,17 @@ side of the pipeline contract.
 
     with record_module_init():
         model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4))
-    model = parallelize(model, plan="gpt2")      # inside configure_model: the strategy's layout
+    model = parallelize(model, plan="gpt2", layout=self.layout)   # in a LightningModule's configure_model
 
 Each rank materialises only the blocks of its stage(s) and the parts around them that it runs
 (``pipeline.py``), each tensor drawn whole from the generator of its name and cut to this rank's
 TP slice (``record.py``, ``tensor_parallel.py``), so the weights equal those of the whole model
 materialised in one process with the same seed (:func:`build_recorded_module`).
+
+``parallelize`` is a short list of steps, each a function taking what the one before returned,
+the settings in one value (:class:`ParallelizeSettings`): :func:`resolve_model_plan`,
+:func:`add_model_hyper_connections`, :func:`split_pipeline`, :func:`apply_tensor_parallel`,
+:func:`materialize_and_load`, :func:`attach_model_recompute`.
 """
 from __future__ import annotations
 

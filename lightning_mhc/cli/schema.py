@@ -587,7 +587,7 @@ class TrainConfig:
             with_parallel_layout(config, self.layout)
         except ConfigError as error:
             raise ConfigError(_with_group(str(error))) from None
-        self.layout.check_model({"num_layers": config.num_layers, **config.split_sizes()}, self.data.seq_length)
+        self.layout.check_model({}, self.data.seq_length)  # (layers and sizes: by with_parallel_layout, above)
 
     # --------------------------------------------------------------- checks
     @property

@@ -38,6 +38,11 @@ DEGREES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
 """The fields of :class:`ParallelLayout` that a user chooses (megatron's names); the world size and
 this rank's place come from the processes."""
 
+SUMMARY_FIELDS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "sequence_parallel", "context_parallel_size",
+                  "expert_model_parallel_size")
+"""What :meth:`ParallelLayout.summary` writes out, in this order."""
+
 MODEL_SPLIT_BY_TP = ("num_attention_heads", "hidden_size", "num_query_groups", "ffn_hidden_size", "padded_vocab_size")
 """The model sizes tensor parallelism divides, in the order they are checked."""
 
@@ -233,6 +238,11 @@ class ParallelLayout:
             raise RuntimeError("the data-parallel size is known once the world size is")
         return self.world_size // (self.tensor_model_parallel_size * self.context_parallel_size
                                    * self.pipeline_model_parallel_size)
+
+    def summary(self) -> dict[str, int | bool]:
+        """The layout as runs write it out (checkpoint metadata, a run's summary): the world, every
+        degree and the DP size derived from them (``SUMMARY_FIELDS``)."""
+        return {name: getattr(self, name) for name in SUMMARY_FIELDS}
 
     @property
     def expert_data_parallel_size(self) -> int:

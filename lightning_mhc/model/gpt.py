@@ -97,7 +97,10 @@ class GPTModel(torch.nn.Module):
     ) -> None:
         super().__init__()
         layout = layout if layout is not None else single_process_layout()
-        layout.check_model(config.split_sizes())  # the TP group its layers split over
+        if config.tensor_model_parallel_size != layout.tensor_model_parallel_size:
+            # a config not made for this layout (with_parallel_layout checked the one it made): the
+            # sizes its layers split over the layout's TP group
+            layout.check_model(config.split_sizes())
         cp = config.context_parallel_size
         if cp > 1 and cp != layout.context_parallel_size:  # (CP 1: a whole-sequence model, in any process)
             raise ConfigError(f"the model config has context_parallel_size={cp}, but the layout it is built on has "
