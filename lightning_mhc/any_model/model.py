@@ -13,7 +13,7 @@ materialised in one process with the same seed (:func:`build_recorded_module`).
 ``parallelize`` is a short list of steps, each a function taking what the one before returned,
 the settings in one value (:class:`ParallelizeSettings`): :func:`resolve_model_plan`,
 :func:`add_model_hyper_connections`, :func:`split_pipeline`, :func:`apply_tensor_parallel`,
-:func:`materialize_and_load`, :func:`attach_model_recompute`.
+:func:`load_model_weights`, :func:`attach_model_recompute`.
 """
 from __future__ import annotations
 
@@ -289,8 +289,9 @@ class PlannedModel:
 
 @dataclass
 class SplitModel:
-    """A planned model cut into this rank's (virtual) pipeline stages, still on the meta device:
-    what the whole model was before the cut (its size, its tied tensors, the pretrained files
+    """A planned model cut into this rank's (virtual) pipeline stages (on the meta device until
+    :func:`apply_tensor_parallel` builds them), as the later steps hand it on: what the whole
+    model was before the cut (its size, its tied tensors, the pretrained files
     checked against it, the materializer that knows each tensor's owner), and each of this rank's
     chunks with the modules it must build."""
 
@@ -309,6 +310,8 @@ class SplitModel:
     materializer: Materializer
     aliases: dict[str, str]
     chunks: list[StageChunk]
+    parallel_model: ParallelModel | None = None
+    """The built chunks as one module, once :func:`load_model_weights` has made it."""
 
 
 @dataclass
@@ -346,7 +349,7 @@ def parallelize(
 
     A short list of steps, each taking what the one before returned, the settings in one value
     (:class:`ParallelizeSettings`): resolve the plan, add hyper-connections, split the pipeline,
-    apply TP, materialise and load the weights, attach the recompute.
+    apply TP (each tensor materialised whole, then cut), load the weights, attach the recompute.
 
     Args:
         plan: the TP plan: ``"gpt2"``, ``"llama"``, a ``{module-name pattern: style}`` dict or a
@@ -383,8 +386,8 @@ def parallelize(
     planned = add_model_hyper_connections(planned, settings)
     split = split_pipeline(planned, settings)
     split = apply_tensor_parallel(split, settings)
-    model_parallel = materialize_and_load(split, settings)
-    return attach_model_recompute(model_parallel, split, settings)
+    split = load_model_weights(split, settings)
+    return attach_model_recompute(split, settings)
 
 
 def resolve_model_plan(model: nn.Module, settings: ParallelizeSettings) -> PlannedModel:
@@ -439,10 +442,10 @@ def apply_tensor_parallel(split: SplitModel, settings: ParallelizeSettings) -> S
     return split
 
 
-def materialize_and_load(split: SplitModel, settings: ParallelizeSettings) -> ParallelModel:
-    """Step 5: the built chunks as a :class:`ParallelModel`, wired for the pipeline (the stages'
-    hooks, the tied embedding's gradient between the first and last stage), with the pretrained
-    weights read into this rank's slices where given."""
+def load_model_weights(split: SplitModel, settings: ParallelizeSettings) -> SplitModel:
+    """Step 5: the built chunks as one :class:`ParallelModel` (``split.parallel_model``), wired for
+    the pipeline (the stages' hooks, the tied embedding's gradient between the first and last
+    stage), with the pretrained weights read into this rank's slices where given."""
     layout, tp = settings.layout, settings.layout.tensor_model_parallel_size
     modules = [chunk.module for chunk in split.chunks]
     report = MaterializedReport(_unique_numel(nn.ModuleList(modules)), split.whole_parameters, tp,
@@ -458,11 +461,10 @@ def materialize_and_load(split: SplitModel, settings: ParallelizeSettings) -> Pa
         load_weights(model_parallel, split.weights, layout)
     log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
              layout.pipeline_model_parallel_rank, model_parallel.report)
-    return model_parallel
+    return dataclasses.replace(split, parallel_model=model_parallel)
 
 
-def attach_model_recompute(model_parallel: ParallelModel, split: SplitModel,
-                           settings: ParallelizeSettings) -> ParallelModel:
+def attach_model_recompute(split: SplitModel, settings: ParallelizeSettings) -> ParallelModel:
     """Step 6: the recompute policy on the built chunks: ``selective``, the modules the plan's
     ``selective`` patterns name; ``full``, every block; the mHC block recompute, groups of blocks
     within each stage."""
@@ -481,7 +483,7 @@ def attach_model_recompute(model_parallel: ParallelModel, split: SplitModel,
         if policy.block and local:
             attach_block_recompute(local, policy.block_ranges(local[0].hyper_connection_wiring.n, len(local)),
                                    _recompute_group_name)
-    return model_parallel
+    return split.parallel_model
 
 
 def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] | None = None, *,
