@@ -377,11 +377,12 @@ def parallelize(
         hyper_connection_plan: where they go: ``"auto"`` (by ``model_type``), or a
             :class:`HyperConnectionPlan`.
     """
-    _check_hyper_connections(hyper_connections)  # before the layout is built
-    layout = layout if layout is not None else single_process_layout()
     settings = ParallelizeSettings(
-        layout if layout.is_built else layout.build(), plan, blocks, pipeline_split, seed, init_fn, recompute,
+        layout if layout is not None else ParallelLayout(), plan, blocks, pipeline_split, seed, init_fn, recompute,
         recompute_modules, hidden_size, loss_parallel, weights, hyper_connections, hyper_connection_plan)
+    if not settings.layout.is_built:  # the settings checked first, then the groups made
+        built = settings.layout.build() if layout is not None else single_process_layout()
+        settings = dataclasses.replace(settings, layout=built)
     planned = resolve_model_plan(model, settings)
     planned = add_model_hyper_connections(planned, settings)
     split = split_pipeline(planned, settings)
@@ -501,10 +502,10 @@ def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] |
     settings = ParallelizeSettings(layout, plan, blocks, pipeline_split, seed, recompute=recompute,
                                    recompute_modules=recompute_modules, hyper_connections=hyper_connections,
                                    hyper_connection_plan=hyper_connection_plan)
-    _check_recorded(model)
-    if HyperConnectionSettings.of(hyper_connections).enabled and _hyper_connection_streams(model) == 1:
-        model = copy.deepcopy(model)  # meta tensors: nothing is allocated
-    planned = add_model_hyper_connections(resolve_model_plan(model, settings), settings)
+    planned = resolve_model_plan(model, settings)
+    if HyperConnectionSettings.of(settings.hyper_connections).enabled and _hyper_connection_streams(model) == 1:
+        planned = PlannedModel(copy.deepcopy(model), planned.plan)  # meta tensors: nothing is allocated
+    planned = add_model_hyper_connections(planned, settings)
     return (planned.plan, *_stage_ranges(planned, settings))
 
 
