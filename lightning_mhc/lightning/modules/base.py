@@ -46,8 +46,8 @@ class PipelinedLMModule(pl.LightningModule):
     peak_flops: float | None = None
     """One device's peak FLOP/s for ``mfu`` (None: a known GPU's figure)."""
     handed_layout: ParallelLayout | None = None
-    """The layout a strategy hands over before ``configure_model`` where the module has no Trainer
-    (Fabric's ``setup_module``: Fabric attaches itself only after); see :attr:`layout`."""
+    """The layout handed over before ``configure_model`` where the module has no Trainer (Fabric's
+    ``setup_module``: Fabric attaches itself only after; a checkpoint conversion); see :attr:`layout`."""
 
     def __init__(self) -> None:
         super().__init__()
