@@ -428,11 +428,23 @@ def _megatron_groups_serve(layout: ParallelLayout) -> bool:
     one): the same TP, CP, PP and EP sizes in the same world. megatron's layers read its groups
     from there, so they are the one process-wide state; no layout is kept beside them."""
     ps = parallel_state
-    return ps.model_parallel_is_initialized() and dist.get_world_size() == layout.world_size and (
-        ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-        ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size()) == (
-        layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.context_parallel_size,
-        layout.expert_model_parallel_size)
+    return ps.model_parallel_is_initialized() and _alive(ps.get_model_parallel_group()) \
+        and dist.get_world_size() == layout.world_size and (
+            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size()) == (
+            layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.context_parallel_size,
+            layout.expert_model_parallel_size)
+
+
+def _alive(group: Any) -> bool:
+    """``group`` is still registered with torch.distributed: megatron keeps its groups after the
+    default group they were made in is destroyed (a failed job of a multirun ends that way; the
+    next job makes a new default group), and those must be made again."""
+    try:
+        dist.get_process_group_ranks(group)
+    except KeyError:
+        return False
+    return True
 
 
 def destroy_parallel() -> None:
