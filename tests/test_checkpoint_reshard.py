@@ -122,6 +122,7 @@ def _earlier_format_and_reference_on_tp2(rank: int, world: int, old: str, refere
 
     layout = ParallelLayout(tensor_model_parallel_size=2, world_size=world).build()
     module = MHCGPTModule(_CONVERT_MODEL)
+    module.handed_layout = layout
     module.configure_model()
     optimizer = module.configure_optimizers(max_steps=1)["optimizer"]
     for k, parameter in enumerate(module.parameters()):  # a step with AdamW's moments to carry over

@@ -296,7 +296,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning_mhc.strategies.runtime import ParallelRuntime
 from lightning_mhc.strategies.settings import ParallelSettings
 runtime = ParallelRuntime(ParallelSettings())
-runtime.start(1, LightningEnvironment(), torch.device("cuda", 0))
+runtime.start(LightningEnvironment(), torch.device("cuda", 0))
 layout = runtime.layout
 for group in (layout.tp_group, layout.dp_group):
     value = torch.ones(4, device="cuda")

@@ -294,6 +294,31 @@ def test_one_process_parallelize_is_the_recorded_model(name, model_parallel):
     assert model.report.rank_parameters == model.report.whole_parameters
 
 
+def test_parallelize_is_its_steps_over_one_settings_value(model_parallel):
+    """``parallelize`` is its steps in order, each taking what the one before returned, the settings
+    in one frozen value: run by hand they give ``parallelize``'s model bit for bit (Llama with 2
+    streams and full recompute); without a layout it runs on the one-process layout."""
+    import dataclasses
+
+    from lightning_mhc.any_model.model import (
+        ParallelizeSettings, add_model_hyper_connections, apply_tensor_parallel, attach_model_recompute,
+        load_model_weights, resolve_model_plan, split_pipeline)
+
+    make, plan = MODELS["llama"]
+    settings = ParallelizeSettings(model_parallel, plan, seed=11, recompute="full", hyper_connections=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.seed = 0
+    planned = add_model_hyper_connections(resolve_model_plan(_meta(make), settings), settings)
+    split = load_model_weights(apply_tensor_parallel(split_pipeline(planned, settings), settings), settings)
+    by_hand = attach_model_recompute(split, settings).eval()
+    model = parallelize(_meta(make), plan, seed=11, recompute="full", hyper_connections=2).eval()
+    assert by_hand.recompute == model.recompute == settings.recompute
+    mine, theirs = by_hand.state_dict(), model.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    ids = torch.randint(0, 128, (2, 16))
+    torch.testing.assert_close(by_hand(input_ids=ids), model(input_ids=ids), rtol=0, atol=0)
+
+
 def test_record_module_init_keeps_arguments_and_restores_classes():
     import torch.nn as nn
 
@@ -596,14 +621,18 @@ def test_hf_gradient_checkpointing_is_refused_on_tp2_x_pp2(tmp_path):
     or after ``parallelize(..., hyper_connections=4)``, fitted on TP 2 x PP 2 (4 processes): every
     rank refuses it before any step, in one line naming ``recompute="full"``. Refused rather than
     run because its re-run of a block restores torch's generator but not the randomizer's streams
-    that the forward's dropout drew from: with dropout the gradients would be silently wrong."""
-    cases = ["llama:tp2pp2:hc-gcbefore", "llama:tp2pp2:hc-gcafter"]
-    results = run_group(tmp_path, 4, cases)
-    for case in cases:
+    that the forward's dropout drew from: with dropout the gradients would be silently wrong.
+    In the same group, a ``configure_model`` that does not hand ``parallelize`` the run's layout
+    is refused on every rank in one line naming ``layout=`` (no layout is kept in a global)."""
+    refusals = {"llama:tp2pp2:hc-gcbefore": HF_CHECKPOINTING_REFUSED, "llama:tp2pp2:hc-gcafter": HF_CHECKPOINTING_REFUSED,
+                "llama:tp2pp2:nolayout": r"4 ranks and no data-parallel-only layout: hand the model the run's layout "
+                                         r"\(layout=strategy.layout, or a LightningModule's self.layout\)"}
+    results = run_group(tmp_path, 4, list(refusals))
+    for case, refused in refusals.items():
         assert results[case]["steps"] == 0 and len(results[case]["refused"]) == 4, (case, results[case])
         for message in results[case]["refused"]:
             assert message is not None and "\n" not in message, (case, message)
-            assert re.search(HF_CHECKPOINTING_REFUSED, message), (case, message)
+            assert re.search(refused, message), (case, message)
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")

@@ -178,7 +178,7 @@ def test_block_recompute_replays_the_dropout_after_a_refused_fit(refused_fit_lef
     ``none`` bit for bit with dropout, every implementation (the recompute replays the masks it
     drew, randomizer included); and once the layout is destroyed (as the ``model_parallel`` fixture
     does), the randomizer goes with it, so ``torch.manual_seed`` alone repeats a run."""
-    from lightning_mhc.distributed.layout import ParallelLayout, active_layout, destroy_parallel
+    from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
     from lightning_mhc.distributed.random import model_parallel_manual_seed
     from lightning_mhc.recompute.rng import get_parallel_randomizer
 
@@ -187,7 +187,7 @@ def test_block_recompute_replays_the_dropout_after_a_refused_fit(refused_fit_lef
 
     def run(policy: str, reseed: bool):
         if reseed:
-            model_parallel_manual_seed(7, active_layout())
+            model_parallel_manual_seed(7, refused_fit_leftovers)
         cfg = tiny_config(num_layers=2, hidden_size=32, ffn_hidden_size=64, hidden_dropout=0.1, attention_dropout=0.1,
                           mhc_sinkhorn_iterations=3, mhc_implementation=implementation)
         torch.manual_seed(0)
@@ -204,4 +204,4 @@ def test_block_recompute_replays_the_dropout_after_a_refused_fit(refused_fit_lef
     assert get_parallel_randomizer() is None
     ParallelLayout().build()
     assert same(run("none", reseed=False), run("mhc_block", reseed=False)), "after the layout was destroyed"
-    model_parallel_manual_seed(7, active_layout())  # the leftover state again, for the next implementation
+    model_parallel_manual_seed(7, ParallelLayout().build())  # the leftover state again, for the next implementation

@@ -38,11 +38,11 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, tokens.roll(-1, dims=1)
 
 
-def _train(case: dict) -> dict:
+def _train(case: dict, layout) -> dict:
     """3 SGD steps (linear in the gradients, so layout round-off is not amplified the way
     Adam amplifies near-zero gradients); returns per-step losses, full gradients of every
     step, final full weights, and whether every replicated tensor is bit-identical across TP."""
-    model = GPTModel(tiny_config(**case))
+    model = GPTModel(tiny_config(**case), layout=layout)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, grads, replicas_identical = [], {}, True
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -65,12 +65,12 @@ def _train(case: dict) -> dict:
     return dict(losses=losses, grads=grads, weights=weights, replicas_identical=replicas_identical)
 
 
-def _policy_histories() -> dict:
+def _policy_histories(layout) -> dict:
     """3 AdamW steps with dropout under each recompute policy (same layout, same seeds)."""
     histories = {}
     for policy in ("none", "selective", "mhc_block", "full"):
         cfg = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, mhc_recompute_layer_num=2)
-        model = GPTModel(RecomputePolicy(policy).apply(cfg))
+        model = GPTModel(RecomputePolicy(policy).apply(cfg), layout=layout)
         attach_recompute(model)
         histories[policy] = train_steps(model)
     return histories
@@ -79,12 +79,12 @@ def _policy_histories() -> dict:
 def _tp_layouts(rank: int, world_size: int) -> dict:
     results = {}
     for tp in (1, 2, 4):
-        ParallelLayout(tensor_model_parallel_size=tp).build()
+        layout = ParallelLayout(tensor_model_parallel_size=tp).build()
         for name, case in CASES.items():
             torch.manual_seed(0)
-            results[(name, tp)] = _train(case)
+            results[(name, tp)] = _train(case, layout)
         if tp == 2:
-            policies = _policy_histories()
+            policies = _policy_histories(layout)
         destroy_parallel()
     if rank != 0:
         return {k: v["replicas_identical"] for k, v in results.items()}

@@ -4,7 +4,7 @@ blocks), without rewriting it on megatron layers, and mHC added to it.
 
     with record_module_init():                       # meta device: nothing allocated
         model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4))
-    model = parallelize(model, plan="gpt2")           # this rank's stage and TP slices
+    model = parallelize(model, plan="gpt2", layout=layout)   # this rank's stage and TP slices
 
 - ``record.py``: meta construction with recorded constructor arguments; materialising a module
   from them with name-seeded generators (layout-invariant initial weights);

@@ -3,12 +3,17 @@ side of the pipeline contract.
 
     with record_module_init():
         model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4))
-    model = parallelize(model, plan="gpt2")      # inside configure_model: the strategy's layout
+    model = parallelize(model, plan="gpt2", layout=self.layout)   # in a LightningModule's configure_model
 
 Each rank materialises only the blocks of its stage(s) and the parts around them that it runs
 (``pipeline.py``), each tensor drawn whole from the generator of its name and cut to this rank's
 TP slice (``record.py``, ``tensor_parallel.py``), so the weights equal those of the whole model
 materialised in one process with the same seed (:func:`build_recorded_module`).
+
+``parallelize`` is a short list of steps, each a function taking what the one before returned,
+the settings in one value (:class:`ParallelizeSettings`): :func:`resolve_model_plan`,
+:func:`add_model_hyper_connections`, :func:`split_pipeline`, :func:`apply_tensor_parallel`,
+:func:`load_model_weights`, :func:`attach_model_recompute`.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mhc.errors import ConfigError, Label
-from lightning_mhc.distributed.layout import ParallelLayout, active_layout
+from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
 from lightning_mhc.any_model.pipeline import (
     FirstStageStub,
     ModelParts,
@@ -263,6 +268,80 @@ def _checkpointed(module: nn.Module) -> None:
     module.forward = run
 
 
+@dataclass(frozen=True)
+class ParallelizeSettings:
+    """What :func:`parallelize` is asked for, in one value that every step reads: its keyword
+    arguments, with the recompute policy parsed and the hyper-connection count checked (see
+    :func:`parallelize` for each one's meaning). ``layout`` is built when the model is split
+    (:func:`check_parallelize` takes one not built yet: it builds nothing)."""
+
+    layout: ParallelLayout
+    plan: str | TPPlan | Mapping[str, Any] | None = None
+    blocks: str | None = None
+    pipeline_split: list[int] | list[str] | None = None
+    seed: int = 0
+    init_fn: InitFn | None = None
+    recompute: RecomputePolicy = RecomputePolicy()
+    recompute_modules: tuple[str, ...] | list[str] | None = None
+    hidden_size: int | None = None
+    loss_parallel: bool = True
+    weights: str | Any | None = None
+    hyper_connections: int | HyperConnectionSettings | None = None
+    hyper_connection_plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto"
+
+    def __post_init__(self) -> None:
+        _check_hyper_connections(self.hyper_connections)  # named as the caller wrote it, before anything else
+        object.__setattr__(self, "recompute", RecomputePolicy.of(self.recompute))
+
+
+@dataclass
+class PlannedModel:
+    """The recorded model and its TP plan (resolved: a family's by name, ``recompute_modules`` in)."""
+
+    model: nn.Module
+    plan: TPPlan
+
+
+@dataclass
+class SplitModel:
+    """A planned model cut into this rank's (virtual) pipeline stages (on the meta device until
+    :func:`apply_tensor_parallel` builds them), as the later steps hand it on: what the whole
+    model was before the cut (its size, its tied tensors, the pretrained files
+    checked against it, the materializer that knows each tensor's owner), and each of this rank's
+    chunks with the modules it must build."""
+
+    planned: PlannedModel
+    parts: ModelParts | None
+    """The block list and the parts around it (None: no block list, the whole model is one stage)."""
+    ranges: list[tuple[int, int]]
+    """Each (virtual) stage's ``[start, end)`` blocks (``[(0, 0)]`` without a block list)."""
+    whole_parameters: int
+    hidden_size: int
+    """What crosses the stages: the model's hidden size times its residual streams."""
+    vocab_parallel_logits: bool
+    tied_across_stages: list[int]
+    weights: Any
+    """The pretrained files checked against the whole model (None: drawn from the seed)."""
+    materializer: Materializer
+    aliases: dict[str, str]
+    chunks: list[StageChunk]
+    sequence_split: SequenceSplit | None
+    """How this rank cuts the sequence under context parallelism (None without it)."""
+    parallel_model: ParallelModel | None = None
+    """The built chunks as one module, once :func:`load_model_weights` has made it."""
+
+
+@dataclass
+class StageChunk:
+    """One of this rank's chunks: its module (on the meta device until built), its (virtual) stage,
+    the modules it builds (whole-model name, module, whether it is a block) and its blocks by index."""
+
+    module: nn.Module
+    stage: int
+    builds: list[tuple[str, nn.Module, bool]]
+    blocks: dict[int, nn.Module]
+
+
 def parallelize(
     model: nn.Module,
     plan: str | TPPlan | Mapping[str, Any] | None = None,
@@ -280,10 +359,14 @@ def parallelize(
     hyper_connections: int | HyperConnectionSettings | None = None,
     hyper_connection_plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto",
 ) -> ParallelModel:
-    """This rank's part of ``model`` (built under :func:`record_module_init`) on ``layout``
-    (default: the running strategy's, see ``distributed.layout.active_layout``; a layout not built
-    yet, ``ParallelLayout(tensor_model_parallel_size=2, ...)``, is built here, over the initialised
-    default process group).
+    """This rank's part of ``model`` (built under :func:`record_module_init`) on ``layout``: the
+    run's (a LightningModule's ``self.layout``, a strategy's ``layout``); a layout not built yet,
+    ``ParallelLayout(tensor_model_parallel_size=2, ...)``, is built here, over the initialised
+    default process group; None: the one-process layout (``single_process_layout()``).
+
+    A short list of steps, each taking what the one before returned, the settings in one value
+    (:class:`ParallelizeSettings`): resolve the plan, add hyper-connections, split the pipeline,
+    apply TP (each tensor materialised whole, then cut), load the weights, attach the recompute.
 
     Args:
         plan: the TP plan: ``"gpt2"``, ``"llama"``, a ``{module-name pattern: style}`` dict or a
@@ -311,50 +394,115 @@ def parallelize(
         hyper_connection_plan: where they go: ``"auto"`` (by ``model_type``), or a
             :class:`HyperConnectionPlan`.
     """
-    _check_hyper_connections(hyper_connections)
-    layout = layout if layout is not None else active_layout()
-    layout = layout if layout.is_built else layout.build()
-    recompute = RecomputePolicy.of(recompute)
+    settings = ParallelizeSettings(
+        layout if layout is not None else ParallelLayout(), plan, blocks, pipeline_split, seed, init_fn, recompute,
+        recompute_modules, hidden_size, loss_parallel, weights, hyper_connections, hyper_connection_plan)
+    if not settings.layout.is_built:  # the settings checked first, then the groups made
+        built = settings.layout.build() if layout is not None else single_process_layout()
+        settings = dataclasses.replace(settings, layout=built)
+    planned = resolve_model_plan(model, settings)
+    planned = add_model_hyper_connections(planned, settings)
+    split = split_pipeline(planned, settings)
+    split = apply_tensor_parallel(split, settings)
+    split = load_model_weights(split, settings)
+    return attach_model_recompute(split, settings)
+
+
+def resolve_model_plan(model: nn.Module, settings: ParallelizeSettings) -> PlannedModel:
+    """Step 1: the recorded model (refused if not on the meta device) and its TP plan."""
     _check_recorded(model)
-    _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
-    plan, parts, ranges = _checked_parts(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
+    plan = resolve_plan(settings.plan, model)
+    if settings.recompute_modules is not None:
+        plan = dataclasses.replace(plan, selective=tuple(settings.recompute_modules))
+    return PlannedModel(model, plan)
+
+
+def add_model_hyper_connections(planned: PlannedModel, settings: ParallelizeSettings) -> PlannedModel:
+    """Step 2: the hyper-connections added to the recorded model before it is split (a model
+    ``add_hyper_connections`` rewired already keeps its own), and the recompute policy checked
+    against the model they make."""
+    if settings.hyper_connections is not None:
+        add_hyper_connections(planned.model, HyperConnectionSettings.of(settings.hyper_connections, settings.seed),
+                              settings.hyper_connection_plan)
+    check_recompute(settings.recompute, hyper_connections=_hyper_connection_streams(planned.model) > 1)
+    return planned
+
+
+def split_pipeline(planned: PlannedModel, settings: ParallelizeSettings) -> SplitModel:
+    """Step 3: the plan checked against the model, the block list cut into the (virtual) stages,
+    and this rank's chunks made of its stages' blocks and parts (on the meta device: the next steps
+    build them). What needs the whole model is read first: the cut changes it (the first chunk is
+    the recorded model itself, holding only its blocks)."""
+    model, layout = planned.model, settings.layout
+    parts, ranges = _stage_ranges(planned, settings)
     sequence_split = split_over_context(model, layout)  # the attention through CP, by transformers' registry
-    checked = check_weights(model, weights) if weights is not None else None  # before the build changes the model
-    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-    whole = _unique_numel(model)
-    hidden = _hidden_size(model, parts, hidden_size) if parts else hidden_size or 0  # (crosses no stage)
+    weights = check_weights(model, settings.weights) if settings.weights is not None else None
+    hidden = _hidden_size(model, parts, settings.hidden_size) if parts else settings.hidden_size or 0
     hidden *= _hyper_connection_streams(model)  # the n streams cross the stages
-    materializer = Materializer(model, seed, init_fn, loaded=checked.tensor_ids if checked is not None else None)
-    aliases = _tied_aliases(model, materializer)
-    ties = _tied_tensors(model)  # of the recorded model: materialising replaces the tensors
-    plan, vocab_parallel = _output_plan(model, plan, parts, tp, loss_parallel)
-    build = _module_builder(materializer, plan, layout, recompute)
+    materializer = Materializer(model, settings.seed, settings.init_fn,
+                                loaded=weights.tensor_ids if weights is not None else None)
     last_stage = layout.num_virtual_stages - 1
-    chunks, stage_ends = _build_chunks(model, parts, ranges, layout, build, recompute)
-    report = MaterializedReport(_unique_numel(nn.ModuleList(chunks)), whole, tp, pp)
-    model_parallel = ParallelModel(chunks, layout.num_virtual_stages, hidden, vocab_parallel, aliases, report,
-                                   _forward_kwargs(model), recompute,
-                                   tp if layout.sequence_parallel else 1, sequence_split)
-    _connect_stages(model_parallel, stage_ends, last_stage, layout.sequence_parallel and tp > 1)
-    _mark_shared_embeddings(model_parallel, materializer,
-                            _tied_across_stages(ties, parts, ranges, last_stage) if parts else ())
-    if checked is not None:
-        load_weights(model_parallel, checked, layout)
+    across = _tied_across_stages(_tied_tensors(model), parts, ranges, last_stage) if parts else []
+    plan, vocab_parallel = _output_plan(model, planned.plan, parts, layout.tensor_model_parallel_size,
+                                        settings.loss_parallel)
+    return SplitModel(PlannedModel(model, plan), parts, ranges, _unique_numel(model), hidden, vocab_parallel, across,
+                      weights, materializer, _tied_aliases(model, materializer),
+                      _stage_chunks(model, parts, ranges, layout), sequence_split)
+
+
+def apply_tensor_parallel(split: SplitModel, settings: ParallelizeSettings) -> SplitModel:
+    """Step 4: every module of this rank's chunks materialised and cut by the plan (TP styles,
+    divided attributes, random regions; under sequence parallelism the blocks' sequence split):
+    each tensor is drawn whole from the generator of its name, then cut to this rank's slice."""
+    build = _module_builder(split.materializer, split.planned.plan, settings.layout)
+    for chunk in split.chunks:
+        for name, module, block in chunk.builds:
+            build(name, module, block)
+    return split
+
+
+def load_model_weights(split: SplitModel, settings: ParallelizeSettings) -> SplitModel:
+    """Step 5: the built chunks as one :class:`ParallelModel` (``split.parallel_model``), wired for
+    the pipeline (the stages' hooks, the tied embedding's gradient between the first and last
+    stage), with the pretrained weights read into this rank's slices where given."""
+    layout, tp = settings.layout, settings.layout.tensor_model_parallel_size
+    modules = [chunk.module for chunk in split.chunks]
+    report = MaterializedReport(_unique_numel(nn.ModuleList(modules)), split.whole_parameters, tp,
+                                layout.pipeline_model_parallel_size)
+    model_parallel = ParallelModel(modules, layout.num_virtual_stages, split.hidden_size, split.vocab_parallel_logits,
+                                   split.aliases, report, _forward_kwargs(split.planned.model), settings.recompute,
+                                   tp if layout.sequence_parallel else 1, split.sequence_split)
+    stage_ends = [(chunk.stage, chunk.blocks[min(chunk.blocks)], chunk.blocks[max(chunk.blocks)])
+                  for chunk in split.chunks if chunk.blocks]
+    _connect_stages(model_parallel, stage_ends, layout.num_virtual_stages - 1, layout.sequence_parallel and tp > 1)
+    _mark_shared_embeddings(model_parallel, split.materializer, split.tied_across_stages)
+    if split.weights is not None:
+        load_weights(model_parallel, split.weights, layout)
     log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
              layout.pipeline_model_parallel_rank, model_parallel.report)
-    return model_parallel
+    return dataclasses.replace(split, parallel_model=model_parallel)
 
 
-def _build_chunks(model: nn.Module, parts: ModelParts | None, ranges: list[tuple[int, int]], layout: ParallelLayout,
-                  build: Callable[[str, nn.Module], nn.Module], recompute: RecomputePolicy,
-                  ) -> tuple[list[nn.Module], list[tuple[int, nn.Module, nn.Module]]]:
-    """This rank's chunks, built, and each one's ``(stage, first block, last block)`` (see ``_build_stages``)."""
-    chunks, stage_ends = [], []
-    if parts is None:  # TP and DP only, no block list to split: the whole model is the one stage
-        chunks.append(build("", model))
-    else:
-        _build_stages(model, parts, ranges, layout, build, recompute, chunks, stage_ends)
-    return chunks, stage_ends
+def attach_model_recompute(split: SplitModel, settings: ParallelizeSettings) -> ParallelModel:
+    """Step 6: the recompute policy on the built chunks: ``selective``, the modules the plan's
+    ``selective`` patterns name; ``full``, every block; the mHC block recompute, groups of blocks
+    within each stage."""
+    policy, plan = settings.recompute, split.planned.plan
+    seen: set[int] = set()  # a part every stage runs is in each chunk's builds: checkpointed once
+    for chunk in split.chunks:
+        for name, module, _ in chunk.builds if policy.selective else ():
+            for sub_name, sub in module.named_modules(prefix=name):
+                if id(sub) not in seen and any(_matches(sub_name, p) for p in plan.selective):
+                    seen.add(id(sub))
+                    _checkpointed(sub)
+        local = list(chunk.blocks.values())
+        if policy.full:
+            for block in local:
+                _checkpointed(block)
+        if policy.block and local:
+            attach_block_recompute(local, policy.block_ranges(local[0].hyper_connection_wiring.n, len(local)),
+                                   _recompute_group_name)
+    return split.parallel_model
 
 
 def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] | None = None, *,
@@ -366,20 +514,19 @@ def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] |
                       hyper_connection_plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto",
                       ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
     """Everything :func:`parallelize` refuses, before anything is built (the CLI runs it before
-    launch, on a layout not built yet): the recorded model, the layout, the recompute policy, the
-    plan against the model at the layout's TP size, the stage split, the hyper-connections (added
-    to a copy of the recorded model: a check changes nothing). Returns the checked plan, the
-    model's parts and each (virtual) stage's block range (see :func:`_plan_and_stage_ranges`), of
-    the copy when hyper-connections were added to one."""
-    _check_recorded(model)
-    _check_hyper_connections(hyper_connections)
-    if HyperConnectionSettings.of(hyper_connections).enabled and _hyper_connection_streams(model) == 1:
-        model = copy.deepcopy(model)  # meta tensors: nothing is allocated
-    _add_hyper_connections(model, hyper_connections, hyper_connection_plan, seed)
-    if layout.context_parallel_size > 1:
-        check_context_parallel_family(model)
-    return _checked_parts(model, plan, layout, blocks, pipeline_split, RecomputePolicy.of(recompute),
-                          recompute_modules)
+    launch, on a layout not built yet): its first steps up to the stage split, on a copy of the
+    recorded model when hyper-connections are added (a check changes nothing). Returns the checked
+    plan, the model's parts and each (virtual) stage's block range (of the copy, if one was made)."""
+    settings = ParallelizeSettings(layout, plan, blocks, pipeline_split, seed, recompute=recompute,
+                                   recompute_modules=recompute_modules, hyper_connections=hyper_connections,
+                                   hyper_connection_plan=hyper_connection_plan)
+    planned = resolve_model_plan(model, settings)
+    if HyperConnectionSettings.of(settings.hyper_connections).enabled and _hyper_connection_streams(model) == 1:
+        planned = PlannedModel(copy.deepcopy(model), planned.plan)  # meta tensors: nothing is allocated
+    planned = add_model_hyper_connections(planned, settings)
+    if settings.layout.context_parallel_size > 1:
+        check_context_parallel_family(planned.model)
+    return (planned.plan, *_stage_ranges(planned, settings))
 
 
 def _check_recorded(model: nn.Module) -> None:
@@ -389,16 +536,6 @@ def _check_recorded(model: nn.Module) -> None:
         raise ConfigError(f"parallelize() takes a model built on the meta device with its constructor arguments "
                           f"recorded: construct {type(model).__name__} inside `with record_module_init():`.")
     refuse_hf_gradient_checkpointing(model)
-
-
-def _checked_parts(model: nn.Module, plan: Any, layout: ParallelLayout, blocks: str | None,
-                   pipeline_split: list[int] | list[str] | None, recompute: RecomputePolicy,
-                   recompute_modules: tuple[str, ...] | list[str] | None,
-                   ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
-    """The checks of :func:`check_parallelize` on a model whose hyper-connections are in place."""
-    check_recompute(recompute, hyper_connections=_hyper_connection_streams(model) > 1)
-    check_experts(model, layout)
-    return _plan_and_stage_ranges(model, plan, layout, blocks, pipeline_split, recompute, recompute_modules)
 
 
 def refuse_hf_gradient_checkpointing(model: nn.Module) -> None:
@@ -450,16 +587,6 @@ def check_recompute(policy: RecomputePolicy, hyper_connections: bool | None = No
         raise error.relabel(PARALLELIZE_LABELS) from None
 
 
-def _add_hyper_connections(model: nn.Module, hyper_connections: int | HyperConnectionSettings | None,
-                           plan: str | HyperConnectionPlan | Mapping[str, Any], seed: int) -> None:
-    """``parallelize(hyper_connections=...)``: added to the recorded model before it is split (a
-    model ``add_hyper_connections`` rewired already keeps its own)."""
-    if hyper_connections is None:
-        return
-    _check_hyper_connections(hyper_connections)
-    add_hyper_connections(model, HyperConnectionSettings.of(hyper_connections, seed), plan)
-
-
 def _check_hyper_connections(hyper_connections: int | HyperConnectionSettings | None) -> None:
     """``parallelize(hyper_connections=...)`` named as the caller wrote it (checked before anything
     else, a layout included)."""
@@ -476,25 +603,22 @@ def _hyper_connection_streams(model: nn.Module) -> int:
     return settings.num_residual_streams if settings is not None else 1
 
 
-def _plan_and_stage_ranges(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] | None, layout: ParallelLayout,
-                           blocks: str | None, pipeline_split: list[int] | list[str] | None,
-                           recompute: RecomputePolicy,
-                           recompute_modules: tuple[str, ...] | list[str] | None,
-                           ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
-    """The checked TP plan, the model's parts (None: no block list) and each (virtual) stage's
-    ``(start, end)`` block range (``[(0, 0)]`` without a block list)."""
-    plan = resolve_plan(plan, model)
-    if recompute_modules is not None:
-        plan = dataclasses.replace(plan, selective=tuple(recompute_modules))
+def _stage_ranges(planned: PlannedModel, settings: ParallelizeSettings,
+                  ) -> tuple[ModelParts | None, list[tuple[int, int]]]:
+    """The plan checked against the model at the layout's TP size; the model's parts (None: no
+    block list) and each (virtual) stage's ``(start, end)`` block range (``[(0, 0)]`` without one)."""
+    model, plan, layout, recompute = planned.model, planned.plan, settings.layout, settings.recompute
     stages = layout.num_virtual_stages
     check_plan(model, plan, layout.tensor_model_parallel_size)
-    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute.full or layout.sequence_parallel,
+    check_experts(model, layout)
+    parts = _model_parts(model, settings.blocks,
+                         pipelined=stages > 1 or recompute.full or layout.sequence_parallel,
                          after_blocks=plan.after_blocks)
-    ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
+    ranges = split_blocks(len(parts.blocks), stages, settings.pipeline_split, parts.block_path) if parts else [(0, 0)]
     if recompute.selective and not plan.selective:
         raise ConfigError("recompute='selective' needs the modules to checkpoint: pass recompute_modules=[patterns] "
                           "(e.g. ['*.mlp']) or use a plan with a selective list.")
-    return plan, parts, ranges
+    return parts, ranges
 
 
 def _tied_aliases(model: nn.Module, materializer: Materializer) -> dict[str, str]:
@@ -543,11 +667,10 @@ def _default_output(model: nn.Module, plan: TPPlan, parts: ModelParts | None, la
     return last_parts[-1] if last_parts else None
 
 
-def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout,
-                    recompute: RecomputePolicy) -> Callable[..., nn.Module]:
+def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout) -> Callable[..., nn.Module]:
     """``build(name, module, block=False)``: materialise ``module`` under its whole-model ``name``
-    and apply the plan to it and its submodules (TP styles, divided attributes, random regions,
-    selective recompute); a module met again (shared by several parts) is returned as it is. Under
+    and apply the plan to it and its submodules (TP styles, divided attributes, random regions);
+    a module met again (shared by several parts) is returned as it is. Under
     sequence parallelism a block runs on this rank's part of the sequence: its linears gather and
     reduce-scatter it, every dropout in it draws this rank's own mask, and its TP-replicated
     parameters (norms, biases after a row layer, hyper-connections) get partial gradients, summed
@@ -580,8 +703,6 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
             for pattern, region in plan.random.items():
                 if _matches(sub_name, pattern) and not split_sequence:  # (all of the block is, below)
                     random_region(sub, region)
-            if recompute.selective and any(_matches(sub_name, p) for p in plan.selective):
-                _checkpointed(sub)
         shard_experts(module, layout)  # this EP rank's experts (nothing without EP)
         if split_sequence:
             for region in regions.values():
@@ -665,39 +786,36 @@ def _model_parts(model: nn.Module, blocks: str | None, pipelined: bool, after_bl
         return None
 
 
-def _build_stages(model: nn.Module, parts: ModelParts, ranges: list[tuple[int, int]], layout: ParallelLayout,
-                  build: Callable[..., nn.Module], recompute: RecomputePolicy, chunks: list[nn.Module],
-                  stage_ends: list[tuple[int, nn.Module, nn.Module]]) -> None:
-    """This rank's (virtual) stages of ``model``, built, into ``chunks``, and each one's
-    ``(stage, first block, last block)`` into ``stage_ends``."""
+def _stage_chunks(model: nn.Module, parts: ModelParts | None, ranges: list[tuple[int, int]],
+                  layout: ParallelLayout) -> list[StageChunk]:
+    """This rank's (virtual) stages of ``model``, each a chunk holding its blocks, the parts before
+    the blocks on the first stage (a ``FirstStageStub`` elsewhere), those after on the last (else
+    ``NotOnThisStage``), the parts every stage runs, and the list of what it must build. Without a
+    block list the whole model is the one chunk."""
+    if parts is None:  # TP and DP only, no block list to split
+        return [StageChunk(model, 0, [("", model, False)], {})]
     block_list = model.get_submodule(parts.block_path)
     virtual_stages = layout.local_virtual_stages()
     skeletons = [model] + [chunk_skeleton(model, parts) for _ in virtual_stages[1:]]
     part_modules = {name: model.get_submodule(name) for name in parts.first + parts.last + parts.everywhere}
     last_stage = layout.num_virtual_stages - 1
+    chunks = []
     for skeleton, stage in zip(skeletons, virtual_stages):
         start, end = ranges[stage]
         local = {i: parts.blocks[i] for i in range(start, end)}
         set_submodule(skeleton, parts.block_path, stage_block_list(block_list, local))
         cut_per_layer_config(skeleton, parts, start, end)
-        for name in parts.first:
-            set_submodule(skeleton, name, build(name, part_modules[name]) if stage == 0
-                          else FirstStageStub(name, part_modules[name]))
-        for name in parts.last:
-            set_submodule(skeleton, name, build(name, part_modules[name]) if stage == last_stage
-                          else NotOnThisStage(name))
-        for name in parts.everywhere:
-            set_submodule(skeleton, name, build(name, part_modules[name]))
-        for index, block in local.items():
-            build(parts.block_name(index), block, block=True)
-            if recompute.full:
-                _checkpointed(block)
-        if recompute.block:  # groups within the stage
-            blocks = list(local.values())
-            attach_block_recompute(blocks, recompute.block_ranges(blocks[0].hyper_connection_wiring.n, len(blocks)),
-                                   _recompute_group_name)
-        chunks.append(skeleton)
-        stage_ends.append((stage, local[start], local[end - 1]))
+        builds = []
+        for names, here, absent in ((parts.first, stage == 0, FirstStageStub),
+                                    (parts.last, stage == last_stage, lambda name, _: NotOnThisStage(name)),
+                                    (parts.everywhere, True, None)):
+            for name in names:
+                set_submodule(skeleton, name, part_modules[name] if here else absent(name, part_modules[name]))
+                if here:
+                    builds.append((name, part_modules[name], False))
+        builds += [(parts.block_name(index), block, True) for index, block in local.items()]
+        chunks.append(StageChunk(skeleton, stage, builds, local))
+    return chunks
 
 
 def _recompute_group_name(first: nn.Module, last: nn.Module) -> str:

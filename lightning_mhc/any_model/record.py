@@ -44,7 +44,7 @@ def record_module_init() -> Iterator[None]:
 
         with record_module_init():
             model = GPT2LMHeadModel(GPT2Config(n_layer=4))   # nothing allocated
-        model = parallelize(model, plan="gpt2")            # each rank builds its part
+        model = parallelize(model, plan="gpt2", layout=layout)   # each rank builds its part
 
     The arguments a module was called with are kept on it (the outermost constructor's, when
     constructors call their parents'); they must not be changed afterwards. Tensors a

@@ -44,17 +44,13 @@ TRAINER_STATE = "trainer_state.pt"
 MODEL = "state_dict"
 OPTIMIZERS = "optimizer_states"
 PARAM_GROUPS = "optimizer_param_groups"
-LAYOUT_FIELDS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "data_parallel_size", "virtual_pipeline_model_parallel_size", "sequence_parallel",
-                 "context_parallel_size")
-LAYOUT_DEFAULTS = (1, 1, 1, 1, 1, False, 1)
+ONE_PROCESS = ParallelLayout(world_size=1).summary()
 """A one-process layout's record; a checkpoint from before a field existed had its default."""
 
 
 def layout_record(layout: ParallelLayout | None) -> dict[str, Any]:
-    if layout is None:
-        return dict(zip(LAYOUT_FIELDS, LAYOUT_DEFAULTS))
-    return {name: getattr(layout, name) for name in LAYOUT_FIELDS}
+    """The metadata's layout fields: ``layout.summary()`` (a one-process layout's without one)."""
+    return layout.summary() if layout is not None else dict(ONE_PROCESS)
 
 
 def rng_file(global_rank: int) -> str:
@@ -231,7 +227,7 @@ def _load(path: Path, meta: dict[str, Any], module: torch.nn.Module, optimizers:
         _optimizer_state(path, optimizer, assemble(), settings[i] if i < len(settings) else None)
         for i, (optimizer, assemble) in enumerate(zip(optimizers, assemblers))]
     # the RNG streams are per rank (and differ over CP ranks): restored on the saving layout only
-    if all(meta.get(k, default) == current[k] for k, default in zip(LAYOUT_FIELDS, LAYOUT_DEFAULTS)):
+    if all(meta.get(k, default) == current[k] for k, default in ONE_PROCESS.items()):
         rng = path / rng_file(global_rank)
         if rng.is_file():
             set_all_rng_states(torch.load(rng, map_location="cpu", weights_only=False))

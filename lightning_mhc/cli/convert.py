@@ -53,6 +53,7 @@ def convert(old: Path, new: Path) -> None:
         raise ConfigError(f"checkpoint {old} records no model_config hyperparameter (it was not saved from an "
                           "MHCGPTModule): only MHCGPTModule checkpoints can be converted.")
     module = MHCGPTModule(**hparams)
+    module.handed_layout = layout  # no strategy here: the module builds its stage on the layout it is handed
     module.configure_model()
     shard = torch.load(old / SHARD.format(layout.tensor_model_parallel_rank, layout.pipeline_model_parallel_rank),
                        map_location="cpu", weights_only=False)

@@ -571,8 +571,9 @@ class TrainConfig:
         config = self.transformer_config()  # megatron's and the model's own checks, with their messages
         from lightning_mhc.model.config import with_parallel_layout
 
-        with_parallel_layout(config, self.layout)  # the model under this layout: experts over EP
-        self.layout.check_model({"num_layers": config.num_layers, **config.split_sizes()}, self.data.seq_length)
+        # the model under this layout: experts over EP, MoE without sequence parallelism
+        with_parallel_layout(config, self.layout)
+        self.layout.check_model({}, self.data.seq_length)  # (layers and sizes: by with_parallel_layout, above)
 
     # --------------------------------------------------------------- checks
     @property

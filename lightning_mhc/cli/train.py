@@ -192,14 +192,9 @@ def _fit(trainer, module, data, ckpt_path: str | None, output_dir: Path, launche
 def _fit_summary(cfg: TrainConfig, trainer, module, strategy, checkpoints, ckpt_path: str | None) -> dict[str, Any]:
     import torch
 
-    p = cfg.parallel
     return dict(
-        name=cfg.name, policy=cfg.recompute.policy, devices=cfg.trainer.devices,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        sequence_parallel=p.sequence_parallel,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-        data_parallel_size=cfg.data_parallel_size, steps=trainer.global_step,
+        name=cfg.name, policy=cfg.recompute.policy, devices=cfg.trainer.devices, **cfg.layout.summary(),
+        steps=trainer.global_step,
         final_train_loss=float(trainer.callback_metrics.get("train_loss", float("nan"))),
         initial_val_loss=module.val_history[0][1] if module.val_history else None,
         final_val_loss=module.val_history[-1][1] if module.val_history else None,
@@ -221,9 +216,7 @@ def _evaluate(cfg: TrainConfig, trainer, module, data, ckpt_path: str | None, ou
         raise
     key = "val_loss" if cfg.mode == "validate" else "test_loss"
     summary = dict(name=cfg.name, mode=cfg.mode, checkpoint=ckpt_path, devices=cfg.trainer.devices,
-                   tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
-                   pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
-                   data_parallel_size=cfg.data_parallel_size, **{key: float(metrics[key])})
+                   **cfg.layout.summary(), **{key: float(metrics[key])})
     return _finish(trainer, output_dir, summary, launched_here)
 
 

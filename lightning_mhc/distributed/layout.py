@@ -32,6 +32,11 @@ DEGREES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtua
 """The fields of :class:`ParallelLayout` that a user chooses (megatron's names); the world size and
 this rank's place come from the processes."""
 
+SUMMARY_FIELDS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                  "virtual_pipeline_model_parallel_size", "sequence_parallel", "context_parallel_size",
+                  "expert_model_parallel_size")
+"""What :meth:`ParallelLayout.summary` writes out, in this order."""
+
 MODEL_SPLIT_BY_TP = ("num_attention_heads", "hidden_size", "num_query_groups", "ffn_hidden_size", "padded_vocab_size")
 """The model sizes tensor parallelism divides, in the order they are checked."""
 
@@ -231,6 +236,11 @@ class ParallelLayout:
         return self.world_size // (self.tensor_model_parallel_size * self.context_parallel_size
                                    * self.pipeline_model_parallel_size)
 
+    def summary(self) -> dict[str, int | bool]:
+        """The layout as runs write it out (checkpoint metadata, a run's summary): the world, every
+        degree and the DP size derived from them (``SUMMARY_FIELDS``)."""
+        return {name: getattr(self, name) for name in SUMMARY_FIELDS}
+
     @property
     def expert_data_parallel_size(self) -> int:
         """The ranks one expert's parameters are replicated over: DP x CP / EP."""
@@ -344,8 +354,8 @@ class ParallelLayout:
         """This layout with this rank's place and megatron-core's TP, CP, PP, DP, EP (and embedding) groups,
         made over the initialised default process group (whose size is checked first).
 
-        The groups of the layout built last are kept while they live, when they are the ones this
-        layout needs (the same TP, CP, PP and EP sizes in the same world; the virtual pipeline and sequence
+        The groups megatron's ``parallel_state`` holds are kept, when they are the ones this layout
+        needs (the same TP, CP, PP and EP sizes in the same world; the virtual pipeline and sequence
         parallelism need no groups of their own): a model built on them (megatron's layers keep
         them) goes on working, as after ``Trainer.fit`` for ``trainer.save_checkpoint``,
         ``validate``, ``test`` or a second ``fit``. Other sizes replace them (destroyed)."""
@@ -355,12 +365,8 @@ class ParallelLayout:
                 "(or run under MHCParallelStrategy / torchrun) first."
             )
         world = self.with_world(dist.get_world_size())
-        global _ACTIVE
-        live = _ACTIVE
-        if live is not None and parallel_state.model_parallel_is_initialized() and live._same_groups(world):
-            if not live.same_layout(world):
-                _ACTIVE = dataclasses.replace(live, **{name: getattr(self, name) for name in DEGREES})
-            return _ACTIVE
+        if _megatron_groups_serve(world):
+            return world._adopt_megatron_groups()
         destroy_parallel()
         kwargs = {"distributed_timeout_minutes": max(1, int(timeout.total_seconds() // 60))} if timeout else {}
         parallel_state.initialize_model_parallel(
@@ -370,18 +376,11 @@ class ParallelLayout:
             expert_model_parallel_size=self.expert_model_parallel_size,
             **kwargs,
         )
-        _ACTIVE = world._adopt_megatron_groups()
-        return _ACTIVE
+        return world._adopt_megatron_groups()
 
     def same_layout(self, other: ParallelLayout) -> bool:
         """The same degrees in the same world (whatever the rank or the groups)."""
         return all(getattr(self, name) == getattr(other, name) for name in (*DEGREES, "world_size"))
-
-    def _same_groups(self, other: ParallelLayout) -> bool:
-        """Megatron's groups of one would serve the other: the same TP, CP, PP, EP sizes and world."""
-        return all(getattr(self, name) == getattr(other, name)
-                   for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                                "expert_model_parallel_size", "world_size"))
 
     def _adopt_megatron_groups(self) -> ParallelLayout:
         """This layout with the place and groups megatron's ``parallel_state`` holds now (whose
@@ -421,22 +420,28 @@ def stage_ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return ranges
 
 
-_ACTIVE: ParallelLayout | None = None
+def _megatron_groups_serve(layout: ParallelLayout) -> bool:
+    """megatron's ``parallel_state`` holds groups that would serve ``layout`` (a world-checked
+    one): the same TP, CP, PP and EP sizes in the same world. megatron's layers read its groups
+    from there, so they are the one process-wide state; no layout is kept beside them."""
+    ps = parallel_state
+    return ps.model_parallel_is_initialized() and _alive(ps.get_model_parallel_group()) \
+        and dist.get_world_size() == layout.world_size and (
+            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size()) == (
+            layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.context_parallel_size,
+            layout.expert_model_parallel_size)
 
 
-def active_layout() -> ParallelLayout:
-    """The layout built last, while its groups live; else one adopting megatron's current groups
-    (made by ``parallel_state`` directly); else, in a process without a layout, the one-process one
-    (:func:`single_process_layout`)."""
-    if _ACTIVE is not None and parallel_state.model_parallel_is_initialized():
-        return _ACTIVE
-    if parallel_state.model_parallel_is_initialized():
-        return ParallelLayout(parallel_state.get_tensor_model_parallel_world_size(),
-                              parallel_state.get_pipeline_model_parallel_world_size(),
-                              context_parallel_size=parallel_state.get_context_parallel_world_size(),
-                              expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-                              )._adopt_megatron_groups()
-    return single_process_layout()
+def _alive(group: Any) -> bool:
+    """``group`` is still registered with torch.distributed: megatron keeps its groups after the
+    default group they were made in is destroyed (a failed job of a multirun ends that way; the
+    next job makes a new default group), and those must be made again."""
+    try:
+        dist.get_process_group_ranks(group)
+    except KeyError:
+        return False
+    return True
 
 
 def destroy_parallel() -> None:
@@ -448,8 +453,6 @@ def destroy_parallel() -> None:
     megatron's ``destroy_model_parallel`` only forgets its groups; with gloo each group
     keeps its own threads and sockets, so a process that builds layouts again and again
     (tests, sweeps in one process) would pile them up. The groups are destroyed here."""
-    global _ACTIVE
-    _ACTIVE = None
     set_parallel_randomizer(None)
     groups = {id(g): g for g in vars(parallel_state).values()
               if isinstance(g, dist.ProcessGroup) and g is not dist.GroupMember.WORLD}
@@ -471,22 +474,15 @@ def ensure_default_group() -> None:
 
 def single_process_layout() -> ParallelLayout:
     """TP = PP = DP = 1 in this process, for using a whole model outside a parallel run (loading
-    a checkpoint, generating): megatron's layers need an initialised default group and TP group,
-    so a one-rank gloo group is made when there is none. In a process of a larger world, the
-    current layout must already be TP = PP = 1."""
+    a checkpoint, generating, a model built without a layout handed to it): megatron's layers need
+    an initialised default group and TP group, so a one-rank gloo group is made when there is none.
+    In a process of a larger world, only where megatron's groups there are TP = PP = CP = 1 (a
+    data-parallel run: the whole model on every rank); else the run's layout must be handed over."""
     ensure_default_group()
-    if parallel_state.model_parallel_is_initialized():
-        layout = active_layout()
-        if layout.model_parallel_size != 1:
-            raise RuntimeError(
-                f"this process holds a TP={layout.tensor_model_parallel_size}, PP={layout.pipeline_model_parallel_size} "
-                "layout: a whole model is built outside a model-parallel run (a checkpoint resumes on any layout "
-                "through Trainer.fit(ckpt_path=...))."
-            )
-        return layout
-    if dist.get_world_size() != 1:
-        raise RuntimeError(
-            f"torch.distributed has {dist.get_world_size()} ranks and no model-parallel layout: build the whole "
-            "model in a process of its own, or build a layout first: ParallelLayout(...).build()."
-        )
-    return ParallelLayout().build()
+    world = dist.get_world_size()
+    if world == 1 or _megatron_groups_serve(ParallelLayout(world_size=world)):
+        return ParallelLayout().build()
+    raise ConfigError(
+        f"torch.distributed has {world} ranks and no data-parallel-only layout: hand the model the run's layout "
+        "(layout=strategy.layout, or a LightningModule's self.layout), or build the whole model in a process of "
+        "its own (a checkpoint resumes on any layout through Trainer.fit(ckpt_path=...)).")

@@ -136,6 +136,8 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
     def setup_module(self, module: Module) -> Module:
         self.runtime.check_module(module)
         if callable(getattr(module, "configure_model", None)):
+            if hasattr(module, "handed_layout"):  # our modules: Fabric attaches itself only after this
+                module.handed_layout = self.layout
             with self.precision.module_init_context():
                 module.configure_model()  # this rank's stage, built for self.layout
             module = self.precision.convert_module(module)  # Fabric converted the module before it had a stage

@@ -55,7 +55,6 @@ def load_exported(out: Path) -> GPTModel:
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (out / name).is_file():
             raise FileNotFoundError(f"{out} is not a lightning-mhc-export directory: {name} is missing.")
-    single_process_layout()
-    model = GPTModel(whole_model_config(json.loads((out / CONFIG_FILE).read_text())))
+    model = GPTModel(whole_model_config(json.loads((out / CONFIG_FILE).read_text())), layout=single_process_layout())
     model.load_state_dict(load_file(str(out / WEIGHTS_FILE)), strict=True)
     return model.eval()

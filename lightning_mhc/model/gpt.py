@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel import VocabParallelEmbedding, vocab_parallel
 from torch import Tensor
 
 from lightning_mhc.distributed.context_parallel import chunk_positions, shard_sequence
-from lightning_mhc.distributed.layout import ParallelLayout, active_layout
+from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.init import ParamInit
@@ -78,8 +78,8 @@ class GPTModel(torch.nn.Module):
         post_process: this stage computes logits and the loss (last stage).
         layer_range: ``(start, end)`` global 0-based layers built here;
             default: all ``config.num_layers`` layers.
-        layout: the built layout the model runs on (its TP and CP groups); default: the one
-            built last (``active_layout()``).
+        layout: the built layout the model runs on (its TP, CP and EP groups); default: a model
+            built outside any run, on the one-process layout (``single_process_layout()``).
 
     ``forward`` returns the per-token loss ``[b, s]`` when ``labels`` are given
     and this is the last stage, the vocab-parallel logits ``[b, s, V/tp]`` when
@@ -95,8 +95,11 @@ class GPTModel(torch.nn.Module):
         layout: ParallelLayout | None = None,
     ) -> None:
         super().__init__()
-        layout = layout if layout is not None else active_layout()
-        layout.check_model(config.split_sizes())  # the TP group its layers split over
+        layout = layout if layout is not None else single_process_layout()
+        if config.tensor_model_parallel_size != layout.tensor_model_parallel_size:
+            # a config not made for this layout (with_parallel_layout checked the one it made): the
+            # sizes its layers split over the layout's TP group
+            layout.check_model(config.split_sizes())
         cp = config.context_parallel_size
         if cp > 1 and cp != layout.context_parallel_size:  # (CP 1: a whole-sequence model, in any process)
             raise ConfigError(f"the model config has context_parallel_size={cp}, but the layout it is built on has "
@@ -123,6 +126,7 @@ class GPTModel(torch.nn.Module):
             init.child("decoder"),
             pre_process=pre_process,
             post_process=post_process,
+            layout=layout,
         )
         self.output_layer = None
         if post_process:

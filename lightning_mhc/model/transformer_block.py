@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.hyper_connection import HyperConnectionModule
 from lightning_mhc.model.init import ParamInit
@@ -17,7 +18,8 @@ from lightning_mhc.recompute.without_output import checkpoint
 
 
 class TransformerBlock(torch.nn.Module):
-    """``layer_numbers`` are the global, 1-based numbers of the layers built here."""
+    """``layer_numbers`` are the global, 1-based numbers of the layers built here, on ``layout``
+    (the EP group of MoE layers; None: the one-process layout)."""
 
     def __init__(
         self,
@@ -26,6 +28,7 @@ class TransformerBlock(torch.nn.Module):
         init: ParamInit,
         pre_process: bool = True,
         post_process: bool = True,
+        layout: ParallelLayout | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -33,7 +36,7 @@ class TransformerBlock(torch.nn.Module):
         self.post_process = post_process
         self.num_residual_streams = config.num_residual_streams
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, number, init.child(f"layers.{number - 1}"))
+            TransformerLayer(config, number, init.child(f"layers.{number - 1}"), layout)
             for number in layer_numbers
         )
         self.final_layernorm = (

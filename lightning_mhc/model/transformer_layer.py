@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_mhc.distributed.layout import active_layout
+from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
 from lightning_mhc.model.bda import bias_dropout_add, h_res_h_post_bias_dropout_add
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.attention import SelfAttention
@@ -42,7 +42,8 @@ from lightning_mhc.recompute.without_output import CheckpointWithoutOutput, chec
 class TransformerLayer(torch.nn.Module):
     """A layer of the decoder; ``layer_number`` is global and 1-based, as in megatron."""
 
-    def __init__(self, config: MHCTransformerConfig, layer_number: int, init: ParamInit) -> None:
+    def __init__(self, config: MHCTransformerConfig, layer_number: int, init: ParamInit,
+                 layout: ParallelLayout | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer_number = layer_number
@@ -57,7 +58,7 @@ class TransformerLayer(torch.nn.Module):
             HyperConnectionModule(config, init.child("mlp_hyper_connection")) if hc else None
         )
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
-        self.mlp = self._build_mlp(config, layer_number, init.child("mlp"))
+        self.mlp = self._build_mlp(config, layer_number, init.child("mlp"), layout)
         self.label = init.prefix
 
         selective = config.recompute_granularity == "selective"
@@ -72,11 +73,13 @@ class TransformerLayer(torch.nn.Module):
         self.is_last_layer_in_block = False
 
     @staticmethod
-    def _build_mlp(config: MHCTransformerConfig, layer_number: int, init: ParamInit) -> torch.nn.Module:
-        """The dense MLP, or an MoE MLP on the layout's EP group (``moe_layer_freq``)."""
+    def _build_mlp(config: MHCTransformerConfig, layer_number: int, init: ParamInit,
+                   layout: ParallelLayout | None) -> torch.nn.Module:
+        """The dense MLP, or an MoE MLP on the EP group of ``layout`` (``moe_layer_freq``; no layout:
+        a layer built outside any run, on the one-process one)."""
         if not is_moe_layer(config, layer_number):
             return MLP(config, init)
-        layout = active_layout()
+        layout = layout if layout is not None else single_process_layout()
         return MoEMLP(config, init, ep_group=layout.ep_group, token_group=layout.dp_cp_group)
 
     # ------------------------------------------------------------ forward

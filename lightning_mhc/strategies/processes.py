@@ -113,7 +113,7 @@ class StrategyProcesses:
         """In every process, from ``setup_environment``: ranks, seeds, then the runtime's groups."""
         reset_seed()
         self.set_world_ranks()
-        self.runtime.start(self.world_size, self.cluster_environment, self.root_device, module)
+        self.runtime.start(self.cluster_environment, self.root_device, module)
 
     # ------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:

@@ -127,12 +127,11 @@ class ParallelRuntime:
         """The layout fits a world of ``world_size`` processes (before any process starts)."""
         self.settings.layout.with_world(world_size)
 
-    def start(self, world_size: int, cluster_environment: Any, root_device: torch.device, module: Any = None) -> None:
+    def start(self, cluster_environment: Any, root_device: torch.device, module: Any = None) -> None:
         """In every process: the default process group, megatron's TP/PP/DP groups, the seeds
         (``module``, when known already, is checked against the layout first)."""
         s = self.settings
-        self.check_module(module)
-        self.check_world(world_size)
+        self.check_module(module)  # (the world: checked at launch, check_world, and by the layout's build)
         self.device = root_device
         self.backend = s.process_group_backend or _get_default_process_group_backend_for_device(root_device)
         watch_launcher()

@@ -65,13 +65,16 @@ LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2v2": (1,
 class ParallelLM(ParallelLMModule):
     def __init__(self, model: str, dropout: float = 0.0, recompute: str = "none", loss_parallel: bool = True,
                  weights: str | None = None, hyper_connections: int | None = None,
-                 hf_checkpointing: str | None = None) -> None:
+                 hf_checkpointing: str | None = None, hand_layout: bool = True) -> None:
         super().__init__()
         self.model_name, self.dropout, self.recompute, self.loss_parallel = model, dropout, recompute, loss_parallel
         self.weights, self.hyper_connections = weights, hyper_connections
         self.hf_checkpointing = hf_checkpointing
         """``"before"`` / ``"after"``: the user's ``model.gradient_checkpointing_enable()`` before or
         after ``parallelize`` (transformers' idiom)."""
+        self.hand_layout = hand_layout
+        """False: ``parallelize`` is not handed ``layout=self.layout`` (refused under TP or PP: no
+        layout is found in a global)."""
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -80,7 +83,8 @@ class ParallelLM(ParallelLMModule):
                 model = make(dropout=self.dropout)
             if self.hf_checkpointing == "before":
                 model.gradient_checkpointing_enable()
-            self.model = parallelize(model, plan, seed=SEED, recompute=self.recompute,
+            self.model = parallelize(model, plan, layout=self.layout if self.hand_layout else None, seed=SEED,
+                                     recompute=self.recompute,
                                      loss_parallel=self.loss_parallel, weights=self.weights,
                                      hyper_connections=self.hyper_connections)
             if self.hf_checkpointing == "after":
@@ -290,10 +294,11 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
     else:
         module = ParallelLM(model, dropout=0.1 if "dropout" in flags else 0.0, recompute=recompute,
                             loss_parallel="gather" not in flags, weights=weights, hyper_connections=streams,
-                            hf_checkpointing="before" if "gcbefore" in flags else "after" if "gcafter" in flags else None)
+                            hf_checkpointing="before" if "gcbefore" in flags else "after" if "gcafter" in flags else None,
+                            hand_layout="nolayout" not in flags)
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
-    if flags & {"gcbefore", "gcafter"}:  # refused on every rank before any step
+    if flags & {"gcbefore", "gcafter", "nolayout"}:  # refused on every rank before any step
         return _refused_fit(trainer, module, loader)
     if variant == "nolabels":
         return _refused_fit(trainer, module,

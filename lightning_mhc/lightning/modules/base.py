@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
 from lightning_mhc.lightning.modules.throughput import ThroughputMeter
 from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.model.flops import device_peak_flops
@@ -44,6 +45,9 @@ class PipelinedLMModule(pl.LightningModule):
     """The recompute policy ``configure_model`` builds the model with (None: none was chosen)."""
     peak_flops: float | None = None
     """One device's peak FLOP/s for ``mfu`` (None: a known GPU's figure)."""
+    handed_layout: ParallelLayout | None = None
+    """The layout handed over before ``configure_model`` where the module has no Trainer (Fabric's
+    ``setup_module``: Fabric attaches itself only after; a checkpoint conversion); see :attr:`layout`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,6 +59,16 @@ class PipelinedLMModule(pl.LightningModule):
         """Whole-job tokens/s per step (warm-up excluded): ``throughput.summary()``."""
         self._divergence: StreamDivergenceMonitor | None = None
         self._log_step = False
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The built layout this module's model is built on and runs over: its Trainer's strategy's
+        (or the one a Fabric strategy handed over); outside any run, the one-process layout
+        (``single_process_layout()``: loading a checkpoint, generating). ``configure_model`` passes
+        it on: ``parallelize(model, plan, layout=self.layout)``."""
+        strategy_layout = getattr(getattr(self._trainer, "strategy", None), "layout", None)
+        layout = strategy_layout if strategy_layout is not None else self.handed_layout
+        return layout if layout is not None else single_process_layout()
 
     def configure_recompute(self, policy: str | Mapping[str, Any] | RecomputePolicy | None) -> None:
         """Build the model with ``policy`` (anything :meth:`RecomputePolicy.of` takes); called

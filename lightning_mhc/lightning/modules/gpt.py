@@ -22,7 +22,6 @@ from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.model.flops import training_flops_per_token
 from lightning_mhc.model.gpt import GPTModel, gpt_forward_step, gpt_loss_func
 from lightning_mhc.model.stages import build_gpt_chunks
-from lightning_mhc.distributed.layout import ParallelLayout, active_layout
 from lightning_mhc.recompute.policy import RecomputePolicy
 
 class MHCGPTModule(PipelinedLMModule):
@@ -117,7 +116,7 @@ class MHCGPTModule(PipelinedLMModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        layout = self._layout()
+        layout = self.layout
         config = with_parallel_layout(self.recompute_policy.apply(self.model_config), layout, self._requested_layout)
         chunks = build_gpt_chunks(config, layout)
         self.model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
@@ -161,11 +160,6 @@ class MHCGPTModule(PipelinedLMModule):
     def check_recompute_policy(self, policy: RecomputePolicy) -> None:
         policy.check_model(self.model_config.enable_hyper_connections)
 
-    def _layout(self) -> ParallelLayout:
-        """The strategy's layout (the one built last without one)."""
-        layout = getattr(getattr(self._trainer, "strategy", None), "layout", None)
-        return layout if layout is not None else active_layout()
-
     # ------------------------------------------------- pipeline contract
     def set_input_tensor(self, tensor: Tensor | None, chunk: int = 0) -> None:
         self.model_chunks()[chunk].set_input_tensor(tensor)
@@ -206,7 +200,6 @@ class MHCGPTModule(PipelinedLMModule):
         from pathlib import Path
 
         from lightning_mhc.checkpoint.format import load_whole, read_metadata, read_trainer_state
-        from lightning_mhc.distributed.layout import single_process_layout
 
         path = Path(checkpoint_path)
         if path.is_file():
@@ -218,9 +211,8 @@ class MHCGPTModule(PipelinedLMModule):
             raise ConfigError(
                 f"checkpoint {path} records no model_config hyperparameter (it was not saved from an MHCGPTModule): "
                 "build the model yourself and load it with lightning_mhc.checkpoint.format.load_whole(path, model).")
-        single_process_layout()
         module = cls(**hparams)
-        module.configure_model()
+        module.configure_model()  # outside any run: on the one-process layout (PipelinedLMModule.layout)
         load_whole(path, module)
         module.on_load_checkpoint(state)
         if map_location is not None:

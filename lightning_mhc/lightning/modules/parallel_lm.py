@@ -62,9 +62,10 @@ class ParallelLMModule(PipelinedLMModule):
         """This rank's part of the model: set in ``configure_model`` with ``parallelize(...)``."""
 
     def parallelize(self, model: torch.nn.Module, plan: Any = None, **kwargs: Any) -> ParallelModel:
-        """:func:`lightning_mhc.any_model.parallelize` with the recompute policy an
-        ``MHCRecomputeCallback`` chose (``none``, ``selective``, ``full``; ``mhc_block`` with
-        ``hyper_connections=n``), if one did."""
+        """:func:`lightning_mhc.any_model.parallelize` on this module's :attr:`layout`, with the
+        recompute policy an ``MHCRecomputeCallback`` chose (``none``, ``selective``, ``full``;
+        ``mhc_block`` with ``hyper_connections=n``), if one did."""
+        kwargs.setdefault("layout", self.layout)
         if self.recompute_policy is not None:
             kwargs.setdefault("recompute", self.recompute_policy)
         return parallelize(model, plan, **kwargs)
