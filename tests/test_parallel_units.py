@@ -58,7 +58,7 @@ def test_build_stage_materialises_only_its_layers(model_parallel, monkeypatch):
     original = transformer_layer.TransformerLayer.__init__
     monkeypatch.setattr(
         transformer_layer.TransformerLayer, "__init__",
-        lambda self, config, number, init: built.append(number) or original(self, config, number, init),
+        lambda self, config, number, init, *rest: built.append(number) or original(self, config, number, init, *rest),
     )
     (stage,) = build_gpt_chunks(tiny_config(num_layers=8), layout)
     assert built == [5, 6]  # global 1-based numbers of stage 2 of 4
