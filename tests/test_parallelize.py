@@ -332,6 +332,35 @@ def test_record_module_init_keeps_arguments_and_restores_classes():
     assert not hasattr(nn.Linear(2, 2), "_init_args")  # outside the context nothing is recorded
 
 
+def test_a_class_defined_and_wrapped_during_recording_keeps_its_wrapper_after_it():
+    """A model module imported lazily inside ``record_module_init`` is defined there, patched at
+    definition, then wrapped by its decorator (transformers' ``@use_experts_implementation`` sets
+    ``self.config`` that way: a Mixtral recorded first lost it, and every Mixtral built after
+    failed). After the context the decorator's wrapper stays, and nothing is recorded."""
+    import torch.nn as nn
+
+    def sets_config(cls):
+        original = cls.__init__
+
+        def __init__(self, config):
+            original(self, config)
+            self.config = config
+        cls.__init__ = __init__
+        return cls
+
+    with record_module_init():
+        @sets_config
+        class LateExperts(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.weight = nn.Parameter(torch.zeros(config))
+
+        recorded = LateExperts(2)
+    assert recorded.weight.device.type == "meta" and recorded._init_args == (2,)
+    after = LateExperts(3)
+    assert after.config == 3 and after.weight.device.type == "cpu" and not hasattr(after, "_init_args")
+
+
 # ---------------------------------------------------------------- wrong plans
 def _meta(make, **kwargs):
     with record_module_init():

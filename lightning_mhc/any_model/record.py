@@ -56,6 +56,8 @@ def record_module_init() -> Iterator[None]:
     ``init_fn`` given to ``parallelize`` (per module; Hugging Face models' ``_init_weights`` is
     the default)."""
     patched: dict[type, Any] = {}
+    recorders: dict[type, Any] = {}
+    recording = [True]  # False once the context ends: see the restore below
 
     def patch(cls: type) -> None:
         init = cls.__dict__.get("__init__")
@@ -65,6 +67,8 @@ def record_module_init() -> Iterator[None]:
         @functools.wraps(init)
         def recording_init(module, *args, **kwargs):
             init(module, *args, **kwargs)
+            if not recording[0]:
+                return
             # parents' constructors finish first: the outermost (the class called) records last
             module._init_args, module._init_kwargs = args, kwargs
             for store in (module._parameters, module._buffers):
@@ -74,6 +78,7 @@ def record_module_init() -> Iterator[None]:
 
         patched[cls] = init
         cls.__init__ = recording_init
+        recorders[cls] = recording_init
 
     had_hook = "__init_subclass__" in nn.Module.__dict__
     old_hook = nn.Module.__dict__.get("__init_subclass__")
@@ -89,8 +94,14 @@ def record_module_init() -> Iterator[None]:
         with torch.device("meta"):
             yield
     finally:
+        recording[0] = False
         for cls, init in patched.items():
-            cls.__init__ = init
+            # a class defined inside the context (a lazily imported model) may have had its
+            # __init__ wrapped again after we patched it (transformers' @use_experts_implementation
+            # wraps it to set self.config): putting the raw init back would drop that wrapper, so
+            # such a class keeps its wrapper, whose recording_init now only calls the raw init
+            if cls.__dict__.get("__init__") is recorders[cls]:
+                cls.__init__ = init
         if had_hook:
             nn.Module.__init_subclass__ = old_hook
         else:
