@@ -1,5 +1,6 @@
-"""Running ``python -m lightning_mhc.cli.train`` as a user would, its check before launch in this
-process, and reading what a run wrote."""
+"""Running ``python -m lightning_mhc.cli.train`` as a user would, or its entry point on ranks
+forked from the preloaded fork server; its check before launch in this process; reading what a
+run wrote."""
 from __future__ import annotations
 
 import csv
@@ -7,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 from subprocess_env import child_env
 
@@ -72,6 +74,10 @@ def _train_rank(rank: int, world_size: int, args: list[str], cwd: str) -> None:
             raise
 
 
+_checking = threading.Lock()
+"""Held while ``run_train_on_ranks`` checks a command line: tests run several from threads."""
+
+
 def run_train_on_ranks(cwd: pathlib.Path, *args: str, timeout: float = 600) -> None:
     """``lightning-mhc-train *args`` on ``trainer.devices`` ranks (1 unless given), forked from
     ``spawn_ranks``' preloaded fork server with the variables torchrun sets: for runs whose subject
@@ -89,13 +95,14 @@ def run_train_on_ranks(cwd: pathlib.Path, *args: str, timeout: float = 600) -> N
     if not any(arg.startswith("hydra.run.dir=") for arg in args):
         raise ValueError("run_train_on_ranks needs hydra.run.dir=<dir>: its ranks cannot agree on one otherwise")
     devices = int(next((arg.split("=", 1)[1] for arg in args if arg.startswith("trainer.devices=")), 1))
-    here = os.getcwd()
-    os.chdir(cwd)
-    try:
-        GlobalHydra.instance().clear()
-        preflight.check_command_line(list(args))
-    finally:
-        GlobalHydra.instance().clear()
-        preflight.checked = False
-        os.chdir(here)
+    with _checking:  # the check runs in cwd, and the working directory and Hydra are the process's
+        here = os.getcwd()
+        os.chdir(cwd)
+        try:
+            GlobalHydra.instance().clear()
+            preflight.check_command_line(list(args))
+        finally:
+            GlobalHydra.instance().clear()
+            preflight.checked = False
+            os.chdir(here)
     spawn_ranks(_train_rank, devices, list(args), str(cwd), timeout_s=timeout, init_group=False)
