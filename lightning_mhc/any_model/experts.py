@@ -160,19 +160,29 @@ class PerExpertFiles:
     """``names[e]``: expert ``e``'s parts' names in the files, in order."""
 
 
+def conversion_mapping(model: nn.Module) -> list:
+    """transformers' own conversions of ``model``'s tensors between its files and its modules
+    (renamings, experts stacked into fused tensors); [] for another model, or a transformers
+    without them."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        return list(get_model_conversion_mapping(model) or [])
+    except Exception:  # not a transformers model, or a transformers without these
+        return []
+
+
 def merged_experts(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
     """``(fused name suffix, per-expert source patterns with '*' for the expert)``: transformers'
     own conversions of ``model`` that stack one tensor per expert (``MergeModulelist(dim=0)``),
     then join the parts along the expert's dim 0 (``Concatenate(dim=1)`` of the stacked tensors),
     e.g. ``(".experts.gate_up_proj", (".experts.*.w1.weight", ".experts.*.w3.weight"))``. None for
     another model, or a transformers without them."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
-
-        conversions = get_model_conversion_mapping(model)
-    except Exception:  # not a transformers model, or a transformers without these
+    conversions = conversion_mapping(model)
+    if not conversions:
         return []
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
     merged = []
     for conversion in conversions:
         if not isinstance(conversion, WeightConverter) or len(conversion.target_patterns) != 1:

@@ -27,7 +27,7 @@ from torch import nn
 from lightning_mhc.checkpoint.sharding import tp_placement
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.any_model.experts import PerExpertFiles, merged_experts, per_expert_files
+from lightning_mhc.any_model.experts import PerExpertFiles, conversion_mapping, merged_experts, per_expert_files
 from lightning_mhc.any_model.hc_plan import drawn_from_seed
 from lightning_mhc.any_model.tensor_parallel import strided_runs
 
@@ -127,13 +127,11 @@ def _renamed_prefixes(whole: nn.Module) -> list[tuple[str, str, bool]]:
     ``embed_out.weight`` as ``lm_head.weight``, Mixtral's ``.block_sparse_moe.`` as ``.mlp.``, and
     writes them back under the old names): the literal renamings of
     ``transformers.conversion_mapping``, anchored or not (none for other models or without transformers)."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming
-
-        renamings = get_model_conversion_mapping(whole)
-    except Exception:  # not a transformers model, or a transformers without these
+    renamings = conversion_mapping(whole)
+    if not renamings:
         return []
+    from transformers.core_model_loading import WeightRenaming
+
     pairs = []
     for renaming in renamings:
         if not isinstance(renaming, WeightRenaming) or len(renaming.source_patterns) != 1 \
