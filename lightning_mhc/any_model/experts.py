@@ -31,7 +31,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from lightning_mhc.distributed.expert_parallel import ExpertLayer, combine_tokens, dispatch_tokens
+from lightning_mhc.distributed.expert_parallel import ExpertLayer, experts_on_their_ranks
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError, literal
 from lightning_mhc.any_model.plan import LLAMA, QWEN3, TPPlan
@@ -124,15 +124,13 @@ class ExpertParallelExperts(ExpertLayer):
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         num_tokens, k = top_k_index.shape
-        # one row per (token, chosen expert) pair, sorted by expert: the order the exchange sends them
+        # one row per (token, chosen expert) pair
         pair_expert = top_k_index.reshape(-1)
-        order = torch.argsort(pair_expert, stable=True)
-        pair_token = torch.arange(num_tokens, device=hidden_states.device).repeat_interleave(k)[order]
-        pair_weight = top_k_weights.reshape(-1)[order]
+        pair_token = torch.arange(num_tokens, device=hidden_states.device).repeat_interleave(k)
         tokens_per_expert = torch.bincount(pair_expert, minlength=self.num_experts)
-        local_tokens, local_counts, state = dispatch_tokens(hidden_states.index_select(0, pair_token),
-                                                            tokens_per_expert, self.ep_group)
-        expert_output = combine_tokens(self._local_experts(local_tokens, local_counts), state)
+        expert_output, order, _ = experts_on_their_ranks(hidden_states, pair_token, pair_expert, tokens_per_expert,
+                                                         self.ep_group, self._local_experts)
+        pair_token, pair_weight = pair_token[order], top_k_weights.reshape(-1)[order]
         # as the model's experts: weighted in the activations' dtype, summed over each token's k experts
         weighted = (expert_output * pair_weight.unsqueeze(-1)).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add(0, pair_token, weighted)

@@ -3,7 +3,8 @@
 An expert-parallel (EP) group of size ``ep`` splits ``num_experts`` experts into contiguous
 blocks: rank ``r`` of the group holds experts ``[r * E / ep, (r + 1) * E / ep)``. Each rank routes
 its own tokens; :func:`dispatch_tokens` sends every token to the rank holding its expert and
-:func:`combine_tokens` brings the experts' outputs back, in the order they left.
+:func:`combine_tokens` brings the experts' outputs back, in the order they left;
+:func:`experts_on_their_ranks` does both around a rank's experts, for (token, expert) pairs.
 
 Why our own and not megatron-core's ``MoEAlltoAllTokenDispatcher``: that one creates a CUDA stream
 when it is built and so cannot run on CPU, where gloo's ``all_to_all_single`` with uneven splits
@@ -14,6 +15,7 @@ asks of any MoE layer once per step.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -136,6 +138,23 @@ def combine_tokens(expert_output: Tensor, state: DispatchState) -> Tensor:
     by_source[state.by_expert] = torch.arange(state.by_expert.numel(), device=state.by_expert.device)
     back_in_source_order = expert_output.index_select(0, by_source)
     return all_to_all(back_in_source_order, state.input_splits, state.output_splits, state.group)
+
+
+def experts_on_their_ranks(tokens: Tensor, pair_token: Tensor, pair_expert: Tensor, tokens_per_expert: Tensor,
+                           group: ProcessGroup | None, experts: Callable[[Tensor, Tensor], Tensor],
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """Each (token, chosen expert) pair's expert output, computed on the rank holding the expert:
+    the pairs sorted by expert (stable), each pair's row of ``tokens`` sent there
+    (:func:`dispatch_tokens`), ``experts(local_tokens, local_tokens_per_expert)`` run on them, the
+    outputs brought back (:func:`combine_tokens`). ``tokens_per_expert``: the pairs per expert.
+
+    Returns the outputs in sorted-pair order, the sort ``order`` (``pair_token[order]`` and the
+    pairs' weights ``[order]`` line up with the outputs), and how many rows each of this rank's
+    experts received."""
+    order = torch.argsort(pair_expert, stable=True)
+    routed = tokens.index_select(0, pair_token[order])
+    local_tokens, local_counts, state = dispatch_tokens(routed, tokens_per_expert, group)
+    return combine_tokens(experts(local_tokens, local_counts), state), order, local_counts
 
 
 class ExpertLayer(torch.nn.Module):

@@ -37,8 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_mhc.distributed.expert_parallel import (ExpertLayer, combine_tokens, dispatch_tokens, group_rank,
-                                                      group_size)
+from lightning_mhc.distributed.expert_parallel import ExpertLayer, experts_on_their_ranks, group_rank, group_size
 
 
 @dataclasses.dataclass
@@ -385,12 +384,10 @@ class MoELayer(ExpertLayer):
         else:
             routed_per_expert = tokens_per_expert
 
-        order = torch.argsort(pair_expert, stable=True)
-        pair_token, pair_prob = pair_token[order], pair_prob[order]
-        routed = tokens.index_select(0, pair_token)
-        local_tokens, local_counts, state = dispatch_tokens(routed, routed_per_expert, self.ep_group)
+        expert_output, order, local_counts = experts_on_their_ranks(tokens, pair_token, pair_expert, routed_per_expert,
+                                                                    self.ep_group, self.experts)
         self.local_tokens_per_expert = local_counts.detach()
-        expert_output = combine_tokens(self.experts(local_tokens, local_counts), state)
+        pair_token, pair_prob = pair_token[order], pair_prob[order]
 
         # weighted by the router's probabilities in fp32, summed over each token's k experts
         weighted = expert_output.float() * pair_prob.unsqueeze(-1)
