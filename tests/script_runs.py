@@ -55,19 +55,23 @@ def left_behind(pgid: int, wait_s: float = 2.0) -> bool:
     return True
 
 
+def run_as_main(cwd: str, argv: list[str], main) -> None:
+    """``main()`` as a process started with ``argv`` in ``cwd`` runs it; a clean ``sys.exit`` is a
+    return (a rank forked by ``spawn_ranks`` must return to report), any other exit raises."""
+    os.chdir(cwd)
+    sys.argv = argv
+    try:
+        main()
+    except SystemExit as exit:
+        if exit.code not in (None, 0):
+            raise
 
 
 def _script_rank(rank: int, world_size: int, path: str, args: list[str], cwd: str) -> None:
     """One rank of ``run_on_ranks``: the script as ``python path *args`` runs it (its folder first
     on ``sys.path``, ``__name__ == "__main__"``), in ``cwd``."""
-    os.chdir(cwd)
     sys.path.insert(0, str(pathlib.Path(path).parent))
-    sys.argv = [path, *args]
-    try:
-        runpy.run_path(path, run_name="__main__")
-    except SystemExit as exit:
-        if exit.code not in (None, 0):
-            raise
+    run_as_main(cwd, [path, *args], lambda: runpy.run_path(path, run_name="__main__"))
 
 
 def run_on_ranks(name: str, devices: int, *args: str, cwd: pathlib.Path = SCRIPTS, timeout: float = 420) -> None:

@@ -64,14 +64,9 @@ def _train_rank(rank: int, world_size: int, args: list[str], cwd: str) -> None:
     """One rank of ``run_train_on_ranks``: ``lightning-mhc-train *args`` in ``cwd``. The variables
     torchrun sets (``RANK`` ...) make ``main`` skip the check before launch, as in a launched rank."""
     from lightning_mhc.cli import train
+    from script_runs import run_as_main
 
-    os.chdir(cwd)
-    sys.argv = ["lightning-mhc-train", *args]
-    try:
-        train.main()
-    except SystemExit as exit:
-        if exit.code not in (None, 0):
-            raise
+    run_as_main(cwd, ["lightning-mhc-train", *args], train.main)
 
 
 _checking = threading.Lock()
