@@ -56,7 +56,7 @@ from lightning_mhc.any_model.hyper_connections import (
 )
 from lightning_mhc.any_model.record import InitFn, Materializer, is_meta
 from lightning_mhc.any_model.weights import check_weights, load_weights
-from lightning_mhc.model.sequence_parallel import mark_sequence_parallel_parameters
+from lightning_mhc.layers.sequence_parallel import mark_sequence_parallel_parameters
 from lightning_mhc.any_model.tensor_parallel import (
     apply_style,
     divide_attributes,

@@ -24,12 +24,12 @@ from lightning_mhc.distributed.context_parallel import chunk_positions, shard_se
 from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig
-from lightning_mhc.model.init import ParamInit
+from lightning_mhc.layers.init import ParamInit
 from lightning_mhc.model.parallel_linear import SPColumnParallelLinear
 from lightning_mhc.model.attention import SelfAttention
-from lightning_mhc.model.bda import residual_dropout
+from lightning_mhc.layers.bda import residual_dropout
 from lightning_mhc.model.rope import rotary_freqs_at
-from lightning_mhc.model.sequence_parallel import mark_sequence_parallel_parameters, scatter_to_sequence_parallel_region
+from lightning_mhc.layers.sequence_parallel import mark_sequence_parallel_parameters, scatter_to_sequence_parallel_region
 from lightning_mhc.model.transformer_block import TransformerBlock
 
 WORD_EMBEDDINGS_KEY = "embedding.word_embeddings.weight"
