@@ -32,9 +32,9 @@ def _ours(hidden: int, tokens: int, implementation: str):
     import torch
 
     from lightning_mhc.model import MHCTransformerConfig
-    from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
-    from lightning_mhc.model.hyper_connection import HyperConnectionModule
-    from lightning_mhc.model.init import ParamInit
+    from lightning_mhc.layers.bda import h_res_h_post_bias_dropout_add
+    from lightning_mhc.layers.hyper_connection import HyperConnectionModule
+    from lightning_mhc.layers.init import ParamInit
 
     cfg = MHCTransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1, num_residual_streams=N,
                                mhc_implementation=implementation)

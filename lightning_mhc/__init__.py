@@ -41,7 +41,7 @@ _PUBLIC = {
     "ParallelSettings": "lightning_mhc.strategies",
     "ConfigError": "lightning_mhc.errors",
     "GPTModel": "lightning_mhc.model",
-    "HyperConnectionModule": "lightning_mhc.model",
+    "HyperConnectionModule": "lightning_mhc.layers",
 }
 
 __all__ = sorted(_PUBLIC)

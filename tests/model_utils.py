@@ -117,7 +117,7 @@ def hc_sublayer(x, phi, alpha, bias, weight, out_bias, n: int, implementation: s
     H_post)`` by the fused ops with Triton's kernels (``triton``), the eager/C++ ones (``fused``) or
     a kernel set given as ``implementation`` (its ``H_res``/``H_post`` step by the eager ones), or by
     the op-by-op reference (``reference``; in fp64 for an fp64 ``x``)."""
-    from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
+    from lightning_mhc.layers.bda import h_res_h_post_bias_dropout_add
     from lightning_mhc.ops.hyper_connection import EagerKernels, fused_pre_packed, reference_pre
 
     kernels = None

@@ -24,7 +24,7 @@ import torch
 import lightning_mhc.ops.hyper_connection as hc_ops
 import lightning_mhc.ops.sinkhorn as sk
 from lightning_mhc import GPTModel
-from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
+from lightning_mhc.layers.bda import h_res_h_post_bias_dropout_add
 from lightning_mhc.ops.cpu_kernels import load_cpu_kernels
 from lightning_mhc.ops.hyper_connection import fused_pre, reference_mappings, reference_pre
 from lightning_mhc.recompute import ActivationMemoryMeter

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightning_mhc import HyperConnectionModule
-from lightning_mhc.model.hyper_connection import sinkhorn_knopp
-from lightning_mhc.model.init import ParamInit
+from lightning_mhc.layers.hyper_connection import sinkhorn_knopp
+from lightning_mhc.layers.init import ParamInit
 from model_utils import mhc_sublayer_reference, tiny_config
 
 

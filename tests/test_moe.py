@@ -17,12 +17,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_mhc.distributed.expert_parallel import all_to_all, dispatch_tokens, combine_tokens
+from lightning_mhc.layers.moe import grouped_matmul, grouped_mm_usable
 from lightning_mhc.model.moe import (
     MoEConfig,
     MoELayer,
     TopKRouter,
-    grouped_matmul,
-    grouped_mm_usable,
     load_balancing_loss,
     z_loss,
 )

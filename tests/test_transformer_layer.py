@@ -6,7 +6,7 @@ import torch
 
 from lightning_mhc import GPTModel, HyperConnectionModule
 from lightning_mhc.model import TransformerLayer
-from lightning_mhc.model.init import ParamInit
+from lightning_mhc.layers.init import ParamInit
 from lightning_mhc.model.rope import rotary_freqs
 from model_utils import (
     mhc_sublayer_reference,

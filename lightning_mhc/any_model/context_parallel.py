@@ -18,7 +18,7 @@ are those of the un-split sequence), and each attention all-gathers K/V over the
   attention's own (the model's ``[s/cp, s/cp]`` mask would be the wrong one).
 - **Labels** are the next tokens already (``ParallelLMModule``'s batches), so they are split like
   the inputs and no label crosses a chunk boundary; the loss is a rank's part of the micro-batch's
-  mean: its masked sum over the token count summed over CP (``gpt_loss_func``, the GPT's).
+  mean: its masked sum over the token count summed over CP (``layers.loss.token_mean_loss``, the GPT's too).
 
 Attention the all-gather cannot reproduce exactly is refused before anything is built: sliding
 windows, logit softcapping, attention sinks, and any family not checked under CP.
@@ -26,17 +26,16 @@ windows, logit softcapping, attention sinks, and any family not checked under CP
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_mhc.distributed.context_parallel import chunk_positions, context_parallel_attention, shard_sequence
+from lightning_mhc.distributed.context_parallel import context_parallel_attention
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.model.gpt import gpt_loss_func
+from lightning_mhc.layers import sequence
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """The ``model_type``s split over CP: RoPE on explicit position ids, causal attention through the
@@ -49,14 +48,10 @@ SPLIT_INPUTS = ("input_ids", "inputs_embeds")
 _NAME_PREFIX = "lightning_mhc_context_parallel"
 
 
-@dataclass(frozen=True)
-class SequenceSplit:
+class SequenceSplit(sequence.SequenceSplit):
     """How this rank's model sees a sequence under CP: its two chunks, their global positions,
-    and its part of the loss. ``ParallelModel`` applies it to the whole sequence it is given."""
-
-    group: Any
-    rank: int
-    size: int
+    and its part of the loss (the layer's split), in a Hugging Face model's keyword arguments.
+    ``ParallelModel`` applies it to the whole sequence it is given."""
 
     def split_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """The model's keyword arguments for the whole sequence -> this rank's: ``input_ids``
@@ -66,21 +61,15 @@ class SequenceSplit:
             raise ConfigError("position_ids given to a model split over context parallelism: its positions are the "
                               "chunks' global ones, made here (packed sequences are not split over CP); leave "
                               "position_ids out of the batch.")
-        split = {key: shard_sequence(value, self.rank, self.size, dim=1) if key in SPLIT_INPUTS and value is not None
-                 else value for key, value in inputs.items()}
+        split = self.shard_batch(inputs, SPLIT_INPUTS)
         whole = next(inputs[key] for key in SPLIT_INPUTS if inputs.get(key) is not None)
         batch, seq_len = whole.shape[:2]
-        split["position_ids"] = chunk_positions(seq_len, self.rank, self.size, device=whole.device).expand(batch, -1)
+        split["position_ids"] = self.positions(seq_len, device=whole.device).expand(batch, -1)
         return split
 
     def split_labels(self, labels: Tensor) -> Tensor:
         """This rank's chunks of ``[b, s]`` labels (already shifted to the next token)."""
-        return shard_sequence(labels, self.rank, self.size, dim=1)
-
-    def loss(self, per_token: Tensor, keep: Tensor) -> Tensor:
-        """This rank's part of the micro-batch's mean: the kept tokens' sum over the count of kept
-        tokens summed over CP (the parts add up to the mean however unevenly ``keep`` falls)."""
-        return gpt_loss_func(per_token, {"loss_mask": keep}, self.group)
+        return self.shard(labels)
 
 
 def split_over_context(model: nn.Module, layout: ParallelLayout) -> SequenceSplit | None:

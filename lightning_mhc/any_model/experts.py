@@ -35,7 +35,7 @@ from lightning_mhc.distributed.expert_parallel import ExpertLayer, experts_on_th
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError, literal
 from lightning_mhc.any_model.plan import LLAMA, QWEN3, TPPlan
-from lightning_mhc.model.moe import grouped_matmul
+from lightning_mhc.layers.moe import combine_pairs, grouped_matmul, token_expert_pairs
 
 
 # ------------------------------------------------------------------ the families' TP plans
@@ -123,17 +123,13 @@ class ExpertParallelExperts(ExpertLayer):
         return local
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        num_tokens, k = top_k_index.shape
-        # one row per (token, chosen expert) pair
-        pair_expert = top_k_index.reshape(-1)
-        pair_token = torch.arange(num_tokens, device=hidden_states.device).repeat_interleave(k)
+        pair_token, pair_expert = token_expert_pairs(top_k_index)
         tokens_per_expert = torch.bincount(pair_expert, minlength=self.num_experts)
         expert_output, order, _ = experts_on_their_ranks(hidden_states, pair_token, pair_expert, tokens_per_expert,
                                                          self.ep_group, self._local_experts)
         pair_token, pair_weight = pair_token[order], top_k_weights.reshape(-1)[order]
         # as the model's experts: weighted in the activations' dtype, summed over each token's k experts
-        weighted = (expert_output * pair_weight.unsqueeze(-1)).to(hidden_states.dtype)
-        return torch.zeros_like(hidden_states).index_add(0, pair_token, weighted)
+        return combine_pairs(expert_output, pair_token, pair_weight, hidden_states.shape[0], hidden_states.dtype)
 
     def _local_experts(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """This rank's experts on their tokens (rows sorted by local expert): the fused tensors are

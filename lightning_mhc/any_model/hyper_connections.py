@@ -59,10 +59,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.model.bda import h_res_h_post_bias_dropout_add
-from lightning_mhc.model.config import MHCTransformerConfig
-from lightning_mhc.model.hyper_connection import HyperConnectionModule
-from lightning_mhc.model.init import ParamInit
+from lightning_mhc.layers.bda import h_res_h_post_bias_dropout_add
+from lightning_mhc.layers.hyper_connection import (
+    HyperConnectionConfig,
+    HyperConnectionModule,
+    check_hyper_connection_values,
+)
+from lightning_mhc.layers.init import ParamInit
 from lightning_mhc.any_model.families import resolve_hc_plan
 from lightning_mhc.any_model.hc_files import SavePretrainedWithHyperConnections
 from lightning_mhc.any_model.hc_plan import HYPER_CONNECTIONS, Branch, HyperConnectionPlan
@@ -100,7 +103,7 @@ class HyperConnectionSettings:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r}: the hyper-connections' parameters are drawn from an integer seed "
                               "by name; pass an int such as 0.")
-        self.config(hidden_size=8, eps=1e-5)  # the gating factor, implementation and iterations, checked once
+        check_hyper_connection_values(self.sinkhorn_iterations, self.implementation, self.init_gating_factor)
 
     @classmethod
     def of(cls, value: int | HyperConnectionSettings | None, seed: int = 0,
@@ -116,13 +119,12 @@ class HyperConnectionSettings:
     def enabled(self) -> bool:
         return self.num_residual_streams > 1
 
-    def config(self, hidden_size: int, eps: float, std: float = 0.02) -> MHCTransformerConfig:
-        """The ``MHCTransformerConfig`` a ``HyperConnectionModule`` reads (only its mHC fields and
-        the hidden size, norm epsilon and init std matter)."""
-        return MHCTransformerConfig(
-            num_layers=1, hidden_size=hidden_size, num_attention_heads=1, num_residual_streams=self.num_residual_streams,
-            mhc_init_gating_factor=self.init_gating_factor, mhc_implementation=self.implementation,
-            mhc_sinkhorn_iterations=self.sinkhorn_iterations, layernorm_epsilon=eps, init_method_std=std)
+    def config(self, hidden_size: int, eps: float, std: float = 0.02) -> HyperConnectionConfig:
+        """What each ``HyperConnectionModule`` of a model of width ``hidden_size`` (its norms'
+        epsilon ``eps``, its init std ``std``) is built with."""
+        return HyperConnectionConfig(num_residual_streams=self.num_residual_streams, hidden_size=hidden_size, eps=eps,
+                                     init_std=std, init_gating_factor=self.init_gating_factor,
+                                     implementation=self.implementation, sinkhorn_iterations=self.sinkhorn_iterations)
 
 
 _SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HyperConnectionSettings)}
@@ -392,7 +394,7 @@ def _check_block(name: str, block: nn.Module, plan: HyperConnectionPlan) -> None
         raise ConfigError(f"hyper-connection plan: each branch needs its own entry and exit module (got {plan.branches}).")
 
 
-def _make_hyper_connections(block: nn.Module, name: str, plan: HyperConnectionPlan, config: MHCTransformerConfig,
+def _make_hyper_connections(block: nn.Module, name: str, plan: HyperConnectionPlan, config: HyperConnectionConfig,
                             seed: int, meta: bool) -> nn.ModuleList:
     """One ``HyperConnectionModule`` per branch, as ``<block>.hyper_connections.<i>``: on a recorded
     (meta) model, recorded like its modules (``parallelize`` makes them real by name); else real,
@@ -434,7 +436,7 @@ def _exit_hook(index: int, module: nn.Module, args: tuple, output: Any):
     current = call.current
     out = out.reshape(*current.shape[:-1], wiring.hidden_size)
     prob = float(getattr(block, branch.dropout)) if branch.dropout is not None else 0.0
-    implementation = block.get_submodule(HYPER_CONNECTIONS)[index].config.mhc_implementation
+    implementation = block.get_submodule(HYPER_CONNECTIONS)[index].config.implementation
     add = functools.partial(h_res_h_post_bias_dropout_add, prob=prob, training=block.training,
                             implementation=implementation, sequence_parallel=wiring.sequence_parallel)
     last = index == len(wiring.plan.branches) - 1

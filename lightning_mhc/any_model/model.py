@@ -56,7 +56,8 @@ from lightning_mhc.any_model.hyper_connections import (
 )
 from lightning_mhc.any_model.record import InitFn, Materializer, is_meta
 from lightning_mhc.any_model.weights import check_weights, load_weights
-from lightning_mhc.model.sequence_parallel import mark_sequence_parallel_parameters
+from lightning_mhc.layers.loss import token_mean_loss
+from lightning_mhc.layers.sequence_parallel import mark_sequence_parallel_parameters
 from lightning_mhc.any_model.tensor_parallel import (
     apply_style,
     divide_attributes,
@@ -179,7 +180,7 @@ class ParallelModel(nn.Module):
                                         reduction="none").view_as(labels)
         if self.sequence_split is not None:
             return self.sequence_split.loss(per_token, keep)
-        return per_token.sum() / keep.sum().clamp(min=1)  # 0, not NaN, when every label is ignored
+        return token_mean_loss(per_token, keep)  # 0, not NaN, when every label is ignored
 
     def pipeline_tensor_shape(self, inputs: Mapping[str, Any]) -> tuple[int, ...]:
         """What crosses stages: the hidden states ``[batch, seq, hidden]`` (``seq / TP`` under

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.model.init import _stable_seed
+from lightning_mhc.layers.init import stable_seed
 
 InitFn = Callable[[nn.Module], None]
 
@@ -123,7 +123,7 @@ def is_meta(module: nn.Module) -> bool:
 def seeded(seed: int, key: str) -> Iterator[None]:
     """The default CPU generator seeded by ``(seed, key)`` for a block, then put back."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_stable_seed(seed, key))
+        torch.manual_seed(stable_seed(seed, key))
         yield
 
 

@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
-from lightning_mhc.model.sequence_parallel import (
+from lightning_mhc.layers.sequence_parallel import (
     all_gather_sequence,
     reduce_scatter_sequence,
     sequence_mapping,
@@ -164,7 +164,7 @@ def _row_forward(module: nn.Module, input_: torch.Tensor, group, transposed: boo
 # ``[tokens, C]`` where a block flattens them (OPT's MLP; then the tokens are dim 0, and a gather
 # followed by the reduce-scatter of the next row-parallel layer returns each rank its own tokens,
 # which is all a per-token MLP needs). The sequence mappings are the project's GPT's
-# (``model/sequence_parallel.py``), on this dimension.
+# (``layers/sequence_parallel.py``), on this dimension.
 def _sequence_dim(x: torch.Tensor) -> int:
     return 1 if x.dim() >= 3 else 0
 

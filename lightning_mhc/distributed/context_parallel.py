@@ -80,6 +80,12 @@ def _check_divisible(seq_len: int, cp_size: int) -> None:
                          f"but it has {seq_len} tokens: make the sequence length a multiple of {2 * cp_size}.")
 
 
+def sequence_divisor(cp_size: int, sequence_shards: int = 1) -> int:
+    """What a sequence's length must divide by: ``2·cp`` load-balanced chunks (none without CP),
+    each split again over ``sequence_shards`` ranks (TP under sequence parallelism)."""
+    return (2 * cp_size if cp_size > 1 else 1) * sequence_shards
+
+
 def local_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     """The two global chunk indices rank ``cp_rank`` holds, in local order."""
     if not 0 <= cp_rank < cp_size:

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from lightning_mhc.distributed.context_parallel import sequence_divisor
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.recompute.rng import set_parallel_randomizer
 
@@ -191,8 +192,8 @@ class ParallelLayout:
     def sequence_split(self) -> int:
         """What the sequence length must divide by: ``2 * CP`` load-balanced chunks, each split again
         over TP under sequence parallelism."""
-        cp = self.context_parallel_size
-        return (2 * cp if cp > 1 else 1) * (self.tensor_model_parallel_size if self.sequence_parallel else 1)
+        return sequence_divisor(self.context_parallel_size,
+                                self.tensor_model_parallel_size if self.sequence_parallel else 1)
 
     def _sequence_split_reason(self) -> str:
         """Why the sequence length must divide by ``sequence_split`` (a rule's template)."""

@@ -5,7 +5,7 @@ a ``MultiDimParallelRandomizer`` over the ``tensor``, ``data`` and
 ``pipeline`` dimensions of megatron's groups (and ``context`` with context
 parallelism), on CPU and GPU alike:
 
-- weights: drawn by name (``model.init``), identical across TP and DP,
+- weights: drawn by name (``layers.init``), identical across TP and DP,
   different across stages (different layers);
 - dropout on TP-replicated activations: ``rng_fork("tensor")``, identical
   across TP, different across DP and PP;

@@ -2,7 +2,7 @@
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.config_dict import model_config_from_dict, model_config_to_dict
 from lightning_mhc.model.gpt import GPTModel
-from lightning_mhc.model.hyper_connection import HyperConnectionModule, sinkhorn_knopp
+from lightning_mhc.layers.hyper_connection import HyperConnectionModule, sinkhorn_knopp
 from lightning_mhc.model.transformer_block import TransformerBlock
 from lightning_mhc.model.transformer_layer import TransformerLayer
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_mhc.distributed.context_parallel import context_parallel_attention
 from lightning_mhc.model.config import MHCTransformerConfig
-from lightning_mhc.model.init import ParamInit
+from lightning_mhc.layers.init import ParamInit
 from lightning_mhc.model.parallel_linear import SPColumnParallelLinear, output_projection
 from lightning_mhc.model.rope import apply_rotary
 from lightning_mhc.recompute.without_output import checkpoint

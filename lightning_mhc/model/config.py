@@ -16,7 +16,7 @@ from megatron.core.transformer import TransformerConfig
 
 from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
 from lightning_mhc.errors import ConfigError, Label, literal
-from lightning_mhc.ops import MHC_IMPLEMENTATIONS, triton_available
+from lightning_mhc.layers.hyper_connection import HyperConnectionConfig, check_hyper_connection_values
 from lightning_mhc.recompute.policy import RecomputePolicy
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
@@ -167,28 +167,14 @@ class MHCTransformerConfig(TransformerConfig):
         if self.num_residual_streams < 1:
             raise ConfigError("{num_residual_streams}: need at least 1 stream (the paper uses 4).",
                               values=dict(num_residual_streams=self.num_residual_streams))
-        if self.mhc_sinkhorn_iterations < 1:
-            raise ConfigError("{mhc_sinkhorn_iterations}: need at least 1 Sinkhorn-Knopp iteration (default 20).",
-                              values=dict(mhc_sinkhorn_iterations=self.mhc_sinkhorn_iterations))
         if not self.enable_hyper_connections and self.num_residual_streams != 1:
             raise ConfigError(
                 "{enable_hyper_connections} with {num_residual_streams}: without hyper-connections there is one "
                 "residual stream.", "Set {num_residual_streams.key}=1 or {enable_hyper_connections.key}=True.",
                 values=dict(enable_hyper_connections=False, num_residual_streams=self.num_residual_streams))
-        if self.mhc_implementation not in MHC_IMPLEMENTATIONS:
-            raise ConfigError(
-                "{mhc_implementation}:", f"choose one of {', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused "
-                "ops; 'reference' forces the op-by-op path).", values=dict(mhc_implementation=self.mhc_implementation))
-        if self.mhc_implementation == "triton" and not triton_available():
-            raise ConfigError("{mhc_implementation} needs Triton, which does not import here:",
-                              "pip install 'lightning_mhc[triton]', or choose 'auto', 'fused' or 'compile'.",
-                              values=dict(mhc_implementation="triton"))
-        gating = self.mhc_init_gating_factor
-        if isinstance(gating, bool) or not isinstance(gating, (int, float)) or not 0 <= gating < math.inf:
-            raise ConfigError(
-                "{mhc_init_gating_factor}: the initial value of the gating scalars a_pre, a_post, a_res must be a "
-                "finite number >= 0 (Megatron-LM refuses negative values).", "Use e.g. 0.01, the paper's value.",
-                values=dict(mhc_init_gating_factor=gating))
+        # the hyper-connection's own settings, checked as the Hugging Face wing checks them
+        check_hyper_connection_values(self.mhc_sinkhorn_iterations, self.mhc_implementation,
+                                      self.mhc_init_gating_factor)
 
     def _validate_mhc_recompute(self) -> None:
         """The recompute fields select a valid policy (``RecomputePolicy.of_config``: the policy's
@@ -311,6 +297,11 @@ class MHCTransformerConfig(TransformerConfig):
     def padded_vocab_size(self) -> int:
         m = self.make_vocab_size_divisible_by
         return int(math.ceil(self.vocab_size / m) * m)
+
+    @property
+    def hyper_connection(self) -> HyperConnectionConfig:
+        """What each of the layers' hyper-connections is built with."""
+        return HyperConnectionConfig.of(self)
 
     @property
     def residual_width(self) -> int:

@@ -34,7 +34,7 @@ SET_WHEN_BUILT_FIELDS = (
     "recompute_hyper_connections", "mhc_recompute_layer_num",
     # forced by __post_init__
     "use_cpu_initialization",
-    # unused: every weight is drawn from init_method_std and init_seed (model/init.py)
+    # unused: every weight is drawn from init_method_std and init_seed (layers/init.py)
     "init_method", "output_layer_init_method", "embedding_init_method",
     # training-loop hooks, not part of the model
     "timers", "finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func",

@@ -15,21 +15,22 @@ a rank is its tokens' sum over the whole sequence's token count (:func:`gpt_loss
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from torch import Tensor
 
-from lightning_mhc.distributed.context_parallel import chunk_positions, shard_sequence
+from lightning_mhc.distributed.context_parallel import sequence_divisor
 from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig
-from lightning_mhc.model.init import ParamInit
+from lightning_mhc.layers.init import ParamInit
+from lightning_mhc.layers.loss import token_mean_loss
+from lightning_mhc.layers.sequence import SequenceSplit
 from lightning_mhc.model.parallel_linear import SPColumnParallelLinear
 from lightning_mhc.model.attention import SelfAttention
-from lightning_mhc.model.bda import residual_dropout
+from lightning_mhc.layers.bda import residual_dropout
 from lightning_mhc.model.rope import rotary_freqs_at
-from lightning_mhc.model.sequence_parallel import mark_sequence_parallel_parameters, scatter_to_sequence_parallel_region
+from lightning_mhc.layers.sequence_parallel import mark_sequence_parallel_parameters, scatter_to_sequence_parallel_region
 from lightning_mhc.model.transformer_block import TransformerBlock
 
 WORD_EMBEDDINGS_KEY = "embedding.word_embeddings.weight"
@@ -150,6 +151,8 @@ class GPTModel(torch.nn.Module):
             self.embedding.word_embeddings.weight.shared_embedding = True
         if config.sequence_parallel:
             mark_sequence_parallel_parameters(self.decoder)
+        self.sequence_split = SequenceSplit.of(layout) if cp > 1 else None
+        """This rank's chunks of every sequence (None without context parallelism)."""
         self.context_parallel_group = layout.cp_group if cp > 1 else None
         """The CP group (None without context parallelism), handed to every attention."""
         self.context_parallel_rank = layout.context_parallel_rank if cp > 1 else 0
@@ -161,11 +164,9 @@ class GPTModel(torch.nn.Module):
         """The part of a micro-batch this rank computes: under context parallelism its two chunks
         of every ``[b, s]`` entry (``tokens``, ``labels``, ``loss_mask``, ``position_ids``); the
         micro-batch itself otherwise."""
-        cp = self.config.context_parallel_size
-        if cp == 1:
+        if self.sequence_split is None:
             return microbatch
-        return {key: shard_sequence(value, self.context_parallel_rank, cp, dim=1) if key in SEQUENCE_KEYS else value
-                for key, value in microbatch.items()}
+        return self.sequence_split.shard_batch(microbatch, SEQUENCE_KEYS)
 
     def global_parameter_name(self, local_name: str) -> str:
         """The parameter's name in the whole (unpartitioned) model: local layer indices
@@ -196,7 +197,7 @@ class GPTModel(torch.nn.Module):
         """What crosses stages: the residual stream ``[s/cp, b, n*C]`` (``[s/(cp*TP), b, n*C]`` under
         sequence parallelism) for a micro-batch of ``seq_length`` tokens per sample."""
         cp, sp = self.config.context_parallel_size, self._sequence_shards()
-        split = (2 * cp if cp > 1 else 1) * sp
+        split = sequence_divisor(cp, sp)
         if cp > 1 and seq_length % split:  # the runtime asks on every rank before the schedule: refused there
             over_tp = f", each over {sp} TP ranks" if sp > 1 else ""
             raise ConfigError(f"a micro-batch of {seq_length} tokens per sample cannot be split: "
@@ -206,9 +207,8 @@ class GPTModel(torch.nn.Module):
 
     def _global_positions(self, local: int, start_position: int, device: torch.device) -> Tensor:
         """The global position of each of this rank's ``local`` tokens (before sequence parallelism)."""
-        cp = self.config.context_parallel_size
-        if cp > 1:
-            return chunk_positions(local * cp, self.context_parallel_rank, cp, device=device)
+        if self.sequence_split is not None:
+            return self.sequence_split.positions(local * self.sequence_split.size, device=device)
         return torch.arange(start_position, start_position + local, device=device)
 
     def _sequence_shards(self) -> int:
@@ -292,21 +292,7 @@ def gpt_forward_step(model: GPTModel, microbatch: dict) -> Tensor:
 
 
 def gpt_loss_func(per_token_loss: Tensor, microbatch: dict, context_parallel_group=None) -> Tensor:
-    """Mean loss over the microbatch's tokens, honouring an optional ``loss_mask``.
-
-    Under context parallelism (``context_parallel_group``; ``per_token_loss`` and ``microbatch``
-    this rank's chunks) it is this rank's part of that mean: its tokens' (masked) sum over the
-    token count all-reduced over CP. The parts add up to the whole sequence's mean, however unevenly
-    the mask spreads the kept tokens over the ranks (the runtime sums losses and gradients over CP)."""
-    mask = microbatch.get("loss_mask")
-    if context_parallel_group is None:
-        if mask is None:
-            return per_token_loss.mean()
-        mask = mask.to(per_token_loss.dtype)
-        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
-    if mask is None:
-        return per_token_loss.sum() / (per_token_loss.numel() * dist.get_world_size(context_parallel_group))
-    mask = mask.to(per_token_loss.dtype)
-    count = mask.sum().detach()
-    dist.all_reduce(count, group=context_parallel_group)
-    return (per_token_loss * mask).sum() / count.clamp(min=1)
+    """Mean loss over the microbatch's tokens, honouring an optional ``loss_mask``
+    (:func:`~lightning_mhc.layers.loss.token_mean_loss`: under context parallelism, with
+    ``context_parallel_group``, this rank's part of that mean)."""
+    return token_mean_loss(per_token_loss, microbatch.get("loss_mask"), context_parallel_group)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
-from lightning_mhc.model.init import ParamInit
+from lightning_mhc.layers.init import ParamInit
 from lightning_mhc.model.parallel_linear import SPColumnParallelLinear, output_projection
 
 

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_mhc.distributed.expert_parallel import ExpertLayer, experts_on_their_ranks, group_rank, group_size
+from lightning_mhc.layers.moe import combine_pairs, grouped_matmul, token_expert_pairs
 
 
 @dataclasses.dataclass
@@ -197,59 +198,6 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ the experts
-def grouped_mm_usable(tokens: Tensor, weight: Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes ``tokens [M, K] @ weight [E, K, N]``.
-
-    Measured on torch 2.13's CPU build: fp32, bf16 and fp16 are taken, fp64 is refused; the rows of
-    both operands must be multiples of 16 bytes ("strides should be multiple of 16 bytes");
-    offsets must be int32. On CUDA only bf16 on compute capability 9.0 or newer is assumed (not
-    checked here); everything else takes the per-expert loop.
-    """
-    if not hasattr(torch, "_grouped_mm") or tokens.dtype != weight.dtype:
-        return False
-    if tokens.device.type == "cpu":
-        if tokens.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return False
-    elif tokens.device.type == "cuda":
-        if tokens.dtype != torch.bfloat16 or torch.cuda.get_device_capability(tokens.device) < (9, 0):
-            return False
-    else:
-        return False
-    size = tokens.element_size()
-    return (weight.shape[-2] * size) % 16 == 0 and (weight.shape[-1] * size) % 16 == 0
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: torch._grouped_mm's
-    backward refuses a broadcast gradient ("Invalid strides/sizes, got [0, 0] for strides", seen
-    on CPU with ``out.sum().backward()``)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
-def grouped_matmul(tokens: Tensor, weight: Tensor, tokens_per_expert: Tensor, use_grouped_mm: bool | None = None
-                   ) -> Tensor:
-    """``tokens [M, K]`` (rows sorted by expert, ``tokens_per_expert[e]`` rows for expert ``e``)
-    times ``weight[e] [K, N]``, per expert: one ``torch._grouped_mm`` where usable (``None``:
-    decided by :func:`grouped_mm_usable`), a loop over the experts otherwise."""
-    if use_grouped_mm is None:
-        use_grouped_mm = grouped_mm_usable(tokens, weight)
-    if use_grouped_mm:
-        # offsets are the groups' ends and must reach M: rows past the last offset come back
-        # uninitialised (seen on CPU), which the counts' sum rules out
-        offsets = torch.cumsum(tokens_per_expert, 0).to(device=tokens.device, dtype=torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(tokens.contiguous(), weight, offs=offsets))
-    chunks = torch.split(tokens, tokens_per_expert.tolist())
-    return torch.cat([chunk @ weight[e] for e, chunk in enumerate(chunks)]
-                     + [tokens.new_empty(0, weight.shape[-1])])
-
-
 class GroupedExperts(torch.nn.Module):
     """``num_local_experts`` MLPs as stacked weights ``[E, in, out]``: gate/up/down (SwiGLU) or
     up/down with ``gated_linear_unit=False``."""
@@ -354,14 +302,12 @@ class MoELayer(ExpertLayer):
         config = self.config
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, config.hidden_size)
-        num_tokens, k = tokens.shape[0], config.moe_router_topk
+        num_tokens = tokens.shape[0]
 
         logits = self.router.logits(tokens)
         probs, experts = self.router.route(logits)
-        # one row per (token, chosen expert) pair
-        pair_expert = experts.reshape(-1)
+        pair_token, pair_expert = token_expert_pairs(experts)
         pair_prob = probs.reshape(-1)
-        pair_token = torch.arange(num_tokens, device=tokens.device).repeat_interleave(k)
         tokens_per_expert = torch.bincount(pair_expert, minlength=config.num_moe_experts)
         self.tokens_per_expert = tokens_per_expert.detach()
         counted = self.training and not in_backward()  # once per token, not again when re-run
@@ -390,9 +336,7 @@ class MoELayer(ExpertLayer):
         pair_token, pair_prob = pair_token[order], pair_prob[order]
 
         # weighted by the router's probabilities in fp32, summed over each token's k experts
-        weighted = expert_output.float() * pair_prob.unsqueeze(-1)
-        output = torch.zeros(num_tokens, config.hidden_size, dtype=torch.float32, device=tokens.device)
-        output = output.index_add(0, pair_token, weighted).to(tokens.dtype)
+        output = combine_pairs(expert_output.float(), pair_token, pair_prob, num_tokens, torch.float32).to(tokens.dtype)
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)
         if aux_loss is not None and torch.is_grad_enabled():

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mhc.model.init import ParamInit, scaled_std
+from lightning_mhc.layers.init import ParamInit, scaled_std
 from lightning_mhc.model.moe import MoEConfig, MoELayer
 
 LOAD_BALANCING_TYPES = ("aux_loss", "none")

@@ -3,7 +3,7 @@
 With ``config.sequence_parallel`` megatron's own layers all-gather and
 reduce-scatter through buffers on the current CUDA device. These subclasses keep
 megatron's parameters, initialisation and attributes and do the sequence
-communication with ``model.sequence_parallel`` (gloo and NCCL); without sequence
+communication with ``layers.sequence_parallel`` (gloo and NCCL); without sequence
 parallelism they are megatron's layers unchanged.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import Tensor
 
 from lightning_mhc.model.config import MHCTransformerConfig
-from lightning_mhc.model.init import ParamInit, scaled_std
-from lightning_mhc.model.sequence_parallel import (
+from lightning_mhc.layers.init import ParamInit, scaled_std
+from lightning_mhc.layers.sequence_parallel import (
     all_gather_sequence,
     reduce_scatter_sequence,
     reduce_scatter_to_sequence_parallel_region,

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.model.config import MHCTransformerConfig
-from lightning_mhc.model.hyper_connection import HyperConnectionModule
-from lightning_mhc.model.init import ParamInit
+from lightning_mhc.layers.hyper_connection import HyperConnectionModule
+from lightning_mhc.layers.init import ParamInit
 from lightning_mhc.model.norm import RMSNorm
 from lightning_mhc.model.transformer_layer import TransformerLayer
 from lightning_mhc.recompute.groups import block_ranges

@@ -28,11 +28,11 @@ import torch
 from torch import Tensor
 
 from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
-from lightning_mhc.model.bda import bias_dropout_add, h_res_h_post_bias_dropout_add
+from lightning_mhc.layers.bda import bias_dropout_add, h_res_h_post_bias_dropout_add
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.attention import SelfAttention
-from lightning_mhc.model.hyper_connection import HyperConnectionModule
-from lightning_mhc.model.init import ParamInit
+from lightning_mhc.layers.hyper_connection import HyperConnectionModule
+from lightning_mhc.layers.init import ParamInit
 from lightning_mhc.model.mlp import MLP
 from lightning_mhc.model.moe_mlp import MoEMLP, is_moe_layer
 from lightning_mhc.model.norm import RMSNorm
@@ -50,12 +50,12 @@ class TransformerLayer(torch.nn.Module):
         self.hidden_dropout = config.hidden_dropout
         hc = config.enable_hyper_connections
         self.self_attention_hyper_connection = (
-            HyperConnectionModule(config, init.child("self_attention_hyper_connection")) if hc else None
+            HyperConnectionModule(config.hyper_connection, init.child("self_attention_hyper_connection")) if hc else None
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
         self.self_attention = SelfAttention(config, init.child("self_attention"))
         self.mlp_hyper_connection = (
-            HyperConnectionModule(config, init.child("mlp_hyper_connection")) if hc else None
+            HyperConnectionModule(config.hyper_connection, init.child("mlp_hyper_connection")) if hc else None
         )
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
         self.mlp = self._build_mlp(config, layer_number, init.child("mlp"), layout)

@@ -13,18 +13,25 @@ The math lives in ``lightning_mhc.ops.hyper_connection`` (a readable reference
 and a fused, memory-lean version, chosen by ``mhc_implementation``); this
 module holds the parameters and picks the implementation. The mappings are
 computed in fp32 whatever the training dtype.
+
+Both model wings build it: the GPT (``model/transformer_layer.py``) from its
+``MHCTransformerConfig``, the Hugging Face wing (``any_model/hyper_connections.py``)
+from its ``HyperConnectionSettings`` and the model's width; each hands it a
+:class:`HyperConnectionConfig`, what one module needs and nothing of megatron's
+``TransformerConfig``.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from lightning_mhc.model.config import MHCTransformerConfig
-from lightning_mhc.model.init import ParamInit
-from lightning_mhc.ops import fused_kernels, is_fused
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.layers.init import ParamInit
+from lightning_mhc.ops import MHC_IMPLEMENTATIONS, fused_kernels, is_fused, triton_available
 from lightning_mhc.ops.hyper_connection import (
     compiled,
     fused_pre_packed,
@@ -36,10 +43,66 @@ from lightning_mhc.ops.hyper_connection import (
 )
 from lightning_mhc.ops.sinkhorn import sinkhorn_knopp
 
-__all__ = ["HyperConnectionModule", "sinkhorn_knopp"]
+__all__ = ["HyperConnectionConfig", "HyperConnectionModule", "check_hyper_connection_values", "sinkhorn_knopp"]
 
 
-class HyperConnectionModule(MegatronModule):
+def check_hyper_connection_values(sinkhorn_iterations: int, implementation: str, init_gating_factor: float) -> None:
+    """Each setting's own range, under megatron's field names (``mhc_*``), which both wings'
+    errors name: the GPT's config spells them so, and the Hugging Face wing's settings have
+    always answered with them."""
+    if sinkhorn_iterations < 1:
+        raise ConfigError("{mhc_sinkhorn_iterations}: need at least 1 Sinkhorn-Knopp iteration (default 20).",
+                          values=dict(mhc_sinkhorn_iterations=sinkhorn_iterations))
+    if implementation not in MHC_IMPLEMENTATIONS:
+        raise ConfigError(
+            "{mhc_implementation}:", f"choose one of {', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused "
+            "ops; 'reference' forces the op-by-op path).", values=dict(mhc_implementation=implementation))
+    if implementation == "triton" and not triton_available():
+        raise ConfigError("{mhc_implementation} needs Triton, which does not import here:",
+                          "pip install 'lightning_mhc[triton]', or choose 'auto', 'fused' or 'compile'.",
+                          values=dict(mhc_implementation="triton"))
+    gating = init_gating_factor
+    if isinstance(gating, bool) or not isinstance(gating, (int, float)) or not 0 <= gating < math.inf:
+        raise ConfigError(
+            "{mhc_init_gating_factor}: the initial value of the gating scalars a_pre, a_post, a_res must be a "
+            "finite number >= 0 (Megatron-LM refuses negative values).", "Use e.g. 0.01, the paper's value.",
+            values=dict(mhc_init_gating_factor=gating))
+
+
+@dataclass(frozen=True)
+class HyperConnectionConfig:
+    """What one :class:`HyperConnectionModule` is built with: its streams and width, its norm's
+    epsilon, its initialisation and its ops. Its makers check the values (the GPT's config, the
+    Hugging Face wing's settings: :func:`check_hyper_connection_values`); a setting of the math
+    itself (a convention of the mappings, say) is one more field here, read by the ops."""
+
+    num_residual_streams: int
+    hidden_size: int
+    eps: float = 1e-5
+    init_std: float = 0.02
+    init_gating_factor: float = 0.01
+    implementation: str = "auto"
+    sinkhorn_iterations: int = 20
+
+    @property
+    def residual_width(self) -> int:
+        """``n * C``: the width of the residual stream ``[..., n*C]``."""
+        return self.num_residual_streams * self.hidden_size
+
+    @classmethod
+    def of(cls, config: Any) -> "HyperConnectionConfig":
+        """``config`` itself, or read off a transformer config under megatron's names
+        (``MHCTransformerConfig``: ``num_residual_streams``, ``hidden_size``, ``layernorm_epsilon``,
+        ``init_method_std`` and the ``mhc_*`` fields)."""
+        if isinstance(config, cls):
+            return config
+        return cls(num_residual_streams=config.num_residual_streams, hidden_size=config.hidden_size,
+                   eps=config.layernorm_epsilon, init_std=config.init_method_std,
+                   init_gating_factor=config.mhc_init_gating_factor, implementation=config.mhc_implementation,
+                   sinkhorn_iterations=config.mhc_sinkhorn_iterations)
+
+
+class HyperConnectionModule(torch.nn.Module):
     """One hyper-connection around one sub-layer (attention or MLP).
 
     Parameters are replicated on every tensor-parallel rank (the residual
@@ -53,14 +116,18 @@ class HyperConnectionModule(MegatronModule):
     :meth:`input_expand` onto themselves.
     """
 
-    def __init__(self, config: MHCTransformerConfig, init: ParamInit) -> None:
-        super().__init__(config=config)
+    def __init__(self, config: HyperConnectionConfig | Any, init: ParamInit) -> None:
+        """``config``: a :class:`HyperConnectionConfig`, or a transformer config it is read off
+        (:meth:`HyperConnectionConfig.of`)."""
+        super().__init__()
+        config = HyperConnectionConfig.of(config)
+        self.config = config
         self.label = init.prefix  # names its checkpoints in a recompute plan
         n, width = config.num_residual_streams, config.residual_width
         self.n = n
         self.hidden_size = config.hidden_size
-        self.eps = config.layernorm_epsilon
-        self.sinkhorn_iterations = config.mhc_sinkhorn_iterations
+        self.eps = config.eps
+        self.sinkhorn_iterations = config.sinkhorn_iterations
 
         m = n * n + 2 * n
         # Packed, as three parameters (one projection, one gate vector, one bias): the fused op
@@ -72,11 +139,11 @@ class HyperConnectionModule(MegatronModule):
         self._initialize(init)
 
     def _initialize(self, init: ParamInit) -> None:
-        std = self.config.init_method_std
+        std = self.config.init_std
         with torch.no_grad():
             for name in ("phi_pre", "phi_post", "phi_res"):  # each block from its own generator
                 init.normal(name, std)(getattr(self, name))
-            self.alpha.fill_(self.config.mhc_init_gating_factor)
+            self.alpha.fill_(self.config.init_gating_factor)
             self.bias.zero_()
             self.b_pre.fill_(-math.log(self.n - 1) if self.n > 1 else 0.0)
 
@@ -100,7 +167,7 @@ class HyperConnectionModule(MegatronModule):
 
     @property
     def fused(self) -> bool:
-        return is_fused(self.config.mhc_implementation)
+        return is_fused(self.config.implementation)
 
     def compute_mappings(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x [s, b, n*C]`` -> ``(H_pre [s,b,n], H_post [s,b,n], H_res [s,b,n,n])``, all fp32 (reference)."""
@@ -147,11 +214,11 @@ class HyperConnectionModule(MegatronModule):
         'auto'/'fused'/'triton', its kernels chosen by ``fused_kernels``) or the reference ops,
         compiled by ``torch.compile`` under 'compile'. The layer checkpoints this call as one unit
         under block recompute; ``H_res @ x`` is applied with ``H_post`` by the bias-dropout-add
-        (``lightning_mhc.model.bda.h_res_h_post_bias_dropout_add``).
+        (``lightning_mhc.layers.bda.h_res_h_post_bias_dropout_add``).
         """
         if self.fused:
-            kernels = fused_kernels(self.config.mhc_implementation, hidden_states.device.type)
+            kernels = fused_kernels(self.config.implementation, hidden_states.device.type)
             return fused_pre_packed(hidden_states, self.phi, self.alpha, self.bias, self.n, self.eps,
                                     self.sinkhorn_iterations, kernels)
-        pre = compiled(reference_pre) if self.config.mhc_implementation == "compile" else reference_pre
+        pre = compiled(reference_pre) if self.config.implementation == "compile" else reference_pre
         return pre(hidden_states, self.params, self.n, self.eps, self.sinkhorn_iterations)

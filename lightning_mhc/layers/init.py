@@ -17,7 +17,9 @@ import torch
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _stable_seed(seed: int, name: str) -> int:
+def stable_seed(seed: int, name: str) -> int:
+    """The generator seed of ``name`` under ``seed``: the same in every process and layout (CRC32, not
+    Python's salted ``hash``). The Hugging Face wing seeds its recorded blocks' default generator with it."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
@@ -39,7 +41,7 @@ class ParamInit:
         return f"{self.prefix}.{name}" if self.prefix else name
 
     def generator(self, name: str) -> torch.Generator:
-        return torch.Generator().manual_seed(_stable_seed(self.seed, self.key(name)))
+        return torch.Generator().manual_seed(stable_seed(self.seed, self.key(name)))
 
     def normal(self, name: str, std: float) -> InitMethod:
         def init(tensor: torch.Tensor) -> torch.Tensor:
