@@ -145,11 +145,13 @@ def _build_module_and_data(cfg: TrainConfig, output_dir: Path):
         module = HFCausalLMModule(m.hf_dir, pretrained=bool(m.pretrained), hyper_connections=m.hyper_connections,
                                   plan=m.plan, seed=m.init_seed, optimizer=o.name, lr=o.lr, weight_decay=o.weight_decay,
                                   warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
-                                  implementation=m.mhc_implementation, peak_flops=_peak_flops(cfg))
+                                  implementation=m.mhc_implementation, peak_flops=_peak_flops(cfg),
+                                  override_scheduler=o.override_scheduler)
         return module, _build_data(cfg, output_dir)
     module = MHCGPTModule(cfg.transformer_config(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                           warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
-                          optimizer=cfg.optim.name, peak_flops=_peak_flops(cfg))
+                          optimizer=cfg.optim.name, peak_flops=_peak_flops(cfg),
+                          override_scheduler=cfg.optim.override_scheduler)
     return module, _build_data(cfg, output_dir)
 
 
