@@ -64,6 +64,20 @@ def test_data_parallel_runs_match_one_process(tmp_path, cli_reference_losses, cl
     assert summary["tokens_per_sec_p25"] <= summary["tokens_per_sec"] <= summary["tokens_per_sec_p75"]
 
 
+def test_a_short_run_logs_its_training_loss_and_counts_its_steps(tmp_path):
+    """``lightning-mhc-train trainer.max_steps=5`` as a user starts it (the default ``trainer=cpu``,
+    whose ``trainer.log_every_n_steps`` is left null): metrics.csv has the training loss of every
+    step; the progress bar counts the 5 steps under ``Epoch 0`` (not Lightning's ``Epoch 0/-2`` of
+    ``max_epochs=-1``); no warning that the run directory's logs will be deleted."""
+    proc = run_train(tmp_path, "data=synthetic", "trainer.max_steps=5", "trainer.limit_val_batches=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = list(tmp_path.glob("outputs/*/*"))
+    assert sorted(train_losses(run_dir / "metrics.csv")) == [0, 1, 2, 3, 4]
+    (bar,) = [line for line in proc.stdout.splitlines() if line.startswith("Epoch")]
+    assert bar.startswith("Epoch 0 ") and "/-2" not in bar and " 5/5 " in bar, bar
+    assert "exists and is not empty" not in proc.stderr and "will be deleted" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("layout", [["parallel=single"], ["parallel=tp2pp2", "trainer.devices=4", "recompute=mhc_block"]],
                          ids=["single", "tp2pp2"])
 def test_resume_mid_epoch_continues_exactly(tmp_path, layout):
@@ -80,6 +94,8 @@ def test_resume_mid_epoch_continues_exactly(tmp_path, layout):
         shutil.rmtree(first / "checkpoints" / "step-000008.ckpt")  # as if the run had stopped before step 8
         proc = run_train(tmp_path / "first", *QUICK, *layout, *steps, f"hydra.run.dir={first}", "ckpt_path=last")
         assert proc.returncode == 0, proc.stderr[-6000:]
+        # resuming in its own directory: nothing there is deleted, and Lightning's warnings do not say so
+        assert "exists and is not empty" not in proc.stderr, proc.stderr[-3000:]
         resumed = train_losses(first / "resumed_from_step_5" / "metrics.csv")
         assert train_losses(first / "metrics.csv") == uninterrupted  # the first run's log is kept
     else:
