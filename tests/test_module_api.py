@@ -218,7 +218,8 @@ def test_fit_resuming_another_schedule_is_refused_unless_overridden(tmp_path):
     """``Trainer.fit(ckpt_path=...)`` of MHCGPTModule: 2 steps with max_steps=2 saved, then resumed
     with max_steps=4: refused, naming max_steps and override_scheduler; with
     ``override_scheduler=True`` steps 2 and 3 run at the max_steps=4 schedule's rates (the resumed
-    step included, which used to take the saved schedule's last rate)."""
+    step included, which used to take the saved schedule's last rate). Another weight decay: the
+    same."""
     from torch.utils.data import DataLoader
 
     from lightning_mhc.data.sources import SyntheticTokens
@@ -248,6 +249,16 @@ def test_fit_resuming_another_schedule_is_refused_unless_overridden(tmp_path):
         fit(MHCGPTModule(TINY, **recipe), 4, tmp_path / "step2.ckpt")
     _, resumed = fit(MHCGPTModule(TINY, **recipe, override_scheduler=True), 4, tmp_path / "step2.ckpt")
     assert resumed == pytest.approx([_warmup_cosine_lr(s, 1e-2, 1, 4, 0.1) for s in (2, 3)], rel=1e-6)
+    # the weight decay too (the optimizer's state holds the saved one): refused, or the new one
+    with pytest.raises(ConfigError, match=r"weight_decay=0.05 \(the matrices' weight decay; the checkpoint's 0.1\)"):
+        fit(MHCGPTModule(TINY, **recipe, weight_decay=0.05), 2, tmp_path / "step2.ckpt")
+    module = MHCGPTModule(TINY, **recipe, weight_decay=0.05, override_scheduler=True)
+    trainer, _ = fit(module, 3, tmp_path / "step2.ckpt")
+    assert [group["weight_decay"] for group in trainer.optimizers[0].param_groups] == [0.05, 0.0]
+    # what it saves is its own schedule: resumed under the same settings, nothing to override
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    trainer, _ = fit(MHCGPTModule(TINY, **recipe, weight_decay=0.05), 3, tmp_path / "step3.ckpt")
+    assert trainer.global_step == 3
 
 
 # --------------------------------------------------------------- LightningCLI

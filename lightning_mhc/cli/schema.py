@@ -478,8 +478,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     override_scheduler: bool = False
     """Resuming (``ckpt_path=``) from a checkpoint whose learning-rate schedule had other settings
-    (optim.lr, optim.warmup_steps, optim.min_lr_ratio, trainer.max_steps): follow this run's schedule
-    from the checkpoint's step (Megatron-LM's --override-opt_param-scheduler); false: refused."""
+    (optim.lr, optim.warmup_steps, optim.min_lr_ratio, optim.weight_decay, trainer.max_steps): follow
+    this run's from the checkpoint's step (Megatron-LM's --override-opt_param-scheduler); false: refused."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: each data-parallel rank keeps the optimizer state of 1/DP of the parameters
     (MHCParallelStrategy(use_distributed_optimizer=...))."""
@@ -824,7 +824,8 @@ CONFIG_LABELS: dict[str, Label] = {
     "seed": Label("seed"),
     "raise_on_nonfinite_loss": Label("trainer.raise_on_nonfinite_loss"),
     "use_distributed_optimizer": Label("optim.use_distributed_optimizer"),
-    **{name: Label(f"optim.{name}") for name in ("lr", "warmup_steps", "min_lr_ratio", "override_scheduler")},
+    **{name: Label(f"optim.{name}") for name in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay",
+                                                  "override_scheduler")},
     "max_steps": Label("trainer.max_steps"),
     "policy": Label("recompute.policy"),
     "recompute_modules": Label("recompute.recompute_modules (and set recompute.recompute_mlp=false)",

@@ -243,7 +243,8 @@ class PipelinedLMModule(pl.LightningModule):
             max_steps = self._trainer.max_steps
         total = max_steps if max_steps and max_steps > 0 else None
         scheduler = WarmupCosineSchedule(optimizer, lr=lr, warmup_steps=warmup_steps, max_steps=total,
-                                         min_lr_ratio=min_lr_ratio, override_scheduler=override_scheduler)
+                                         min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
+                                         override_scheduler=override_scheduler)
         return dict(optimizer=optimizer, lr_scheduler=dict(scheduler=scheduler, interval="step"))
 
     def global_parameter_name(self, name: str) -> str:
@@ -270,24 +271,32 @@ def _batch_tokens(batch: Any) -> Tensor | None:
 
 class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
     """Linear warm-up over ``warmup_steps``, then cosine decay from ``lr`` to ``min_lr_ratio * lr``
-    at ``max_steps`` (None: constant after warm-up). Its state carries these settings, and a state
-    saved under other settings is refused on load, as Megatron-LM's ``OptimizerParamScheduler``
-    refuses one: restoring it as it was would run the resumed step at the old schedule's rate (the
-    optimizer's saved ``lr``) and the steps after it on the new one's. With ``override_scheduler``
-    (Megatron's ``--override-opt_param-scheduler``) this schedule is followed from the saved step
-    on, that step included."""
+    at ``max_steps`` (None: constant after warm-up), with the optimizer's ``weight_decay``. Its
+    state carries these settings, and a state saved under other settings is refused on load, as
+    Megatron-LM's ``OptimizerParamScheduler`` refuses one (its learning rates and weight decay):
+    restoring it as it was would run the resumed step at the old schedule's rate (the optimizer's
+    saved ``lr``) and the steps after it on the new one's, and keep the saved weight decay. With
+    ``override_scheduler`` (Megatron's ``--override-opt_param-scheduler``) this schedule and weight
+    decay are followed from the saved step on, that step included."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, lr: float, warmup_steps: int, max_steps: int | None,
-                 min_lr_ratio: float, override_scheduler: bool = False) -> None:
-        self.settings = dict(lr=lr, warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio)
+                 min_lr_ratio: float, weight_decay: float = 0.0, override_scheduler: bool = False) -> None:
+        self.settings = dict(lr=lr, warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio,
+                             weight_decay=weight_decay)
         self.override_scheduler = override_scheduler
+        self._weight_decays = [group.get("weight_decay", 0.0) for group in optimizer.param_groups]
+        """Each group's weight decay as built (0 for vectors): loading the optimizer's state replaces it."""
         super().__init__(optimizer, _warmup_cosine(warmup_steps, max_steps, min_lr_ratio))
 
+    _OWN = ("settings", "override_scheduler", "_weight_decays")
+    """This run's, never taken from a state (LRScheduler's state is its whole ``__dict__``)."""
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), SCHEDULE_KEY: dict(self.settings)}
+        state = {k: v for k, v in super().state_dict().items() if k not in self._OWN}
+        return {**state, SCHEDULE_KEY: dict(self.settings)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
+        state = {k: v for k, v in state_dict.items() if k not in self._OWN}
         saved = state.pop(SCHEDULE_KEY, None)
         error = schedule_mismatch(saved, self.settings, state.get("last_epoch", 0))
         if error is not None and not self.override_scheduler:
@@ -299,9 +308,12 @@ class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
         # the saved step on, at this schedule's rates: the optimizer's groups were restored with
         # the saved schedule's lr (and initial_lr), which the next step would otherwise use
         self.base_lrs = base_lrs
-        for group, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
+        for group, base, factor, decay in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas,
+                                              self._weight_decays):
             group["initial_lr"] = base
             group["lr"] = base * factor(self.last_epoch)
+            if "weight_decay" in group:
+                group["weight_decay"] = decay
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
@@ -310,7 +322,8 @@ SCHEDULE_KEY = "lightning_mhc_schedule"
 ``lr_schedulers[0]``)."""
 
 _SCHEDULE_TERMS = dict(lr="the peak learning rate", warmup_steps="the warm-up's length",
-                       max_steps="the step the cosine decay ends at", min_lr_ratio="the final rate's share of lr")
+                       max_steps="the step the cosine decay ends at", min_lr_ratio="the final rate's share of lr",
+                       weight_decay="the matrices' weight decay")
 
 
 def schedule_mismatch(saved: Mapping[str, Any] | None, settings: Mapping[str, Any], step: int) -> ConfigError | None:
@@ -331,7 +344,7 @@ def schedule_mismatch(saved: Mapping[str, Any] | None, settings: Mapping[str, An
         f"from the checkpoint's step {step} on.",
         values=dict(lr=settings.get("lr"), warmup_steps=settings.get("warmup_steps"),
                     max_steps=settings.get("max_steps"), min_lr_ratio=settings.get("min_lr_ratio"),
-                    override_scheduler=False))
+                    weight_decay=settings.get("weight_decay"), override_scheduler=False))
 
 
 def _warmup_cosine(warmup: int, total: int | None, min_ratio: float):

@@ -63,8 +63,8 @@ class MHCGPTModule(PipelinedLMModule):
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr``
             at ``trainer.max_steps`` (constant after warm-up when max_steps is unset).
         override_scheduler: resuming from a checkpoint whose schedule had other settings (``lr``,
-            ``warmup_steps``, ``min_lr_ratio``, ``max_steps``) follows this module's schedule from the
-            checkpoint's step; without it that resume is refused (``WarmupCosineSchedule``).
+            ``warmup_steps``, ``min_lr_ratio``, ``max_steps``, ``weight_decay``) follows this module's
+            schedule from the checkpoint's step; without it that resume is refused (``WarmupCosineSchedule``).
         recompute_policy: ``none``, ``selective``, ``mhc_block`` or ``full``, or a
             :class:`RecomputePolicy` with options; ``MHCRecomputeCallback`` sets it too
             (``configure_recompute``).
