@@ -319,9 +319,9 @@ def test_the_exports_of_a_trained_hyper_connected_model_agree(llama_dir, tmp_pat
         assert base.keys() == {name for name in state if ".hyper_connections." not in name}, way
         assert all(torch.equal(t, state[name]) for name, t in base.items()), way
 
-    # lightning-mhc-generate on the export (its console entry point, in this process): the prompt
-    # through the tokenizer.json the export carries, 6 greedy tokens equal to repeated full forwards
-    # of the trained model
+    # lightning-mhc-generate on the export and on the checkpoint (its console entry point, in this
+    # process): the prompt through the tokenizer.json the export carries (the model directory's for
+    # the checkpoint), 6 greedy tokens equal to repeated full forwards of the trained model
     from lightning_mhc.cli import generate
     from lightning_mhc.data.tokenizers import load_tokenizer
 
@@ -332,8 +332,9 @@ def test_the_exports_of_a_trained_hyper_connected_model_agree(llama_dir, tmp_pat
         for _ in range(6):
             ids = torch.cat([ids, trained(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     expected_text = prompt + tokenizer.detokenize(ids[0, -6:].tolist())
-    capsys.readouterr()
-    generate.main([f"ckpt_path={tmp_path / 'cli'}", f"prompt={prompt}", "max_new_tokens=6"])
-    out, err = capsys.readouterr()
-    print(f"lightning-mhc-generate on the model=hf export: {out.strip()!r}")
-    assert out.rstrip("\n") == expected_text, (out, expected_text, err[-2000:])
+    for source in (tmp_path / "cli", checkpoint):  # the export, and the checkpoint itself
+        capsys.readouterr()
+        generate.main([f"ckpt_path={source}", f"prompt={prompt}", "max_new_tokens=6"])
+        out, err = capsys.readouterr()
+        print(f"lightning-mhc-generate on {source.name}: {out.strip()!r}")
+        assert out.rstrip("\n") == expected_text, (source, out, expected_text, err[-2000:])
