@@ -265,7 +265,7 @@ def validation_loss(model, tmp_path: pathlib.Path, blend: pathlib.Path) -> float
     return sum(losses) / len(losses)
 
 
-def test_the_exports_of_a_trained_hyper_connected_model_agree(llama_dir, tmp_path):
+def test_the_exports_of_a_trained_hyper_connected_model_agree(llama_dir, tmp_path, capsys):
     """A saved Llama continued with 4 hyper-connection streams through ``Trainer.fit`` (one process,
     ``HFCausalLMModule``, 3 AdamW steps on a DataLoader), then written three ways: the trained
     model's own ``save_pretrained``; ``trainer.save_checkpoint`` read by ``export_pretrained`` (which
@@ -318,3 +318,23 @@ def test_the_exports_of_a_trained_hyper_connected_model_agree(llama_dir, tmp_pat
         base = LlamaForCausalLM.from_pretrained(tmp_path / way).state_dict()
         assert base.keys() == {name for name in state if ".hyper_connections." not in name}, way
         assert all(torch.equal(t, state[name]) for name, t in base.items()), way
+
+    # lightning-mhc-generate on the export and on the checkpoint (its console entry point, in this
+    # process): the prompt through the tokenizer.json the export carries (the model directory's for
+    # the checkpoint), 6 greedy tokens equal to repeated full forwards of the trained model
+    from lightning_mhc.cli import generate
+    from lightning_mhc.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(llama_dir)
+    prompt = "def main("
+    ids = torch.tensor([tokenizer.tokenize(prompt)])
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, trained(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    expected_text = prompt + tokenizer.detokenize(ids[0, -6:].tolist())
+    for source in (tmp_path / "cli", checkpoint):  # the export, and the checkpoint itself
+        capsys.readouterr()
+        generate.main([f"ckpt_path={source}", f"prompt={prompt}", "max_new_tokens=6"])
+        out, err = capsys.readouterr()
+        print(f"lightning-mhc-generate on {source.name}: {out.strip()!r}")
+        assert out.rstrip("\n") == expected_text, (source, out, expected_text, err[-2000:])

@@ -679,6 +679,22 @@ def test_config_group_table_is_the_config_folder():
         assert set(re.findall(r"`(\w+)`", rows[group])) == options, (group, rows[group], options)
 
 
+def test_the_model_families_the_docs_list_are_the_codes():
+    """``model=hf`` (docs/cli.md) and the built-in plans (docs/bring_your_own_model.md) list every
+    family of ``lightning_mhc.any_model.families.FAMILIES`` (the ``model_type``s ``plan="auto"``
+    takes, MoE ones included) and no other: a family added to the code fails here until the
+    documents name it."""
+    from lightning_mhc.any_model.families import FAMILIES
+
+    lists = {"cli.md": r"any family `parallelize` knows \(its `config.model_type`:(.*?)\):",
+             "bring_your_own_model.md": r"`TPPlan`\s*\(\[`lightning_mhc/any_model/plan.py`\].*?\)\. Built in:(.*?)\. Styles:"}
+    for name, pattern in lists.items():
+        found = re.search(pattern, (ROOT / "docs" / name).read_text(), re.S)
+        assert found, f"docs/{name}: the list of families is not where this test reads it"
+        listed = set(re.findall(r"`(\w+)`", found.group(1)))
+        assert listed == set(FAMILIES), (name, sorted(set(FAMILIES) - listed), sorted(listed - set(FAMILIES)))
+
+
 # ------------------------------------------------------------------ the slow end-to-end run
 def _run_entry_point(name: str, args: list[str], cwd: pathlib.Path, timeout: float = 300):
     """A console script as ``[project.scripts]`` declares it (what pip's wrapper calls)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import pathlib
 import shutil
 
@@ -63,6 +64,20 @@ def test_data_parallel_runs_match_one_process(tmp_path, cli_reference_losses, cl
     assert summary["tokens_per_sec_p25"] <= summary["tokens_per_sec"] <= summary["tokens_per_sec_p75"]
 
 
+def test_a_short_run_logs_its_training_loss_and_counts_its_steps(tmp_path):
+    """``lightning-mhc-train trainer.max_steps=5`` as a user starts it (the default ``trainer=cpu``,
+    whose ``trainer.log_every_n_steps`` is left null): metrics.csv has the training loss of every
+    step; the progress bar counts the 5 steps under ``Epoch 0`` (not Lightning's ``Epoch 0/-2`` of
+    ``max_epochs=-1``); no warning that the run directory's logs will be deleted."""
+    proc = run_train(tmp_path, "data=synthetic", "trainer.max_steps=5", "trainer.limit_val_batches=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = list(tmp_path.glob("outputs/*/*"))
+    assert sorted(train_losses(run_dir / "metrics.csv")) == [0, 1, 2, 3, 4]
+    (bar,) = [line for line in proc.stdout.splitlines() if line.startswith("Epoch")]
+    assert bar.startswith("Epoch 0 ") and "/-2" not in bar and " 5/5 " in bar, bar
+    assert "exists and is not empty" not in proc.stderr and "will be deleted" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("layout", [["parallel=single"], ["parallel=tp2pp2", "trainer.devices=4", "recompute=mhc_block"]],
                          ids=["single", "tp2pp2"])
 def test_resume_mid_epoch_continues_exactly(tmp_path, layout):
@@ -79,6 +94,8 @@ def test_resume_mid_epoch_continues_exactly(tmp_path, layout):
         shutil.rmtree(first / "checkpoints" / "step-000008.ckpt")  # as if the run had stopped before step 8
         proc = run_train(tmp_path / "first", *QUICK, *layout, *steps, f"hydra.run.dir={first}", "ckpt_path=last")
         assert proc.returncode == 0, proc.stderr[-6000:]
+        # resuming in its own directory: nothing there is deleted, and Lightning's warnings do not say so
+        assert "exists and is not empty" not in proc.stderr, proc.stderr[-3000:]
         resumed = train_losses(first / "resumed_from_step_5" / "metrics.csv")
         assert train_losses(first / "metrics.csv") == uninterrupted  # the first run's log is kept
     else:
@@ -90,6 +107,33 @@ def test_resume_mid_epoch_continues_exactly(tmp_path, layout):
     print(f"lightning-mhc-train {' '.join(layout)}: resumed from step 5, max |loss - uninterrupted| = {diff:.3g}")
     torch.testing.assert_close(torch.tensor([resumed[s] for s in (5, 6, 7)]),
                                torch.tensor([uninterrupted[s] for s in (5, 6, 7)]), rtol=0, atol=1e-6)
+
+
+def test_resuming_under_another_schedule_is_refused_or_follows_the_new_one(tmp_path, cli_reference_run,
+                                                                        monkeypatch, capsys):
+    """The final (step-6) checkpoint of conftest's ``cli_reference_run`` (lr 3e-3, 20 warm-up steps,
+    decay to step 6): continued to ``trainer.max_steps=8`` it is refused before launch in one line
+    naming the key and ``optim.override_scheduler``; with the override (and 2 warm-up steps) steps 6
+    and 7 log the new schedule's rates, the resumed step included."""
+    from conftest import CLI_REFERENCE_RUN
+
+    checkpoint = cli_reference_run / "checkpoints" / "step-000006.ckpt"
+    status, err = check_before_launch([*CLI_REFERENCE_RUN, "trainer.max_steps=8", f"ckpt_path={checkpoint}"],
+                                      tmp_path, monkeypatch, capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("trainer.max_steps=8 (the step the cosine decay ends at; the checkpoint's 6). Resume with the "
+            "checkpoint's values, or set optim.override_scheduler=true to follow this run's schedule from the "
+            "checkpoint's step 6 on.") in err, err
+    cwd = tmp_path / "override"
+    cwd.mkdir()
+    run_train_on_ranks(cwd, *CLI_REFERENCE_RUN, "optim.warmup_steps=2", "trainer.max_steps=8",
+                       "optim.override_scheduler=true", f"ckpt_path={checkpoint}", f"hydra.run.dir={cwd / 'run'}")
+    with open(cwd / "run" / "metrics.csv") as handle:
+        rates = {int(row["step"]): float(row["lr"]) for row in csv.DictReader(handle) if row.get("lr")}
+    progress = {6: 4 / 6, 7: 5 / 6}  # (step - warm-up) / (max_steps - warm-up)
+    expected = {s: 3e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))) for s, p in progress.items()}
+    print(f"resumed at step 6 under the new schedule: lr {rates}, expected {expected}")
+    assert rates.keys() == expected.keys() and all(abs(rates[s] - expected[s]) <= 1e-6 * expected[s] for s in rates)
 
 
 def test_bad_checkpoint_paths_are_refused_before_launch(tmp_path, monkeypatch, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import subprocess
 import sys
 import textwrap
@@ -204,6 +205,60 @@ def test_fit_logs_hparams_and_rejects_a_contradicting_layout(tmp_path):
 
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size=2, but the strategy runs"):
         _fit_one_step(MHCGPTModule({**TINY, "pipeline_model_parallel_size": 2}), tmp_path / "bad")
+
+
+def _warmup_cosine_lr(step: int, lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """The documented schedule, written out: linear warm-up, then cosine to ``min_ratio * lr``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))))
+
+
+def test_fit_resuming_another_schedule_is_refused_unless_overridden(tmp_path):
+    """``Trainer.fit(ckpt_path=...)`` of MHCGPTModule: 2 steps with max_steps=2 saved, then resumed
+    with max_steps=4: refused, naming max_steps and override_scheduler; with
+    ``override_scheduler=True`` steps 2 and 3 run at the max_steps=4 schedule's rates (the resumed
+    step included, which used to take the saved schedule's last rate). Another weight decay: the
+    same."""
+    from torch.utils.data import DataLoader
+
+    from lightning_mhc.data.sources import SyntheticTokens
+
+    def fit(module, max_steps, ckpt_path=None):
+        rates = []
+
+        class Rates(pl.Callback):
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                rates.append(optimizer.param_groups[0]["lr"])
+
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(), max_steps=max_steps,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                             callbacks=[Rates()])
+        trainer.fit(module, train_dataloaders=DataLoader(SyntheticTokens(32, 8, vocab_size=64), batch_size=4),
+                    ckpt_path=ckpt_path)
+        return trainer, rates
+
+    recipe = dict(lr=1e-2, warmup_steps=1, min_lr_ratio=0.1)
+    trainer, rates = fit(MHCGPTModule(TINY, **recipe), 2)
+    trainer.save_checkpoint(tmp_path / "step2.ckpt")
+    assert rates == pytest.approx([_warmup_cosine_lr(s, 1e-2, 1, 2, 0.1) for s in range(2)], rel=1e-6)
+    with pytest.raises(ConfigError, match=r"max_steps=4 \(the step the cosine decay ends at; the checkpoint's 2\)"
+                                          r".*set override_scheduler=True to follow this run's schedule from the "
+                                          r"checkpoint's step 2 on"):
+        fit(MHCGPTModule(TINY, **recipe), 4, tmp_path / "step2.ckpt")
+    _, resumed = fit(MHCGPTModule(TINY, **recipe, override_scheduler=True), 4, tmp_path / "step2.ckpt")
+    assert resumed == pytest.approx([_warmup_cosine_lr(s, 1e-2, 1, 4, 0.1) for s in (2, 3)], rel=1e-6)
+    # the weight decay too (the optimizer's state holds the saved one): refused, or the new one
+    with pytest.raises(ConfigError, match=r"weight_decay=0.05 \(the matrices' weight decay; the checkpoint's 0.1\)"):
+        fit(MHCGPTModule(TINY, **recipe, weight_decay=0.05), 2, tmp_path / "step2.ckpt")
+    module = MHCGPTModule(TINY, **recipe, weight_decay=0.05, override_scheduler=True)
+    trainer, _ = fit(module, 3, tmp_path / "step2.ckpt")
+    assert [group["weight_decay"] for group in trainer.optimizers[0].param_groups] == [0.05, 0.0]
+    # what it saves is its own schedule: resumed under the same settings, nothing to override
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    trainer, _ = fit(MHCGPTModule(TINY, **recipe, weight_decay=0.05), 3, tmp_path / "step3.ckpt")
+    assert trainer.global_step == 3
 
 
 # --------------------------------------------------------------- LightningCLI

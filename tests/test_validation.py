@@ -113,6 +113,29 @@ def test_bad_input_is_refused_before_launch(tmp_path, monkeypatch, capsys):
         assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists(), overrides
 
 
+def test_a_refused_moe_config_says_only_its_own_line(tmp_path, monkeypatch, capsys):
+    """MoE configs this layout refuses (experts over EP, with sequence parallelism), without
+    ``model.moe_ffn_hidden_size``: megatron's "moe_ffn_hidden_size is not set" warning of the model
+    alone is not said before the one line; a config that runs still hears it."""
+    import warnings
+
+    for overrides, message in (
+            (["model.num_moe_experts=3", "parallel.expert_model_parallel_size=2", "trainer.devices=2"],
+             "model.num_moe_experts=3 does not split over parallel.expert_model_parallel_size=2"),
+            (["model.num_moe_experts=4", "parallel=tp2sp", "trainer.devices=2"],
+             "model.num_moe_experts=4 with parallel.sequence_parallel=true is not implemented")):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            status, err = check_before_launch([*QUICK[:1], *overrides], tmp_path, monkeypatch, capsys)
+        (line,) = err.strip().splitlines()
+        assert status == 2 and message in line, (overrides, err)
+        assert not [str(w.message) for w in said if "moe_ffn_hidden_size" in str(w.message)], overrides
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        status, _ = check_before_launch([*QUICK[:1], "model.num_moe_experts=4"], tmp_path, monkeypatch, capsys)
+    assert status == 0 and any("moe_ffn_hidden_size is not set" in str(w.message) for w in said)
+
+
 def test_relative_data_path_and_final_step_checkpoint(tmp_path):
     """``data.path`` relative to where the command started (Hydra runs in the run directory);
     5 steps with a checkpoint every 3: step 3 (periodic) and step 5 (the final step) are saved."""

@@ -117,7 +117,29 @@ def resolve_ckpt_path(cfg: TrainConfig, output_dir: Path) -> str | None:
         read_metadata(path)  # also refuses the earlier format, naming the command that converts it
     except FileNotFoundError as error:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path}: {error}") from None
+    if cfg.mode == "fit":
+        check_resumed_schedule(cfg, path)
     return str(path)
+
+
+def check_resumed_schedule(cfg: TrainConfig, path: Path) -> None:
+    """A run resumed from ``path`` follows the learning-rate schedule it was saved with: other
+    settings (``optim.lr``, ``optim.warmup_steps``, ``optim.min_lr_ratio``, ``optim.weight_decay``,
+    ``trainer.max_steps``) are refused unless ``optim.override_scheduler=true`` (the same rule the module's scheduler
+    applies when it loads the checkpoint, here before any process starts)."""
+    from lightning_mhc.checkpoint import read_trainer_state
+    from lightning_mhc.cli.schema import in_config_keys
+    from lightning_mhc.lightning.modules.base import SCHEDULE_KEY, schedule_mismatch
+
+    if cfg.optim.override_scheduler:
+        return
+    state = read_trainer_state(path)
+    saved = (state.get("lr_schedulers") or [{}])[0]
+    settings = dict(lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, max_steps=cfg.trainer.max_steps,
+                    min_lr_ratio=cfg.optim.min_lr_ratio, weight_decay=cfg.optim.weight_decay)
+    error = schedule_mismatch(saved.get(SCHEDULE_KEY), settings, saved.get("last_epoch", state.get("global_step", 0)))
+    if error is not None:
+        raise in_config_keys(error).within(f"ckpt_path={cfg.ckpt_path}")
 
 
 def say_invalid(*messages: str) -> None:

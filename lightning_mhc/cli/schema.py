@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -418,7 +419,10 @@ class TrainerConfig:
     gradient_clip_val: float = 1.0
     val_check_interval: int = 50
     limit_val_batches: int = 8
-    log_every_n_steps: int = 10
+    log_every_n_steps: Optional[int] = None
+    """Log the training metrics every N steps; null: every 10 steps, and in a run of fewer than 100
+    steps every ``max_steps // 10`` (every step under 20), so that a short run logs its training loss
+    too (Lightning's default of 50 would log none of a 5-step run): ``log_interval``."""
     checkpoint_every_n_steps: int = 50
     enable_progress_bar: bool = True
     raise_on_nonfinite_loss: bool = True
@@ -431,6 +435,14 @@ class TrainerConfig:
     """torch.set_float32_matmul_precision in every process: 'highest' (fp32), 'high' (cuBLAS tf32;
     the mHC projection kernel tf32x3), 'medium' (tf32). trainer=gpu sets 'high'."""
 
+    @property
+    def log_interval(self) -> int:
+        """The Trainer's ``log_every_n_steps``: ``log_every_n_steps``, or where null 10 steps, fewer
+        in a short run (about 10 rows of training metrics, at least every step's under 20 steps)."""
+        if self.log_every_n_steps is not None:
+            return self.log_every_n_steps
+        return max(1, min(10, self.max_steps // 10))
+
     def __post_init__(self) -> None:
         _one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
         _one_of("trainer.precision", self.precision, PRECISIONS)
@@ -439,7 +451,8 @@ class TrainerConfig:
         _at_least("trainer.num_nodes", self.num_nodes, 1, "Set trainer.num_nodes to the number of nodes, >= 1.")
         _at_least("trainer.max_steps", self.max_steps, 1, "Set trainer.max_steps to the optimizer steps to train, >= 1.")
         for name in ("val_check_interval", "log_every_n_steps", "checkpoint_every_n_steps"):
-            _at_least(f"trainer.{name}", getattr(self, name), 1, f"Set trainer.{name} to a number of steps, >= 1.")
+            if getattr(self, name) is not None:
+                _at_least(f"trainer.{name}", getattr(self, name), 1, f"Set trainer.{name} to a number of steps, >= 1.")
         if self.peak_tflops is not None:
             _positive("trainer.peak_tflops", self.peak_tflops, "Set trainer.peak_tflops to one device's peak "
                       "TFLOP/s (e.g. 989 for an H100's bf16), or null for the known GPUs' figures.")
@@ -463,6 +476,10 @@ class OptimConfig:
     warmup_steps: Optional[int] = None
     """null: the model's default, as ``lr``."""
     min_lr_ratio: float = 0.1
+    override_scheduler: bool = False
+    """Resuming (``ckpt_path=``) from a checkpoint whose learning-rate schedule had other settings
+    (optim.lr, optim.warmup_steps, optim.min_lr_ratio, optim.weight_decay, trainer.max_steps): follow
+    this run's from the checkpoint's step (Megatron-LM's --override-opt_param-scheduler); false: refused."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: each data-parallel rank keeps the optimizer state of 1/DP of the parameters
     (MHCParallelStrategy(use_distributed_optimizer=...))."""
@@ -568,11 +585,17 @@ class TrainConfig:
         if self.model.is_hf:
             self._check_hf_model()
             return
-        config = self.transformer_config()  # megatron's and the model's own checks, with their messages
         from lightning_mhc.model.config import with_parallel_layout
 
-        # the model under this layout: experts over EP, MoE without sequence parallelism
-        with_parallel_layout(config, self.layout)
+        # megatron's warnings on the model alone (e.g. "moe_ffn_hidden_size is not set") are said
+        # only of a model this layout takes: a refused one gets its one line, nothing before it
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("default")
+            config = self.transformer_config()  # megatron's and the model's own checks, with their messages
+            # the model under this layout: experts over EP, MoE without sequence parallelism
+            with_parallel_layout(config, self.layout)
+        for warning in said:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         self.layout.check_model({}, self.data.seq_length)  # (layers and sizes: by with_parallel_layout, above)
 
     # --------------------------------------------------------------- checks
@@ -801,6 +824,9 @@ CONFIG_LABELS: dict[str, Label] = {
     "seed": Label("seed"),
     "raise_on_nonfinite_loss": Label("trainer.raise_on_nonfinite_loss"),
     "use_distributed_optimizer": Label("optim.use_distributed_optimizer"),
+    **{name: Label(f"optim.{name}") for name in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay",
+                                                  "override_scheduler")},
+    "max_steps": Label("trainer.max_steps"),
     "policy": Label("recompute.policy"),
     "recompute_modules": Label("recompute.recompute_modules (and set recompute.recompute_mlp=false)",
                                _recompute_modules),

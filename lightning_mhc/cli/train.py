@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,23 +49,40 @@ from lightning_mhc.cli.preflight import (
 
 
 def build_logger(cfg: TrainConfig, output_dir: Path, resolved: dict[str, Any], resumed_step: int | None = None):
-    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+    from lightning.pytorch.loggers import WandbLogger
 
     if cfg.logger.name == "none":
         return False
     if cfg.logger.name == "csv":
-        return CSVLogger(save_dir=str(output_dir), name="", version=_csv_version(output_dir, resumed_step))
+        return _csv_logger(output_dir, _csv_version(output_dir, resumed_step))
     if cfg.logger.name == "wandb":
         return WandbLogger(project=cfg.logger.project, name=cfg.name, save_dir=str(output_dir),
                            offline=cfg.logger.offline, config=resolved)
     raise ConfigError(f"logger.name={cfg.logger.name!r}: choose csv, wandb or none.")
 
 
+def _csv_logger(output_dir: Path, version: str):
+    """Lightning's CSVLogger in the run directory (``version``: ``_csv_version``). Its writer warns
+    of any non-empty directory that "previous log files ... will be deleted", and deletes only a
+    ``metrics.csv`` there; a run directory always holds Hydra's files, and never an earlier run's
+    ``metrics.csv`` (``_csv_version`` writes beside it), so that warning is never true here."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    class RunDirCSVLogger(CSVLogger):
+        @property
+        def experiment(self):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+                return super().experiment
+
+    return RunDirCSVLogger(save_dir=str(output_dir), name="", version=version)
+
+
 def _csv_version(output_dir: Path, resumed_step: int | None) -> str:
-    """``metrics.csv`` in the run directory; a run resumed in a directory that has one already
-    (``ckpt_path=last``) writes to ``resumed_from_step_<N>/`` instead, because Lightning's
-    CSVLogger deletes an existing ``metrics.csv``."""
-    if not (output_dir / "metrics.csv").exists():
+    """``metrics.csv`` in the run directory; a run resumed in a directory that has an earlier run's
+    logs already (``ckpt_path=last``) writes to ``resumed_from_step_<N>/`` instead, because
+    Lightning's CSVLogger deletes an existing ``metrics.csv`` (and rewrites ``hparams.yaml``)."""
+    if not any((output_dir / name).exists() for name in ("metrics.csv", "hparams.yaml")):
         return ""
     base = f"resumed_from_step_{resumed_step if resumed_step is not None else 0}"
     version, n = base, 1
@@ -114,22 +132,24 @@ def _build_trainer(cfg: TrainConfig, strategy, output_dir: Path, resolved: dict[
 
     from lightning_mhc.lightning import MHCRecomputeCallback
     from lightning_mhc.lightning.callbacks.final_step import FinalStepCheckpoint
+    from lightning_mhc.lightning.callbacks.progress import step_progress_bar
 
     t = cfg.trainer
     recompute = MHCRecomputeCallback(cfg.recompute_policy)
+    bar = step_progress_bar() if t.enable_progress_bar else None
     # names without '=' (Lightning's default 'epoch=0-step=5'), so that ckpt_path=<path> needs no quoting in Hydra
     checkpoints = FinalStepCheckpoint(
         dirpath=str(output_dir / "checkpoints"), filename="step-{step:06d}", auto_insert_metric_name=False,
-        every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=1, save_last=False)
+        every_n_train_steps=t.checkpoint_every_n_steps, save_top_k=1, save_last=False, resumed_from=ckpt_path)
     trainer = pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy, precision=t.precision,
         max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val, val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.limit_val_batches,
         limit_test_batches=t.limit_val_batches,  # mode=test: the held-out split, as validation reads it
-        log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
+        log_every_n_steps=t.log_interval, enable_progress_bar=t.enable_progress_bar,
         detect_anomaly=t.detect_anomaly,
         logger=build_logger(cfg, output_dir, resolved or {}, _checkpoint_step(ckpt_path)),
-        callbacks=[recompute, checkpoints],
+        callbacks=[recompute, checkpoints, *([bar] if bar is not None else [])],
         default_root_dir=str(output_dir),
     )
     return trainer, checkpoints
@@ -145,11 +165,13 @@ def _build_module_and_data(cfg: TrainConfig, output_dir: Path):
         module = HFCausalLMModule(m.hf_dir, pretrained=bool(m.pretrained), hyper_connections=m.hyper_connections,
                                   plan=m.plan, seed=m.init_seed, optimizer=o.name, lr=o.lr, weight_decay=o.weight_decay,
                                   warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
-                                  implementation=m.mhc_implementation, peak_flops=_peak_flops(cfg))
+                                  implementation=m.mhc_implementation, peak_flops=_peak_flops(cfg),
+                                  override_scheduler=o.override_scheduler)
         return module, _build_data(cfg, output_dir)
     module = MHCGPTModule(cfg.transformer_config(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                           warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
-                          optimizer=cfg.optim.name, peak_flops=_peak_flops(cfg))
+                          optimizer=cfg.optim.name, peak_flops=_peak_flops(cfg),
+                          override_scheduler=cfg.optim.override_scheduler)
     return module, _build_data(cfg, output_dir)
 
 

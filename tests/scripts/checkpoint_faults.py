@@ -78,7 +78,8 @@ def fit(ckpt_dir: pathlib.Path, ckpt_path: str | None, max_steps: int, record: p
         strategy=MHCParallelStrategy(timeout=datetime.timedelta(seconds=60)),
         callbacks=[checkpoints, Recorder(record)],
     )
-    module = MHCGPTModule(dict(model_config(0.0), num_layers=2), lr=1e-3, warmup_steps=2)
+    # each run of the chain trains 3 steps past its checkpoint (max_steps grows): its schedule is its own
+    module = MHCGPTModule(dict(model_config(0.0), num_layers=2), lr=1e-3, warmup_steps=2, override_scheduler=True)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
 
 

@@ -94,6 +94,8 @@ def idioms(args, name: str, tp: int, pp: int, out: pathlib.Path) -> dict:
     result["top_k"] = sorted(pathlib.Path(p).name for p in best.best_k_models)
     result["best_score"] = float(best.best_model_score)
     trainer.fit_loop.epoch_loop.max_steps = 8
+    # two more steps decay to max_steps=8, not the saved schedule's 6: said, or the resume is refused
+    module.override_scheduler = True
     trainer.fit(module, datamodule=data, ckpt_path=str(saved))  # a second fit, resuming
     result["resumed_losses"] = recorder.losses[len(result["losses"]):]
     result["global_step"] = trainer.global_step

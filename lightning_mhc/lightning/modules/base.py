@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
+from lightning_mhc.errors import ConfigError, literal
 from lightning_mhc.lightning.modules.throughput import ThroughputMeter
 from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.model.flops import device_peak_flops
@@ -219,11 +220,14 @@ class PipelinedLMModule(pl.LightningModule):
 
     # ------------------------------------------------------------ optimizer recipe
     def warmup_cosine_optimizer(self, name: str, lr: float, weight_decay: float, betas: Iterable[float],
-                                warmup_steps: int, min_lr_ratio: float, max_steps: int | None = None) -> dict:
+                                warmup_steps: int, min_lr_ratio: float, max_steps: int | None = None,
+                                override_scheduler: bool = False) -> dict:
         """``OPTIMIZERS[name]`` (SGD: momentum ``betas[0]``; no weight decay on vectors and
         hyper-connections) with linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at
         ``max_steps`` (default: the Trainer's; constant after warm-up without one). Lightning's dict:
-        ``["optimizer"]`` and ``["lr_scheduler"]["scheduler"]`` (stepped every optimizer step)."""
+        ``["optimizer"]`` and ``["lr_scheduler"]["scheduler"]`` (a :class:`WarmupCosineSchedule`,
+        stepped every optimizer step: a checkpoint of another schedule is refused on resume unless
+        ``override_scheduler``)."""
         betas = tuple(betas)
         decay, no_decay = [], []
         for param_name, p in self.named_parameters():
@@ -238,7 +242,9 @@ class PipelinedLMModule(pl.LightningModule):
         if max_steps is None and self._trainer is not None:
             max_steps = self._trainer.max_steps
         total = max_steps if max_steps and max_steps > 0 else None
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(warmup_steps, total, min_lr_ratio))
+        scheduler = WarmupCosineSchedule(optimizer, lr=lr, warmup_steps=warmup_steps, max_steps=total,
+                                         min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
+                                         override_scheduler=override_scheduler)
         return dict(optimizer=optimizer, lr_scheduler=dict(scheduler=scheduler, interval="step"))
 
     def global_parameter_name(self, name: str) -> str:
@@ -261,6 +267,84 @@ def _batch_tokens(batch: Any) -> Tensor | None:
             if isinstance(batch.get(key), Tensor):
                 return batch[key]
     return None
+
+
+class WarmupCosineSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """Linear warm-up over ``warmup_steps``, then cosine decay from ``lr`` to ``min_lr_ratio * lr``
+    at ``max_steps`` (None: constant after warm-up), with the optimizer's ``weight_decay``. Its
+    state carries these settings, and a state saved under other settings is refused on load, as
+    Megatron-LM's ``OptimizerParamScheduler`` refuses one (its learning rates and weight decay):
+    restoring it as it was would run the resumed step at the old schedule's rate (the optimizer's
+    saved ``lr``) and the steps after it on the new one's, and keep the saved weight decay. With
+    ``override_scheduler`` (Megatron's ``--override-opt_param-scheduler``) this schedule and weight
+    decay are followed from the saved step on, that step included."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr: float, warmup_steps: int, max_steps: int | None,
+                 min_lr_ratio: float, weight_decay: float = 0.0, override_scheduler: bool = False) -> None:
+        self.settings = dict(lr=lr, warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio,
+                             weight_decay=weight_decay)
+        self.override_scheduler = override_scheduler
+        self._weight_decays = [group.get("weight_decay", 0.0) for group in optimizer.param_groups]
+        """Each group's weight decay as built (0 for vectors): loading the optimizer's state replaces it."""
+        super().__init__(optimizer, _warmup_cosine(warmup_steps, max_steps, min_lr_ratio))
+
+    _OWN = ("settings", "override_scheduler", "_weight_decays")
+    """This run's, never taken from a state (LRScheduler's state is its whole ``__dict__``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {k: v for k, v in super().state_dict().items() if k not in self._OWN}
+        return {**state, SCHEDULE_KEY: dict(self.settings)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = {k: v for k, v in state_dict.items() if k not in self._OWN}
+        saved = state.pop(SCHEDULE_KEY, None)
+        error = schedule_mismatch(saved, self.settings, state.get("last_epoch", 0))
+        if error is not None and not self.override_scheduler:
+            raise error
+        base_lrs = list(self.base_lrs)
+        super().load_state_dict(state)
+        if error is None:
+            return
+        # the saved step on, at this schedule's rates: the optimizer's groups were restored with
+        # the saved schedule's lr (and initial_lr), which the next step would otherwise use
+        self.base_lrs = base_lrs
+        for group, base, factor, decay in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas,
+                                              self._weight_decays):
+            group["initial_lr"] = base
+            group["lr"] = base * factor(self.last_epoch)
+            if "weight_decay" in group:
+                group["weight_decay"] = decay
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+
+SCHEDULE_KEY = "lightning_mhc_schedule"
+"""Where :class:`WarmupCosineSchedule`'s state keeps its settings (a checkpoint's
+``lr_schedulers[0]``)."""
+
+_SCHEDULE_TERMS = dict(lr="the peak learning rate", warmup_steps="the warm-up's length",
+                       max_steps="the step the cosine decay ends at", min_lr_ratio="the final rate's share of lr",
+                       weight_decay="the matrices' weight decay")
+
+
+def schedule_mismatch(saved: Mapping[str, Any] | None, settings: Mapping[str, Any], step: int) -> ConfigError | None:
+    """The error for resuming, at ``step``, a schedule saved with ``saved`` settings under other
+    ``settings`` (None: the same, or a state saved before the settings were kept, which cannot be
+    compared). Its message names the settings that differ and ``override_scheduler``; its fields
+    are all of them (a door relabels them: the CLI's ``trainer.max_steps``, ``optim.lr`` ...)."""
+    if saved is None:
+        return None
+    changed = [name for name in _SCHEDULE_TERMS if saved.get(name) != settings.get(name)]
+    if not changed:
+        return None
+    said = ", ".join(f"{{{name}}} ({_SCHEDULE_TERMS[name]}; the checkpoint's {literal(repr(saved.get(name)))})"
+                     for name in changed)
+    return ConfigError(
+        f"the checkpoint's learning-rate schedule differs from this run's: {said}.",
+        f"Resume with the checkpoint's values, or set {{override_scheduler:True}} to follow this run's schedule "
+        f"from the checkpoint's step {step} on.",
+        values=dict(lr=settings.get("lr"), warmup_steps=settings.get("warmup_steps"),
+                    max_steps=settings.get("max_steps"), min_lr_ratio=settings.get("min_lr_ratio"),
+                    weight_decay=settings.get("weight_decay"), override_scheduler=False))
 
 
 def _warmup_cosine(warmup: int, total: int | None, min_ratio: float):

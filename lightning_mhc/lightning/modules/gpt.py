@@ -62,6 +62,9 @@ class MHCGPTModule(PipelinedLMModule):
             refused by the distributed optimizer).
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr``
             at ``trainer.max_steps`` (constant after warm-up when max_steps is unset).
+        override_scheduler: resuming from a checkpoint whose schedule had other settings (``lr``,
+            ``warmup_steps``, ``min_lr_ratio``, ``max_steps``, ``weight_decay``) follows this module's
+            schedule from the checkpoint's step; without it that resume is refused (``WarmupCosineSchedule``).
         recompute_policy: ``none``, ``selective``, ``mhc_block`` or ``full``, or a
             :class:`RecomputePolicy` with options; ``MHCRecomputeCallback`` sets it too
             (``configure_recompute``).
@@ -83,6 +86,7 @@ class MHCGPTModule(PipelinedLMModule):
         recompute_policy: str | Mapping[str, Any] | RecomputePolicy = "none",
         peak_flops: float | None = None,
         optimizer: str = "adamw",
+        override_scheduler: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -107,6 +111,7 @@ class MHCGPTModule(PipelinedLMModule):
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.peak_flops = peak_flops
         self.optimizer_name = optimizer
+        self.override_scheduler = override_scheduler
         self.model: GPTModel | torch.nn.ModuleList | None = None
         """This rank's stage (a ModuleList of its chunks with a virtual pipeline; see model_chunks)."""
         self.generation_kwargs: dict[str, Any] = dict(max_new_tokens=32)
@@ -227,7 +232,8 @@ class MHCGPTModule(PipelinedLMModule):
         Lightning's dict: ``["optimizer"]`` and ``["lr_scheduler"]["scheduler"]`` (stepped every
         optimizer step)."""
         return self.warmup_cosine_optimizer(self.optimizer_name, self.lr, self.weight_decay, self.betas,
-                                            self.warmup_steps, self.min_lr_ratio, max_steps)
+                                            self.warmup_steps, self.min_lr_ratio, max_steps,
+                                            override_scheduler=self.override_scheduler)
 
     def flops_per_token(self, seq_length: int) -> float | None:
         return training_flops_per_token(self.model_config, seq_length)

@@ -62,6 +62,8 @@ class HFCausalLMModule(ParallelLMModule):
         seed: the initialisation seed (fresh weights, and the hyper-connections' parameters).
         optimizer, lr, weight_decay, betas, warmup_steps, min_lr_ratio: the optimizer recipe
             (``warmup_cosine_optimizer``).
+        override_scheduler: resuming from a checkpoint of another schedule follows this one from the
+            checkpoint's step (without it, refused: ``WarmupCosineSchedule``).
         implementation: the hyper-connections' ops (``mhc_implementation``).
         peak_flops: one device's peak FLOP/s, for the logged ``mfu``; None: the figure of a known
             GPU (``lightning_mhc.model.flops``), and no ``mfu`` on CPU or an unknown device.
@@ -70,7 +72,8 @@ class HFCausalLMModule(ParallelLMModule):
     def __init__(self, model_dir: str, pretrained: bool = False, hyper_connections: int | None = None,
                  plan: str = "auto", seed: int = 0, optimizer: str = "adamw", lr: float = 3e-4,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0,
-                 min_lr_ratio: float = 0.1, implementation: str = "auto", peak_flops: float | None = None) -> None:
+                 min_lr_ratio: float = 0.1, implementation: str = "auto", peak_flops: float | None = None,
+                 override_scheduler: bool = False) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, betas=betas)
         self.peak_flops = peak_flops
         self._forward_flops: tuple[float, float] | None = None
@@ -81,6 +84,7 @@ class HFCausalLMModule(ParallelLMModule):
         self.model_dir, self.pretrained, self.plan, self.seed = str(model_dir), pretrained, plan, seed
         self.hyper_connection_settings = HyperConnectionSettings.of(hyper_connections, seed, implementation)
         self.optimizer_name, self.warmup_steps, self.min_lr_ratio = optimizer, warmup_steps, min_lr_ratio
+        self.override_scheduler = override_scheduler
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -100,7 +104,8 @@ class HFCausalLMModule(ParallelLMModule):
 
     def configure_optimizers(self, max_steps: int | None = None):
         return self.warmup_cosine_optimizer(self.optimizer_name, self.lr, self.weight_decay, self.betas,
-                                            self.warmup_steps, self.min_lr_ratio, max_steps)
+                                            self.warmup_steps, self.min_lr_ratio, max_steps,
+                                            override_scheduler=self.override_scheduler)
 
     @staticmethod
     def whole_model(hparams: dict[str, Any]) -> nn.Module:
