@@ -8,11 +8,14 @@ left behind (survivors are terminated, then killed).
 from __future__ import annotations
 
 import datetime
+import fcntl
 import os
 import pickle
 import queue
+import random
 import resource
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -25,10 +28,75 @@ class RankError(RuntimeError):
     """A rank raised; the message holds its traceback."""
 
 
+PORT_LOCKS = os.path.join(tempfile.gettempdir(), "lightning_mhc_ports")
+"""One lock file per port a process of this machine holds for a group's store (``free_port``)."""
+
+_held_ports: dict[int, int] = {}
+"""Port -> the descriptor of its lock file, for the ports this process holds."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for ``bind(0)`` and outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999      # Linux's default
+
+
 def free_port() -> int:
+    """A TCP port for a process group's store, held for this process until :func:`release_port`
+    (or its exit).
+
+    A port taken with ``bind(0)`` and closed comes from the kernel's ephemeral range, from which
+    every outgoing connection and every gloo listener of the other groups running beside this one
+    also draws: one took such a port between the pick and the store's bind, and a group failed with
+    EADDRINUSE. This port is drawn outside that range, where only an explicit bind can take it, and
+    an exclusive lock on its file under ``PORT_LOCKS`` keeps every other process that picks ports
+    here from choosing it while this one holds it. Where the ephemeral range leaves no room below
+    it, the kernel's pick as before."""
+    low, _ = _ephemeral_range()
+    first = 20000 if low > 21000 else 1024
+    if low - first < 1000:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    os.makedirs(PORT_LOCKS, exist_ok=True)
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(first, low)
+        if port in _held_ports:
+            continue
+        fd = os.open(os.path.join(PORT_LOCKS, f"{port}.lock"), os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        if _bindable(port):
+            _held_ports[port] = fd
+            return port
+        os.close(fd)
+    raise RuntimeError(f"no free port in [{first}, {low}) after 200 tries")
+
+
+def release_port(port: int) -> None:
+    """Let other processes pick ``port`` again (its group has ended)."""
+    fd = _held_ports.pop(port, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _bindable(port: int) -> bool:
+    """Whether a store could bind ``port`` now (as it does: every address, SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def _worker(
@@ -153,6 +221,7 @@ def spawn_ranks(
     finally:
         _reap(procs, grace_s=10.0 if finished else 0.0)
         results.close()
+        release_port(port)
     return [outputs[rank] for rank in range(world_size)]
 
 
