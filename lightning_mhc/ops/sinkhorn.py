@@ -54,12 +54,20 @@ def sinkhorn_knopp(logits: Tensor, iterations: int, eps: float = SINKHORN_EPS, c
 def _deepseek_v4_comb(logits: Tensor, iterations: int, eps: float) -> Tensor:
     """V4's comb: softmax over rows + eps, columns, then ``iterations - 1`` rounds of rows and
     columns, every sum with ``eps`` added."""
+    _at_least_one(iterations)
     comb = torch.softmax(logits, dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iterations - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return comb
+
+
+def _at_least_one(iterations: int) -> None:
+    """V4's Sinkhorn always runs its first round (softmax and columns); ``hc_sinkhorn_iters = 0``
+    would run it as 1 does, so it is refused rather than read silently as 1."""
+    if iterations < 1:
+        raise ValueError(f"DeepSeek-V4's Sinkhorn: iterations={iterations}, need at least 1 (hc_sinkhorn_iters)")
 
 
 def _deepseek_v4_backward(logits: Tensor, grad: Tensor, iterations: int, eps: float) -> Tensor:
@@ -99,6 +107,8 @@ def sinkhorn_forward(logits: Tensor, iterations: int, eps: float = SINKHORN_EPS,
     """The reference's values without a graph (the CPU kernel, or eager ops in place)."""
     logits = logits.float()
     v4 = convention == "deepseek_v4"
+    if v4:
+        _at_least_one(iterations)
     kernel = _kernel(logits)
     if kernel is not None:
         return kernel.sinkhorn_forward(logits.contiguous(), iterations, eps, v4)
