@@ -497,3 +497,19 @@ def test_the_documented_gpu_call_is_what_make_gpu_wheels_prints(monkeypatch, tmp
     assert gpu_check.download_wheels(tmp_path / ".whl", checkout) == 0
     assert (tmp_path / ".megatron-lm" / "hyper_connection.py").read_text() == "class HyperConnectionModule: ...\n"
     assert call in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
+def test_v4_hyper_connection(tmp_path):
+    """DeepSeek-V4's sub-layer on our kernels beside transformers' module: every variant timed,
+    the fused one saves fewer bytes than transformers', and the conventions' H_res table (with the
+    transpose the two orders agree exactly)."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    out = tmp_path / "v4.json"
+    _run("v4_hyper_connection.py", "--hidden", "32", "--tokens", "64", "--device", "cpu", "--out", str(out))
+    result = json.loads(out.read_text())
+    row = result["table"]["32"]
+    assert set(row) == {"transformers", "fused", "reference"}
+    assert all(v["median_s"] > 0 for v in row.values()), row
+    assert row["fused"]["saved_bytes_per_token"] < row["transformers"]["saved_bytes_per_token"]
+    assert [r["with_transpose"] for r in result["sinkhorn_conventions"]] == [0.0, 0.0, 0.0]

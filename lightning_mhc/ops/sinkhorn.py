@@ -6,9 +6,16 @@ Both versions compute, in fp32::
     repeat t_max times:  P = P / colsum(P);  P = P / rowsum(P)
 
 Columns first, then rows: the paper's ``T_r(T_c(.))`` (arXiv 2512.24880, eq. 9).
-Megatron-LM's mHC normalises rows first; after 20 iterations the two orders
-differ by up to 1.6e-2 on H_res for wide logits and agree to 3e-7 after 200
-(both converge to the same matrix). Every sum is clamped to at least
+DeepSeek-V4 (and Megatron-LM main, which follows it) normalise rows first, but of ``comb``, whose
+transpose is the residual mixing (the layer computes ``comb^T x``): rows of ``comb`` are columns of
+``H_res``, so with the transpose the two orders are the same computation (measured: identical bits
+at every logit scale). Without the transpose they differ by 1.4e-4 (logits ~ N(0, 1)), 9.2e-2
+(N(0, 5^2)) and 0.82 (N(0, 25^2)) after 20 iterations. What does change ``H_res`` is V4's eps
+floors (``+ eps`` after the softmax, ``sum + eps`` denominators; ``convention="deepseek_v4"``): at
+most 3e-6 at N(0, 1) logits, but up to 0.47 at N(0, 5^2) and 1.0 at N(0, 25^2) (median 0.46 per
+token there), where 20 iterations have not converged and the floors decide which small entries
+survive (4096 tokens, n = 4, fp32; ``python benchmarks/v4_hyper_connection.py`` prints them).
+Every sum is clamped to at least
 ``SINKHORN_EPS`` (1e-6, as Megatron-LM does), so finite logits never give NaN
 or inf: a column whose entries all underflow stays 0 instead of becoming 0/0.
 
