@@ -161,6 +161,15 @@ def test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation(sharp):
     bad = {name: (error(o, e), error(r, e)) for name, o, r, e in zip(names, ours, reference, exact)
            if error(o, e) > ERROR_FACTOR * error(r, e) + ERROR_FLOOR[torch.float32]}
     assert bad == {}, bad
+    # V4's floor on H_pre, which the bound above cannot see (1e-6 of the streams' sum): pre logits
+    # of -100 leave exactly eps of each stream
+    floor = base.clone()
+    floor[:N] = -100.0
+    xs = x.to(DEVICE)
+    agg, _, _ = fused_pre_packed(xs, fn.to(DEVICE).t(), scale.to(DEVICE), floor.to(DEVICE), N, 1e-6, 20,
+                                 TritonKernels, deepseek_v4())
+    expected = 1e-6 * xs.view(TOKENS, N, C).sum(dim=1)
+    assert torch.allclose(agg, expected, rtol=1e-3, atol=1e-9 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("prob", [0.0, 0.1])

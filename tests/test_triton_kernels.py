@@ -338,6 +338,12 @@ def test_the_deepseek_v4_mappings_match_the_eager_ones(n, c, tokens):
             results[kernels.name] = (*h, dz)
         for name, ours, eager in zip(("H_pre", "H_post", "H_res", "dz"), results["triton"], results["eager"]):
             assert rel_err(ours, eager) < 1e-5, (name, sharp, rel_err(ours, eager))
+    # V4's floor on H_pre: pre logits of -100 leave exactly eps (1e-6 beside H_pre ~ 1 would pass
+    # the comparison above without it)
+    floor_bias = bias.clone()
+    floor_bias[:n] = -100.0
+    h_pre = TritonKernels.mappings(raw, r, alpha, floor_bias, n, 6, 1e-6, convention="deepseek_v4")[0]
+    assert torch.allclose(h_pre, torch.full_like(h_pre, 1e-6), rtol=1e-3, atol=0)
 
 
 @interpreted
