@@ -13,8 +13,8 @@ the files left in the folder named by ``$OUT``. So:
   killed with every process it started; SIGTERM ends the run the same way, JSON written.
 - **Results in ``$OUT``** when it is set (else ``benchmarks/results/gpu``; ``--out-dir`` wins):
   ``gpu_check.json``, ``gpu_check.log`` (every step's output), ``gpu_tests.jsonl`` (a line per test
-  as it starts and ends), ``gpu_mhc.json`` and the plots ``gpu_mhc.png``, ``train_small.png``: 6
-  files, one folder, names the device tool returns.
+  as it starts and ends), ``gpu_mhc.json``, ``v4_hyper_connection.json`` and the plots
+  ``gpu_mhc.png``, ``train_small.png``: 7 files, one folder, names the device tool returns.
 - **Nothing from outside**: what the package imports that the image lacks (``GPU_WHEELS``:
   megatron-core, Hydra, OmegaConf, ANTLR's runtime) is installed offline into ``.gpu-site/`` from
   ``.whl/``, which ``--download-wheels`` fills where the index is reachable (``make gpu-wheels``,
@@ -27,7 +27,8 @@ tests/test_gpu.py``: each test's outcome, seconds and message; on a GPU a skippe
 step, as Triton missing would), ``gpu_mhc`` (``benchmarks/gpu_mhc.py``; on a GPU the Triton rows
 must run), ``train_small`` (``lightning-mhc-train trainer=gpu model=small recompute=mhc_block``,
 50 steps on the shipped stdlib corpus: losses, which must fall, step time, tokens/s, peak CUDA
-memory). A failure (a raised error, a missing file, a step past its time) is recorded with its
+memory), ``v4_hyper_connection`` (``benchmarks/v4_hyper_connection.py``: DeepSeek-V4's sub-layer
+on our kernels beside transformers' module, when the image's transformers has it). A failure (a raised error, a missing file, a step past its time) is recorded with its
 message and output tail, and the next step runs; the exit status is 1 when any step failed.
 
 ``--dry-run`` (what happens without CUDA): the same steps on CPU, small (the GPU set's CPU dry run,
@@ -76,7 +77,8 @@ MIN_STEP_S = 15.0
 REPORT_RESERVE_S = 5.0
 """Kept back from each step's time for reading its results, plotting and writing the JSON."""
 TRAIN_STEPS = 50
-OUTPUTS = ("gpu_check.json", "gpu_check.log", "gpu_tests.jsonl", "gpu_mhc.json", "gpu_mhc.png", "train_small.png")
+OUTPUTS = ("gpu_check.json", "gpu_check.log", "gpu_tests.jsonl", "gpu_mhc.json", "gpu_mhc.png", "train_small.png",
+           "v4_hyper_connection.json")
 """Every file a run writes (an earlier run's are removed first, so none is read stale)."""
 
 
@@ -519,8 +521,28 @@ def _plot_training(series: dict, path: pathlib.Path) -> None:
     save_figure(fig, path)
 
 
+def v4_hyper_connection(ctx: Context) -> dict:
+    """``benchmarks/v4_hyper_connection.py``: DeepSeek-V4's hyper-connection sub-layer on our
+    kernels (Triton's on the GPU) beside transformers' module, time and saved bytes. Needs
+    transformers with DeepSeek-V4 (5.24 or later) in the image: without it the step fails saying
+    so, and the others have run."""
+    if importlib.util.find_spec("transformers") is None or \
+            importlib.util.find_spec("transformers.models.deepseek_v4") is None:
+        raise StepFailed("transformers with DeepSeek-V4 (>= 5.24) is not installed here")
+    out = ctx.out_dir / "v4_hyper_connection.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "v4_hyper_connection.py"), "--out", str(out)]
+    if ctx.dry:
+        command += ["--rounds", "2", "--hidden", "32", "--tokens", "64", "--device", "cpu"]
+    else:
+        command += ["--hidden", "4096", "--tokens", "8192", "--implementations", "auto", "fused"]
+    output = _run(command, ctx, cwd=ROOT / "benchmarks")
+    if not out.exists():
+        raise StepFailed(f"v4_hyper_connection.py exited 0 and wrote no {out.name}", output)
+    return {"figures": json.loads(out.read_text())}
+
+
 STEPS = [Step("gpu_tests", gpu_tests, cap_s=300, so_far=_tests_so_far), Step("gpu_mhc", gpu_benchmark, cap_s=240),
-         Step("train_small", train_small, cap_s=180)]
+         Step("train_small", train_small, cap_s=180), Step("v4_hyper_connection", v4_hyper_connection, cap_s=90)]
 """In order of value: what the GPU tests show first, then the figures, then the training run."""
 
 

@@ -218,7 +218,9 @@ DRY_RUN_PASSED = {
       for p in ("dtype0-highest", "dtype1-highest", "dtype2-high", "dtype3-medium")),
     "test_res_post_kernel_at_real_shapes[0.0]", "test_res_post_kernel_at_real_shapes[0.1]",
     "test_block_recompute_is_bit_exact_with_dropout[fused]", "test_block_recompute_is_bit_exact_with_dropout[compile]",
-    "test_compile_of_a_model_with_recompute_hooks"}
+    "test_compile_of_a_model_with_recompute_hooks",
+    "test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation[False]",
+    "test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation[True]"}
 DRY_RUN_SKIPPED = {
     "test_the_kernels_run_compiled_not_in_the_interpreter", "test_block_recompute_is_bit_exact_with_dropout[auto]",
     "test_retained_bytes_match_the_cuda_allocator[none]", "test_retained_bytes_match_the_cuda_allocator[mhc_block]",
@@ -275,6 +277,10 @@ def test_gpu_check_without_cuda_is_a_dry_run_of_every_step(tmp_path):
         assert "--megatron-lm" in rows["megatron_eager"]["absent"]
     assert rows["fused"]["saved_bytes_per_token"] < rows["reference"]["saved_bytes_per_token"]
     assert result["model"]["hc_vs_no_hc"] > 0 and result["model"]["mhc_block_vs_none"] > 0
+
+    v4 = report["steps"]["v4_hyper_connection"]
+    assert v4["status"] == "passed", v4
+    assert set(v4["figures"]["table"]["32"]) == {"transformers", "fused", "reference"}
 
     train = report["steps"]["train_small"]
     assert len(train["losses"]) == 8 and train["loss_fell_by_fraction"] >= 0.05, train["losses"]
@@ -452,7 +458,7 @@ def test_gpu_check_ends_within_a_small_budget(tmp_path):
     started = [line["test"] for line in lines if line["event"] == "started"]
     assert set(tests["tests"]) == finished and tests.get("running_when_stopped", []) == [
         name for name in started if name not in finished]
-    for name in ("gpu_mhc", "train_small"):
+    for name in ("gpu_mhc", "train_small", "v4_hyper_connection"):
         assert report["steps"][name]["status"] == "not run" and "budget left" in report["steps"][name]["reason"]
     log = str(tmp_path / "gpu_tests.jsonl")
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _environ_has(pid, f"GPU_TEST_LOG={log}")]
@@ -497,3 +503,19 @@ def test_the_documented_gpu_call_is_what_make_gpu_wheels_prints(monkeypatch, tmp
     assert gpu_check.download_wheels(tmp_path / ".whl", checkout) == 0
     assert (tmp_path / ".megatron-lm" / "hyper_connection.py").read_text() == "class HyperConnectionModule: ...\n"
     assert call in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
+def test_v4_hyper_connection(tmp_path):
+    """DeepSeek-V4's sub-layer on our kernels beside transformers' module: every variant timed,
+    the fused one saves fewer bytes than transformers', and the conventions' H_res table (with the
+    transpose the two orders agree exactly)."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    out = tmp_path / "v4.json"
+    _run("v4_hyper_connection.py", "--hidden", "32", "--tokens", "64", "--device", "cpu", "--out", str(out))
+    result = json.loads(out.read_text())
+    row = result["table"]["32"]
+    assert set(row) == {"transformers", "fused", "reference"}
+    assert all(v["median_s"] > 0 for v in row.values()), row
+    assert row["fused"]["saved_bytes_per_token"] < row["transformers"]["saved_bytes_per_token"]
+    assert [r["with_transpose"] for r in result["sinkhorn_conventions"]] == [0.0, 0.0, 0.0]

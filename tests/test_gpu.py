@@ -110,6 +110,68 @@ def test_triton_kernels_against_an_fp64_evaluation_at_real_shapes(dtype, matmul_
     assert fp64_bound_violations("triton", inputs, upstream, N, matmul_precision, iterations=20) == {}
 
 
+@pytest.mark.parametrize("sharp", [False, True])
+def test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation(sharp):
+    """DeepSeek-V4's convention (``pre + eps``, V4's Sinkhorn, ``H_res = comb^T``) on Triton's
+    kernels at real shapes (C = 4096, 8192 tokens, 20 iterations; fp32), its parameters laid out as
+    transformers' (``fn [(2+n)n, n*C]`` read through ``fn.t()``), at init-scale and sharp logits
+    (scales 25): the aggregate, H_res, H_post, a linear branch and the mix, forward and every
+    gradient, each within ERROR_FACTOR times the op-by-op reference's fp32 error against the same
+    reference in fp64, plus ERROR_FLOOR. (The reference is transformers' module's op order, checked
+    against it on CPU in tests/test_deepseek_v4_ops.py, so this needs no transformers here.)"""
+    _triton()
+    from model_utils import ERROR_FACTOR, ERROR_FLOOR
+
+    from lightning_mhc.ops.convention import deepseek_v4
+    from lightning_mhc.ops.hyper_connection import fused_pre_packed, fused_res_post, reference_pre, reference_res_post
+    from lightning_mhc.ops.triton_kernels import TritonKernels
+
+    g = torch.Generator().manual_seed(7)
+    m, width = N * N + 2 * N, N * C
+    fn = torch.randn(m, width, generator=g) * (1.0 / width ** 0.5 if sharp else 0.02)
+    scale = torch.tensor([25.0, 20.0, 25.0]) if sharp else torch.tensor([1.1, 0.9, 1.0])
+    base = torch.randn(m, generator=g) * (2.0 if sharp else 0.5)
+    weight = torch.randn(C, C, generator=g) / C ** 0.5
+    x = torch.randn(TOKENS, width, generator=g)
+    upstream = torch.randn(TOKENS, width, generator=g)
+
+    def run(implementation, dtype):
+        leaves = [t.to(DEVICE, dtype).requires_grad_(True) for t in (x, fn, scale, base, weight)]
+        xs, fn_, scale_, base_, weight_ = leaves
+        if implementation == "triton":
+            agg, h_res, h_post = fused_pre_packed(xs, fn_.t(), scale_, base_, N, 1e-6, 20, TritonKernels,
+                                                  deepseek_v4())
+            y = fused_res_post(xs, h_res, h_post, agg @ weight_.t(), None, 0.0, TritonKernels)
+        else:
+            phi = fn_.t()
+            params = (phi[:, :N], phi[:, N:2 * N], phi[:, 2 * N:], scale_[0], scale_[1], scale_[2], base_[:N],
+                      base_[N:2 * N], base_[2 * N:].view(N, N))
+            agg, h_res, h_post = reference_pre(xs, params, N, 1e-6, 20, deepseek_v4())
+            y = reference_res_post(xs, h_res, h_post, agg @ weight_.t())
+        loss = (y * upstream.to(DEVICE, dtype)).sum()
+        return [y.detach(), h_res.detach(), h_post.detach(), *torch.autograd.grad(loss, leaves)]
+
+    exact = run("reference", torch.float64)
+    ours, reference = run("triton", torch.float32), run("reference", torch.float32)
+
+    def error(a, e):
+        return ((a.double() - e).abs().max() / e.abs().max()).item()
+
+    names = ("next stream", "H_res", "H_post", "dx", "d fn", "d scale", "d base", "d weight")
+    bad = {name: (error(o, e), error(r, e)) for name, o, r, e in zip(names, ours, reference, exact)
+           if error(o, e) > ERROR_FACTOR * error(r, e) + ERROR_FLOOR[torch.float32]}
+    assert bad == {}, bad
+    # V4's floor on H_pre, which the bound above cannot see (1e-6 of the streams' sum): pre logits
+    # of -100 leave exactly eps of each stream
+    floor = base.clone()
+    floor[:N] = -100.0
+    xs = x.to(DEVICE)
+    agg, _, _ = fused_pre_packed(xs, fn.to(DEVICE).t(), scale.to(DEVICE), floor.to(DEVICE), N, 1e-6, 20,
+                                 TritonKernels, deepseek_v4())
+    expected = 1e-6 * xs.view(TOKENS, N, C).sum(dim=1)
+    assert torch.allclose(agg, expected, rtol=1e-3, atol=1e-9 * expected.abs().max().item())
+
+
 @pytest.mark.parametrize("prob", [0.0, 0.1])
 def test_res_post_kernel_at_real_shapes(prob):
     """``H_res x + dropout(H_post^T (out + b))`` in bf16 against its fp32 math with the kernel's

@@ -266,8 +266,9 @@ def test_every_kernel_compiles_for_an_h100_ahead_of_time(tmp_path):
     runtime branch must give the same shape: the Sinkhorn step once picked rows or columns that
     way, passed here and could not compile). Every variant the code can launch (n = 2, 3, 4, 6, 8;
     fp32, bf16 and fp16 streams; a bf16 or fp16 sub-layer output on an fp32 stream; every bias and
-    dropout variant) is compiled for sm_90 down to a cubin (ptxas), and n = 4 for sm_80 and sm_100,
-    in a child process without ``TRITON_INTERPRET``, no GPU needed: 351 kernels. The projection's
+    dropout variant, the mappings in both conventions) is compiled for sm_90 down to a cubin (ptxas),
+    and n = 4 for sm_80 and sm_100, in a child process without ``TRITON_INTERPRET``, no GPU needed:
+    365 kernels. The projection's
     tf32 and tf32x3 variants multiply on the tensor cores (their PTX has ``mma``, ``wgmma`` or
     ``tcgen05.mma``), its ``ieee`` one does not."""
     import pathlib
@@ -280,7 +281,7 @@ def test_every_kernel_compiles_for_an_h100_ahead_of_time(tmp_path):
     script = pathlib.Path(__file__).parent / "scripts" / "compile_triton_kernels.py"
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("ok   ") == 351, proc.stdout
+    assert proc.stdout.count("ok   ") == 365, proc.stdout
     projections = [line for line in proc.stdout.splitlines() if "_projection_fwd" in line]
     assert len(projections) == 15, projections
     for line in projections:
@@ -316,3 +317,46 @@ def test_lightning_mhc_train_with_triton_and_compile_matches_the_eager_paths(tmp
         assert runs[ours].keys() == runs[eager].keys() and len(runs[eager]) == 3, runs
         for step, loss in runs[eager].items():
             assert abs(runs[ours][step] - loss) <= 1e-5 * abs(loss), (ours, step, runs[ours][step], loss)
+
+
+@interpreted
+@pytest.mark.parametrize("n, c, tokens", SHAPES)
+def test_the_deepseek_v4_mappings_match_the_eager_ones(n, c, tokens):
+    """DeepSeek-V4's convention (``V4``): ``H_pre + eps``, V4's Sinkhorn stored as ``comb^T``, and the
+    logits' gradient, against the eager set (the C++ kernel), at init-scale and sharp logits."""
+    g = torch.Generator().manual_seed(n * 10 + c)
+    x = torch.randn(tokens, n * c, generator=g)
+    phi, alpha, bias = _params(n, c)
+    for sharp in (1.0, 25.0):
+        raw, r = EagerKernels.project(x, phi, 1e-6)
+        results = {}
+        for kernels in (EagerKernels, TritonKernels):
+            h = kernels.mappings(raw, r, alpha * sharp, bias, n, 6, 1e-6, convention="deepseek_v4")
+            grads = [torch.randn(t.shape, generator=torch.Generator().manual_seed(k)) for k, t in enumerate(h)]
+            dz = kernels.mappings_dz(raw, r, alpha * sharp, bias, h[0], h[1], *grads, n, 6, 1e-6,
+                                     convention="deepseek_v4")
+            results[kernels.name] = (*h, dz)
+        for name, ours, eager in zip(("H_pre", "H_post", "H_res", "dz"), results["triton"], results["eager"]):
+            assert rel_err(ours, eager) < 1e-5, (name, sharp, rel_err(ours, eager))
+    # V4's floor on H_pre: pre logits of -100 leave exactly eps (1e-6 beside H_pre ~ 1 would pass
+    # the comparison above without it)
+    floor_bias = bias.clone()
+    floor_bias[:n] = -100.0
+    h_pre = TritonKernels.mappings(raw, r, alpha, floor_bias, n, 6, 1e-6, convention="deepseek_v4")[0]
+    assert torch.allclose(h_pre, torch.full_like(h_pre, 1e-6), rtol=1e-3, atol=0)
+
+
+@interpreted
+def test_deepseek_v4_modules_on_the_triton_kernels_match_transformers():
+    """transformers' V4 hyper-connection, the layer's mix and the hyper head on Triton's kernels
+    (``use_our_ops(..., "triton")``), forward and every gradient, against transformers' fp32 and
+    its code in fp64 (tests/v4_utils.py; the bound of tests/test_deepseek_v4_ops.py)."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from test_deepseek_v4_ops import ERROR_FACTOR, ERROR_FLOOR
+    from v4_utils import errors, v4_inputs, v4_modules
+
+    for sharp in (False, True):
+        modules = v4_modules(n=3, iterations=4, sharp=sharp)
+        x, upstream = v4_inputs(5, n=3)
+        for name, (ours, theirs, apart) in errors("triton", modules, x, upstream).items():
+            assert ours <= ERROR_FACTOR * theirs + ERROR_FLOOR, (name, sharp, ours, theirs)

@@ -7,6 +7,8 @@ eager ops with C++ kernels on CPU (``hyper_connection.EagerKernels``), or Triton
 (``triton_kernels.TritonKernels``, ``mhc_implementation='triton'``, and 'auto' on CUDA).
 ``compile``: the reference math compiled by ``torch.compile`` (fused code without Triton's kernels
 of our own; inductor itself generates Triton on CUDA and C++ on CPU).
+Each computes this project's mHC or DeepSeek-V4's convention (``convention.py``);
+``deepseek_v4.py`` runs transformers' DeepSeek-V4 hyper-connection modules on them.
 """
 from __future__ import annotations
 

@@ -26,6 +26,10 @@ stream's dtype. Two implementations of the same math:
   token, the paper's post/res fusion: ``H_res @ x`` is never stored on its own).
   Each computes its pieces through a kernel set (``EagerKernels`` here,
   ``triton_kernels.TritonKernels``).
+
+Both compute either convention (``lightning_mhc.ops.convention``): the project's mHC or
+DeepSeek-V4's (``pre + eps``, a softmax-first Sinkhorn with eps floors, ``H_res = comb^T``).
+``HyperHead`` is V4's final collapse of the streams (``DeepseekV4HyperHead``) on the same kernels.
 """
 from __future__ import annotations
 
@@ -34,9 +38,10 @@ import functools
 import torch
 from torch import Tensor
 
+from lightning_mhc.ops.convention import MHC, Convention
 from lightning_mhc.ops.cpu_kernels import kernels_for
 from lightning_mhc.ops.rms_norm import rms_normalize
-from lightning_mhc.ops.sinkhorn import SINKHORN_EPS, sinkhorn_backward, sinkhorn_forward, sinkhorn_knopp
+from lightning_mhc.ops.sinkhorn import sinkhorn_backward, sinkhorn_forward, sinkhorn_knopp
 
 
 def _no_autocast(device_type: str):
@@ -46,18 +51,21 @@ def _no_autocast(device_type: str):
 # ------------------------------------------------------------------ reference path
 def reference_mappings(
     x: Tensor, phi_pre, phi_post, phi_res, a_pre, a_post, a_res, b_pre, b_post, b_res,
-    n: int, eps: float, iterations: int,
+    n: int, eps: float, iterations: int, convention: Convention = MHC,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``x [..., n*C]`` -> ``(H_pre [..., n], H_post [..., n], H_res [..., n, n])``, fp32 (fp64 for an
-    fp64 ``x``)."""
+    fp64 ``x``); ``eps`` is the RMS norm's, ``convention`` carries the Sinkhorn's (and V4's floors)."""
     with _no_autocast(x.device.type):
         xn = rms_normalize(x, eps)
         phi = torch.cat([phi_pre, phi_post, phi_res], dim=1).to(xn.dtype)
         proj = xn @ phi
         p_pre, p_post, p_res = proj.split([n, n, n * n], dim=-1)
         h_pre = torch.sigmoid(a_pre * p_pre + b_pre)
+        if convention.deepseek_v4:
+            h_pre = h_pre + convention.eps
         h_post = 2.0 * torch.sigmoid(a_post * p_post + b_post)
-        h_res = sinkhorn_knopp(a_res * p_res.unflatten(-1, (n, n)) + b_res, iterations)
+        h_res = sinkhorn_knopp(a_res * p_res.unflatten(-1, (n, n)) + b_res, iterations, convention.eps,
+                               convention.name)
     return h_pre, h_post, h_res
 
 
@@ -80,13 +88,14 @@ def reference_apply_h_post(out: Tensor, h_post: Tensor) -> Tensor:
     return (h_post.to(out.dtype).unsqueeze(-1) * out.unsqueeze(-2)).flatten(-2)
 
 
-def reference_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int):
+def reference_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int,
+                  convention: Convention = MHC):
     """Mappings and aggregate op by op: ``(aggregated, H_res, H_post)``."""
     # One autograd consumer of x for all these ops (the view sums their gradients), as the fused
     # node is: x's gradient is then this sum plus the bias-dropout-add's, added in the same
     # grouping whether or not block recompute checkpoints the two apart (bit-exact recompute).
     x = x.view_as(x)
-    h_pre, h_post, h_res = reference_mappings(x, *params, n=n, eps=eps, iterations=iterations)
+    h_pre, h_post, h_res = reference_mappings(x, *params, n=n, eps=eps, iterations=iterations, convention=convention)
     return reference_aggregate(x, h_pre, n), h_res, h_post
 
 
@@ -103,7 +112,7 @@ def compiled(function):
     ``n``, ``eps`` and ``iterations`` are constants of the graph, and a new shape recompiles. No
     random draws inside. Under block recompute the forward (no grad) and the recompute (grad) run
     two compiled graphs; they gave the same bits on CPU (tests/test_fused_ops.py), the GPU test set
-    checks CUDA."""
+    checks CUDA. A ``Convention`` argument is a constant of the graph too (guarded by value)."""
     return torch.compile(function, fullgraph=True)
 
 
@@ -178,9 +187,10 @@ class EagerKernels:
 
     A kernel set has these static methods, all on ``[T, ...]`` tensors, mappings in fp32:
     ``project(x, phi, eps) -> (raw = x @ phi, r = 1/rms(x) [T])``;
-    ``mappings(raw, r, alpha, bias, n, iterations, eps) -> (H_pre, H_post, H_res)``;
-    ``mappings_dz(raw, r, alpha, bias, H_pre, H_post, dH_pre, dH_post, dH_res, n, iterations, eps)
-    -> dz`` (the gradient of the logits ``z = alpha * r * raw + bias``);
+    ``mappings(raw, r, alpha, bias, n, iterations, eps, convention) -> (H_pre, H_post, H_res)``;
+    ``mappings_dz(raw, r, alpha, bias, H_pre, H_post, dH_pre, dH_post, dH_res, n, iterations, eps,
+    convention) -> dz`` (the gradient of the logits ``z = alpha * r * raw + bias``); ``eps`` and
+    ``convention`` (a name) as ``lightning_mhc.ops.convention.Convention``'s;
     ``aggregate(x, H_pre, n) -> H_pre x`` and ``aggregate_backward(x, H_pre, g, n) -> (dx, dH_pre)``;
     ``res_post(x, H_res, H_post, out, bias, prob, seed) -> H_res x + dropout(H_post^T (out + bias))``
     and ``res_post_backward(..., grad) -> (dx, dH_res, dH_post, d out)``. ``DROPOUT``: whether
@@ -200,22 +210,27 @@ class EagerKernels:
         return xf @ phi, r.view(-1)
 
     @staticmethod
-    def mappings(raw, r, alpha, bias, n: int, iterations: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    def mappings(raw, r, alpha, bias, n: int, iterations: int, eps: float, convention: str = "mhc",
+                 ) -> tuple[Tensor, Tensor, Tensor]:
         z = torch.addcmul(bias, raw * r[:, None], _expand_alpha(alpha, n))
         h_pre = torch.sigmoid(z[:, :n])
+        if convention == "deepseek_v4":
+            h_pre.add_(eps)
         h_post = torch.sigmoid(z[:, n:2 * n]).mul_(2.0)
-        h_res = sinkhorn_forward(z[:, 2 * n:].reshape(raw.shape[0], n, n), iterations, eps)
+        h_res = sinkhorn_forward(z[:, 2 * n:].reshape(raw.shape[0], n, n), iterations, eps, convention)
         return h_pre, h_post, h_res
 
     @staticmethod
     def mappings_dz(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_h_post, g_h_res, n: int, iterations: int,
-                    eps: float) -> Tensor:
+                    eps: float, convention: str = "mhc") -> Tensor:
         a = _expand_alpha(alpha, n)
         logits = torch.addcmul(bias[2 * n:], (raw * r[:, None])[:, 2 * n:], a[2 * n:]).view(raw.shape[0], n, n)
+        if convention == "deepseek_v4":  # H_pre = sigmoid + eps: the sigmoid again, not H_pre - eps (rounded)
+            h_pre = torch.sigmoid(torch.addcmul(bias[:n], (raw * r[:, None])[:, :n], a[:n]))
         return torch.cat([
             g_h_pre * h_pre * (1.0 - h_pre),
             g_h_post * h_post * (1.0 - 0.5 * h_post),
-            sinkhorn_backward(logits, g_h_res, iterations, eps).view(raw.shape[0], n * n),
+            sinkhorn_backward(logits, g_h_res, iterations, eps, convention).view(raw.shape[0], n * n),
         ], dim=1)
 
     aggregate = staticmethod(_aggregate)
@@ -229,22 +244,24 @@ class HyperConnectionPre(torch.autograd.Function):
     H_post [T, n])`` in one node. ``x``'s gradient comes back in its shape, not as a view (see
     ``_not_a_view``).
 
-    Takes the packed parameters: ``phi = [phi_pre | phi_post | phi_res]`` ``[n*C, n^2+2n]``,
-    ``alpha = [a_pre, a_post, a_res]`` and ``bias = [b_pre | b_post | b_res]`` ``[n^2+2n]``, and
-    the kernel set that computes the pieces (``EagerKernels`` or Triton's). Saves ``x``, the
+    Takes the packed parameters: ``phi = [phi_pre | phi_post | phi_res]`` ``[n*C, n^2+2n]`` (any
+    strides: DeepSeek-V4's ``fn.t()`` is read in place), ``alpha = [a_pre, a_post, a_res]`` and
+    ``bias = [b_pre | b_post | b_res]`` ``[n^2+2n]``, the kernel set that computes the pieces
+    (``EagerKernels`` or Triton's) and the ``Convention``. Saves ``x``, the
     parameters, the raw projection ``x @ phi`` and ``r`` (``n^2+2n+1`` floats per token),
     ``H_pre`` and ``H_post``. The Sinkhorn backward re-runs its iterations from the logits,
     which are recomputed from the projection.
     """
 
     @staticmethod
-    def forward(ctx, stream, phi, alpha, bias, n, eps, iterations, kernels=EagerKernels):
+    def forward(ctx, stream, phi, alpha, bias, n, eps, iterations, kernels=EagerKernels, convention=MHC):
         x = stream.reshape(-1, stream.shape[-1])
         raw, r = kernels.project(x, phi, eps)
-        h_pre, h_post, h_res = kernels.mappings(raw, r, alpha, bias, n, iterations, SINKHORN_EPS)
+        h_pre, h_post, h_res = kernels.mappings(raw, r, alpha, bias, n, iterations, convention.eps,
+                                                convention=convention.name)
         aggregated = kernels.aggregate(x, h_pre, n)
         ctx.save_for_backward(stream, phi, alpha, bias, raw, r, h_pre, h_post)
-        ctx.n, ctx.iterations, ctx.kernels = n, iterations, kernels
+        ctx.n, ctx.iterations, ctx.kernels, ctx.convention = n, iterations, kernels, convention
         return aggregated, h_res, h_post
 
     @staticmethod
@@ -260,47 +277,92 @@ class HyperConnectionPre(torch.autograd.Function):
         stream, phi, alpha, bias, raw, r, h_pre, h_post = ctx.saved_tensors
         n, iterations, kernels = ctx.n, ctx.iterations, ctx.kernels
         x = stream.reshape(-1, stream.shape[-1])
-        width = x.shape[1]
         dx, g_h_pre = kernels.aggregate_backward(x, h_pre, g_agg, n)
         # mappings: z = alpha * (r * raw) + bias, then sigmoid / 2 sigmoid / Sinkhorn
         dz = kernels.mappings_dz(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_post, g_res, n, iterations,
-                                 SINKHORN_EPS)
-        r = r[:, None]
-        proj = raw * r
+                                 ctx.convention.eps, convention=ctx.convention.name)
         d_bias = dz.sum(0)
-        per_column = (dz * proj).sum(0)
+        per_column = (dz * (raw * r[:, None])).sum(0)
         d_alpha = torch.stack([per_column[:n].sum(), per_column[n:2 * n].sum(), per_column[2 * n:].sum()])
-        d_raw = dz.mul_(_expand_alpha(alpha, n)).mul_(r)
-        d_r = (d_raw * raw).sum(dim=-1, keepdim=True).div_(r)  # = sum(d_proj * raw)
-        xf = x.float()
-        d_phi = torch.mm(d_raw.t(), xf).t()  # [n^2+2n, T] @ [T, n*C]: MKL runs it ~1.5x faster than x^T @ d_raw
-        # r = (mean(x^2) + eps)^(-1/2):  dr/dx = -r^3 x / width
-        coef = d_r * r.pow(3) * (-1.0 / width)
-        if x.dtype == torch.float32:
-            dx.addmm_(d_raw, phi.t()).addcmul_(coef, xf)
-        else:
-            dx = (dx.float().addmm_(d_raw, phi.t()).addcmul_(coef, xf)).to(x.dtype)
-        return _not_a_view(dx, stream.shape), d_phi, d_alpha, d_bias, None, None, None, None
+        dx, d_phi = _projection_backward(x, phi, raw, r, dz.mul_(_expand_alpha(alpha, n)), dx)
+        return _not_a_view(dx, stream.shape), d_phi, d_alpha, d_bias, None, None, None, None, None
+
+
+def _projection_backward(x: Tensor, phi: Tensor, raw: Tensor, r: Tensor, d_scaled: Tensor, dx: Tensor):
+    """Through ``proj = r * (x @ phi)`` with ``r = 1/rms(x)``, from ``d_scaled = d proj`` (taken
+    over, scaled in place): ``(dx + what the projection adds, d_phi)``."""
+    width = x.shape[1]
+    r = r[:, None]
+    d_raw = d_scaled.mul_(r)
+    d_r = (d_raw * raw).sum(dim=-1, keepdim=True).div_(r)  # = sum(d_proj * raw)
+    xf = x.float()
+    d_phi = torch.mm(d_raw.t(), xf).t()  # [m, T] @ [T, n*C]: MKL runs it ~1.5x faster than x^T @ d_raw
+    # r = (mean(x^2) + eps)^(-1/2):  dr/dx = -r^3 x / width
+    coef = d_r * r.pow(3) * (-1.0 / width)
+    if x.dtype == torch.float32:
+        dx.addmm_(d_raw, phi.t()).addcmul_(coef, xf)
+    else:
+        dx = (dx.float().addmm_(d_raw, phi.t()).addcmul_(coef, xf)).to(x.dtype)
+    return dx, d_phi
 
 
 def fused_pre_packed(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, n: int, eps: float, iterations: int,
-                     kernels=EagerKernels):
+                     kernels=EagerKernels, convention: Convention = MHC):
     """``HyperConnectionPre`` on a ``[..., n*C]`` stream: ``(aggregated, H_res, H_post)``."""
     lead = x.shape[:-1]
     with _no_autocast(x.device.type):
         aggregated, h_res, h_post = HyperConnectionPre.apply(
-            x, phi.float(), alpha.float(), bias.float(), n, eps, iterations, kernels
+            x, phi.float(), alpha.float(), bias.float(), n, eps, iterations, kernels, convention
         )
     return aggregated.view(*lead, -1), h_res.view(*lead, n, n), h_post.view(*lead, n)
 
 
-def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int, kernels=EagerKernels):
+def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterations: int, kernels=EagerKernels,
+              convention: Convention = MHC):
     """``fused_pre_packed`` from the nine separate parameters (``reference_pre``'s signature)."""
     phi_pre, phi_post, phi_res, a_pre, a_post, a_res, b_pre, b_post, b_res = params
     return fused_pre_packed(
         x, torch.cat([phi_pre, phi_post, phi_res], dim=1), torch.stack([a_pre, a_post, a_res]),
-        torch.cat([b_pre, b_post, b_res.flatten()]), n, eps, iterations, kernels,
+        torch.cat([b_pre, b_post, b_res.flatten()]), n, eps, iterations, kernels, convention,
     )
+
+
+class HyperHead(torch.autograd.Function):
+    """DeepSeek-V4's final collapse of the streams (``DeepseekV4HyperHead``) on the kernel set:
+    ``pre = sigmoid(scale * (x @ phi) / rms(x) + base) + eps`` ``[T, n]``, out ``= pre x`` ``[T, C]``
+    (``phi [n*C, n]``: the head's ``hc_fn.t()``, read in place). Saves ``x``, the raw projection and
+    ``r`` (``n + 1`` floats per token); the sigmoid is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, stream, phi, scale, base, n, norm_eps, eps, kernels=EagerKernels):
+        x = stream.reshape(-1, stream.shape[-1])
+        raw, r = kernels.project(x, phi, norm_eps)
+        pre = torch.sigmoid(torch.addcmul(base, raw * r[:, None], scale)).add_(eps)
+        ctx.save_for_backward(stream, phi, scale, base, raw, r)
+        ctx.n, ctx.kernels, ctx.eps = n, kernels, eps
+        return kernels.aggregate(x, pre, n)
+
+    @staticmethod
+    def backward(ctx, g_out):
+        stream, phi, scale, base, raw, r, = ctx.saved_tensors
+        n, kernels = ctx.n, ctx.kernels
+        x = stream.reshape(-1, stream.shape[-1])
+        with _no_autocast(g_out.device.type):
+            proj = raw * r[:, None]
+            s = torch.sigmoid(torch.addcmul(base, proj, scale))
+            dx, g_pre = kernels.aggregate_backward(x, s + ctx.eps, g_out.contiguous(), n)
+            dz = g_pre * s * (1.0 - s)
+            d_base, d_scale = dz.sum(0), (dz * proj).sum().reshape(1)
+            dx, d_phi = _projection_backward(x, phi, raw, r, dz * scale, dx)
+        return _not_a_view(dx, stream.shape), d_phi, d_scale, d_base, None, None, None, None
+
+
+def fused_hyper_head(x: Tensor, phi: Tensor, scale: Tensor, base: Tensor, n: int, norm_eps: float, eps: float,
+                     kernels=EagerKernels) -> Tensor:
+    """``HyperHead`` on a ``[..., n*C]`` stream: ``[..., C]``."""
+    with _no_autocast(x.device.type):
+        out = HyperHead.apply(x, phi.float(), scale.float(), base.float(), n, norm_eps, eps, kernels)
+    return out.view(*x.shape[:-1], -1)
 
 
 class ResPostBiasDropoutAdd(torch.autograd.Function):

@@ -6,9 +6,16 @@ Both versions compute, in fp32::
     repeat t_max times:  P = P / colsum(P);  P = P / rowsum(P)
 
 Columns first, then rows: the paper's ``T_r(T_c(.))`` (arXiv 2512.24880, eq. 9).
-Megatron-LM's mHC normalises rows first; after 20 iterations the two orders
-differ by up to 1.6e-2 on H_res for wide logits and agree to 3e-7 after 200
-(both converge to the same matrix). Every sum is clamped to at least
+DeepSeek-V4 (and Megatron-LM main, which follows it) normalise rows first, but of ``comb``, whose
+transpose is the residual mixing (the layer computes ``comb^T x``): rows of ``comb`` are columns of
+``H_res``, so with the transpose the two orders are the same computation (measured: identical bits
+at every logit scale). Without the transpose they differ by 1.4e-4 (logits ~ N(0, 1)), 9.2e-2
+(N(0, 5^2)) and 0.82 (N(0, 25^2)) after 20 iterations. What does change ``H_res`` is V4's eps
+floors (``+ eps`` after the softmax, ``sum + eps`` denominators; ``convention="deepseek_v4"``): at
+most 3e-6 at N(0, 1) logits, but up to 0.47 at N(0, 5^2) and 1.0 at N(0, 25^2) (median 0.46 per
+token there), where 20 iterations have not converged and the floors decide which small entries
+survive (4096 tokens, n = 4, fp32; ``python benchmarks/v4_hyper_connection.py`` prints them).
+Every sum is clamped to at least
 ``SINKHORN_EPS`` (1e-6, as Megatron-LM does), so finite logits never give NaN
 or inf: a column whose entries all underflow stays 0 instead of becoming 0/0.
 
@@ -36,13 +43,57 @@ def _start(logits: Tensor) -> Tensor:
     return torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
 
 
-def sinkhorn_knopp(logits: Tensor, iterations: int, eps: float = SINKHORN_EPS) -> Tensor:
-    """The reference: ``iterations`` column-then-row normalisations of ``exp(logits)``, fp32 (or fp64)."""
+def sinkhorn_knopp(logits: Tensor, iterations: int, eps: float = SINKHORN_EPS, convention: str = "mhc") -> Tensor:
+    """The reference: ``iterations`` column-then-row normalisations of ``exp(logits)``, fp32 (or fp64).
+
+    ``convention="deepseek_v4"``: DeepSeek-V4's ``comb`` from the same logits, op for op as
+    transformers' ``DeepseekV4HyperConnection`` computes it, returned transposed (``H_res = comb^T``,
+    see ``lightning_mhc.ops.convention``)."""
+    if convention == "deepseek_v4":
+        return _deepseek_v4_comb(at_least_fp32(logits), iterations, eps).mT
     p = _start(at_least_fp32(logits))  # exp(L - max L)
     for _ in range(iterations):
         p = p / p.sum(dim=-2, keepdim=True).clamp_min(eps)  # columns sum to 1
         p = p / p.sum(dim=-1, keepdim=True).clamp_min(eps)  # rows sum to 1
     return p
+
+
+def _deepseek_v4_comb(logits: Tensor, iterations: int, eps: float) -> Tensor:
+    """V4's comb: softmax over rows + eps, columns, then ``iterations - 1`` rounds of rows and
+    columns, every sum with ``eps`` added."""
+    _at_least_one(iterations)
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iterations - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def _at_least_one(iterations: int) -> None:
+    """V4's Sinkhorn always runs its first round (softmax and columns); ``hc_sinkhorn_iters = 0``
+    would run it as 1 does, so it is refused rather than read silently as 1."""
+    if iterations < 1:
+        raise ValueError(f"DeepSeek-V4's Sinkhorn: iterations={iterations}, need at least 1 (hc_sinkhorn_iters)")
+
+
+def _deepseek_v4_backward(logits: Tensor, grad: Tensor, iterations: int, eps: float) -> Tensor:
+    """d loss / d logits from d loss / d H_res (= comb^T) in V4's convention, eager: the C++
+    kernel's walk (csrc/sinkhorn_cpu.cpp) on the gradient with respect to ``log P``. A step
+    ``Q = P / (sum P + eps)`` gives ``g_P = g_Q - Q sum(g_Q)``; ``Q = P + eps`` gives
+    ``g_P = g_Q P / Q``; the row softmax ``g_L = g_P - P rowsum(g_P)``."""
+    soft = torch.softmax(logits, dim=-1)
+    q = soft + eps
+    steps = []  # (dim, Q after the step)
+    for k in range(1, 2 * iterations):
+        dim = -2 if k % 2 == 1 else -1
+        q = q / (q.sum(dim=dim, keepdim=True) + eps)
+        steps.append((dim, q))
+    g = grad.float().mT * q
+    for dim, qk in reversed(steps):
+        g = g - qk * g.sum(dim=dim, keepdim=True)
+    g = g * (soft / (soft + eps))
+    return g - soft * g.sum(dim=-1, keepdim=True)
 
 
 def _normalise_(p: Tensor, dim: int, eps: float) -> tuple[Tensor, Tensor]:
@@ -59,12 +110,17 @@ def _kernel(*tensors: Tensor):
     return kernels_for(*tensors) if all(t.dim() == 3 for t in tensors) else None
 
 
-def sinkhorn_forward(logits: Tensor, iterations: int, eps: float = SINKHORN_EPS) -> Tensor:
+def sinkhorn_forward(logits: Tensor, iterations: int, eps: float = SINKHORN_EPS, convention: str = "mhc") -> Tensor:
     """The reference's values without a graph (the CPU kernel, or eager ops in place)."""
     logits = logits.float()
+    v4 = convention == "deepseek_v4"
+    if v4:
+        _at_least_one(iterations)
     kernel = _kernel(logits)
     if kernel is not None:
-        return kernel.sinkhorn_forward(logits.contiguous(), iterations, eps)
+        return kernel.sinkhorn_forward(logits.contiguous(), iterations, eps, v4)
+    if v4:
+        return _deepseek_v4_comb(logits, iterations, eps).mT.contiguous()
     p = _start(logits)
     for _ in range(iterations):
         _normalise_(p, -2, eps)
@@ -76,21 +132,21 @@ class SinkhornKnopp(torch.autograd.Function):
     """``sinkhorn_knopp`` as one node that saves only the logits (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, iterations: int, eps: float) -> Tensor:
+    def forward(ctx, logits: Tensor, iterations: int, eps: float, convention: str = "mhc") -> Tensor:
         logits = logits.float()
-        p = sinkhorn_forward(logits, iterations, eps)
+        p = sinkhorn_forward(logits, iterations, eps, convention)
         ctx.save_for_backward(logits)
-        ctx.iterations, ctx.eps = iterations, eps
+        ctx.iterations, ctx.eps, ctx.convention = iterations, eps, convention
         return p
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (logits,) = ctx.saved_tensors
         with torch.autocast(device_type=logits.device.type, enabled=False):  # fp32, as the forward
-            return sinkhorn_backward(logits, grad, ctx.iterations, ctx.eps), None, None
+            return sinkhorn_backward(logits, grad, ctx.iterations, ctx.eps, ctx.convention), None, None, None
 
 
-def sinkhorn_backward(logits: Tensor, grad: Tensor, iterations: int, eps: float) -> Tensor:
+def sinkhorn_backward(logits: Tensor, grad: Tensor, iterations: int, eps: float, convention: str = "mhc") -> Tensor:
     """d loss / d logits from d loss / d P, re-running the iterations.
 
     Walks the steps in reverse on the gradient with respect to ``log P``
@@ -99,10 +155,14 @@ def sinkhorn_backward(logits: Tensor, grad: Tensor, iterations: int, eps: float)
     makes the last ``g`` the logits' gradient. There is no division: entries that
     underflow to 0 behind a clamped sum keep a finite (zero) gradient, where the
     reference's autograd multiplies by 1/eps at every step and ends in inf * 0 = NaN.
+    ``convention="deepseek_v4"``: see ``_deepseek_v4_backward``.
     """
+    v4 = convention == "deepseek_v4"
     kernel = _kernel(logits, grad.float())
     if kernel is not None:
-        return kernel.sinkhorn_backward(logits.contiguous(), grad.float().contiguous(), iterations, eps)
+        return kernel.sinkhorn_backward(logits.contiguous(), grad.float().contiguous(), iterations, eps, v4)
+    if v4:
+        return _deepseek_v4_backward(logits, grad, iterations, eps)
     p = _start(logits)
     steps = []  # (dim, Q after the step, raw sums)
     for _ in range(iterations):

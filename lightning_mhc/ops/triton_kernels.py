@@ -14,6 +14,9 @@ may be any size: register tiles are padded to ``NP``, the next power of two, wit
   registers. Its backward re-runs the iterations instead of storing them, walking the steps in
   reverse with each step's matrix recomputed from the start (iterations^2 small normalisations
   per token: arithmetic in registers, where the kernel's cost is reading memory).
+  DeepSeek-V4's convention (``V4``, ``lightning_mhc.ops.convention``): ``H_pre = sigmoid + eps`` and
+  V4's comb (softmax over rows + eps, then columns, ``t - 1`` rounds of rows and columns over
+  ``sum + eps``) on the logits as laid out, stored transposed (``H_res = comb^T``).
 - ``aggregate``: ``H_pre x`` ``[T, C]`` in one read of ``x``; its backward gives ``dx`` and ``dH_pre``.
 - ``res_post``: the next stream ``H_res x + dropout(H_post^T (out + bias))`` in one pass that reads
   ``x`` and ``out`` and writes ``n C`` per token (the paper's post/res kernel); its backward reads
@@ -368,6 +371,60 @@ def _sinkhorn_iterations(p, count, eps):
 
 
 @triton.jit
+def _v4_softmax_rows(z_res, m3):
+    """V4's start: the softmax of each row of the logits (padded rows and entries 0)."""
+    logits = tl.where(m3, z_res, float("-inf"))
+    top = tl.max(logits, axis=2)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    p = tl.where(m3, tl.exp(logits - top[:, :, None]), 0.0)
+    sums = tl.sum(p, axis=2)
+    return p / tl.where(sums == 0.0, 1.0, sums)[:, :, None]
+
+
+@triton.jit
+def _v4_columns(p, eps):
+    return p / (tl.sum(p, axis=1)[:, None, :] + eps)
+
+
+@triton.jit
+def _v4_rows(p, eps):
+    return p / (tl.sum(p, axis=2)[:, :, None] + eps)
+
+
+@triton.jit
+def _v4_rounds(p, count, eps):
+    """``count`` rounds of V4's rows, then columns."""
+    for _ in range(0, count):
+        p = _v4_columns(_v4_rows(p, eps), eps)
+    return p
+
+
+@triton.jit
+def _v4_comb(z_res, m3, iterations, eps):
+    """V4's comb and its softmax: softmax over rows + eps (real entries only), columns, then
+    ``iterations - 1`` rounds."""
+    soft = _v4_softmax_rows(z_res, m3)
+    return _v4_rounds(_v4_columns(tl.where(m3, soft + eps, 0.0), eps), iterations - 1, eps), soft
+
+
+@triton.jit
+def _v4_comb_backward(g, soft, m3, iterations, eps):
+    """d loss / d logits from ``g`` (the gradient w.r.t. log comb), walking V4's steps in reverse
+    with each matrix recomputed from the start (as the mHC walk): a step ``Q = P / (sum P + eps)``
+    gives ``g - Q sum(g)``, ``+ eps`` multiplies by ``P / (P + eps)``, the row softmax gives
+    ``g - P rowsum(g)``."""
+    first = _v4_columns(tl.where(m3, soft + eps, 0.0), eps)
+    for back in range(0, iterations - 1):
+        q_row = _v4_rows(_v4_rounds(first, iterations - 2 - back, eps), eps)
+        q_col = _v4_columns(q_row, eps)
+        g = g - q_col * tl.sum(g, axis=1)[:, None, :]
+        g = g - q_row * tl.sum(g, axis=2)[:, :, None]
+    g = g - first * tl.sum(g, axis=1)[:, None, :]
+    g = g * (soft / (soft + eps))
+    return g - soft * tl.sum(g, axis=2)[:, :, None]
+
+
+@triton.jit
 def _any_clamped(sums, valid, eps):
     """Per token, 1 where a real row or column (``valid``, not padding) had its sum clamped."""
     low = tl.where(valid & (sums < eps), 1, 0)
@@ -376,22 +433,30 @@ def _any_clamped(sums, valid, eps):
 
 @triton.jit
 def _mappings_fwd(raw_ptr, r_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr, T, M, iterations, eps,
-                  N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+                  N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, V4: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = rows < T
     z_pre, z_post, z_res, m2, m3 = _load_z(raw_ptr, r_ptr, alpha_ptr, bias_ptr, rows, tmask, M, N, NP)
     ns = tl.arange(0, NP)
     out2 = rows[:, None].to(tl.int64) * N + ns[None, :]
-    tl.store(hpre_ptr + out2, tl.sigmoid(z_pre), mask=m2)
     tl.store(hpost_ptr + out2, 2.0 * tl.sigmoid(z_post), mask=m2)
-    p = _sinkhorn_iterations(_sinkhorn_start(z_res, m3), iterations, eps)
-    ij = ns[:, None] * N + ns[None, :]
-    tl.store(hres_ptr + rows[:, None, None].to(tl.int64) * N * N + ij[None, :, :], p, mask=m3)
+    base = rows[:, None, None].to(tl.int64) * N * N
+    if V4:
+        tl.store(hpre_ptr + out2, tl.sigmoid(z_pre) + eps, mask=m2)
+        comb, soft = _v4_comb(z_res, m3, iterations, eps)
+        ji = ns[:, None] + ns[None, :] * N  # comb[i, j] -> H_res[j, i]
+        tl.store(hres_ptr + base + ji[None, :, :], comb, mask=m3)
+    else:
+        tl.store(hpre_ptr + out2, tl.sigmoid(z_pre), mask=m2)
+        p = _sinkhorn_iterations(_sinkhorn_start(z_res, m3), iterations, eps)
+        ij = ns[:, None] * N + ns[None, :]
+        tl.store(hres_ptr + base + ij[None, :, :], p, mask=m3)
 
 
 @triton.jit
 def _mappings_bwd(raw_ptr, r_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, ghpre_ptr, ghpost_ptr, ghres_ptr,
-                  dz_ptr, T, M, iterations, eps, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+                  dz_ptr, T, M, iterations, eps, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+                  V4: tl.constexpr = False):
     """``dz [T, M]``: the gradient of the logits ``z`` (sigmoids, and Sinkhorn walked in reverse
     with each step's matrix recomputed from the start)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -400,7 +465,10 @@ def _mappings_bwd(raw_ptr, r_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, ghpr
     ns = tl.arange(0, NP)
     nmask = ns < N
     in2 = rows[:, None].to(tl.int64) * N + ns[None, :]
-    hpre = tl.load(hpre_ptr + in2, mask=m2, other=0.0)
+    if V4:  # H_pre = sigmoid + eps: the sigmoid again, not H_pre - eps (rounded)
+        hpre = tl.where(m2, tl.sigmoid(z_pre), 0.0)
+    else:
+        hpre = tl.load(hpre_ptr + in2, mask=m2, other=0.0)
     hpost = tl.load(hpost_ptr + in2, mask=m2, other=0.0)
     dz_pre = tl.load(ghpre_ptr + in2, mask=m2, other=0.0) * hpre * (1.0 - hpre)
     dz_post = tl.load(ghpost_ptr + in2, mask=m2, other=0.0) * hpost * (1.0 - 0.5 * hpost)
@@ -408,6 +476,20 @@ def _mappings_bwd(raw_ptr, r_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, ghpr
     tl.store(dz_ptr + base[:, None] + ns[None, :], dz_pre, mask=m2)
     tl.store(dz_ptr + base[:, None] + N + ns[None, :], dz_post, mask=m2)
     ij = ns[:, None] * N + ns[None, :]
+    if V4:
+        comb, soft = _v4_comb(z_res, m3, iterations, eps)
+        ji = ns[:, None] + ns[None, :] * N  # d H_res[j, i] is d comb[i, j]
+        g = tl.load(ghres_ptr + rows[:, None, None].to(tl.int64) * N * N + ji[None, :, :], mask=m3, other=0.0)
+        g = _v4_comb_backward(g * comb, soft, m3, iterations, eps)
+        tl.store(dz_ptr + base[:, None, None] + 2 * N + ij[None, :, :], g, mask=m3)
+    else:
+        _mhc_sinkhorn_backward(z_res, m3, nmask, ghres_ptr, dz_ptr, rows, base, ij, iterations, eps, N, BLOCK_T)
+
+
+@triton.jit
+def _mhc_sinkhorn_backward(z_res, m3, nmask, ghres_ptr, dz_ptr, rows, base, ij, iterations, eps, N: tl.constexpr,
+                           BLOCK_T: tl.constexpr):
+    """The mHC Sinkhorn's part of ``_mappings_bwd``."""
     start = _sinkhorn_start(z_res, m3)
     p = start
     clamped = tl.zeros([BLOCK_T], dtype=tl.int32)
@@ -434,25 +516,35 @@ def _mappings_bwd(raw_ptr, r_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, ghpr
     tl.store(dz_ptr + base[:, None, None] + 2 * N + ij[None, :, :], g, mask=m3)
 
 
-def mappings(raw, r, alpha, bias, n: int, iterations: int, eps: float, block_t: int = 16):
+def _v4(convention: str, iterations: int) -> bool:
+    """The kernels' ``V4`` switch for a convention (V4's Sinkhorn needs an iteration)."""
+    if convention == "deepseek_v4":
+        from lightning_mhc.ops.sinkhorn import _at_least_one
+
+        _at_least_one(iterations)
+        return True
+    return False
+
+
+def mappings(raw, r, alpha, bias, n: int, iterations: int, eps: float, convention: str = "mhc", block_t: int = 16):
     tokens, m = raw.shape
     h_pre = torch.empty(tokens, n, device=raw.device, dtype=torch.float32)
     h_post, h_res = torch.empty_like(h_pre), torch.empty(tokens, n, n, device=raw.device, dtype=torch.float32)
     _mappings_fwd[(triton.cdiv(tokens, block_t),)](raw, r, alpha.float().contiguous(), bias.float().contiguous(),
                                                    h_pre, h_post, h_res, tokens, m, iterations, eps, N=n,
-                                                   NP=_pow2(n), BLOCK_T=block_t)
+                                                   NP=_pow2(n), BLOCK_T=block_t, V4=_v4(convention, iterations))
     return h_pre, h_post, h_res
 
 
 def mappings_backward(raw, r, alpha, bias, h_pre, h_post, g_h_pre, g_h_post, g_h_res, n: int, iterations: int,
-                      eps: float, block_t: int = 16):
+                      eps: float, convention: str = "mhc", block_t: int = 16):
     tokens, m = raw.shape
     dz = torch.empty(tokens, m, device=raw.device, dtype=torch.float32)
     _mappings_bwd[(triton.cdiv(tokens, block_t),)](raw, r, alpha.float().contiguous(), bias.float().contiguous(),
                                                    h_pre, h_post, g_h_pre.float().contiguous(),
                                                    g_h_post.float().contiguous(), g_h_res.float().contiguous(),
                                                    dz, tokens, m, iterations, eps, N=n, NP=_pow2(n),
-                                                   BLOCK_T=block_t)
+                                                   BLOCK_T=block_t, V4=_v4(convention, iterations))
     return dz
 
 

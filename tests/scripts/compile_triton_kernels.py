@@ -52,10 +52,12 @@ def _cases(ns: tuple[int, ...]):
             if (stream, out) == ("*fp32", "*fp32"):  # the mappings are fp32 whatever the stream
                 mappings = dict(raw_ptr=F32, r_ptr=F32, alpha_ptr=F32, bias_ptr=F32, T="i32", M="i32",
                                 iterations="i32", eps="fp32")
-                yield tk._mappings_fwd, dict(**mappings, hpre_ptr=F32, hpost_ptr=F32, hres_ptr=F32), \
-                    dict(**shape, BLOCK_T=16)
-                yield tk._mappings_bwd, dict(**mappings, hpre_ptr=F32, hpost_ptr=F32, ghpre_ptr=F32, ghpost_ptr=F32,
-                                             ghres_ptr=F32, dz_ptr=F32), dict(**shape, BLOCK_T=16)
+                for v4 in (False, True):  # the mHC and DeepSeek-V4 conventions
+                    yield tk._mappings_fwd, dict(**mappings, hpre_ptr=F32, hpost_ptr=F32, hres_ptr=F32), \
+                        dict(**shape, BLOCK_T=16, V4=v4)
+                    yield tk._mappings_bwd, dict(**mappings, hpre_ptr=F32, hpost_ptr=F32, ghpre_ptr=F32,
+                                                 ghpost_ptr=F32, ghres_ptr=F32, dz_ptr=F32), \
+                        dict(**shape, BLOCK_T=16, V4=v4)
         if out == stream:  # a tile of 128 fp32 or 256 bf16/fp16 tokens (projection_plan), each precision
             block_t = tk.PROJECTION_TILE_BYTES // (4 if stream == "*fp32" else 2)
             precisions = tk.PRECISION_OF_FP32_MATMULS.values() if stream == "*fp32" else ("tf32",)

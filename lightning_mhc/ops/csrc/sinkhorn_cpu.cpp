@@ -6,6 +6,14 @@
 // (g_P = g_Q - [s unclamped] * Q * sum(g_Q)), then through the max (which gets the gradient
 // autograd gives it: all of it to the arg-max entries).
 //
+// DeepSeek-V4's convention (deepseek_v4 = true; lightning_mhc/ops/convention.py) works on V4's
+// `comb`, laid out as the projection gives it, and stores its transpose (our H_res = comb^T):
+// comb = softmax over rows + eps, then columns, then t - 1 rounds of rows and columns, every sum
+// with eps added (not clamped). Backward in the same log-P walk: a step Q = P / (sum P + eps) gives
+// g_P = g_Q - Q * sum(g_Q) (the added eps keeps the denominator's dependence on P), "+ eps" gives
+// g_P = g_Q * P / (P + eps), the row softmax g_L = g_P - P * rowsum(g_P); no max term (softmax is
+// shift invariant per row).
+//
 // For n = 4 the tokens go 8 at a time, one per vector lane (the token's n x n matrix held as
 // n*n arrays of 8 lanes): a token's matrix is too small to vectorise on its own, and the scalar
 // loop ran at ~1 flop a cycle. Each lane does the scalar loop's operations in its order, so both
@@ -46,6 +54,79 @@ inline float start(const float* logits, float* p, int64_t nn) {
   for (int64_t k = 1; k < nn; ++k) m = std::max(m, logits[k]);
   for (int64_t k = 0; k < nn; ++k) p[k] = std::exp(logits[k] - m);
   return m;
+}
+
+// DeepSeek-V4: p <- softmax of each row of the logits (max subtracted per row); + eps after
+inline void v4_start(const float* logits, float* p, int64_t n) {
+  for (int64_t a = 0; a < n; ++a) {
+    const float* l = logits + a * n;
+    float m = l[0];
+    for (int64_t b = 1; b < n; ++b) m = std::max(m, l[b]);
+    float s = 0.f;
+    for (int64_t b = 0; b < n; ++b) s += (p[a * n + b] = std::exp(l[b] - m));
+    const float inv = 1.f / s;
+    for (int64_t b = 0; b < n; ++b) p[a * n + b] *= inv;
+  }
+}
+
+// DeepSeek-V4: divide by (sum + eps) along columns or rows
+inline void v4_normalise(float* p, int64_t n, bool columns, float eps) {
+  float inv[64];
+  for (int64_t a = 0; a < n; ++a) {
+    float s = 0.f;
+    for (int64_t b = 0; b < n; ++b) s += columns ? p[b * n + a] : p[a * n + b];
+    inv[a] = 1.f / (s + eps);
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) p[i * n + j] *= inv[columns ? j : i];
+}
+
+// V4's step k of 2t (k >= 1): odd steps normalise columns, even ones rows (step 0 is the softmax)
+inline bool v4_columns(int64_t k) { return k % 2 == 1; }
+
+// V4's forward on one token's comb (t >= 1 iterations); writes comb^T to out
+void v4_forward_token(const float* l, float* out, int64_t n, int64_t iterations, float eps, float* p) {
+  const int64_t nn = n * n;
+  v4_start(l, p, n);
+  for (int64_t k = 0; k < nn; ++k) p[k] += eps;
+  for (int64_t k = 1; k < 2 * iterations; ++k) v4_normalise(p, n, v4_columns(k), eps);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) out[i * n + j] = p[j * n + i];
+}
+
+// V4's backward on one token: G is d loss / d H_res (= comb^T), D gets d loss / d logits
+void v4_backward_token(const float* l, const float* G, float* D, int64_t n, int64_t iterations, float eps,
+                       float* q, float* g) {
+  const int64_t nn = n * n, steps = 2 * iterations;
+  float* soft = q;  // q[0]: the softmax; q[k]: after step k (q[0] + eps before step 1)
+  v4_start(l, soft, n);
+  for (int64_t k = 1; k < steps; ++k) {
+    float* next = q + k * nn;
+    const float* prev = q + (k - 1) * nn;
+    for (int64_t e = 0; e < nn; ++e) next[e] = k == 1 ? prev[e] + eps : prev[e];
+    v4_normalise(next, n, v4_columns(k), eps);
+  }
+  const float* last = q + (steps - 1) * nn;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) g[j * n + i] = G[i * n + j] * last[j * n + i];
+  for (int64_t k = steps - 1; k >= 1; --k) {
+    const bool columns = v4_columns(k);
+    const float* qk = q + k * nn;
+    for (int64_t a = 0; a < n; ++a) {
+      float total = 0.f;
+      for (int64_t b = 0; b < n; ++b) total += g[columns ? b * n + a : a * n + b];
+      for (int64_t b = 0; b < n; ++b) {
+        const int64_t idx = columns ? b * n + a : a * n + b;
+        g[idx] -= qk[idx] * total;
+      }
+    }
+  }
+  for (int64_t e = 0; e < nn; ++e) g[e] *= soft[e] / (soft[e] + eps);  // through "+ eps"
+  for (int64_t a = 0; a < n; ++a) {  // through the row softmax
+    float total = 0.f;
+    for (int64_t b = 0; b < n; ++b) total += g[a * n + b];
+    for (int64_t b = 0; b < n; ++b) D[a * n + b] = g[a * n + b] - soft[a * n + b] * total;
+  }
 }
 
 }  // namespace
@@ -181,13 +262,34 @@ void forward_tokens(const float* L, float* P, int64_t T, int64_t n, int64_t iter
   });
 }
 
-at::Tensor sinkhorn_forward(at::Tensor logits, int64_t iterations, double eps) {
+// DeepSeek-V4's convention, any n: one token at a time
+void v4_forward_tokens(const float* L, float* P, int64_t T, int64_t n, int64_t iterations, float e) {
+  const int64_t nn = n * n;
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(nn);
+    for (int64_t t = begin; t < end; ++t) v4_forward_token(L + t * nn, P + t * nn, n, iterations, e, p.data());
+  });
+}
+
+void v4_backward_tokens(const float* L, const float* G, float* D, int64_t T, int64_t n, int64_t iterations, float e) {
+  const int64_t nn = n * n;
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(2 * iterations * nn), g(nn);
+    for (int64_t t = begin; t < end; ++t)
+      v4_backward_token(L + t * nn, G + t * nn, D + t * nn, n, iterations, e, q.data(), g.data());
+  });
+}
+
+at::Tensor sinkhorn_forward(at::Tensor logits, int64_t iterations, double eps, bool deepseek_v4) {
   check(logits, "logits");
   const int64_t T = logits.size(0), n = logits.size(1);
   TORCH_CHECK(n <= 64, "at most 64 residual streams");
   auto out = at::empty_like(logits);
   const float e = static_cast<float>(eps);
-  if (n == 4)
+  if (deepseek_v4) {
+    TORCH_CHECK(iterations >= 1, "DeepSeek-V4's Sinkhorn runs at least one iteration");
+    v4_forward_tokens(logits.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
+  } else if (n == 4)
     forward_blocks<4>(logits.data_ptr<float>(), out.data_ptr<float>(), T, iterations, e);
   else
     forward_tokens(logits.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
@@ -241,7 +343,7 @@ void backward_tokens(const float* L, const float* G, float* D, int64_t T, int64_
   });
 }
 
-at::Tensor sinkhorn_backward(at::Tensor logits, at::Tensor grad, int64_t iterations, double eps) {
+at::Tensor sinkhorn_backward(at::Tensor logits, at::Tensor grad, int64_t iterations, double eps, bool deepseek_v4) {
   check(logits, "logits");
   check(grad, "grad");
   TORCH_CHECK(grad.sizes() == logits.sizes(), "grad and logits differ in shape");
@@ -249,7 +351,10 @@ at::Tensor sinkhorn_backward(at::Tensor logits, at::Tensor grad, int64_t iterati
   TORCH_CHECK(n <= 64, "at most 64 residual streams");
   auto out = at::empty_like(logits);
   const float e = static_cast<float>(eps);
-  if (n == 4)
+  if (deepseek_v4) {
+    TORCH_CHECK(iterations >= 1, "DeepSeek-V4's Sinkhorn runs at least one iteration");
+    v4_backward_tokens(logits.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);
+  } else if (n == 4)
     backward_blocks<4>(logits.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), T, iterations, e);
   else
     backward_tokens(logits.data_ptr<float>(), grad.data_ptr<float>(), out.data_ptr<float>(), T, n, iterations, e);

@@ -1,0 +1,244 @@
+"""DeepSeek-V4's hyper-connections on this project's ops (lightning_mhc/ops/deepseek_v4.py, the
+``deepseek_v4`` convention of lightning_mhc/ops/convention.py) against transformers' own modules.
+
+Every implementation (the fused ops with the C++ CPU kernels, the op-by-op reference, and
+``torch.compile``) runs a sub-layer (``attn_hc``, a linear branch, the layer's ``post ⊗ F + comb^T x``,
+``hc_head``) on transformers' modules' own parameters; its forward results and the gradients of the
+stream and of every parameter are measured against transformers' code evaluated in fp64
+(tests/v4_utils.py), beside transformers' fp32 run against the same. Bounds as the fused ops' own
+(tests/test_fused_ops.py): at most ``ERROR_FACTOR`` times transformers' fp32 error plus
+``ERROR_FLOOR``; at init-scale logits also within 1e-6 of transformers' fp32 results. Measured when
+set: init scale, ours/theirs at most 1.64 (``d scale``, fused), ours - theirs at most 3.0e-7; sharp
+logits (``|logit| ~ 25``), where both are up to 1e-5 from exact, ratios of the per-result maxima
+over four draws at most 1.47 (``d hc_base``, compile).
+"""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.deepseek_v4", reason="transformers >= 5.24 ships DeepSeek-V4")
+
+from lightning_mhc.ops import sinkhorn as sk  # noqa: E402
+from lightning_mhc.ops.convention import Convention, deepseek_v4  # noqa: E402
+from lightning_mhc.ops.deepseek_v4 import deepseek_v4_pre, deepseek_v4_res_post, role_of, use_our_ops  # noqa: E402
+from lightning_mhc.ops.hyper_connection import EagerKernels, fused_pre_packed  # noqa: E402
+from model_utils import ERROR_FACTOR, rel_err  # noqa: E402
+from v4_utils import (RESULTS, error, errors, fp64_results, ours_of, sublayer_results, v4_inputs,  # noqa: E402
+                      v4_modules)
+
+ERROR_FLOOR = 2e-6  # fp32's (model_utils.ERROR_FLOOR)
+IMPLEMENTATIONS = ("fused", "reference", "compile")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_sublayer_at_init_scale_equals_transformers(implementation):
+    modules = v4_modules()
+    x, upstream = v4_inputs(48)
+    for name, (ours, theirs, apart) in errors(implementation, modules, x, upstream).items():
+        assert ours <= ERROR_FACTOR * theirs + ERROR_FLOOR, (name, ours, theirs)
+        assert apart <= 1e-6, (name, apart)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_sublayer_at_sharp_logits_is_as_close_to_exact_as_transformers(implementation):
+    """At |logit| ~ 25 both are far from exact (gradients 1e-6 to 3e-5) and which is closer varies
+    from draw to draw (a sharp hyper head amplifies the forward's rounding): per result, the
+    largest error over four draws."""
+    worst = {name: [0.0, 0.0] for name in RESULTS}
+    for seed in range(4):
+        modules = v4_modules(sharp=True, seed=seed)
+        x, upstream = v4_inputs(48, seed=seed + 10)
+        for name, (ours, theirs, _) in errors(implementation, modules, x, upstream).items():
+            worst[name] = [max(worst[name][0], ours), max(worst[name][1], theirs)]
+    for name, (ours, theirs) in worst.items():
+        assert ours <= ERROR_FACTOR * theirs + ERROR_FLOOR, (name, ours, theirs)
+
+
+def test_the_bound_catches_a_convention_mixed_up():
+    """The check fails on our own mHC convention run on V4's parameters (no eps floors, the
+    exp-first Sinkhorn, no transpose): the error is that of a different function."""
+    modules = v4_modules()
+    x, upstream = v4_inputs(16)
+    exact = fp64_results(modules, x, upstream)
+    hc, head, branch = ours_of(modules, "fused")
+    import lightning_mhc.ops.deepseek_v4 as v4
+
+    mixed_up = v4.convention_of
+    try:
+        v4.convention_of = lambda module: Convention("mhc", float(module.hc_eps))
+        ours = sublayer_results((hc, head, branch), x, upstream, ours=True)
+    finally:
+        v4.convention_of = mixed_up
+    assert max(error(o, e) for o, e in zip(ours, exact)) > 1e-2
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("scale", [1.0, 25.0])
+def test_the_cpu_kernels_deepseek_v4_sinkhorn_against_its_eager_ops(n, scale):
+    """The C++ kernel's V4 Sinkhorn (forward, and backward by the walk in log space) against
+    transformers' op order differentiated by autograd, both against fp64."""
+    g = torch.Generator().manual_seed(n)
+    logits = torch.randn(37, n, n, generator=g) * scale
+    grad = torch.randn(37, n, n, generator=g)
+    exact = logits.double().requires_grad_(True)
+    (sk.sinkhorn_knopp(exact, 20, 1e-6, "deepseek_v4") * grad.double()).sum().backward()
+    leaf = logits.clone().requires_grad_(True)
+    autograd_h = sk.sinkhorn_knopp(leaf, 20, 1e-6, "deepseek_v4")
+    (autograd_h * grad).sum().backward()
+    kernel_h = sk.sinkhorn_forward(logits, 20, 1e-6, "deepseek_v4")
+    kernel_d = sk.sinkhorn_backward(logits, grad, 20, 1e-6, "deepseek_v4")
+    eager_d = sk._deepseek_v4_backward(logits, grad, 20, 1e-6)
+    exact_h = sk.sinkhorn_knopp(logits.double(), 20, 1e-6, "deepseek_v4")
+    assert error(kernel_h, exact_h) <= ERROR_FACTOR * error(autograd_h.detach(), exact_h) + ERROR_FLOOR
+    for ours in (kernel_d, eager_d):
+        assert error(ours, exact.grad) <= ERROR_FACTOR * error(leaf.grad, exact.grad) + ERROR_FLOOR
+    # H_res = comb^T: doubly stochastic up to the floors (columns of comb sum to 1 after its last step)
+    assert torch.allclose(kernel_h.sum(dim=-1), torch.ones(37, n), atol=1e-5)
+
+
+def test_the_eps_floors_are_v4s():
+    """``pre = sigmoid + eps`` and the Sinkhorn's floors: a stream whose pre logits are -100 gets
+    exactly ``hc_eps`` of each stream, as transformers' module does."""
+    hc, _, _ = v4_modules()
+    with torch.no_grad():
+        hc.base[:hc.hc_mult] = -100.0
+    x = torch.randn(1, 3, 4, 16)
+    ours = use_our_ops(copy.deepcopy(hc), "fused")
+    _, _, collapsed = ours(x)
+    assert torch.allclose(collapsed, 1e-6 * x.sum(dim=2), rtol=1e-3)
+    assert rel_err(collapsed, hc(x)[2]) < 1e-6
+
+
+def test_use_our_ops_keeps_the_modules_parameters_and_names():
+    """The swap is in place: the same parameter objects, the same state-dict names, the class name
+    and isinstance kept; deepcopy and pickle give working copies; training steps move transformers'
+    own tensors."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    hc, head, _ = v4_modules()
+    params = dict(hc.named_parameters())
+    names = list(hc.state_dict())
+    use_our_ops(hc, "fused")
+    assert isinstance(hc, DeepseekV4HyperConnection) and type(hc).__name__ == "DeepseekV4HyperConnection"
+    assert dict(hc.named_parameters()) == params and list(hc.state_dict()) == names
+    assert role_of(hc) == "hyper_connection" and role_of(head) == "hyper_head"
+    x = torch.randn(2, 3, 4, 16)
+    buffer = io.BytesIO()
+    torch.save(hc, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(hc), pickle.loads(pickle.dumps(hc)), torch.load(buffer, weights_only=False)):
+        assert type(copied) is type(hc) and copied.mhc_implementation == "fused"
+        assert torch.equal(copied(x)[2], hc(x)[2])
+    before = hc.fn.detach().clone()
+    optimizer = torch.optim.SGD(hc.parameters(), lr=0.1)
+    hc(x)[2].square().sum().backward()
+    optimizer.step()
+    assert not torch.equal(hc.fn, before) and hc.fn is params["fn"]
+    with pytest.raises(TypeError, match="holds no DeepSeek-V4 hyper-connection"):
+        use_our_ops(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        use_our_ops(hc, "cuda")
+
+
+def _tiny_v4_model(seed: int = 0):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    cfg = DeepseekV4Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, q_lora_rank=16, o_lora_rank=16, o_groups=2,
+                           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                           index_n_heads=2, index_head_dim=8, index_topk=4, sliding_window=8, hc_mult=4,
+                           num_nextn_predict_layers=0, qk_rope_head_dim=8)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # the hyper-connections away from their init (base 0, scale 1)
+        for name, p in model.named_parameters():
+            if name.endswith(("hc.base", "hc.scale", "hc_base", "hc_scale")):
+                p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_tiny_deepseek_v4_on_our_ops_gives_transformers_logits_and_gradients(implementation):
+    """``use_our_ops`` on the whole model: every decoder layer mixes on our kernels, every
+    hyper-connection and the head run on our ops; logits and every gradient as transformers'."""
+    model = _tiny_v4_model()
+    ours = use_our_ops(copy.deepcopy(model), implementation)
+    assert list(ours.state_dict()) == list(model.state_dict())
+    assert sum(role_of(m) is not None for m in ours.modules()) == 2 * 3 + 1
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    results = []
+    for m in (model, ours):
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        results.append((m(ids).logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (logits, grads), (our_logits, our_grads) = results
+    assert rel_err(our_logits, logits) < 1e-6
+    assert grads.keys() == our_grads.keys()
+    # a gradient next to nothing (the hash router's gate: ~1e-11) is measured against a thousandth
+    # of the largest one, not against itself
+    largest = max(g.abs().max().item() for g in grads.values())
+    for name in grads:
+        scale = max(grads[name].abs().max().item(), 1e-3 * largest)
+        assert rel_err(our_grads[name], grads[name], scale) < 1e-5, name
+
+
+def test_v4_sublayers_under_block_recompute_are_bit_identical():
+    """The mHC block recompute manager with V4's ops: two sub-layers, each its hyper-connection and
+    the branch's norm one checkpoint and its ``post ⊗ F + comb^T x`` another (the last one the
+    manager's hook tensor), recomputed from one hook: the same bits as without recompute, and the
+    checkpointed outputs freed until backward."""
+    from lightning_mhc.recompute import MHCBlockRecomputeManager
+
+    hcs = [use_our_ops(v4_modules(seed=s)[0], "fused") for s in (0, 1)]
+    norms = [torch.nn.RMSNorm(16) for _ in hcs]
+    branches = [torch.nn.Linear(16, 16) for _ in hcs]
+    x0, _ = v4_inputs(24)
+
+    def run(manager):
+        x = x0.clone().requires_grad_(True)
+        h = x
+        for i, (hc, norm, branch) in enumerate(zip(hcs, norms, branches)):
+            def entry(s, hc=hc, norm=norm):
+                post, comb, collapsed = hc(s)
+                return norm(collapsed), post, comb
+
+            normed, post, comb = manager.checkpoint(entry, h, name=f"hc{i}") if manager else entry(h)
+            out = branch(normed)
+            if manager is not None and i == 0:
+                h = manager.checkpoint(lambda s, p, c, o: deepseek_v4_res_post(s, p, c, o, "fused"), h, post, comb,
+                                       out, name=f"mix{i}")
+            else:
+                h = deepseek_v4_res_post(h, post, comb, out, "fused")
+        if manager is not None:
+            manager.discard_all_outputs_and_register_unified_recompute(h)
+            assert all(o.untyped_storage().nbytes() == 0 for c in manager.checkpoints for o in c.output_tensors)
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        params = [p for m in (*hcs, *norms, *branches) for p in m.parameters()]
+        grads = [x.grad, *(p.grad.clone() for p in params)]
+        for p in params:
+            p.grad = None
+        return h.detach(), grads
+
+    plain, plain_grads = run(None)
+    manager = MHCBlockRecomputeManager("v4 block")
+    recomputed, recomputed_grads = run(manager)
+    assert manager.recompute_count == 1 and len(manager.checkpoints) == 3
+    assert torch.equal(plain, recomputed)
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, recomputed_grads))
+
+
+def test_the_convention_is_checked():
+    with pytest.raises(ValueError, match="one of"):
+        Convention("deepseek-v4")
+    with pytest.raises(ValueError, match="must be > 0"):
+        deepseek_v4(0.0)
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError):
+        fused_pre_packed(x, torch.randn(8, 8), torch.ones(3), torch.zeros(8), 2, 1e-6, 0, EagerKernels,
+                         Convention("deepseek_v4", 1e-6))

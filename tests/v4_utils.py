@@ -1,0 +1,132 @@
+"""DeepSeek-V4's hyper-connections as transformers builds them, for the tests and benchmarks that
+hold this project's ops to them (tests/test_deepseek_v4_ops.py, tests/test_gpu.py,
+benchmarks/v4_hyper_connection.py).
+
+A sub-layer: the streams ``x [B, S, n, D]`` through ``attn_hc``, a ``Linear(D, D)`` branch on the
+collapsed input, and the layer's ``post ⊗ F + comb^T x`` (transformers' decoder layer's lines),
+then the hyper head on the result; forward results and the gradients of ``x`` and of every
+parameter. "transformers" runs the modules as transformers wrote them; "fp64" runs the same code
+of transformers in fp64 (its ``.float()`` casts made no-ops), the exact evaluation every fp32 run
+is measured against; our implementations run the same modules after ``use_our_ops``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+RESULTS = ("next stream", "head out", "post", "comb", "dx", "d fn", "d base", "d scale", "d branch weight",
+           "d hc_fn", "d hc_base", "d hc_scale")
+
+
+def v4_config(hidden: int = 16, n: int = 4, iterations: int = 20):
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(hidden_size=hidden, hc_mult=n, hc_sinkhorn_iters=iterations, num_hidden_layers=1)
+
+
+def v4_modules(hidden: int = 16, n: int = 4, iterations: int = 20, sharp: bool = False, seed: int = 0,
+               device="cpu"):
+    """``(hyper-connection, hyper head, branch)`` with their parameters moved away from init:
+    logits of about unit size at init scale (``fn`` at std 0.02 as transformers draws it, ``base``
+    and ``scale`` drawn around theirs), or ``|logit| ~ 25`` when ``sharp``."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
+
+    cfg = v4_config(hidden, n, iterations)
+    g = torch.Generator().manual_seed(seed)
+    hc, head = DeepseekV4HyperConnection(cfg), DeepseekV4HyperHead(cfg)
+    width = n * hidden
+    with torch.no_grad():
+        # an RMS-normalised stream has unit entries: a column of fn at std s gives logits of
+        # about s sqrt(n D) before the scale
+        std = 1.0 / width ** 0.5 if sharp else 0.02
+        for fn in (hc.fn, head.hc_fn):
+            fn.copy_(torch.randn(fn.shape, generator=g) * std)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=g) * (5.0 if sharp else 0.5))
+        head.hc_base.copy_(torch.randn(head.hc_base.shape, generator=g) * (5.0 if sharp else 0.5))
+        hc.scale.copy_(torch.tensor([25.0, 20.0, 25.0]) if sharp else 1.0 + 0.1 * torch.randn(3, generator=g))
+        head.hc_scale.fill_(25.0 if sharp else 1.0)
+    branch = torch.nn.Linear(hidden, hidden, bias=False)
+    with torch.no_grad():
+        branch.weight.copy_(torch.randn(branch.weight.shape, generator=g) / hidden ** 0.5)
+    return tuple(m.to(device) for m in (hc, head, branch))
+
+
+def v4_inputs(tokens: int, hidden: int = 16, n: int = 4, seed: int = 1, device="cpu", dtype=torch.float32):
+    """The streams ``[1, tokens, n, D]`` and the upstream gradients of the sub-layer's outputs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, tokens, n, hidden, generator=g)
+    upstream = [torch.randn(1, tokens, n, hidden, generator=g), torch.randn(1, tokens, hidden, generator=g),
+                torch.randn(1, tokens, n, generator=g), torch.randn(1, tokens, n, n, generator=g)]
+    return x.to(device, dtype), [u.to(device) for u in upstream]
+
+
+def transformers_sublayer(hc, head, branch, x):
+    """transformers' lines: ``attn_hc``, the branch, the decoder layer's mix, ``hc_head``."""
+    post, comb, collapsed = hc(x)
+    out = branch(collapsed)
+    dtype = x.dtype
+    y = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+    return y, head(y), post, comb
+
+
+def our_sublayer(hc, head, branch, x):
+    """The same on our ops: ``hc`` and ``head`` after ``use_our_ops``, the mix by our kernels."""
+    from lightning_mhc.ops.deepseek_v4 import deepseek_v4_res_post
+
+    post, comb, collapsed = hc(x)
+    y = deepseek_v4_res_post(x, post, comb, branch(collapsed), hc.mhc_implementation)
+    return y, head(y), post, comb
+
+
+@contextlib.contextmanager
+def float_is_identity():
+    """transformers' V4 code casts to fp32 with ``.float()``; inside, ``.float()`` keeps fp64, so
+    its own lines evaluate in fp64."""
+    original = torch.Tensor.float
+    torch.Tensor.float = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.float = original
+
+
+def sublayer_results(modules, x, upstream, ours: bool = False) -> list[torch.Tensor]:
+    """``RESULTS``: the sub-layer's outputs and gradients (the loss summed in the stream's
+    precision, or fp64 for an fp64 run)."""
+    hc, head, branch = modules
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    leaf = x.clone().requires_grad_(True)
+    outs = (our_sublayer if ours else transformers_sublayer)(hc, head, branch, leaf)
+    loss = sum((o.to(wide) * u.to(wide)).sum() for o, u in zip(outs, upstream))
+    params = [hc.fn, hc.base, hc.scale, branch.weight, head.hc_fn, head.hc_base, head.hc_scale]
+    grads = torch.autograd.grad(loss, [leaf, *params])
+    return [*(o.detach() for o in outs), *grads]
+
+
+def fp64_results(modules, x, upstream) -> list[torch.Tensor]:
+    """transformers' own code in fp64 on the same values."""
+    doubled = [copy.deepcopy(m).double() for m in modules]
+    with float_is_identity():
+        return sublayer_results(doubled, x.double(), [u.double() for u in upstream])
+
+
+def ours_of(modules, implementation: str):
+    """Copies of ``(hc, head, branch)`` with the hyper-connection and head on our ops."""
+    from lightning_mhc.ops.deepseek_v4 import use_our_ops
+
+    hc, head, branch = (copy.deepcopy(m) for m in modules)
+    return use_our_ops(hc, implementation), use_our_ops(head, implementation), branch
+
+
+def error(a: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((a.double() - exact.double()).abs().max() / exact.double().abs().max()).item()
+
+
+def errors(implementation: str, modules, x, upstream, exact=None) -> dict:
+    """``{result: (ours against fp64, transformers' fp32 against fp64, ours against transformers')}``."""
+    exact = exact if exact is not None else fp64_results(modules, x, upstream)
+    theirs = sublayer_results(modules, x, upstream)
+    ours = sublayer_results(ours_of(modules, implementation), x, upstream, ours=True)
+    return {name: (error(o, e), error(t, e), error(o, t)) for name, o, t, e in zip(RESULTS, ours, theirs, exact)}
