@@ -51,6 +51,7 @@ from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.strategies.processes import StrategyProcesses
 from lightning_mhc.strategies.runtime import refuse_gradient_scaler, sync_replicas, unwrap_optimizer
+from lightning_mhc.any_model.model import ParallelModel
 from lightning_mhc.strategies.settings import ParallelSettings
 
 
@@ -138,6 +139,10 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
             if pipelined:
                 refuse_gradient_scaler(self.precision_plugin)
                 self._skip_lightning_backward(trainer)
+            for part in self.lightning_module.modules():  # get_peft_model(parallelize(...)): placed here
+                if isinstance(part, ParallelModel):
+                    part.place_injected_adapters(self.layout)
+            self.runtime.check_parameters(self.lightning_module)  # before any step, on every rank
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
