@@ -219,7 +219,9 @@ def check_adapter_export(ckpt_dir: pathlib.Path, export_dir: pathlib.Path, layou
     build_recorded_module(tuned, seed=SEED)
     load_checkpoint(tuned.get_base_model(), ckpt_dir / "final.ckpt")
     tuned.save_pretrained(export_dir)
-    base = llama()
+    with record_module_init():
+        base = llama()
+    base = build_recorded_module(base, seed=SEED)  # the run's base weights (drawn from its seed)
     add_hyper_connections(base, STREAMS, seed=SEED)
     reloaded = peft.PeftModel.from_pretrained(base, export_dir).eval()
     saved = torch.load(ckpt_dir / "logits.pt")
@@ -228,6 +230,8 @@ def check_adapter_export(ckpt_dir: pathlib.Path, export_dir: pathlib.Path, layou
     print(f"the TP 2 x PP 2 run's adapter through PeftModel.from_pretrained: max |logit diff| "
           f"{(logits - saved['logits']).abs().max():.2e}")
     torch.testing.assert_close(logits, saved["logits"], rtol=0, atol=1e-5)
+    with torch.no_grad(), reloaded.disable_adapter():  # (the hyper-connections' trained copies too)
+        assert (reloaded(input_ids=saved["tokens"]).logits - logits).abs().max() > 1e-3  # the adapters trained
 
 
 def check_one_process_use(name: str, ckpt_dir: pathlib.Path, export_dir: pathlib.Path, layout) -> None:
