@@ -135,13 +135,13 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         pipelined = is_pipeline_module(self.lightning_module)
         if not pipelined:
             sync_replicas(self.model)
+        for part in self.lightning_module.modules():  # get_peft_model(parallelize(...)): placed here,
+            if isinstance(part, ParallelModel):       # before a checkpoint is restored
+                part.place_injected_adapters(self.layout)
         if trainer.state.fn == TrainerFn.FITTING:
             if pipelined:
                 refuse_gradient_scaler(self.precision_plugin)
                 self._skip_lightning_backward(trainer)
-            for part in self.lightning_module.modules():  # get_peft_model(parallelize(...)): placed here
-                if isinstance(part, ParallelModel):
-                    part.place_injected_adapters(self.layout)
             self.runtime.check_parameters(self.lightning_module)  # before any step, on every rank
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
