@@ -119,7 +119,8 @@ def test_tp2_and_pp2(tmp_path, references):
     recomputed = [f"llama:{layout}:hc-dropout{block}" for layout in ("tp2", "tp2sp", "pp2") for block in ("", "-block")]
     adapters = ["llama:tp2:hc-peft", "llama:tp2sp:hc-peft", "llama:tp2:hc-peftafter", "llama:tp2sp:hc-peftafter",
                 "llama:pp2:hc-peftafter"]
-    results = run_group(tmp_path, 2, cases + recomputed + adapters + ["gpt2:pp2:nolabels", "llama:tp2:unplaced"])
+    results = run_group(tmp_path, 2, cases + recomputed + adapters
+                        + ["gpt2:pp2:nolabels", "llama:tp2:unplaced", "llama:tp2:peft-loradropout"])
     for case in cases + adapters:
         check_case(case, results[case], references)
     # a trainable tensor added to the split model that nothing placed over TP: refused by every
@@ -129,6 +130,12 @@ def test_tp2_and_pp2(tmp_path, references):
     for message in refused["refused"]:
         assert message is not None and message.startswith("model.extra_scale is trainable but its placement over "
                                                           "the 2 tensor-parallel ranks is unknown"), refused
+    # an adapter's dropout on a split layer (its mask would have to follow the activation's split)
+    refused = results["llama:tp2:peft-loradropout"]
+    assert refused["steps"] == 0 and len(refused["refused"]) == 2, refused
+    for message in refused["refused"]:
+        assert message is not None and message.startswith("model.layers.0.self_attn.q_proj: LoraConfig(lora_dropout="
+                                                          "0.1) on a layer split over TP"), refused
     for layout in ("tp2", "tp2sp", "pp2"):
         plain, block = (results[f"llama:{layout}:hc-dropout{b}"] for b in ("", "-block"))
         assert block["losses"] == plain["losses"] and block["weights"] == plain["weights"], layout  # bit for bit

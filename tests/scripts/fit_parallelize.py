@@ -27,7 +27,8 @@ into the recorded model before ``parallelize`` (with ``hc``: the hyper-connectio
 ``add_hyper_connections`` on the meta model) / into the split model after it; one process: the
 recorded model's, materialised by ``build_recorded_module``. With ``--checkpoints`` a parallel
 ``peft`` case saves ``DIR/<model>-peft/final.ckpt`` and ``logits.pt``. ``unplaced``: a trainable
-parameter added to the split model after ``parallelize``; records each rank's ``ConfigError``.
+parameter added to the split model after ``parallelize``, ``loradropout``: ``peft`` with
+``lora_dropout=0.1``; both record each rank's ``ConfigError``.
 ``gcbefore`` / ``gcafter``: the module calls ``model.gradient_checkpointing_enable()`` before /
 after ``parallelize`` and records each rank's ``ConfigError`` message (or ``None``).
 A case ``<model>:<layout>:nolabels`` fits batches without ``labels`` and records each rank's
@@ -58,16 +59,16 @@ STREAMS = 4
 PEFT_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 
 
-def lora_config(model):
+def lora_config(model, dropout: float = 0.0):
     import peft
 
     from lightning_mhc import hyper_connection_modules
 
     saved = hyper_connection_modules(model) if getattr(model, "hyper_connection_settings", None) else None
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=PEFT_TARGETS, modules_to_save=saved)
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=PEFT_TARGETS, modules_to_save=saved, lora_dropout=dropout)
 
 
-def peft_model(make, hyper_connections):
+def peft_model(make, hyper_connections, dropout: float = 0.0):
     """The recorded model (with hyper-connections added on the meta device) and PEFT's LoRA on it."""
     import peft
 
@@ -75,7 +76,7 @@ def peft_model(make, hyper_connections):
         model = make()
     if hyper_connections:
         add_hyper_connections(model, hyper_connections, seed=SEED)
-    return peft.get_peft_model(model, lora_config(model))
+    return peft.get_peft_model(model, lora_config(model, dropout))
 """Hyper-connection streams of the ``hc`` cases."""
 
 
@@ -94,9 +95,9 @@ class ParallelLM(ParallelLMModule):
     def __init__(self, model: str, dropout: float = 0.0, recompute: str = "none", loss_parallel: bool = True,
                  weights: str | None = None, hyper_connections: int | None = None,
                  hf_checkpointing: str | None = None, hand_layout: bool = True, peft: str | None = None,
-                 unplaced: bool = False) -> None:
+                 unplaced: bool = False, lora_dropout: float = 0.0) -> None:
         super().__init__()
-        self.peft, self.unplaced = peft, unplaced
+        self.peft, self.unplaced, self.lora_dropout = peft, unplaced, lora_dropout
         self.model_name, self.dropout, self.recompute, self.loss_parallel = model, dropout, recompute, loss_parallel
         self.weights, self.hyper_connections = weights, hyper_connections
         self.hf_checkpointing = hf_checkpointing
@@ -111,7 +112,7 @@ class ParallelLM(ParallelLMModule):
             make, plan = MODELS[self.model_name]
             hyper_connections = self.hyper_connections
             if self.peft == "before":
-                model, hyper_connections = peft_model(make, hyper_connections), None
+                model, hyper_connections = peft_model(make, hyper_connections, self.lora_dropout), None
             else:
                 with record_module_init():
                     model = make(dropout=self.dropout)
@@ -344,10 +345,11 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
         module = ParallelLM(model, dropout=0.1 if "dropout" in flags else 0.0, recompute=recompute,
                             loss_parallel="gather" not in flags, weights=weights, hyper_connections=streams,
                             hf_checkpointing="before" if "gcbefore" in flags else "after" if "gcafter" in flags else None,
-                            hand_layout="nolayout" not in flags, peft=peft, unplaced="unplaced" in flags)
+                            hand_layout="nolayout" not in flags, peft=peft, unplaced="unplaced" in flags,
+                            lora_dropout=0.1 if "loradropout" in flags else 0.0)
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
-    if flags & {"gcbefore", "gcafter", "nolayout", "unplaced"}:  # refused on every rank before any step
+    if flags & {"gcbefore", "gcafter", "nolayout", "unplaced", "loradropout"}:  # refused on every rank before any step
         return _refused_fit(trainer, module, loader)
     if variant == "nolabels":
         return _refused_fit(trainer, module,
