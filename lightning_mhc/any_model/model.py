@@ -48,7 +48,10 @@ from lightning_mhc.any_model.pipeline import (
 from lightning_mhc.any_model.context_parallel import SequenceSplit, check_context_parallel_family, split_over_context
 from lightning_mhc.any_model.experts import check_experts, shard_experts
 from lightning_mhc.any_model.families import resolve_plan
-from lightning_mhc.any_model.plan import Column, TPPlan, check_plan, linear_dims
+from lightning_mhc.any_model.plan import Column, TPPlan, base_of, check_plan, linear_dims
+from lightning_mhc.any_model.adapters import (fill_adapters, lora_layers, place_injected_adapters, place_lora,
+                                             unwrap_peft_model)
+from lightning_mhc.distributed.grads import mark_replicated
 from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionPlan,
     HyperConnectionSettings,
@@ -196,6 +199,12 @@ class ParallelModel(nn.Module):
         if name.startswith("chunks."):
             name = name.split(".", 2)[2]
         return self.aliases.get(name, name)
+
+    def place_injected_adapters(self, layout: ParallelLayout) -> list[str]:
+        """PEFT's adapters injected into this split model (``get_peft_model(parallelize(...))``),
+        drawn from the model's seed by their whole-model names and placed like the layers they
+        adapt (``adapters.place_injected_adapters``); the strategy calls it at fit start."""
+        return place_injected_adapters(self, layout, getattr(self, "seed", 0), self.global_parameter_name)
 
     # ------------------------------------------------------------------ hooks
     def _take_input(self, chunk: int, module: nn.Module, args: tuple, kwargs: dict):
@@ -411,6 +420,7 @@ def parallelize(
 
 def resolve_model_plan(model: nn.Module, settings: ParallelizeSettings) -> PlannedModel:
     """Step 1: the recorded model (refused if not on the meta device) and its TP plan."""
+    model = unwrap_peft_model(model)  # PEFT's LoRA injected into the recorded model: split with it
     _check_recorded(model)
     plan = resolve_plan(settings.plan, model)
     if settings.recompute_modules is not None:
@@ -455,7 +465,7 @@ def apply_tensor_parallel(split: SplitModel, settings: ParallelizeSettings) -> S
     """Step 4: every module of this rank's chunks materialised and cut by the plan (TP styles,
     divided attributes, random regions; under sequence parallelism the blocks' sequence split):
     each tensor is drawn whole from the generator of its name, then cut to this rank's slice."""
-    build = _module_builder(split.materializer, split.planned.plan, settings.layout)
+    build = _module_builder(split.materializer, split.planned.plan, settings.layout, split.planned.model)
     for chunk in split.chunks:
         for name, module, block in chunk.builds:
             build(name, module, block)
@@ -473,6 +483,7 @@ def load_model_weights(split: SplitModel, settings: ParallelizeSettings) -> Spli
     model_parallel = ParallelModel(modules, layout.num_virtual_stages, split.hidden_size, split.vocab_parallel_logits,
                                    split.aliases, report, _forward_kwargs(split.planned.model), settings.recompute,
                                    tp if layout.sequence_parallel else 1, split.sequence_split)
+    model_parallel.seed = settings.seed  # what adapters injected later are drawn from (place_adapters)
     stage_ends = [(chunk.stage, chunk.blocks[min(chunk.blocks)], chunk.blocks[max(chunk.blocks)])
                   for chunk in split.chunks if chunk.blocks]
     _connect_stages(model_parallel, stage_ends, layout.num_virtual_stages - 1, layout.sequence_parallel and tp > 1)
@@ -668,14 +679,18 @@ def _default_output(model: nn.Module, plan: TPPlan, parts: ModelParts | None, la
     return last_parts[-1] if last_parts else None
 
 
-def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout) -> Callable[..., nn.Module]:
+def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout,
+                    root: nn.Module | None = None) -> Callable[..., nn.Module]:
     """``build(name, module, block=False)``: materialise ``module`` under its whole-model ``name``
     and apply the plan to it and its submodules (TP styles, divided attributes, random regions);
     a module met again (shared by several parts) is returned as it is. Under
     sequence parallelism a block runs on this rank's part of the sequence: its linears gather and
     reduce-scatter it, every dropout in it draws this rank's own mask, and its TP-replicated
     parameters (norms, biases after a row layer, hyper-connections) get partial gradients, summed
-    over TP by the runtime (megatron's ``sequence_parallel`` mark)."""
+    over TP by the runtime (megatron's ``sequence_parallel`` mark). PEFT's LoRA layers (injected
+    into the recorded model) get their adapters drawn by name, their base split by the plan and
+    their adapters placed with it (``adapters.py``); every parameter built here is marked as
+    placed (``mark_replicated``)."""
     tp = layout.tensor_model_parallel_size
 
     def replace(old: Tensor, new: Tensor) -> Tensor:
@@ -690,13 +705,14 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
         if id(module) in built:
             return module
         built.add(id(module))
+        fill_adapters(module, name, materializer.seed, root if root is not None else module)
         materializer.materialize(name, module)
         split_sequence = block and layout.sequence_parallel and tp > 1
         regions = _gathering_regions(module, name, plan) if split_sequence else {}
         for sub_name, sub in module.named_modules(prefix=name):
             style = plan.style_of(sub_name)
-            if style is not None:
-                apply_style(sub, style, layout, replace, sequence_parallel=split_sequence,
+            if style is not None:  # (a LoRA layer's base: its adapters are placed below)
+                apply_style(base_of(sub), style, layout, replace, sequence_parallel=split_sequence,
                             gathered=sub_name.rpartition(".")[0] in regions)
             for pattern, attrs in plan.divide.items():
                 if _matches(sub_name, pattern):
@@ -704,6 +720,8 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
             for pattern, region in plan.random.items():
                 if _matches(sub_name, pattern) and not split_sequence:  # (all of the block is, below)
                     random_region(sub, region)
+        for layer_name, layer in lora_layers(module, name):
+            place_lora(layer_name, layer, layout, root if root is not None else module)
         shard_experts(module, layout)  # this EP rank's experts (nothing without EP)
         if split_sequence:
             for region in regions.values():
@@ -713,6 +731,7 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
             wiring = getattr(module, "hyper_connection_wiring", None)
             if wiring is not None:
                 module.hyper_connection_wiring = dataclasses.replace(wiring, sequence_parallel=True)
+        mark_replicated(module)  # the rest is whole on every TP rank
         return module
 
     return build
@@ -881,16 +900,20 @@ def build_recorded_module(model: nn.Module, seed: int = 0, init_fn: InitFn | Non
     """The whole recorded ``model`` materialised in this process, in place, with the weights every
     layout of :func:`parallelize` (same ``seed`` and ``init_fn``) draws: the unmodified model for
     one-process reference runs, evaluation and export."""
+    model = unwrap_peft_model(model)
     if not is_meta(model):
         raise ConfigError(f"build_recorded_module() takes a model built inside `with record_module_init():`; "
                           f"this {type(model).__name__} is materialised already.")
     parts = _model_parts(model, blocks, pipelined=False)
     materializer = Materializer(model, seed, init_fn)
     if parts is None:  # as parallelize() at TP = PP = 1
+        fill_adapters(model, "", seed, model)
         materializer.materialize("", model)
         return model
     for name in parts.first + parts.last + parts.everywhere:
+        fill_adapters(model.get_submodule(name), name, seed, model)
         materializer.materialize(name, model.get_submodule(name))
     for index, block in enumerate(parts.blocks):
+        fill_adapters(block, parts.block_name(index), seed, model)
         materializer.materialize(parts.block_name(index), block)
     return model

@@ -218,6 +218,19 @@ def resolve_tp_plan(plan: TPPlan | Mapping[str, Style | str] | None) -> TPPlan:
 
 
 # ------------------------------------------------------------------------ checking
+def is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA layer: its ``base_layer`` and the ``lora_A`` / ``lora_B`` of its adapters."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and \
+        isinstance(module.__dict__.get("_modules", {}).get("lora_A"), nn.ModuleDict)
+
+
+def base_of(module: nn.Module) -> nn.Module:
+    """The module a PEFT layer adapts (itself for any other module)."""
+    while is_lora_layer(module):
+        module = module.base_layer
+    return module
+
+
 def linear_dims(module: nn.Module) -> tuple[int, int, str, str] | None:
     """``(output-feature dim of the weight, input-feature dim, output size attribute, input size
     attribute)`` of a module column/row can split: ``nn.Linear`` (weight ``[out, in]``) and Hugging
@@ -263,7 +276,7 @@ def check_plan(model: nn.Module, plan: TPPlan, tp: int, model_name: str | None =
     for name, module in modules.items():
         style = plan.style_of(name) if name else None
         if style is not None:
-            _check_style(name, module, style, tp)
+            _check_style(name, base_of(module), style, tp)  # a LoRA layer: the style splits its base
         for pattern, attrs in plan.divide.items():
             if name and fnmatch.fnmatchcase(name, pattern):
                 _check_divisible(name, module, attrs, tp, "divided by")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from itertools import chain
 from typing import Any, Callable, Iterator
 
@@ -127,6 +128,18 @@ def seeded(seed: int, key: str) -> Iterator[None]:
         yield
 
 
+PEFT_WRAPPERS = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.|$)")
+"""The names PEFT inserts between a module and its parent (a LoRA layer's ``base_layer``, the
+frozen ``original_module`` and the trained copies of ``modules_to_save``)."""
+
+
+def drawn_name(name: str) -> str:
+    """The name a module's tensors are drawn by: its name in the model as written, without PEFT's
+    wrappers (:data:`PEFT_WRAPPERS`), so that PEFT injected into a recorded model leaves the base
+    weights as they were, and a ``modules_to_save`` copy starts equal to its original."""
+    return PEFT_WRAPPERS.sub("", name)
+
+
 def post_order(module: nn.Module, name: str) -> Iterator[tuple[str, nn.Module]]:
     """``(name, module)`` children before parents (``Module.apply``'s order)."""
     for child_name, child in module.named_children():
@@ -179,14 +192,15 @@ class Materializer:
         return f"{name}.{attr}" if name else attr
 
     def materialize(self, name: str, module: nn.Module) -> None:
-        """Real tensors for ``module`` (named ``name`` in the root) and its whole subtree."""
+        """Real tensors for ``module`` (named ``name`` in the root) and its whole subtree, each
+        drawn by the module's name in the model as written (:func:`drawn_name`)."""
         for sub_name, sub in module.named_modules(prefix=name):
-            self._fill(sub_name, sub)
+            self._fill(drawn_name(sub_name), sub)
         if self.init_fn is not None:
             for sub_name, sub in post_order(module, name):
                 if self._only_loaded(sub) or getattr(sub, "initialises_itself", False):
                     continue  # (a module whose constructor draws its tensors by name: hyper-connections)
-                with seeded(self.seed, sub_name + "#init"), self._holding_only_own(sub):
+                with seeded(self.seed, drawn_name(sub_name) + "#init"), self._holding_only_own(sub):
                     self.init_fn(sub)
 
     # ------------------------------------------------------------------ internals

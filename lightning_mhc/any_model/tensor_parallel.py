@@ -15,6 +15,7 @@ the model's own modules keep running their own code on plain tensors.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import types
 from typing import Callable
@@ -91,28 +92,49 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
         return
     out_dim, in_dim, out_attr, in_attr = linear_dims(module)
     tp = layout.tensor_model_parallel_size
+    group = layout.tp_group if tp > 1 else None
     if isinstance(style, Column):
         _split(module, "weight", out_dim, style.stride, layout, replace)
         if getattr(module, "bias", None) is not None:
             _split(module, "bias", 0, style.stride, layout, replace)
         setattr(module, out_attr, getattr(module, out_attr) // tp)
+        input_map = output_map = None
         if tp > 1 and sequence_parallel and not gathered:  # the sequence is gathered before the split features
-            module.register_forward_pre_hook(lambda _m, args: (gather_sequence(args[0]), *args[1:]))
+            input_map = gather_sequence
         elif tp > 1 and not sequence_parallel:
-            group = layout.tp_group
-            module.register_forward_pre_hook(lambda _m, args: (copy_to_tensor_model_parallel_region(args[0], group),
-                                                               *args[1:]))
-        if tp > 1:
-            group = layout.tp_group
-            if style.gather_output:
-                module.register_forward_hook(lambda _m, _a, out: _GatherLastDim.apply(out, group))
+            input_map = functools.partial(copy_to_tensor_model_parallel_region, group=group)
+        if tp > 1 and style.gather_output:
+            output_map = lambda out: _GatherLastDim.apply(out, group)  # noqa: E731 (apply takes no keywords)
+        if input_map is not None:
+            module.register_forward_pre_hook(lambda _m, args: (input_map(args[0]), *args[1:]))
+        if output_map is not None:
+            module.register_forward_hook(lambda _m, _a, out: output_map(out))
+        module.tensor_parallel_placement = Placement(style, sequence_parallel, input_map=input_map,
+                                                     output_map=output_map)
     elif isinstance(style, Row):
         _split(module, "weight", in_dim, 1, layout, replace)
         setattr(module, in_attr, getattr(module, in_attr) // tp)
+        reduce = functools.partial(_sum_partial, group=group, sequence_parallel=sequence_parallel) if tp > 1 else None
         if tp > 1:  # the bias is added once, after the partial products are summed
-            module.forward = types.MethodType(functools.partial(
-                _row_forward, group=layout.tp_group, transposed=in_dim == 0,
-                sequence_parallel=sequence_parallel), module)
+            module.forward = types.MethodType(functools.partial(_row_forward, reduce=reduce, transposed=in_dim == 0),
+                                              module)
+        module.tensor_parallel_placement = Placement(style, sequence_parallel, reduce=reduce)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How :func:`apply_style` split a linear layer, kept on it (``tensor_parallel_placement``)
+    for what runs beside it on the same input, as a LoRA adapter does (``adapters.py``):
+    ``input_map``, what a column layer does to its input first (the copy into the TP region, or
+    the sequence's all-gather; None: nothing); ``output_map``, to its output (the all-gather of a
+    gathered output); ``reduce``, how a row layer sums its partial products over TP (all-reduce,
+    or reduce-scatter of the sequence)."""
+
+    style: Style
+    sequence_parallel: bool
+    input_map: Callable[[torch.Tensor], torch.Tensor] | None = None
+    output_map: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -143,20 +165,23 @@ def _split(module: nn.Module, attr: str, dim: int, stride: int, layout: Parallel
     module._parameters[attr] = replace(whole, _sharded_parameter(whole, dim, stride, layout))
 
 
-def _row_forward(module: nn.Module, input_: torch.Tensor, group, transposed: bool,
-                 sequence_parallel: bool = False) -> torch.Tensor:
+def _row_forward(module: nn.Module, input_: torch.Tensor, reduce, transposed: bool) -> torch.Tensor:
     """``nn.Linear`` / ``Conv1D`` on the rank's input features: the partial products summed over
-    TP (under sequence parallelism: reduce-scattered, this rank keeping its part of the sequence),
-    then the (whole) bias."""
+    TP (``reduce``: :func:`_sum_partial`), then the (whole) bias."""
     if transposed:  # Conv1D: weight [in, out]
         partial = torch.matmul(input_, module.weight)
     else:
         partial = F.linear(input_, module.weight)
-    if sequence_parallel:
-        output = sequence_mapping(partial, reduce_scatter_sequence, all_gather_sequence, _sequence_dim(partial))
-    else:
-        output = reduce_from_tensor_model_parallel_region(partial, group)
+    output = reduce(partial)
     return output if module.bias is None else output + module.bias
+
+
+def _sum_partial(partial: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """Partial products of TP-split input features summed over TP (under sequence parallelism:
+    reduce-scattered, this rank keeping its part of the sequence)."""
+    if sequence_parallel:
+        return sequence_mapping(partial, reduce_scatter_sequence, all_gather_sequence, _sequence_dim(partial))
+    return reduce_from_tensor_model_parallel_region(partial, group)
 
 
 # ------------------------------------------------------------------ sequence parallelism

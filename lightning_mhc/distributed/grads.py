@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.errors import ConfigError
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -88,14 +89,48 @@ def _parameters(models: torch.nn.Module | Iterable[torch.nn.Module]) -> list[tor
     return [p for model in models for p in model.parameters()]
 
 
-def reduction_group(param: torch.nn.Parameter, layout: ParallelLayout):
+def mark_replicated(module: torch.nn.Module) -> None:
+    """Mark the parameters a model builder made whole on every TP rank (those it did not split)
+    with megatron's ``tensor_model_parallel = False``, as megatron's layers mark theirs: the
+    strategy then knows every parameter's placement (:func:`reduction_group`). Run by the
+    builders (the GPT, ``parallelize``) on what they built, never on what was added afterwards."""
+    for param in module.parameters():
+        if not hasattr(param, "tensor_model_parallel"):
+            param.tensor_model_parallel = False
+
+
+def has_known_placement(param: torch.nn.Parameter) -> bool:
+    """Whether a builder split or marked ``param`` (``tensor_model_parallel`` set, True or False;
+    :func:`mark_replicated`), so that its gradient's reduction is known: over DP x CP, and over
+    TP where it is a partial sum (:func:`is_partial_over_tp`)."""
+    return hasattr(param, "tensor_model_parallel")
+
+
+def reduction_group(param: torch.nn.Parameter, layout: ParallelLayout, name: str | None = None):
     """The one place that says over which ranks a parameter's gradient is reduced: the ranks that
     hold a replica of it. What TP does not split is replicated over DP x CP (``dp_cp_group``); an
     expert's parameters (megatron's marker ``param.allreduce = False``) over the expert-data-parallel
     ranks only (``expert_dp_group``). The sum is divided by DP (:func:`gradient_divisor`)
     in either case: the CP ranks' losses are parts of one sample's loss (each rank's loss is its
-    tokens' sum over the sample's whole token count), so their gradients add up, not average."""
+    tokens' sum over the sample's whole token count), so their gradients add up, not average.
+
+    Under TP a trainable parameter no builder placed (:func:`has_known_placement`: one added to a
+    split model afterwards) is refused: whether its TP copies are one tensor or slices, and whether
+    their gradients are whole or parts, is unknown, and each TP rank would train its own."""
+    if layout.tensor_model_parallel_size > 1 and param.requires_grad and not has_known_placement(param):
+        raise ConfigError(
+            f"{name or 'a parameter'} is trainable but its placement over the "
+            f"{layout.tensor_model_parallel_size} tensor-parallel ranks is unknown (it was not built by "
+            "parallelize or the model's parallel layers, nor placed as a PEFT LoRA adapter), so each TP rank "
+            "would train its own copy: create it before parallelize(), or freeze it (requires_grad=False).")
     return layout.expert_dp_group if is_expert_parameter(param) else layout.dp_cp_group
+
+
+def check_placements(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], layout: ParallelLayout) -> None:
+    """:func:`reduction_group` of every parameter, at fit start: an unknown placement is refused
+    before any step, naming the first such parameter."""
+    for name, param in named_parameters:
+        reduction_group(param, layout, name)
 
 
 def gradient_divisor(layout: ParallelLayout) -> int:

@@ -143,6 +143,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
             module = self.precision.convert_module(module)  # Fabric converted the module before it had a stage
         self.module_to_device(module)
         attach_recompute(module)
+        self.runtime.check_parameters(module)  # every trainable parameter's reduction known, before any step
         if not is_pipeline_module(module):
             sync_replicas(module)
         self._modules[module] = None

@@ -51,6 +51,7 @@ from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.strategies.processes import StrategyProcesses
 from lightning_mhc.strategies.runtime import refuse_gradient_scaler, sync_replicas, unwrap_optimizer
+from lightning_mhc.any_model.model import ParallelModel
 from lightning_mhc.strategies.settings import ParallelSettings
 
 
@@ -134,10 +135,14 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         pipelined = is_pipeline_module(self.lightning_module)
         if not pipelined:
             sync_replicas(self.model)
+        for part in self.lightning_module.modules():  # get_peft_model(parallelize(...)): placed here,
+            if isinstance(part, ParallelModel):       # before a checkpoint is restored
+                part.place_injected_adapters(self.layout)
         if trainer.state.fn == TrainerFn.FITTING:
             if pipelined:
                 refuse_gradient_scaler(self.precision_plugin)
                 self._skip_lightning_backward(trainer)
+            self.runtime.check_parameters(self.lightning_module)  # before any step, on every rank
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 

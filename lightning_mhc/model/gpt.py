@@ -31,6 +31,7 @@ from lightning_mhc.model.attention import SelfAttention
 from lightning_mhc.layers.bda import residual_dropout
 from lightning_mhc.model.rope import rotary_freqs_at
 from lightning_mhc.layers.sequence_parallel import mark_sequence_parallel_parameters, scatter_to_sequence_parallel_region
+from lightning_mhc.distributed.grads import mark_replicated
 from lightning_mhc.model.transformer_block import TransformerBlock
 
 WORD_EMBEDDINGS_KEY = "embedding.word_embeddings.weight"
@@ -159,6 +160,7 @@ class GPTModel(torch.nn.Module):
         for module in self.modules():
             if isinstance(module, SelfAttention):
                 module.context_parallel_group = self.context_parallel_group
+        mark_replicated(self)  # what megatron's layers did not split is whole on every TP rank
 
     def on_this_rank(self, microbatch: dict) -> dict:
         """The part of a micro-batch this rank computes: under context parallelism its two chunks

@@ -31,8 +31,8 @@ from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.sharding import global_namer
 from lightning_mhc.distributed.fail_fast import FailFast
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
-from lightning_mhc.distributed.grads import (clip_grad_norm_, finalize_model_grads, global_grad_norm, gradient_divisor,
-                                             has_replicas)
+from lightning_mhc.distributed.grads import (check_placements, clip_grad_norm_, finalize_model_grads,
+                                             global_grad_norm, gradient_divisor, has_replicas)
 from lightning_mhc.distributed.launcher_watch import watch_launcher
 from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from lightning_mhc.distributed.optimizer import DistributedOptimizer, optimizer_state_bytes
@@ -283,6 +283,13 @@ class ParallelRuntime:
             optimizer, chunks, self.layout, self.settings.gradient_bucket_bytes,
             shard=self.settings.use_distributed_optimizer)
         self._distributed_module = id(module)
+
+    def check_parameters(self, module: torch.nn.Module) -> None:
+        """At fit start: every trainable parameter's gradient reduction is known
+        (``grads.check_placements``), named as the checkpoint names it."""
+        name_of = getattr(module, "global_parameter_name", None)
+        check_placements(((name_of(n) if callable(name_of) else n, p) for n, p in module.named_parameters()),
+                         self.layout)
 
     def takes_over(self, module: torch.nn.Module) -> bool:
         """Whether the distributed optimizer steps ``module`` (and reduces its gradients)."""

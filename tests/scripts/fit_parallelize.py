@@ -21,6 +21,14 @@ starts from ``--weights`` (``parallelize(weights=...)``; one process: ``from_pre
 model); its checkpoints go to ``DIR/<model>-hc``. ``start``: records the logits of a fixed batch
 before the first step (``start_logits``, the last stage's, gathered over TP). ``zero``: with the
 distributed optimizer.
+``peft`` / ``peftafter``: PEFT's LoRA (``lora_config``: the attention's q/v/o and the MLP's down
+projection, column and row layers, and the hyper-connections in ``modules_to_save``) injected
+into the recorded model before ``parallelize`` (with ``hc``: the hyper-connections added first,
+``add_hyper_connections`` on the meta model) / into the split model after it; one process: the
+recorded model's, materialised by ``build_recorded_module``. With ``--checkpoints`` a parallel
+``peft`` case saves ``DIR/<model>-peft/final.ckpt`` and ``logits.pt``. ``unplaced``: a trainable
+parameter added to the split model after ``parallelize``, ``loradropout``: ``peft`` with
+``lora_dropout=0.1``; both record each rank's ``ConfigError``.
 ``gcbefore`` / ``gcafter``: the module calls ``model.gradient_checkpointing_enable()`` before /
 after ``parallelize`` and records each rank's ``ConfigError`` message (or ``None``).
 A case ``<model>:<layout>:nolabels`` fits batches without ``labels`` and records each rank's
@@ -48,6 +56,27 @@ from lightning_mhc.any_model import add_hyper_connections, build_recorded_module
 
 GLOBAL_BATCH, STEPS, SEED, LR = 8, 4, 5, 0.5
 STREAMS = 4
+PEFT_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def lora_config(model, dropout: float = 0.0):
+    import peft
+
+    from lightning_mhc import hyper_connection_modules
+
+    saved = hyper_connection_modules(model) if getattr(model, "hyper_connection_settings", None) else None
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=PEFT_TARGETS, modules_to_save=saved, lora_dropout=dropout)
+
+
+def peft_model(make, hyper_connections, dropout: float = 0.0):
+    """The recorded model (with hyper-connections added on the meta device) and PEFT's LoRA on it."""
+    import peft
+
+    with record_module_init():
+        model = make()
+    if hyper_connections:
+        add_hyper_connections(model, hyper_connections, seed=SEED)
+    return peft.get_peft_model(model, lora_config(model, dropout))
 """Hyper-connection streams of the ``hc`` cases."""
 
 
@@ -65,8 +94,10 @@ LAYOUTS = {"single": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "pp2v2": (1,
 class ParallelLM(ParallelLMModule):
     def __init__(self, model: str, dropout: float = 0.0, recompute: str = "none", loss_parallel: bool = True,
                  weights: str | None = None, hyper_connections: int | None = None,
-                 hf_checkpointing: str | None = None, hand_layout: bool = True) -> None:
+                 hf_checkpointing: str | None = None, hand_layout: bool = True, peft: str | None = None,
+                 unplaced: bool = False, lora_dropout: float = 0.0) -> None:
         super().__init__()
+        self.peft, self.unplaced, self.lora_dropout = peft, unplaced, lora_dropout
         self.model_name, self.dropout, self.recompute, self.loss_parallel = model, dropout, recompute, loss_parallel
         self.weights, self.hyper_connections = weights, hyper_connections
         self.hf_checkpointing = hf_checkpointing
@@ -79,14 +110,24 @@ class ParallelLM(ParallelLMModule):
     def configure_model(self) -> None:
         if self.model is None:
             make, plan = MODELS[self.model_name]
-            with record_module_init():
-                model = make(dropout=self.dropout)
+            hyper_connections = self.hyper_connections
+            if self.peft == "before":
+                model, hyper_connections = peft_model(make, hyper_connections, self.lora_dropout), None
+            else:
+                with record_module_init():
+                    model = make(dropout=self.dropout)
             if self.hf_checkpointing == "before":
                 model.gradient_checkpointing_enable()
             self.model = parallelize(model, plan, layout=self.layout if self.hand_layout else None, seed=SEED,
                                      recompute=self.recompute,
                                      loss_parallel=self.loss_parallel, weights=self.weights,
-                                     hyper_connections=self.hyper_connections)
+                                     hyper_connections=hyper_connections)
+            if self.peft == "after":  # injected in place into the split model's modules
+                import peft
+
+                peft.get_peft_model(self.model, lora_config(model))
+            if self.unplaced:  # a trainable tensor nothing placed over TP
+                self.model.chunks[0].extra_scale = torch.nn.Parameter(torch.ones(()))
             if self.hf_checkpointing == "after":
                 model.gradient_checkpointing_enable()  # the first chunk is the recorded model, materialised
 
@@ -97,9 +138,14 @@ class ParallelLM(ParallelLMModule):
 class ReferenceLM(pl.LightningModule):
     """The unmodified model in one process: its own forward, cross entropy on its logits."""
 
-    def __init__(self, model: str, weights: str | None = None, hyper_connections: int | None = None) -> None:
+    def __init__(self, model: str, weights: str | None = None, hyper_connections: int | None = None,
+                 peft: bool = False) -> None:
         super().__init__()
         make, _ = MODELS[model]
+        if peft:  # the adapters and the hyper-connections every layout draws, by name
+            # the model PEFT wraps, with its adapters: trained by its own forward
+            self.model = build_recorded_module(peft_model(make, hyper_connections), seed=SEED)
+            return
         with record_module_init():
             meta = make()
         # pretrained: Hugging Face's own loading of the same files
@@ -275,6 +321,9 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
     saved = checkpoints / (model + ("-hc" if streams else "")) if checkpoints is not None else None
     if saved is not None and "resume" in flags:
         ckpt_path = next(saved.glob("*step=2.ckpt"))
+    elif saved is not None and layout_name not in ("single", "ep2pp2") and "peft" in flags:
+        saved = checkpoints / f"{model}-peft"
+        callbacks.append(FinalCheckpointAndLogits(saved))
     elif saved is not None and layout_name not in ("single", "ep2pp2") and flags <= {"hc"} and model not in FAMILIES:
         callbacks += [ModelCheckpoint(dirpath=saved, filename="{step}", save_top_k=-1, every_n_train_steps=2),
                       FinalCheckpointAndLogits(saved)]
@@ -289,16 +338,18 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
     elif family_weights is not None and (family_weights / model).is_dir():
         weights = str(family_weights / model)
     recompute = "full" if "full" in flags else "mhc_block" if "block" in flags else "none"
+    peft = "before" if "peft" in flags else "after" if "peftafter" in flags else None
     if layout_name == "single":
-        module = ReferenceLM(model, weights, streams)
+        module = ReferenceLM(model, weights, streams, peft=peft is not None)
     else:
         module = ParallelLM(model, dropout=0.1 if "dropout" in flags else 0.0, recompute=recompute,
                             loss_parallel="gather" not in flags, weights=weights, hyper_connections=streams,
                             hf_checkpointing="before" if "gcbefore" in flags else "after" if "gcafter" in flags else None,
-                            hand_layout="nolayout" not in flags)
+                            hand_layout="nolayout" not in flags, peft=peft, unplaced="unplaced" in flags,
+                            lora_dropout=0.1 if "loradropout" in flags else 0.0)
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
-    if flags & {"gcbefore", "gcafter", "nolayout"}:  # refused on every rank before any step
+    if flags & {"gcbefore", "gcafter", "nolayout", "unplaced", "loradropout"}:  # refused on every rank before any step
         return _refused_fit(trainer, module, loader)
     if variant == "nolabels":
         return _refused_fit(trainer, module,
