@@ -890,7 +890,8 @@ def _attach_router_loss(model_parallel: ParallelModel, model: nn.Module, layout:
     router_loss = router_loss_for(list(model_parallel.chunks), family.router_loss if family else None, config, layout)
     if router_loss is not None:
         model_parallel.router_loss = router_loss
-        model_parallel.forward_kwargs = {**model_parallel.forward_kwargs, "output_router_logits": False}
+        if router_loss.active:
+            model_parallel.forward_kwargs = {**model_parallel.forward_kwargs, "output_router_logits": False}
 
 
 def _forward_kwargs(model: nn.Module) -> dict[str, Any]:

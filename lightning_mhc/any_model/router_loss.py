@@ -92,6 +92,9 @@ class RouterLoss:
     def __init__(self, chunks: list[nn.Module], spec: RouterLossSpec, config: Any, layout: ParallelLayout,
                  timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
         self.spec, self.rule, self.layout, self.timeout = spec, spec.rule, layout, timeout
+        self.active = bool(getattr(config, spec.enabled, False))
+        """Whether the loss is taken (the config's ``output_router_logits``); else the routers'
+        tokens per expert are only counted, for the logs."""
         self.coef = float(getattr(config, spec.coef, 0.0) or 0.0)
         self.top_k = int(getattr(config, spec.top_k))
         self.num_experts = next(int(getattr(config, k)) for k in spec.num_experts if getattr(config, k, None))
@@ -103,6 +106,7 @@ class RouterLoss:
                 if fnmatch.fnmatchcase(name, spec.routers):
                     self.routers.append((name, module))
                     module.register_forward_hook(self._routed)
+        self._counting = False
         self._open: list[_MicroBatch] = []
         self._current: _MicroBatch | None = None
         self._mask: Tensor | None = None
@@ -117,6 +121,9 @@ class RouterLoss:
     def begin(self, chunk: int, attention_mask: Tensor | None, sequence_split: Any = None) -> None:
         """Before chunk ``chunk``'s forward of a microbatch: its record, and the mask of the tokens
         this rank's routers see (``[b, s]`` cut as the sequence is: CP chunks, then the SP part)."""
+        self._counting = torch.is_grad_enabled()  # training forwards, as the GPT's counts
+        if not self.active:
+            return
         if chunk == 0:
             record = _MicroBatch()
             self._open.append(record)
@@ -140,7 +147,7 @@ class RouterLoss:
         """After chunk ``chunk``'s forward: its last chunk closes the microbatch on this rank (sent
         to the last stage, or there combined); the final stage's logits come back tapped."""
         record, self._current = self._current, None
-        if chunk != self.num_chunks - 1:
+        if record is None or chunk != self.num_chunks - 1:
             return output
         self._open.remove(record)
         if not self.is_last:
@@ -165,8 +172,14 @@ class RouterLoss:
 
     # ------------------------------------------------------------------ the routers
     def _routed(self, module: nn.Module, args: tuple, output: Any):
+        if in_backward() or not isinstance(output, tuple) or len(output) < 3:
+            return None
+        if self._counting:
+            name = next(n for n, m in self.routers if m is module)
+            counts = torch.bincount(output[2].reshape(-1), minlength=self.num_experts).detach()
+            self._step_counts[name] = counts if name not in self._step_counts else self._step_counts[name] + counts
         record = self._current
-        if record is None or in_backward() or not isinstance(output, tuple) or len(output) < 2:
+        if record is None:
             return None
         logits = output[0]
         mask = self._mask
@@ -175,9 +188,6 @@ class RouterLoss:
         with torch.no_grad():
             constant, differentiable = self.rule.statistics(logits.detach(), mask, self.top_k)
         record.add(constant, differentiable)
-        name = next(n for n, m in self.routers if m is module)
-        counts = torch.bincount(output[2].reshape(-1), minlength=self.num_experts).detach()
-        self._step_counts[name] = counts if name not in self._step_counts else self._step_counts[name] + counts
         if not (torch.is_grad_enabled() and logits.requires_grad):
             return None
         record.needs_reply = True
@@ -327,8 +337,8 @@ class _Tap(torch.autograd.Function):
 
 def router_loss_for(chunks: list[nn.Module], spec: RouterLossSpec | None, config: Any,
                     layout: ParallelLayout) -> RouterLoss | None:
-    """The router loss of a family's model whose config asks for it (``output_router_logits``);
-    None otherwise."""
-    if spec is None or config is None or not getattr(config, spec.enabled, False):
+    """The routers of a MoE family's model (None for another): their loss taken where the config
+    asks for it (``output_router_logits``), their tokens per expert counted for the logs always."""
+    if spec is None or config is None:
         return None
     return RouterLoss(chunks, spec, config, layout)
