@@ -130,8 +130,9 @@ def shifted_labels(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _train_router_loss(directory: pathlib.Path, pp: int, tp: int) -> dict:
-    """``STEPS`` SGD steps of ``ParallelModel.loss`` (CE + coef x the router loss) on PP x TP x EP 2;
-    the losses and this rank's parameters by their whole-model names (experts: ``(start, block)``)."""
+    """A forward-only schedule on step 0's batch, then ``STEPS`` SGD steps of ``ParallelModel.loss``
+    (CE + coef x the router loss) on PP x TP x EP 2; the losses and this rank's parameters by their
+    whole-model names (experts: ``(start, block)``)."""
     from lightning_mhc.distributed.grads import finalize_model_grads
     from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
 
@@ -140,17 +141,21 @@ def _train_router_loss(directory: pathlib.Path, pp: int, tp: int) -> dict:
     model = _parallel(directory, layout)
     per_rank, dp_rank = ROWS // layout.data_parallel_size, layout.data_parallel_rank
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
+
+    def run(step: int, forward_only: bool = False) -> float:
         rows = batch(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         microbatches = [dict(input_ids=c[:, :-1], labels=shifted_labels(c), attention_mask=padding_mask(c))
                         for c in rows.split(MICRO)]
-        result = forward_backward_pipelining(
+        return forward_backward_pipelining(
             [model], microbatches,
             lambda m, mb: m.forward_step({"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}),
             lambda output, mb: model.loss(output, mb["labels"]),
-            ScheduleConfig(layout, model.pipeline_tensor_shape(microbatches[0])))
-        losses.append(result.loss.item())
+            ScheduleConfig(layout, model.pipeline_tensor_shape(microbatches[0]), forward_only=forward_only)).loss.item()
+
+    evaluated = run(0, forward_only=True)  # an evaluation's loss holds the term too, and leaves nothing pending
+    losses = []
+    for step in range(STEPS):
+        losses.append(run(step))
         finalize_model_grads([model], layout)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -163,7 +168,7 @@ def _train_router_loss(directory: pathlib.Path, pp: int, tp: int) -> dict:
         if tp > 1 and experts is None and "mlp" not in full and "norm" not in full:
             continue  # split over TP: the replicated router, norms and experts are the subject here
         params[full] = (experts.local_expert_start if experts is not None else None, owner.detach().clone())
-    return dict(losses=losses, params=params)
+    return dict(losses=losses, params=params, evaluated=evaluated)
 
 
 def _all_cases(rank: int, world: int, root: str) -> dict:
@@ -293,6 +298,7 @@ def _check_router_loss(directory: pathlib.Path, results: list[dict], pp: int, tp
         ref_losses.append(loss.item())
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+        assert abs(r["evaluated"] - ref_losses[0]) <= 1e-5  # the forward-only schedule before step 0
     trained = dict(reference.named_parameters())
     compared = 0
     for r in results:
