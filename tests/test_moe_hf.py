@@ -108,9 +108,10 @@ def _train_on_ep2_pp2(directory: pathlib.Path, checkpoint: pathlib.Path) -> dict
                 local_experts=[(e.local_expert_start, tuple(e.gate_up_proj.shape)) for e in experts])
 
 
-ROUTER_LOSS = {"mixtral": (2, 1), "qwen2_moe": (1, 2)}
-"""The families trained with their own router loss (``output_router_logits``, coef ``AUX_COEF``), a
-padded row in each microbatch, on (PP, TP) x EP 2: Mixtral on EP 2 x PP 2, Qwen2-MoE on TP 2 x EP 2."""
+ROUTER_LOSS = {"mixtral": (2, 1, 1), "qwen2_moe": (1, 2, 1), "mixtral4": (2, 1, 2)}
+"""The models trained with their own router loss (``output_router_logits``, coef ``AUX_COEF``), a
+padded row in each microbatch, on (PP, TP, virtual stages) x EP 2: Mixtral on EP 2 x PP 2, Qwen2-MoE
+on TP 2 x EP 2, a 4-layer Mixtral on EP 2 x PP 2 with 2 virtual stages (the interleaved schedule)."""
 AUX_COEF = 0.5
 """Large, so that a run that drops the term or its gradient is far off (Mixtral's default is 0.001)."""
 
@@ -129,7 +130,27 @@ def shifted_labels(rows: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def _train_router_loss(directory: pathlib.Path, pp: int, tp: int) -> dict:
+class _Chunks:
+    """The pipeline contract over a split model's chunks (the interleaved schedule's form)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def model_chunks(self) -> list:
+        return list(self.model.chunks)
+
+    def set_input_tensor(self, tensor, chunk: int = 0) -> None:
+        self.model.set_input_tensor(tensor, chunk)
+
+    def forward_step(self, microbatch: dict, chunk: int = 0):
+        inputs = {"input_ids": microbatch["input_ids"], "attention_mask": microbatch["attention_mask"]}
+        return self.model.forward_step(inputs, chunk)
+
+    def parameters(self):
+        return self.model.parameters()
+
+
+def _train_router_loss(directory: pathlib.Path, pp: int, tp: int, virtual: int) -> dict:
     """A forward-only schedule on step 0's batch, then ``STEPS`` SGD steps of ``ParallelModel.loss``
     (CE + coef x the router loss) on PP x TP x EP 2; the losses and this rank's parameters by their
     whole-model names (experts: ``(start, block)``)."""
@@ -137,6 +158,7 @@ def _train_router_loss(directory: pathlib.Path, pp: int, tp: int) -> dict:
     from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
 
     layout = ParallelLayout(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                            virtual_pipeline_model_parallel_size=virtual,
                             expert_model_parallel_size=2).build()
     model = _parallel(directory, layout)
     per_rank, dp_rank = ROWS // layout.data_parallel_size, layout.data_parallel_rank
@@ -147,8 +169,7 @@ def _train_router_loss(directory: pathlib.Path, pp: int, tp: int) -> dict:
         microbatches = [dict(input_ids=c[:, :-1], labels=shifted_labels(c), attention_mask=padding_mask(c))
                         for c in rows.split(MICRO)]
         return forward_backward_pipelining(
-            [model], microbatches,
-            lambda m, mb: m.forward_step({"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}),
+            _Chunks(model), microbatches, lambda m, mb: m.forward_step(mb),
             lambda output, mb: model.loss(output, mb["labels"]),
             ScheduleConfig(layout, model.pipeline_tensor_shape(microbatches[0]), forward_only=forward_only)).loss.item()
 
@@ -218,6 +239,10 @@ def saved(tmp_path_factory) -> pathlib.Path:
             model.save_pretrained(root / f"{name}+aux", max_shard_size="40KB")
         if name == FUSED:
             save_file(model.state_dict(), root / f"{name}.safetensors")
+    config = _configs()["mixtral"]  # 4 layers: 2 virtual stages of one layer on each of 2 ranks
+    config.num_hidden_layers, config.output_router_logits, config.router_aux_loss_coef = 4, True, AUX_COEF
+    torch.manual_seed(len(_configs()))
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "mixtral4+aux", max_shard_size="40KB")
     return root
 
 
@@ -261,8 +286,8 @@ def test_moe_models_on_expert_parallel_layouts_equal_one_process(saved):
               f"exported weights within {worst:.2g} of one process (training moved them by up to {moved:.2g})")
         assert worst <= 1e-5 < moved
 
-    for name, (pp, tp) in ROUTER_LOSS.items():
-        _check_router_loss(saved / f"{name}+aux", [r[f"{name}+aux"] for r in results], pp, tp)
+    for name, layout in ROUTER_LOSS.items():
+        _check_router_loss(saved / f"{name}+aux", [r[f"{name}+aux"] for r in results], *layout)
 
     expected = _logits(_reference(saved / TRAINED[0]), batch(0))
     for dp_rank, logits in (r["tp2ep2"] for r in results):
@@ -275,7 +300,7 @@ def test_moe_models_on_expert_parallel_layouts_equal_one_process(saved):
             torch.testing.assert_close(r[name], expected[rank:rank + 1], rtol=0, atol=1e-5)
 
 
-def _check_router_loss(directory: pathlib.Path, results: list[dict], pp: int, tp: int) -> None:
+def _check_router_loss(directory: pathlib.Path, results: list[dict], pp: int, tp: int, virtual: int) -> None:
     """The split run against one process: per step, the mean over the DP ranks and microbatches of
     the model's own ``model(..., labels=...).loss`` (CE + coef x its load-balancing loss, each DP
     rank's microbatch on its own, as Hugging Face under DDP), SGD on that mean; losses and weights
@@ -309,7 +334,7 @@ def _check_router_loss(directory: pathlib.Path, results: list[dict], pp: int, tp
             torch.testing.assert_close(param, expected, rtol=0, atol=1e-5, msg=name)
             compared += 1
     assert compared and min(aux_parts) > 0.5  # the term (coef x ~2) is far above the tolerance
-    print(f"{directory.name} PP {pp} x TP {tp} x EP 2: losses {results[0]['losses']} (one process {ref_losses}; "
+    print(f"{directory.name} PP {pp} (v {virtual}) x TP {tp} x EP 2: losses {results[0]['losses']} (one process {ref_losses}; "
           f"router loss's part {min(aux_parts):.3f}..{max(aux_parts):.3f}); {compared} tensors within 1e-5")
 
 
