@@ -176,7 +176,10 @@ class RouterLoss:
             return None
         if self._counting:
             name = next(n for n, m in self.routers if m is module)
-            counts = torch.bincount(output[2].reshape(-1), minlength=self.num_experts).detach()
+            chosen = output[2].reshape(-1).detach()
+            # scatter_add, not bincount: bincount reads the largest index back to the host (a sync per router)
+            counts = torch.zeros(self.num_experts, dtype=torch.long, device=chosen.device).scatter_add_(
+                0, chosen.long(), torch.ones_like(chosen, dtype=torch.long))
             self._step_counts[name] = counts if name not in self._step_counts else self._step_counts[name] + counts
         record = self._current
         if record is None:
