@@ -338,3 +338,36 @@ def test_the_exports_of_a_trained_hyper_connected_model_agree(llama_dir, tmp_pat
         out, err = capsys.readouterr()
         print(f"lightning-mhc-generate on {source.name}: {out.strip()!r}")
         assert out.rstrip("\n") == expected_text, (source, out, expected_text, err[-2000:])
+
+
+def test_a_mixtral_asking_for_its_router_loss_trains_with_it_and_logs_it(tmp_path):
+    """issue 52: a Mixtral with ``output_router_logits=True`` and ``router_aux_loss_coef=0.02`` under
+    ``lightning-mhc-train model=hf`` (PP 2 on 2 ranks) trains on CE + coef x its load-balancing
+    loss, as its own ``forward(labels=...)``: its first loss exceeds the same run's with coef 0 (one
+    rank) by coef x the logged ``moe/aux_loss``, and both runs log the routers' tokens per expert."""
+    import csv
+
+    from transformers import MixtralConfig
+
+    for coef in (0.02, 0.0):
+        MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=16, num_attention_heads=4,
+                      num_key_value_heads=2, num_local_experts=4, vocab_size=300, output_router_logits=True,
+                      router_aux_loss_coef=coef).save_pretrained(tmp_path / f"mixtral{coef}")
+    common = ["model=hf", "data=synthetic", "data.seq_length=16", "data.micro_batch_size=2",
+              "data.global_batch_size=4", "trainer.max_steps=2", "trainer.log_every_n_steps=1",
+              "trainer.limit_val_batches=0"]
+    run_train_on_ranks(tmp_path, *common, f"model.config={tmp_path / 'mixtral0.02'}",
+                       "parallel.pipeline_model_parallel_size=2", "trainer.devices=2", "hydra.run.dir=aux")
+    run_train_on_ranks(tmp_path, *common, f"model.config={tmp_path / 'mixtral0.0'}", "hydra.run.dir=plain")
+    rows = {name: [r for r in csv.DictReader(open(tmp_path / name / "metrics.csv")) if r.get("train_loss")]
+            for name in ("aux", "plain")}
+    with_term, without = float(rows["aux"][0]["train_loss"]), float(rows["plain"][0]["train_loss"])
+    aux = float(next(r["moe/aux_loss"] for r in csv.DictReader(open(tmp_path / "aux" / "metrics.csv"))
+                     if r.get("moe/aux_loss") and r["step"] == rows["aux"][0]["step"]))
+    print(f"first loss with coef 0.02: {with_term:.6f}, coef 0: {without:.6f}; moe/aux_loss {aux:.6f}")
+    assert aux > 1  # E x sum f P with f summing to k: about k = 2 when balanced
+    assert abs(with_term - without - 0.02 * aux) < 1e-5
+    for name in ("aux", "plain"):
+        header = next(csv.reader(open(tmp_path / name / "metrics.csv")))
+        assert "moe/model.layers.0.mlp.gate/tokens_per_expert/0" in header, header
+        assert "moe/model.layers.1.mlp.gate/balance" in header

@@ -108,9 +108,94 @@ def _train_on_ep2_pp2(directory: pathlib.Path, checkpoint: pathlib.Path) -> dict
                 local_experts=[(e.local_expert_start, tuple(e.gate_up_proj.shape)) for e in experts])
 
 
+ROUTER_LOSS = {"mixtral": (2, 1, 1), "qwen2_moe": (1, 2, 1), "mixtral4": (2, 1, 2)}
+"""The models trained with their own router loss (``output_router_logits``, coef ``AUX_COEF``), a
+padded row in each microbatch, on (PP, TP, virtual stages) x EP 2: Mixtral on EP 2 x PP 2, Qwen2-MoE
+on TP 2 x EP 2, a 4-layer Mixtral on EP 2 x PP 2 with 2 virtual stages (the interleaved schedule)."""
+AUX_COEF = 0.5
+"""Large, so that a run that drops the term or its gradient is far off (Mixtral's default is 0.001)."""
+
+
+def padding_mask(rows: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` ones, the first 3 positions of every other row padded (0)."""
+    mask = torch.ones(rows.shape[0], SEQ, dtype=torch.long)
+    mask[::2, :3] = 0
+    return mask
+
+
+def shifted_labels(rows: torch.Tensor) -> torch.Tensor:
+    """The next tokens, the last position ignored: Hugging Face's loss with ``labels=input_ids``."""
+    labels = rows[:, 1:].clone()
+    labels[:, -1] = -100
+    return labels
+
+
+class _Chunks:
+    """The pipeline contract over a split model's chunks (the interleaved schedule's form)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def model_chunks(self) -> list:
+        return list(self.model.chunks)
+
+    def set_input_tensor(self, tensor, chunk: int = 0) -> None:
+        self.model.set_input_tensor(tensor, chunk)
+
+    def forward_step(self, microbatch: dict, chunk: int = 0):
+        inputs = {"input_ids": microbatch["input_ids"], "attention_mask": microbatch["attention_mask"]}
+        return self.model.forward_step(inputs, chunk)
+
+    def parameters(self):
+        return self.model.parameters()
+
+
+def _train_router_loss(directory: pathlib.Path, pp: int, tp: int, virtual: int) -> dict:
+    """A forward-only schedule on step 0's batch, then ``STEPS`` SGD steps of ``ParallelModel.loss``
+    (CE + coef x the router loss) on PP x TP x EP 2; the losses and this rank's parameters by their
+    whole-model names (experts: ``(start, block)``)."""
+    from lightning_mhc.distributed.grads import finalize_model_grads
+    from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
+
+    layout = ParallelLayout(pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                            virtual_pipeline_model_parallel_size=virtual,
+                            expert_model_parallel_size=2).build()
+    model = _parallel(directory, layout)
+    per_rank, dp_rank = ROWS // layout.data_parallel_size, layout.data_parallel_rank
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def run(step: int, forward_only: bool = False) -> float:
+        rows = batch(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        microbatches = [dict(input_ids=c[:, :-1], labels=shifted_labels(c), attention_mask=padding_mask(c))
+                        for c in rows.split(MICRO)]
+        return forward_backward_pipelining(
+            _Chunks(model), microbatches, lambda m, mb: m.forward_step(mb),
+            lambda output, mb: model.loss(output, mb["labels"]),
+            ScheduleConfig(layout, model.pipeline_tensor_shape(microbatches[0]), forward_only=forward_only)).loss.item()
+
+    evaluated = run(0, forward_only=True)  # an evaluation's loss holds the term too, and leaves nothing pending
+    losses = []
+    for step in range(STEPS):
+        losses.append(run(step))
+        finalize_model_grads([model], layout)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    params = {}
+    for name, param in model.named_parameters():
+        owner = param
+        experts = next((m for m in model.modules() if type(m).__name__ == "ExpertParallelExperts"
+                        and any(p is param for p in m.parameters())), None)
+        full = model.global_parameter_name(name)
+        if tp > 1 and experts is None and "mlp" not in full and "norm" not in full:
+            continue  # split over TP: the replicated router, norms and experts are the subject here
+        params[full] = (experts.local_expert_start if experts is not None else None, owner.detach().clone())
+    return dict(losses=losses, params=params, evaluated=evaluated)
+
+
 def _all_cases(rank: int, world: int, root: str) -> dict:
     root = pathlib.Path(root)
-    results = {name: _train_on_ep2_pp2(root / name, root / f"{name}.ckpt") for name in TRAINED}
+    results = {f"{name}+aux": _train_router_loss(root / f"{name}+aux", *ROUTER_LOSS[name]) for name in ROUTER_LOSS}
+    results.update({name: _train_on_ep2_pp2(root / name, root / f"{name}.ckpt") for name in TRAINED})
     layout = ParallelLayout(expert_model_parallel_size=2).build()
     rows = batch(0)[rank:rank + 1, :-1]
     with torch.no_grad():
@@ -149,8 +234,15 @@ def saved(tmp_path_factory) -> pathlib.Path:
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         model.save_pretrained(root / name, max_shard_size="40KB")
+        if name in ROUTER_LOSS:  # the same model asking for its router loss
+            model.config.output_router_logits, model.config.router_aux_loss_coef = True, AUX_COEF
+            model.save_pretrained(root / f"{name}+aux", max_shard_size="40KB")
         if name == FUSED:
             save_file(model.state_dict(), root / f"{name}.safetensors")
+    config = _configs()["mixtral"]  # 4 layers: 2 virtual stages of one layer on each of 2 ranks
+    config.num_hidden_layers, config.output_router_logits, config.router_aux_loss_coef = 4, True, AUX_COEF
+    torch.manual_seed(len(_configs()))
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "mixtral4+aux", max_shard_size="40KB")
     return root
 
 
@@ -194,6 +286,9 @@ def test_moe_models_on_expert_parallel_layouts_equal_one_process(saved):
               f"exported weights within {worst:.2g} of one process (training moved them by up to {moved:.2g})")
         assert worst <= 1e-5 < moved
 
+    for name, layout in ROUTER_LOSS.items():
+        _check_router_loss(saved / f"{name}+aux", [r[f"{name}+aux"] for r in results], *layout)
+
     expected = _logits(_reference(saved / TRAINED[0]), batch(0))
     for dp_rank, logits in (r["tp2ep2"] for r in results):
         torch.testing.assert_close(logits, expected[dp_rank:dp_rank + 1], rtol=0, atol=1e-5)
@@ -203,6 +298,44 @@ def test_moe_models_on_expert_parallel_layouts_equal_one_process(saved):
         expected = _logits(reference, batch(0))
         for rank, r in enumerate(results):
             torch.testing.assert_close(r[name], expected[rank:rank + 1], rtol=0, atol=1e-5)
+
+
+def _check_router_loss(directory: pathlib.Path, results: list[dict], pp: int, tp: int, virtual: int) -> None:
+    """The split run against one process: per step, the mean over the DP ranks and microbatches of
+    the model's own ``model(..., labels=...).loss`` (CE + coef x its load-balancing loss, each DP
+    rank's microbatch on its own, as Hugging Face under DDP), SGD on that mean; losses and weights
+    within 1e-5, and the router loss's part of the loss far above that."""
+    reference = _reference(directory)
+    assert reference.config.output_router_logits and reference.config.router_aux_loss_coef == AUX_COEF
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    ref_losses, aux_parts = [], []
+    for step in range(STEPS):
+        losses = []
+        for chunk in batch(step).split(MICRO):  # DP ranks' rows in order, then their microbatches
+            labels = chunk[:, :-1].clone()  # HF shifts them: position t's target is labels[t + 1]
+            out = reference(input_ids=chunk[:, :-1], attention_mask=padding_mask(chunk), labels=labels)
+            losses.append(out.loss)
+            aux_parts.append(AUX_COEF * out.aux_loss.item())
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ref_losses.append(loss.item())
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+        assert abs(r["evaluated"] - ref_losses[0]) <= 1e-5  # the forward-only schedule before step 0
+    trained = dict(reference.named_parameters())
+    compared = 0
+    for r in results:
+        for name, (start, param) in r["params"].items():
+            expected = trained[name].detach()
+            if start is not None:
+                expected = expected[start:start + param.shape[0]]
+            torch.testing.assert_close(param, expected, rtol=0, atol=1e-5, msg=name)
+            compared += 1
+    assert compared and min(aux_parts) > 0.5  # the term (coef x ~2) is far above the tolerance
+    print(f"{directory.name} PP {pp} (v {virtual}) x TP {tp} x EP 2: losses {results[0]['losses']} (one process {ref_losses}; "
+          f"router loss's part {min(aux_parts):.3f}..{max(aux_parts):.3f}); {compared} tensors within 1e-5")
 
 
 def _meta(config):

@@ -20,9 +20,9 @@ fused tensors back to the legacy names); :func:`merged_experts` reads from trans
 conversions how they join, and ``weights.py`` reads each rank's experts only (:class:`PerExpertFiles`).
 Files that hold the fused tensors are read as a block of dim 0 per EP rank.
 
-The router's auxiliary loss (Mixtral's ``output_router_logits``) is the model's, outside the
-loss :class:`~lightning_mhc.any_model.model.ParallelModel` computes (next-token cross entropy): a
-run that wants it adds it in its own ``loss_func``.
+The router's auxiliary loss (``output_router_logits``, ``router_aux_loss_coef``) is the model's own:
+:class:`~lightning_mhc.any_model.model.ParallelModel`'s loss adds it, its statistics combined over
+layers, stages and the sequence's ranks (``router_loss.py``).
 """
 from __future__ import annotations
 

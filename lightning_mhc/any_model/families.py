@@ -14,6 +14,8 @@ from torch import nn
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model.experts import MIXTRAL, OLMOE, QWEN3_MOE
 from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
+from lightning_mhc.any_model.router_loss import RouterLossSpec
+from lightning_mhc.layers.moe import SWITCH_LOAD_BALANCING
 from lightning_mhc.any_model.plan import GPT2, GPT_NEOX, LLAMA, OPT, PHI3, QWEN3, Style, TPPlan, resolve_tp_plan
 
 
@@ -62,11 +64,18 @@ class Family:
 
     tp: TPPlan
     hyper_connections: HyperConnectionPlan | Callable[[Any], HyperConnectionPlan]
+    router_loss: RouterLossSpec | None = None
+    """A MoE family's own router loss (its routers and the rule that combines their statistics
+    over layers, stages and the sequence's ranks): ``router_loss.py``."""
 
     def hyper_connection_plan(self, config: Any) -> HyperConnectionPlan:
         found = self.hyper_connections
         return found(config) if callable(found) else found
 
+
+HF_MOE_ROUTER_LOSS = RouterLossSpec("model.layers.*.mlp.gate", SWITCH_LOAD_BALANCING)
+"""Mixtral's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's ``load_balancing_loss_func`` (transformers 5):
+their routers ``mlp.gate`` and Switch's loss over all their layers together."""
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(GPT2, _gpt2), "llama": Family(LLAMA, LLAMA_BRANCHES), "phi3": Family(PHI3, PHI3_BRANCHES),
@@ -78,8 +87,10 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(QWEN3, LLAMA_BRANCHES), "gemma3": Family(QWEN3, GEMMA2_BRANCHES),
     "gemma3_text": Family(QWEN3, GEMMA2_BRANCHES),
     # sparse-MoE blocks (experts.py): the routed experts split over EP, not TP
-    "mixtral": Family(MIXTRAL, LLAMA_BRANCHES), "qwen2_moe": Family(MIXTRAL, LLAMA_BRANCHES),
-    "qwen3_moe": Family(QWEN3_MOE, LLAMA_BRANCHES), "olmoe": Family(OLMOE, LLAMA_BRANCHES),
+    "mixtral": Family(MIXTRAL, LLAMA_BRANCHES, HF_MOE_ROUTER_LOSS),
+    "qwen2_moe": Family(MIXTRAL, LLAMA_BRANCHES, HF_MOE_ROUTER_LOSS),
+    "qwen3_moe": Family(QWEN3_MOE, LLAMA_BRANCHES, HF_MOE_ROUTER_LOSS),
+    "olmoe": Family(OLMOE, LLAMA_BRANCHES, HF_MOE_ROUTER_LOSS),
 }
 """The built-in families by Hugging Face ``config.model_type``."""
 

@@ -47,7 +47,8 @@ from lightning_mhc.any_model.pipeline import (
 )
 from lightning_mhc.any_model.context_parallel import SequenceSplit, check_context_parallel_family, split_over_context
 from lightning_mhc.any_model.experts import check_experts, shard_experts
-from lightning_mhc.any_model.families import resolve_plan
+from lightning_mhc.any_model.families import FAMILIES, resolve_plan
+from lightning_mhc.any_model.router_loss import RouterLoss, router_loss_for
 from lightning_mhc.any_model.plan import Column, TPPlan, base_of, check_plan, linear_dims
 from lightning_mhc.any_model.adapters import (fill_adapters, lora_layers, place_injected_adapters, place_lora,
                                              unwrap_peft_model)
@@ -135,6 +136,9 @@ class ParallelModel(nn.Module):
         self.report = report
         self.forward_kwargs = forward_kwargs
         self._inputs: list[Tensor | None] = [None] * len(chunks)
+        self.router_loss: RouterLoss | None = None
+        """A Hugging Face MoE family's own router loss, where its config asks for it
+        (``output_router_logits``): added to :meth:`loss` (``router_loss.py``)."""
         self._running: int | None = None
         self._blocks_ran = False
 
@@ -150,15 +154,22 @@ class ParallelModel(nn.Module):
         if self.sequence_split is not None:
             inputs = self.sequence_split.split_inputs(inputs)
         self._running, self._blocks_ran = chunk, False
+        router_loss = self.router_loss
+        if router_loss is not None:
+            router_loss.begin(chunk, inputs.get("attention_mask"), self.sequence_split)
+        final = chunk == len(self.chunks) - 1
         try:
             with rng_fork("tensor"):  # replicated across TP, distinct per DP and PP rank
                 try:
                     output = self.chunks[chunk](**inputs, **self.forward_kwargs)
                 except _StageExit as stop:
-                    return stop.hidden
+                    output, final = stop.hidden, False
         finally:
             self._running = None
-        return _logits(output)
+        if not final:
+            return output if router_loss is None else router_loss.end(chunk, output, False)
+        logits = _logits(output)
+        return logits if router_loss is None else router_loss.end(chunk, logits, True)
 
     def forward(self, **inputs: Any) -> Tensor:
         if len(self.chunks) != 1 or self.num_virtual_stages != 1:
@@ -182,8 +193,11 @@ class ParallelModel(nn.Module):
             per_token = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
                                         reduction="none").view_as(labels)
         if self.sequence_split is not None:
-            return self.sequence_split.loss(per_token, keep)
-        return token_mean_loss(per_token, keep)  # 0, not NaN, when every label is ignored
+            loss = self.sequence_split.loss(per_token, keep)
+        else:
+            loss = token_mean_loss(per_token, keep)  # 0, not NaN, when every label is ignored
+        term = self.router_loss.loss_term(logits) if self.router_loss is not None else None
+        return loss if term is None else loss + term  # as the model's own loss: CE + coef x its router loss
 
     def pipeline_tensor_shape(self, inputs: Mapping[str, Any]) -> tuple[int, ...]:
         """What crosses stages: the hidden states ``[batch, seq, hidden]`` (``seq / TP`` under
@@ -487,6 +501,7 @@ def load_model_weights(split: SplitModel, settings: ParallelizeSettings) -> Spli
     stage_ends = [(chunk.stage, chunk.blocks[min(chunk.blocks)], chunk.blocks[max(chunk.blocks)])
                   for chunk in split.chunks if chunk.blocks]
     _connect_stages(model_parallel, stage_ends, layout.num_virtual_stages - 1, layout.sequence_parallel and tp > 1)
+    _attach_router_loss(model_parallel, split.planned.model, layout)
     _mark_shared_embeddings(model_parallel, split.materializer, split.tied_across_stages)
     if split.weights is not None:
         load_weights(model_parallel, split.weights, layout)
@@ -884,6 +899,18 @@ def _global_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _attach_router_loss(model_parallel: ParallelModel, model: nn.Module, layout: ParallelLayout) -> None:
+    """The family's own router loss (``Family.router_loss``) where the model's config asks for it:
+    the model's forward then leaves its own out (each stage would take it over its layers only)."""
+    config = getattr(model, "config", None)
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    router_loss = router_loss_for(list(model_parallel.chunks), family.router_loss if family else None, config, layout)
+    if router_loss is not None:
+        model_parallel.router_loss = router_loss
+        if router_loss.active:
+            model_parallel.forward_kwargs = {**model_parallel.forward_kwargs, "output_router_logits": False}
 
 
 def _forward_kwargs(model: nn.Module) -> dict[str, Any]:

@@ -84,3 +84,77 @@ def grouped_matmul(tokens: Tensor, weight: Tensor, tokens_per_expert: Tensor, us
     chunks = torch.split(tokens, tokens_per_expert.tolist())
     return torch.cat([chunk @ weight[e] for e, chunk in enumerate(chunks)]
                      + [tokens.new_empty(0, weight.shape[-1])])
+
+
+# ------------------------------------------------------------------ a router's auxiliary loss from summed statistics
+class RouterLossRule:
+    """A router's auxiliary loss written as a function of statistics that are *sums* over layers
+    and tokens, so that each pipeline stage, CP rank or sequence-parallel rank takes the sums of its
+    own layers and tokens, and adding them up gives exactly the statistics of the whole model on the
+    whole sequence: :meth:`statistics` of one layer, :meth:`loss` of the sums.
+
+    The statistics come in two parts: ``constant`` (no gradient: counts, rows) and
+    ``differentiable`` (a function of the router logits). The loss's gradient reaches each layer
+    through the chain rule at the summed statistics: ``d loss / d differentiable`` (computed once from
+    the totals) times this layer's ``d differentiable / d logits`` (:meth:`logits_grad`), so no
+    stage needs another's graph, only the totals."""
+
+    name = "router_loss"
+
+    def sizes(self, num_experts: int) -> tuple[int, int]:
+        """The lengths of ``(constant, differentiable)`` (a stage without routers sends zeros)."""
+        raise NotImplementedError
+
+    def statistics(self, logits: Tensor, mask: Tensor | None, top_k: int) -> tuple[Tensor, Tensor]:
+        """One layer's ``(constant, differentiable)`` sums from its router logits ``[T, E]`` and
+        the tokens' mask ``[T]`` (None: every token counts)."""
+        raise NotImplementedError
+
+    def loss(self, constant: Tensor, differentiable: Tensor, num_experts: int) -> Tensor:
+        """The loss from the statistics summed over every layer and token."""
+        raise NotImplementedError
+
+    def logits_grad(self, logits: Tensor, mask: Tensor | None, top_k: int, constant: Tensor, differentiable: Tensor,
+                    num_experts: int, scale: float) -> Tensor:
+        """``scale x d loss / d logits`` of one layer, the loss taken at the summed statistics
+        ``(constant, differentiable)``."""
+        with torch.enable_grad():
+            totals = differentiable.detach().clone().requires_grad_(True)
+            (outer,) = torch.autograd.grad(self.loss(constant, totals, num_experts), totals)
+            local = logits.detach().requires_grad_(True)
+            _, own = self.statistics(local, mask, top_k)
+            (grad,) = torch.autograd.grad(own, local, grad_outputs=(outer * scale).to(own.dtype))
+        return grad
+
+
+class SwitchLoadBalancing(RouterLossRule):
+    """Switch Transformer's load-balancing loss as Hugging Face's MoE families write it
+    (``load_balancing_loss_func`` of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, transformers 5):
+    every layer's logits are taken together, ``f_e = (top-k choices of e) / R`` and ``P_e = (sum of
+    softmax probabilities of e) / R`` over the layers' unmasked rows ``R`` (layers x tokens), the loss
+    ``E x sum_e f_e P_e`` (``f`` sums to ``k``, not 1: the top-k counts are not divided by ``k``).
+    The softmax and top-k run in the logits' dtype, the sums in fp32, as theirs; a token counts where
+    the attention mask is 1. Statistics: constant ``[counts_0..E-1, R]``, differentiable ``[P sums]``."""
+
+    name = "load_balancing_loss"
+
+    def sizes(self, num_experts: int) -> tuple[int, int]:
+        return num_experts + 1, num_experts
+
+    def statistics(self, logits: Tensor, mask: Tensor | None, top_k: int) -> tuple[Tensor, Tensor]:
+        probs = torch.softmax(logits, dim=-1)
+        _, chosen = torch.topk(probs, top_k, dim=-1)
+        weight = (torch.ones(logits.shape[0], device=logits.device) if mask is None
+                  else mask.reshape(-1).to(device=logits.device, dtype=torch.float32))
+        counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device).scatter_add_(
+            0, chosen.reshape(-1), weight.repeat_interleave(top_k))
+        prob_sums = (probs.float() * weight.unsqueeze(-1)).sum(0)
+        return torch.cat([counts, weight.sum().reshape(1)]), prob_sums
+
+    def loss(self, constant: Tensor, differentiable: Tensor, num_experts: int) -> Tensor:
+        counts, rows = constant[:-1], constant[-1]
+        return (counts / rows * (differentiable / rows)).sum() * num_experts
+
+
+SWITCH_LOAD_BALANCING = SwitchLoadBalancing()
+"""The Hugging Face MoE families' router loss (``Family.router_loss``)."""

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mhc.errors import ConfigError, Label
@@ -148,8 +149,52 @@ class ParallelLMModule(PipelinedLMModule):
                  f"dp {layout.data_parallel_rank})" if layout is not None else "")
         print(f"rank {self.global_rank}{where}: {self._parallel_model().report}", flush=True)
 
+    def uses_experts(self) -> bool:
+        return isinstance(self.model, ParallelModel) and self.model.router_loss is not None
+
+    def _log_moe_statistics(self) -> None:
+        """A Hugging Face MoE family's routing, as the GPT's (``moe_step_statistics``): per router
+        its tokens per expert summed over the step's microbatches and the DP x CP ranks, gathered over
+        the model-parallel group (``moe/<router>/tokens_per_expert/<e>``, ``moe/<router>/balance``),
+        and with the model's own router loss its mean over the microbatches and DP ranks
+        (``moe/aux_loss``, before ``router_aux_loss_coef``; the loss holds coef x it). Every step
+        takes the counts; the steps Lightning logs log them (collective on every rank)."""
+        router_loss = self.model.router_loss if isinstance(self.model, ParallelModel) else None
+        if router_loss is None:
+            return super()._log_moe_statistics()
+        counts, aux_loss = router_loss.take_step_statistics()
+        if not self._log_step:
+            return
+        from lightning_mhc.model.moe_mlp import moe_step_statistics
+
+        layout = getattr(self.trainer.strategy, "layout", None)
+        built = layout is not None and layout.groups is not None
+        figures = moe_step_statistics([(name, _Taken(c)) for name, c in sorted(counts.items())],
+                                      layout.dp_cp_group if built else None,
+                                      layout.model_parallel_group if built else None)
+        if router_loss.active:
+            # the last stage's ranks hold it; every rank logs the mean over them (DP, and the same
+            # value on their CP and TP peers)
+            held = torch.tensor([aux_loss or 0.0, 1.0 if aux_loss is not None else 0.0], dtype=torch.float64,
+                                device=self.device)
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(held)
+            figures["moe/aux_loss"] = (held[0] / held[1]).item()
+        for name, value in figures.items():
+            self.log(name, value)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+
+
+class _Taken:
+    """One router's counts of a step, as ``moe_step_statistics`` takes a layer's."""
+
+    def __init__(self, counts: Tensor) -> None:
+        self.counts = counts
+
+    def take_step_statistics(self) -> tuple[Tensor, dict, int]:
+        return self.counts, {}, 1
 
 
 def _field(microbatch: Any, *names: str) -> Tensor:
