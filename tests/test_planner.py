@@ -67,3 +67,67 @@ def test_model_state_bytes_per_rank_exact(measured):
             got = (params, grads, optim)
             assert got == (want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes), \
                 (CASES[i][1:], rank, got, want)
+
+
+# ------------------------------------------------------------------ the console door
+PLAN_REFUSES = "lightning-mhc-plan: invalid configuration"
+
+
+def _plan_cli(*args, cwd):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "lightning_mhc.cli.plan", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_plan_cli_enumerates_layouts_that_fit(tmp_path):
+    """``lightning-mhc-plan model=gpt_moe_tiny plan.devices=8``: the asked layout first in plan.json,
+    equal to the planner's counts; every other layout of 8 devices fits the memory given, is one
+    the model divides into, and they come most headroom first."""
+    from lightning_mhc.distributed.layout import ParallelLayout
+    from lightning_mhc.model.config import MHCTransformerConfig
+    from lightning_mhc.planning import parse_bytes
+
+    out = tmp_path / "plan.json"
+    memory = "4.5MB"  # between the smallest and the largest layouts' model states of this model
+    run = _plan_cli("model=gpt_moe_tiny", "plan.devices=8", f"plan.device_memory={memory}", f"plan.json={out}",
+                    cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    import json
+
+    layouts = json.loads(out.read_text())["layouts"]
+    assert layouts[0]["sizes"]["world_size"] == 1  # the asked layout (trainer.devices=1) first
+    rest = layouts[1:]
+    assert rest, run.stdout
+    assert all(r["total_bytes"] <= parse_bytes(memory) for r in rest)
+    assert [r["total_bytes"] for r in rest] == sorted(r["total_bytes"] for r in rest)
+    assert all(r["sizes"]["world_size"] == 8 for r in rest)
+    assert "fit" in run.stdout and "why:" in run.stdout
+    # a layout the memory drops: the single-rank one holds every parameter
+    assert layouts[0]["total_bytes"] > parse_bytes(memory)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("model=no_such_model",), "model"),
+    (("plan.devices=8", "plan.device_memory=lots"), "plan.device_memory='lots' is not a memory size"),
+    (("parallel=tp2", "trainer.devices=3"), "does not divide"),
+])
+def test_plan_cli_refuses_in_one_line(tmp_path, monkeypatch, capsys, args, says):
+    """Bad input: one line and exit status 2 (the entry point's ``main`` in this process, which the
+    console script calls; the unknown model also through ``python -m``)."""
+    from lightning_mhc.cli.plan import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    assert exit_.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PLAN_REFUSES)]
+    assert len(lines) == 1 and says in lines[0], lines
+
+
+def test_plan_cli_refuses_through_python_m(tmp_path):
+    run = _plan_cli("model=no_such_model", cwd=tmp_path)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    lines = [line for line in run.stderr.splitlines() if line.startswith(PLAN_REFUSES)]
+    assert len(lines) == 1 and "model" in lines[0], run.stderr
