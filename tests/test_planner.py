@@ -10,7 +10,7 @@ from lightning_mhc.testing.launch import spawn_ranks
 TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=300,
             max_sequence_length=64, enable_hyper_connections=True, num_residual_streams=4)
 MOE = dict(TINY, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
-# (model, TP, PP, VP, EP): each divides the 4 ranks; the vocabulary 300 is padded to 384 at TP 1, 512 at TP 2 and 4
+# (model, TP, PP, VP, EP): each divides the 4 ranks; the vocabulary 300 is padded to 384 rows, split over TP
 CASES = [(TINY, 1, 1, 1, 1), (TINY, 2, 1, 1, 1), (TINY, 2, 2, 1, 1), (TINY, 1, 4, 1, 1),
          (TINY, 1, 2, 2, 1), (dict(TINY, num_residual_streams=1, enable_hyper_connections=False), 4, 1, 1, 1),
          (MOE, 1, 1, 1, 4), (MOE, 1, 2, 1, 2)]

@@ -4,8 +4,8 @@ The counts come from the model itself: each virtual pipeline stage of the GPT is
 device (no memory, no weights) with the runtime's own stage split (``partition_layers``), at TP = EP
 = 1, and each parameter is then divided as the layout divides it: megatron's
 ``tensor_model_parallel`` marker says TP splits it, the expert marker (``allreduce = False``) that EP
-splits it. Building at TP = 1 needs no TP group; the vocabulary is padded for the asked TP first so
-the embedding and output layer have the asked layout's padded rows.
+splits it. Building at TP = 1 needs no TP group (only the one-rank group megatron's layers ask for);
+the asked layout's rules (sizes over TP, layers over stages) are checked first.
 """
 from __future__ import annotations
 
@@ -60,8 +60,10 @@ class StageCount:
 
 
 def _tp_free_config(config: MHCTransformerConfig, layout: ParallelLayout) -> MHCTransformerConfig:
-    """The model at TP = EP = 1 with the asked layout's pipeline and padded vocabulary, so the meta
-    build needs no process group beyond a one-rank one."""
+    """The model at TP = EP = 1, checked against the asked layout first, so the meta build needs no
+    process group beyond a one-rank one. (The padded vocabulary, a multiple of
+    ``make_vocab_size_divisible_by``, is carried over as the vocabulary so the rows stay the asked
+    model's.)"""
     asked = with_parallel_layout(config, layout)  # the asked layout's checks (sizes over TP, layers over stages)
     return dataclasses.replace(config, vocab_size=asked.padded_vocab_size, tensor_model_parallel_size=1,
                                sequence_parallel=False, context_parallel_size=1, expert_model_parallel_size=1,
