@@ -452,7 +452,16 @@ def _check_module(command, scratch, monkeypatch, capsys):
     assert importlib.util.find_spec(module) is not None, f"no module {module}"
 
 
-CHECKS = {"train": _check_train, "script": _check_script, "lightning-mhc-export": _check_export,
+def _check_plan(command, tmp_path, monkeypatch, capsys):
+    """``lightning-mhc-plan``: run as written (its entry point in this process; it builds meta
+    models only) and succeed."""
+    from lightning_mhc.cli.plan import main
+
+    monkeypatch.chdir(tmp_path)
+    main(command.argv[1:])
+
+
+CHECKS = {"train": _check_train, "lightning-mhc-plan": _check_plan, "script": _check_script, "lightning-mhc-export": _check_export,
           "lightning-mhc-preprocess": _check_preprocess,
           "lightning-mhc-generate": _check_generate, "pip": _check_pip, "make": _check_make,
           "pytest": _check_pytest, "module": _check_module, "sbatch": _check_sbatch}

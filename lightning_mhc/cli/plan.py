@@ -1,0 +1,176 @@
+"""``lightning-mhc-plan`` / ``python -m lightning_mhc.cli.plan``: each rank's model-state bytes for a
+layout, before launch, with the overrides and config groups of ``lightning-mhc-train``.
+
+    lightning-mhc-plan model=small parallel=tp2pp2 trainer.devices=4        # that layout's table per stage
+    lightning-mhc-plan model=gpt_125m plan.devices=8 plan.device_memory=80GB  # layouts of 8 devices that fit
+    lightning-mhc-plan ... plan.json=plan.json                               # {"layouts": [...]}, asked first
+
+The counts are the planner's (``lightning_mhc.planning``): parameters, gradients and AdamW state per
+rank of each pipeline stage, counted on the model's stages built on the meta device. Activations
+and traffic are not counted yet, so "fits" means the model states fit (docs/planning.md). The
+pipeline bubble is the schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
+``lightning-mhc-plan: invalid configuration: ...``, exit status 2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+PREFIX = "lightning-mhc-plan: invalid configuration: "
+PLAN_KEYS = ("devices", "device_memory", "json", "top")
+
+
+def _split(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The train overrides, and the ``plan.<key>=value`` ones (not part of the train schema)."""
+    train, plan = [], {}
+    for arg in argv:
+        if arg.startswith("plan."):
+            key, _, value = arg[len("plan."):].partition("=")
+            if key not in PLAN_KEYS:
+                from lightning_mhc.errors import ConfigError
+
+                raise ConfigError(f"plan.{key} is not a planner option: give plan.devices, plan.device_memory, "
+                                  "plan.json or plan.top.")
+            plan[key] = value
+        else:
+            train.append(arg)
+    return train, plan
+
+
+def _positive_int(key: str, value: str) -> int:
+    from lightning_mhc.errors import ConfigError
+
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"plan.{key}={value!r}: must be a positive whole number.")
+    return int(value)
+
+
+def bubble(p: int, v: int, m: int) -> float:
+    """The idle fraction of a pipeline's step: (p - 1) / (v m + p - 1) (1F1B: v = 1; megatron's
+    interleaved schedule shrinks the warm-up by v)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
+    """One layout's entry of ``plan.json``: its sizes, the most loaded rank's bytes, each stage's."""
+    from lightning_mhc.planning import plan_gpt
+
+    param_bytes = 2 if cfg.trainer.precision == "bf16-true" else 4
+    stages = plan_gpt(cfg.transformer_config(), layout, param_bytes=param_bytes,
+                      distributed_optimizer=cfg.optim.use_distributed_optimizer)
+    top = max(stages, key=lambda s: s.total)
+    p = layout.pipeline_model_parallel_size
+    return dict(
+        sizes=dict(world_size=layout.world_size, tensor=layout.tensor_model_parallel_size, pipeline=p,
+                   virtual=layout.num_virtual_stages // p, data=layout.data_parallel_size,
+                   context=layout.context_parallel_size, expert=layout.expert_model_parallel_size,
+                   sequence_parallel=layout.sequence_parallel, microbatches=num_microbatches),
+        most_loaded_stage=top.stage, parameter_bytes=top.parameter_bytes, gradient_bytes=top.gradient_bytes,
+        optimizer_bytes=top.optimizer_bytes, total_bytes=top.total,
+        bubble=bubble(p, layout.num_virtual_stages // p, num_microbatches),
+        stages=[dict(stage=s.stage, parameter_bytes=s.parameter_bytes, gradient_bytes=s.gradient_bytes,
+                     optimizer_bytes=s.optimizer_bytes, total_bytes=s.total) for s in stages])
+
+
+def _candidates(cfg, devices: int):
+    """Every TP x PP x DP (x EP) layout of ``devices`` the model divides into, with its micro-batches:
+    the global batch is kept, the micro-batch size too."""
+    from lightning_mhc.distributed.layout import ParallelLayout
+    from lightning_mhc.errors import ConfigError
+
+    d = cfg.data
+    for tp in range(1, devices + 1):
+        for pp in range(1, devices // tp + 1):
+            if devices % (tp * pp):
+                continue
+            dp = devices // (tp * pp)
+            experts = cfg.model.num_moe_experts or 0
+            for ep in ([e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0] if experts else [1]):
+                if d.global_batch_size % (d.micro_batch_size * dp):
+                    continue
+                try:
+                    layout = ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                            expert_model_parallel_size=ep, world_size=devices)
+                    yield layout_row(cfg, layout, d.global_batch_size // (d.micro_batch_size * dp))
+                except ConfigError:
+                    continue  # the model does not divide into it (heads, layers, vocabulary, experts)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e7 else f"{n:,} B"
+
+
+def _print_layout(row: dict[str, Any]) -> None:
+    s = row["sizes"]
+    print(f"layout: {s['world_size']} ranks = TP {s['tensor']} x PP {s['pipeline']} (v {s['virtual']}) x "
+          f"DP {s['data']} x CP {s['context']}, EP {s['expert']}; {s['microbatches']} micro-batches; "
+          f"bubble {row['bubble']:.3f}")
+    print(f"{'stage':>5} {'parameters':>14} {'gradients':>14} {'optimizer':>14} {'total':>14}")
+    for st in row["stages"]:
+        print(f"{st['stage']:>5} {_gb(st['parameter_bytes']):>14} {_gb(st['gradient_bytes']):>14} "
+              f"{_gb(st['optimizer_bytes']):>14} {_gb(st['total_bytes']):>14}")
+    print(f"most loaded rank: stage {row['most_loaded_stage']}, {_gb(row['total_bytes'])} of model states "
+          "(activations not counted)")
+
+
+def plan(argv: list[str]) -> list[dict[str, Any]]:
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mhc.cli.preflight import CONF_DIR, to_train_config
+    from lightning_mhc.errors import ConfigError
+    from lightning_mhc.planning import parse_bytes
+
+    overrides, options = _split(argv)
+    enumerate_ = "devices" in options or "device_memory" in options
+    if enumerate_:  # the planner's own options first: a bad one is refused before anything is built
+        devices = _positive_int("devices", options["devices"]) if "devices" in options else None
+        memory = parse_bytes(options.get("device_memory", "80GB"))
+        top = _positive_int("top", options.get("top", "3"))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="plan"):
+        cfg = to_train_config(compose(config_name="config", overrides=overrides))
+    if cfg.model.is_hf:
+        raise ConfigError("model=hf: the planner counts the mHC GPT (model=tiny|small|gpt_125m|gpt_moe_tiny ...) "
+                          "so far; Hugging Face families are not planned yet.")
+    asked = layout_row(cfg, cfg.layout, cfg.num_microbatches)
+    rows = [asked]
+    _print_layout(asked)
+    if enumerate_:
+        devices = devices or cfg.world_size
+        fitting = [r for r in _candidates(cfg, devices) if r["total_bytes"] <= memory]
+        # most headroom first, then the smaller bubble, then fewer model-parallel ranks (less traffic)
+        fitting.sort(key=lambda r: (r["total_bytes"], r["bubble"], r["sizes"]["tensor"] * r["sizes"]["pipeline"]))
+        print(f"\n{len(fitting)} layouts of {devices} devices fit {_gb(memory)} (model states); the best {min(top, len(fitting))}:")
+        for row in fitting[:top]:
+            print()
+            _print_layout(row)
+            print(f"why: {_gb(memory - row['total_bytes'])} headroom, bubble {row['bubble']:.3f}, "
+                  f"{row['sizes']['tensor'] * row['sizes']['pipeline']} model-parallel ranks")
+        rows += fitting
+    if "json" in options:
+        with open(options["json"], "w") as f:
+            json.dump({"layouts": rows}, f, indent=1)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    from omegaconf.errors import OmegaConfBaseException
+    from hydra.errors import HydraException
+
+    from lightning_mhc.cli.preflight import hydra_error_message
+    from lightning_mhc.cli.schema import in_config_keys
+    from lightning_mhc.errors import ConfigError
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        plan(argv)
+    except ConfigError as error:
+        print(PREFIX + " ".join(str(in_config_keys(error)).split()), file=sys.stderr)
+        sys.exit(2)
+    except (HydraException, OmegaConfBaseException) as error:
+        print(PREFIX + " ".join(hydra_error_message(error, argv).split()), file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The planner's per-rank counts against the same counts measured on models the runtime builds on
+forked ranks (one group per world size, every case in it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_mhc.testing.launch import spawn_ranks
+
+TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=300,
+            max_sequence_length=64, enable_hyper_connections=True, num_residual_streams=4)
+MOE = dict(TINY, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+# (model, TP, PP, VP, EP): each divides the 4 ranks; the vocabulary 300 is padded to 384 rows, split over TP
+CASES = [(TINY, 1, 1, 1, 1), (TINY, 2, 1, 1, 1), (TINY, 2, 2, 1, 1), (TINY, 1, 4, 1, 1),
+         (TINY, 1, 2, 2, 1), (dict(TINY, num_residual_streams=1, enable_hyper_connections=False), 4, 1, 1, 1),
+         (MOE, 1, 1, 1, 4), (MOE, 1, 2, 1, 2)]
+
+
+def _layout(world, tp, pp, vp, ep):
+    from lightning_mhc.distributed.layout import ParallelLayout
+
+    return ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep, world_size=world)
+
+
+def _measure(rank, world):
+    """Per case: this rank's stage, parameter bytes and AdamW state bytes after one step."""
+    from megatron.core import parallel_state
+
+    from lightning_mhc.distributed.optimizer import optimizer_state_bytes
+    from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
+    from lightning_mhc.model.stages import build_gpt_chunks
+
+    out = []
+    for model, tp, pp, vp, ep in CASES:
+        layout = _layout(world, tp, pp, vp, ep).build()
+        config = with_parallel_layout(MHCTransformerConfig(**model), layout)
+        chunks = build_gpt_chunks(config, layout)
+        params = [p for c in chunks for p in c.parameters()]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optim = torch.optim.AdamW(params)
+        optim.step()
+        out.append((layout.pipeline_model_parallel_rank,
+                    sum(p.numel() * p.element_size() for p in params),
+                    sum(p.grad.numel() * p.grad.element_size() for p in params),
+                    optimizer_state_bytes(optim)))
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return spawn_ranks(_measure, 4, timeout_s=300)
+
+
+def test_model_state_bytes_per_rank_exact(measured):
+    """Parameter, gradient and AdamW bytes of every rank equal the planner's for its stage."""
+    from lightning_mhc.model.config import MHCTransformerConfig
+    from lightning_mhc.planning import plan_gpt
+
+    for i, (model, tp, pp, vp, ep) in enumerate(CASES):
+        planned = plan_gpt(MHCTransformerConfig(**model), _layout(4, tp, pp, vp, ep))
+        for rank, rows in enumerate(measured):
+            stage, params, grads, optim = rows[i]
+            want = planned[stage]
+            got = (params, grads, optim)
+            assert got == (want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes), \
+                (CASES[i][1:], rank, got, want)
+
+
+# ------------------------------------------------------------------ the console door
+PLAN_REFUSES = "lightning-mhc-plan: invalid configuration"
+
+
+def _plan_cli(*args, cwd):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "lightning_mhc.cli.plan", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_plan_cli_enumerates_layouts_that_fit(tmp_path):
+    """``lightning-mhc-plan model=gpt_moe_tiny plan.devices=8``: the asked layout first in plan.json,
+    equal to the planner's counts; every other layout of 8 devices fits the memory given, is one
+    the model divides into, and they come most headroom first."""
+    from lightning_mhc.distributed.layout import ParallelLayout
+    from lightning_mhc.model.config import MHCTransformerConfig
+    from lightning_mhc.planning import parse_bytes
+
+    out = tmp_path / "plan.json"
+    memory = "2MB"  # between the 8-device layouts' smallest (1.1 MB) and largest (3.8 MB) model states
+    run = _plan_cli("model=gpt_moe_tiny", "plan.devices=8", f"plan.device_memory={memory}", f"plan.json={out}",
+                    cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    import json
+
+    layouts = json.loads(out.read_text())["layouts"]
+    assert layouts[0]["sizes"]["world_size"] == 1  # the asked layout (trainer.devices=1) first
+    rest = layouts[1:]
+    assert rest, run.stdout
+    assert all(r["total_bytes"] <= parse_bytes(memory) for r in rest)
+    assert [r["total_bytes"] for r in rest] == sorted(r["total_bytes"] for r in rest)
+    assert all(r["sizes"]["world_size"] == 8 for r in rest)
+    assert "fit" in run.stdout and "why:" in run.stdout
+    # a layout the memory drops: the single-rank one holds every parameter
+    assert layouts[0]["total_bytes"] > parse_bytes(memory)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("model=no_such_model",), "model"),
+    (("plan.devices=8", "plan.device_memory=lots"), "plan.device_memory='lots' is not a memory size"),
+    (("parallel=tp2", "trainer.devices=3"), "does not divide"),
+])
+def test_plan_cli_refuses_in_one_line(tmp_path, monkeypatch, capsys, args, says):
+    """Bad input: one line and exit status 2 (the entry point's ``main`` in this process, which the
+    console script calls; the unknown model also through ``python -m``)."""
+    from lightning_mhc.cli.plan import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    assert exit_.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PLAN_REFUSES)]
+    assert len(lines) == 1 and says in lines[0], lines
+
+
+def test_plan_cli_refuses_through_python_m(tmp_path):
+    run = _plan_cli("model=no_such_model", cwd=tmp_path)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    lines = [line for line in run.stderr.splitlines() if line.startswith(PLAN_REFUSES)]
+    assert len(lines) == 1 and "model" in lines[0], run.stderr
