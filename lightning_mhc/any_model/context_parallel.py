@@ -35,12 +35,13 @@ from torch import Tensor, nn
 from lightning_mhc.distributed.context_parallel import context_parallel_attention
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.any_model.families import FAMILIES
 from lightning_mhc.layers import sequence
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-"""The ``model_type``s split over CP: RoPE on explicit position ids, causal attention through the
-registry, nothing but a padding mask beside the causal one (Mistral, Qwen2 and Qwen3 without a
-sliding window)."""
+SUPPORTED_FAMILIES = tuple(name for name, record in FAMILIES.items() if record.context_parallel)
+"""The ``model_type``s split over CP (the records that claim it, ``families.py``): RoPE on explicit
+position ids, causal attention through the registry, nothing but a padding mask beside the causal
+one (Mistral, Qwen2 and Qwen3 without a sliding window)."""
 
 SPLIT_INPUTS = ("input_ids", "inputs_embeds")
 """The model's inputs cut into this rank's chunks (sequence on dim 1)."""

@@ -1,9 +1,13 @@
-"""The model families built in: for each Hugging Face ``config.model_type``, one entry holding both
-what tensor parallelism splits (its :class:`~lightning_mhc.any_model.plan.TPPlan`) and where the
-hyper-connections go (its :class:`~lightning_mhc.any_model.hc_plan.HyperConnectionPlan`), and
-the two lookups by name or by ``"auto"`` (the model's ``model_type``) that ``parallelize`` and
-``add_hyper_connections`` make. A family that is not here takes plans of the user's own
-(docs/bring_your_own_model.md, docs/mhc_any_model.md)."""
+"""The model families built in: for each Hugging Face ``config.model_type``, one record
+(:class:`FamilyRecord`) holding everything known of it: what tensor parallelism splits (its
+:class:`~lightning_mhc.any_model.plan.TPPlan`), where the pipeline finds its blocks, embedding, final
+norm and head, where the hyper-connections go (its
+:class:`~lightning_mhc.any_model.hc_plan.HyperConnectionPlan`, or the config attribute of streams it
+carries itself), whether context parallelism splits its attention (and why not where it does not),
+its fused experts under expert parallelism, and its router's auxiliary loss. ``parallelize`` and the
+check of each dimension read the record (:func:`family_of`, the lookups by name or by ``"auto"``
+below); a capability a record does not claim is refused there, naming the family. A family that is
+not here takes plans of the user's own (docs/bring_your_own_model.md, docs/mhc_any_model.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,38 +60,137 @@ def _gpt2(config: Any) -> HyperConnectionPlan:
 
 
 @dataclass(frozen=True)
-class Family:
-    """One built-in family: its TP plan, and its hyper-connection plan (or a function of the
-    model's config that makes it, where the block's structure depends on the config)."""
+class PipelineContract:
+    """Where the pipeline finds a family's parts (module names in its ``...ForCausalLM``): the
+    repeated block list it cuts into stages, the token embedding the first stage holds, the final
+    norm and the head the last stage holds."""
 
+    blocks: str
+    embedding: str
+    final_norm: str
+    head: str
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """A family's routed experts as expert parallelism splits them: one module per sparse-MoE block
+    at ``path`` (a module-name pattern) holding the fused tensors ``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]`` and ``act_fn`` (``experts.is_fused_experts``), split by dim 0 over EP."""
+
+    path: str
+
+
+NOT_CHECKED_UNDER_CP = "its attention is not checked under CP"
+
+
+@dataclass(frozen=True)
+class FamilyRecord:
+    """Everything known of one Hugging Face ``config.model_type``: each capability is a field, and
+    a capability a record does not claim is refused by the check of its dimension, in one line
+    naming the family.
+
+    - ``tp``: its tensor-parallel plan (``plan.py``, ``experts.py``);
+    - ``pipeline``: where its blocks, embedding, final norm and head are (the stage split);
+    - ``hyper_connections``: where mHC goes in its blocks (a plan, or a function of the model's
+      config that makes one), None where it has none built in;
+    - ``native_streams``: for a family that carries hyper-connections of its own, the config
+      attribute holding its number of streams (e.g. ``"hc_mult"``): ``hyper_connections=n`` is
+      refused on it (its streams are the model's);
+    - ``context_parallel``: its attention is split over CP exactly (``context_parallel.py``), else
+      ``context_parallel_refusal`` says why not;
+    - ``experts``: its fused experts, split over EP (``experts.py``); None: a dense family;
+    - ``router_aux_loss``: the config attribute of the router's auxiliary-loss coefficient of a
+      MoE family (where an aux loss reads it); None: no router loss.
+    """
+
+    model_type: str
     tp: TPPlan
-    hyper_connections: HyperConnectionPlan | Callable[[Any], HyperConnectionPlan]
+    pipeline: PipelineContract
+    hyper_connections: HyperConnectionPlan | Callable[[Any], HyperConnectionPlan] | None = None
+    native_streams: str | None = None
+    context_parallel: bool = False
+    context_parallel_refusal: str | None = NOT_CHECKED_UNDER_CP
+    experts: FusedExperts | None = None
+    router_aux_loss: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.native_streams is not None and self.hyper_connections is not None:
+            raise ConfigError(f"family {self.model_type!r}: a family with streams of its own takes no hyper-connection "
+                             "plan")
+        if self.context_parallel == (self.context_parallel_refusal is not None):
+            raise ConfigError(f"family {self.model_type!r}: give a CP refusal reason exactly when CP is not claimed")
 
     def hyper_connection_plan(self, config: Any) -> HyperConnectionPlan:
         found = self.hyper_connections
         return found(config) if callable(found) else found
 
 
-FAMILIES: dict[str, Family] = {
-    "gpt2": Family(GPT2, _gpt2), "llama": Family(LLAMA, LLAMA_BRANCHES), "phi3": Family(PHI3, PHI3_BRANCHES),
-    "gpt_neox": Family(GPT_NEOX, _gpt_neox), "opt": Family(OPT, _opt),
+Family = FamilyRecord
+"""The former name of :class:`FamilyRecord`."""
+
+LLAMA_PIPELINE = PipelineContract("model.layers", "model.embed_tokens", "model.norm", "lm_head")
+"""Llama's module names, which most decoder-only families share."""
+MOE_EXPERTS = FusedExperts("model.layers.*.mlp.experts")
+"""transformers 5's sparse-MoE block (Mixtral, Qwen2/3-MoE, OLMoE)."""
+ROUTER_AUX_LOSS = "router_aux_loss_coef"
+"""The config attribute of the MoE families' load-balancing loss coefficient."""
+CP_EXACT = dict(context_parallel=True, context_parallel_refusal=None)
+"""RoPE on explicit position ids, causal attention through transformers' registry, nothing but a
+padding mask beside the causal one (a sliding window is refused by the model's config)."""
+MOE_NOT_UNDER_CP = "a sparse-MoE family is not checked under CP"
+
+
+def _family(model_type: str, tp: TPPlan, hyper_connections, pipeline: PipelineContract = LLAMA_PIPELINE,
+            **capabilities: Any) -> FamilyRecord:
+    return FamilyRecord(model_type, tp, pipeline, hyper_connections, **capabilities)
+
+
+def _moe(model_type: str, tp: TPPlan) -> FamilyRecord:
+    return _family(model_type, tp, LLAMA_BRANCHES, experts=MOE_EXPERTS, router_aux_loss=ROUTER_AUX_LOSS,
+                   context_parallel_refusal=MOE_NOT_UNDER_CP)
+
+
+SOFTCAPPED_WINDOWS = "sliding-window layers and softcapped attention logits"
+
+RECORDS: tuple[FamilyRecord, ...] = (
+    _family("gpt2", GPT2, _gpt2, PipelineContract("transformer.h", "transformer.wte", "transformer.ln_f", "lm_head")),
+    _family("llama", LLAMA, LLAMA_BRANCHES, **CP_EXACT),
+    _family("phi3", PHI3, PHI3_BRANCHES),
+    _family("gpt_neox", GPT_NEOX, _gpt_neox,
+            PipelineContract("gpt_neox.layers", "gpt_neox.embed_in", "gpt_neox.final_layer_norm", "lm_head")),
+    _family("opt", OPT, _opt, PipelineContract("model.decoder.layers", "model.decoder.embed_tokens",
+                                               "model.decoder.final_layer_norm", "lm_head")),
     # Llama's module names, and forwards that read the head counts from the config
-    "mistral": Family(LLAMA, LLAMA_BRANCHES), "qwen2": Family(LLAMA, LLAMA_BRANCHES),
-    "gemma": Family(LLAMA, LLAMA_BRANCHES), "gemma2": Family(LLAMA, GEMMA2_BRANCHES),
+    _family("mistral", LLAMA, LLAMA_BRANCHES, **CP_EXACT), _family("qwen2", LLAMA, LLAMA_BRANCHES, **CP_EXACT),
+    _family("gemma", LLAMA, LLAMA_BRANCHES), _family("gemma2", LLAMA, GEMMA2_BRANCHES,
+                                                     context_parallel_refusal=SOFTCAPPED_WINDOWS),
     # the query/key norms of Qwen3 and Gemma 3
-    "qwen3": Family(QWEN3, LLAMA_BRANCHES), "gemma3": Family(QWEN3, GEMMA2_BRANCHES),
-    "gemma3_text": Family(QWEN3, GEMMA2_BRANCHES),
+    _family("qwen3", QWEN3, LLAMA_BRANCHES, **CP_EXACT),
+    _family("gemma3", QWEN3, GEMMA2_BRANCHES, context_parallel_refusal=SOFTCAPPED_WINDOWS),
+    _family("gemma3_text", QWEN3, GEMMA2_BRANCHES, context_parallel_refusal=SOFTCAPPED_WINDOWS),
     # sparse-MoE blocks (experts.py): the routed experts split over EP, not TP
-    "mixtral": Family(MIXTRAL, LLAMA_BRANCHES), "qwen2_moe": Family(MIXTRAL, LLAMA_BRANCHES),
-    "qwen3_moe": Family(QWEN3_MOE, LLAMA_BRANCHES), "olmoe": Family(OLMOE, LLAMA_BRANCHES),
-}
-"""The built-in families by Hugging Face ``config.model_type``."""
+    _moe("mixtral", MIXTRAL), _moe("qwen2_moe", MIXTRAL), _moe("qwen3_moe", QWEN3_MOE), _moe("olmoe", OLMOE),
+)
+
+FAMILIES: dict[str, FamilyRecord] = {record.model_type: record for record in RECORDS}
+"""The built-in families by Hugging Face ``config.model_type``: the one place a family's
+capabilities are written; every other table is a view of it."""
 
 PLANS: dict[str, TPPlan] = {name: family.tp for name, family in FAMILIES.items()}
 """The built-in TP plans by ``model_type`` (a view of :data:`FAMILIES`)."""
 HC_PLANS: dict[str, HyperConnectionPlan | Callable[[Any], HyperConnectionPlan]] = {
-    name: family.hyper_connections for name, family in FAMILIES.items()}
+    name: family.hyper_connections for name, family in FAMILIES.items() if family.hyper_connections is not None}
 """The built-in hyper-connection plans by ``model_type`` (a view of :data:`FAMILIES`)."""
+
+
+def supported_families() -> tuple[str, ...]:
+    """The ``model_type`` names built in (``plan="auto"`` and the command line's ``model.plan``)."""
+    return tuple(FAMILIES)
+
+
+def family_of(model: nn.Module | None) -> FamilyRecord | None:
+    """The record of ``model``'s ``config.model_type``; None for a model of another family."""
+    return FAMILIES.get(_model_type(model))
 
 
 def _model_type(model: nn.Module | None) -> str | None:
@@ -130,4 +233,5 @@ def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: 
     return FAMILIES[family].hyper_connection_plan(getattr(model, "config", None))
 
 
-__all__ = ["Branch", "FAMILIES", "Family", "HC_PLANS", "PLANS", "resolve_hc_plan", "resolve_plan"]
+__all__ = ["Branch", "FAMILIES", "Family", "FamilyRecord", "FusedExperts", "HC_PLANS", "PLANS", "PipelineContract",
+           "RECORDS", "family_of", "resolve_hc_plan", "resolve_plan", "supported_families"]
