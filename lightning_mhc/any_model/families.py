@@ -18,6 +18,7 @@ from torch import nn
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model.experts import MIXTRAL, OLMOE, QWEN3_MOE
 from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
+from lightning_mhc.any_model.pipeline import ModelParts
 from lightning_mhc.any_model.plan import GPT2, GPT_NEOX, LLAMA, OPT, PHI3, QWEN3, Style, TPPlan, resolve_tp_plan
 
 
@@ -120,6 +121,19 @@ class FamilyRecord:
         if self.context_parallel == (self.context_parallel_refusal is not None):
             raise ConfigError(f"family {self.model_type!r}: give a CP refusal reason exactly when CP is not claimed")
 
+    def check_parts(self, parts: ModelParts, model_name: str) -> None:
+        """The pipeline contract against the parts the stage split found: the embedding on the
+        first stage, the final norm and the head on the last (a record that does not fit its
+        model would place them wrong; refused naming the family and the part)."""
+        contract, where = self.pipeline, {**dict.fromkeys(parts.first, "first"), **dict.fromkeys(parts.last, "last")}
+        for part, stage in ((contract.embedding, "first"), (contract.final_norm, "last"), (contract.head, "last")):
+            found = next((where[p] for p in where if part == p or part.startswith(p + ".")), None)
+            if found != stage:
+                raise ConfigError(f"{model_name} (model_type {self.model_type!r}): its family's pipeline contract puts "
+                                  f"{part} on the {stage} stage, but the split found it "
+                                  f"{'on the ' + found + ' stage' if found else 'nowhere'} (blocks {parts.block_path}): "
+                                  "pass a plan of its own (a TPPlan) and blocks=.")
+
     def hyper_connection_plan(self, config: Any) -> HyperConnectionPlan:
         found = self.hyper_connections
         return found(config) if callable(found) else found
@@ -193,6 +207,14 @@ def family_of(model: nn.Module | None) -> FamilyRecord | None:
     return FAMILIES.get(_model_type(model))
 
 
+def plan_family(plan: Any, model: nn.Module | None) -> FamilyRecord | None:
+    """The record whose TP plan ``plan`` names (``"auto"``: the model's family); None for a plan
+    of the user's own, which brings its own pipeline contract (``blocks=``, ``TPPlan.output``)."""
+    if not isinstance(plan, str):
+        return None
+    return FAMILIES.get(_model_type(model) if plan == "auto" else plan)
+
+
 def _model_type(model: nn.Module | None) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
 
@@ -218,7 +240,9 @@ def resolve_plan(plan: str | TPPlan | Mapping[str, Style | str] | None, model: n
 
 def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: nn.Module) -> HyperConnectionPlan:
     """A hyper-connection plan: ``"auto"`` (by ``model.config.model_type``), a family's name, a
-    plan, or a mapping of its fields."""
+    plan, or a mapping of its fields. Refused for a model whose family carries streams of its own
+    (whatever the plan: they would be streams on streams)."""
+    refuse_native_streams(model)
     if isinstance(plan, HyperConnectionPlan):
         return plan
     if isinstance(plan, Mapping):
@@ -230,8 +254,25 @@ def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: 
         raise ConfigError(f"hyper-connections: {type(model).__name__} has {given}, and no built-in plan fits (built in: "
                           f"{', '.join(FAMILIES)}); pass a HyperConnectionPlan of its branches "
                           "(docs/mhc_any_model.md#a-plan-for-your-own-model).")
-    return FAMILIES[family].hyper_connection_plan(getattr(model, "config", None))
+    record = FAMILIES[family]
+    if record.hyper_connections is None:
+        raise ConfigError(f"hyper-connections: {type(model).__name__} (model_type {record.model_type!r}): its family "
+                          "has no built-in plan; pass a HyperConnectionPlan of its branches "
+                          "(docs/mhc_any_model.md#a-plan-for-your-own-model).")
+    return record.hyper_connection_plan(getattr(model, "config", None))
+
+
+def refuse_native_streams(model: nn.Module) -> None:
+    """A model whose family carries its own hyper-connections (``FamilyRecord.native_streams``)
+    takes none of ours: refused in one line naming the family and its streams."""
+    record = family_of(model)
+    if record is not None and record.native_streams is not None:
+        streams = getattr(getattr(model, "config", None), record.native_streams, None)
+        raise ConfigError(f"hyper-connections: {type(model).__name__} (model_type {record.model_type!r}) carries its "
+                          f"own ({record.native_streams}={streams} streams), which run as the model's: leave "
+                          "hyper_connections unset (model.hyper_connections=null on the command line).")
 
 
 __all__ = ["Branch", "FAMILIES", "Family", "FamilyRecord", "FusedExperts", "HC_PLANS", "PLANS", "PipelineContract",
-           "RECORDS", "family_of", "resolve_hc_plan", "resolve_plan", "supported_families"]
+           "RECORDS", "family_of", "plan_family", "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
+           "supported_families"]
