@@ -171,6 +171,17 @@ def test_cp_runs_where_the_record_claims_it_and_is_refused_in_one_line_elsewhere
     assert "the families split over CP are llama, mistral, qwen2, qwen3" in message
 
 
+def test_cp_follows_the_record(monkeypatch):
+    """A record that stops claiming CP is refused with its own reason; one that claims it runs."""
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], context_parallel=False,
+                                                               context_parallel_refusal="a reason of the record's"))
+    monkeypatch.setitem(FAMILIES, "gemma", dataclasses.replace(FAMILIES["gemma"], context_parallel=True,
+                                                               context_parallel_refusal=None))
+    message = refusal(check_parallelize, model_of("llama"), "auto", layout=layout(context_parallel_size=2))
+    assert "(model_type 'llama'): a reason of the record's; the families split over CP are mistral, qwen2, gemma, qwen3" in message
+    check_parallelize(model_of("gemma"), "auto", layout=layout(context_parallel_size=2))
+
+
 # ------------------------------------------------------------------ EP
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_ep_finds_the_records_fused_experts_and_a_dense_family_is_refused(name):
@@ -185,11 +196,16 @@ def test_ep_finds_the_records_fused_experts_and_a_dense_family_is_refused(name):
     assert f"has no fused experts" in message and f"model_type {name!r} is a dense family" in message, message
 
 
-def test_fused_experts_elsewhere_than_the_record_says_are_refused(monkeypatch):
+def test_ep_follows_the_record_not_the_module_shapes(monkeypatch):
+    """Fused experts elsewhere than the record says, or in a family whose record claims none, are
+    refused naming the family (the shapes alone would split them)."""
     record = FAMILIES["mixtral"]
     monkeypatch.setitem(FAMILIES, "mixtral", dataclasses.replace(record, experts=families.FusedExperts("*.moe")))
     message = refusal(check_parallelize, model_of("mixtral"), "auto", layout=layout(expert_model_parallel_size=2))
     assert "model_type 'mixtral'" in message and "fused experts at model.layers.0.mlp.experts" in message
+    monkeypatch.setitem(FAMILIES, "mixtral", dataclasses.replace(record, experts=None, router_aux_loss=None))
+    message = refusal(check_parallelize, model_of("mixtral"), "auto", layout=layout(expert_model_parallel_size=2))
+    assert "model_type 'mixtral' is a dense family" in message
 
 
 # ------------------------------------------------------------------ the docs' table
