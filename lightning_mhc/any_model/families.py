@@ -115,9 +115,10 @@ class FamilyRecord:
     router_aux_loss: str | None = None
 
     def __post_init__(self) -> None:
+        # a record is the family's one statement of a capability: no claim made two ways at once
         if self.native_streams is not None and self.hyper_connections is not None:
             raise ConfigError(f"family {self.model_type!r}: a family with streams of its own takes no hyper-connection "
-                             "plan")
+                              "plan")
         if self.context_parallel == (self.context_parallel_refusal is not None):
             raise ConfigError(f"family {self.model_type!r}: give a CP refusal reason exactly when CP is not claimed")
 
