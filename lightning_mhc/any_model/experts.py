@@ -80,10 +80,10 @@ def check_experts(model: nn.Module, layout: ParallelLayout) -> None:
     experts = [(name, module) for name, module in model.named_modules() if is_fused_experts(module)]
     values = {"expert_model_parallel_size": ep}
     if not experts or (record is not None and record.experts is None):
-        family = f" (model_type {record.model_type!r} is a dense family)" if record is not None else ""
+        family = f"; model_type {record.model_type!r} is a dense family" if record is not None else ""
         raise ConfigError("{expert_model_parallel_size}: " + literal(
             f"{type(model).__name__} has no fused experts (a module with gate_up_proj [E, 2I, H] and down_proj "
-            f"[E, H, I], as Mixtral's, Qwen2/3-MoE's and OLMoE's mlp.experts) to split{family};"), "set it to 1.",
+            f"[E, H, I], as Mixtral's, Qwen2/3-MoE's and OLMoE's mlp.experts{family}) to split;"), "set it to 1.",
             values=values)
     if record is not None:
         stray = [name for name, _ in experts if not fnmatch.fnmatchcase(name, record.experts.path)]
