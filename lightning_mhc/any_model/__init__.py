@@ -9,8 +9,9 @@ blocks), without rewriting it on megatron layers, and mHC added to it.
 - ``record.py``: meta construction with recorded constructor arguments; materialising a module
   from them with name-seeded generators (layout-invariant initial weights);
 - ``plan.py``: TP plans by module-name patterns and their checks; ``hc_plan.py``: where
-  hyper-connections go in a block; ``families.py``: one entry per built-in Hugging Face family
-  (16 ``model_type`` names) holding both its plans, chosen by ``model_type`` with ``plan="auto"``;
+  hyper-connections go in a block; ``families.py``: one record per built-in Hugging Face family
+  (16 ``model_type`` names) holding every capability (TP and hyper-connection plans, the pipeline's
+  parts, CP, EP, the router's aux loss), chosen by ``model_type`` with ``plan="auto"``;
 - ``experts.py``: Hugging Face mixture-of-experts models (Mixtral, Qwen2/3-MoE, OLMoE) under
   expert parallelism: each EP rank's experts, the token exchange, their per-expert weights;
 - ``tensor_parallel.py``: the styles applied in place with megatron-core's TP mappings;
@@ -28,7 +29,7 @@ blocks), without rewriting it on megatron layers, and mHC added to it.
 
 No Lightning import: ``lightning_mhc.lightning.ParallelLMModule`` is the LightningModule side.
 """
-from lightning_mhc.any_model.families import FAMILIES, HC_PLANS, PLANS, Family
+from lightning_mhc.any_model.families import FAMILIES, HC_PLANS, PLANS, Family, FamilyRecord, supported_families
 from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan
 from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionSettings, add_hyper_connections, hyper_connection_modules)
@@ -42,10 +43,11 @@ from lightning_mhc.any_model.plan import (
 from lightning_mhc.any_model.record import record_module_init
 
 __all__ = [
-    "Branch", "FAMILIES", "Family", "GPT2", "GPT_NEOX", "HC_PLANS", "HyperConnectionPlan", "HyperConnectionSettings",
+    "Branch", "FAMILIES", "Family", "FamilyRecord", "GPT2", "GPT_NEOX", "HC_PLANS", "HyperConnectionPlan", "HyperConnectionSettings",
     "add_hyper_connections", "LLAMA", "OPT", "PHI3", "PLANS", "QWEN3", "Column", "MaterializedReport", "ParallelModel",
     "Replicate", "ReplicateOnSplit", "Row", "TPPlan", "VocabEmbedding", "build_recorded_module", "check_parallelize", "check_plan",
     "consolidated_state_dict", "export_pretrained", "hyper_connection_modules",
     "load_checkpoint", "load_pretrained", "parallelize", "record_module_init", "save_hyper_connections",
+    "supported_families",
 ]
 

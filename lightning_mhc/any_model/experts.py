@@ -27,6 +27,7 @@ layers, stages and the sequence's ranks (``router_loss.py``).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 
 import torch
 from torch import Tensor, nn
@@ -71,12 +72,26 @@ def check_experts(model: nn.Module, layout: ParallelLayout) -> None:
     ep = layout.expert_model_parallel_size
     if ep == 1:
         return
+    # the family's record, where it has one, says where its experts are (imported here: the records
+    # hold this file's TP plans)
+    from lightning_mhc.any_model.families import family_of
+
+    record = family_of(model)
     experts = [(name, module) for name, module in model.named_modules() if is_fused_experts(module)]
     values = {"expert_model_parallel_size": ep}
-    if not experts:
+    if not experts or (record is not None and record.experts is None):
+        family = f"; model_type {record.model_type!r} is a dense family" if record is not None else ""
         raise ConfigError("{expert_model_parallel_size}: " + literal(
             f"{type(model).__name__} has no fused experts (a module with gate_up_proj [E, 2I, H] and down_proj "
-            "[E, H, I], as Mixtral's, Qwen2/3-MoE's and OLMoE's mlp.experts) to split;"), "set it to 1.", values=values)
+            f"[E, H, I], as Mixtral's, Qwen2/3-MoE's and OLMoE's mlp.experts{family}) to split;"), "set it to 1.",
+            values=values)
+    if record is not None:
+        stray = [name for name, _ in experts if not fnmatch.fnmatchcase(name, record.experts.path)]
+        if stray:
+            raise ConfigError("{expert_model_parallel_size}: " + literal(
+                f"{type(model).__name__} (model_type {record.model_type!r}) has fused experts at {stray[0]}, not "
+                f"where its family's record puts them ({record.experts.path});"),
+                "set it to 1, or correct the record's experts path.", values=values)
     for name, module in experts:
         count = module.gate_up_proj.shape[0]
         if count % ep:

@@ -1,9 +1,13 @@
-"""The model families built in: for each Hugging Face ``config.model_type``, one entry holding both
-what tensor parallelism splits (its :class:`~lightning_mhc.any_model.plan.TPPlan`) and where the
-hyper-connections go (its :class:`~lightning_mhc.any_model.hc_plan.HyperConnectionPlan`), and
-the two lookups by name or by ``"auto"`` (the model's ``model_type``) that ``parallelize`` and
-``add_hyper_connections`` make. A family that is not here takes plans of the user's own
-(docs/bring_your_own_model.md, docs/mhc_any_model.md)."""
+"""The model families built in: for each Hugging Face ``config.model_type``, one record
+(:class:`FamilyRecord`) holding everything known of it: what tensor parallelism splits (its
+:class:`~lightning_mhc.any_model.plan.TPPlan`), where the pipeline finds its blocks, embedding, final
+norm and head, where the hyper-connections go (its
+:class:`~lightning_mhc.any_model.hc_plan.HyperConnectionPlan`, or the config attribute of streams it
+carries itself), whether context parallelism splits its attention (and why not where it does not),
+its fused experts under expert parallelism, and its router's auxiliary loss. ``parallelize`` and the
+check of each dimension read the record (:func:`family_of`, the lookups by name or by ``"auto"``
+below); a capability a record does not claim is refused there, naming the family. A family that is
+not here takes plans of the user's own (docs/bring_your_own_model.md, docs/mhc_any_model.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +18,7 @@ from torch import nn
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model.experts import MIXTRAL, OLMOE, QWEN3_MOE
 from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
+from lightning_mhc.any_model.pipeline import ModelParts
 from lightning_mhc.any_model.router_loss import RouterLossSpec
 from lightning_mhc.layers.moe import SWITCH_LOAD_BALANCING
 from lightning_mhc.any_model.plan import GPT2, GPT_NEOX, LLAMA, OPT, PHI3, QWEN3, Style, TPPlan, resolve_tp_plan
@@ -58,47 +63,162 @@ def _gpt2(config: Any) -> HyperConnectionPlan:
 
 
 @dataclass(frozen=True)
-class Family:
-    """One built-in family: its TP plan, and its hyper-connection plan (or a function of the
-    model's config that makes it, where the block's structure depends on the config)."""
+class PipelineContract:
+    """Where the pipeline finds a family's parts (module names in its ``...ForCausalLM``): the
+    repeated block list it cuts into stages, the token embedding the first stage holds, the final
+    norm and the head the last stage holds."""
 
+    blocks: str
+    embedding: str
+    final_norm: str
+    head: str
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """A family's routed experts as expert parallelism splits them: one module per sparse-MoE block
+    at ``path`` (a module-name pattern) holding the fused tensors ``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]`` and ``act_fn`` (``experts.is_fused_experts``), split by dim 0 over EP."""
+
+    path: str
+
+
+NOT_CHECKED_UNDER_CP = "its attention is not checked under CP"
+
+
+@dataclass(frozen=True)
+class FamilyRecord:
+    """Everything known of one Hugging Face ``config.model_type``: each capability is a field, and
+    a capability a record does not claim is refused by the check of its dimension, in one line
+    naming the family.
+
+    - ``tp``: its tensor-parallel plan (``plan.py``, ``experts.py``);
+    - ``pipeline``: where its blocks, embedding, final norm and head are (the stage split);
+    - ``hyper_connections``: where mHC goes in its blocks (a plan, or a function of the model's
+      config that makes one), None where it has none built in;
+    - ``native_streams``: for a family that carries hyper-connections of its own, the config
+      attribute holding its number of streams (e.g. ``"hc_mult"``): ``hyper_connections=n`` is
+      refused on it (its streams are the model's);
+    - ``context_parallel``: its attention is split over CP exactly (``context_parallel.py``), else
+      ``context_parallel_refusal`` says why not;
+    - ``experts``: its fused experts, split over EP (``experts.py``); None: a dense family;
+    - ``router_loss``: a MoE family's own router loss (its routers, the rule that combines their
+      statistics over layers, stages and the sequence's ranks, and the config attribute of its
+      coefficient: ``router_loss.py``); None: no router loss.
+    """
+
+    model_type: str
     tp: TPPlan
-    hyper_connections: HyperConnectionPlan | Callable[[Any], HyperConnectionPlan]
+    pipeline: PipelineContract
+    hyper_connections: HyperConnectionPlan | Callable[[Any], HyperConnectionPlan] | None = None
+    native_streams: str | None = None
+    context_parallel: bool = False
+    context_parallel_refusal: str | None = NOT_CHECKED_UNDER_CP
+    experts: FusedExperts | None = None
     router_loss: RouterLossSpec | None = None
-    """A MoE family's own router loss (its routers and the rule that combines their statistics
-    over layers, stages and the sequence's ranks): ``router_loss.py``."""
+
+    def __post_init__(self) -> None:
+        # a record is the family's one statement of a capability: no claim made two ways at once
+        if self.native_streams is not None and self.hyper_connections is not None:
+            raise ConfigError(f"family {self.model_type!r}: a family with streams of its own takes no hyper-connection "
+                              "plan")
+        if self.context_parallel == (self.context_parallel_refusal is not None):
+            raise ConfigError(f"family {self.model_type!r}: give a CP refusal reason exactly when CP is not claimed")
+
+    def check_parts(self, parts: ModelParts, model_name: str) -> None:
+        """The pipeline contract against the parts the stage split found: the embedding on the
+        first stage, the final norm and the head on the last (a record that does not fit its
+        model would place them wrong; refused naming the family and the part)."""
+        contract, where = self.pipeline, {**dict.fromkeys(parts.first, "first"), **dict.fromkeys(parts.last, "last")}
+        for part, stage in ((contract.embedding, "first"), (contract.final_norm, "last"), (contract.head, "last")):
+            found = next((where[p] for p in where if part == p or part.startswith(p + ".")), None)
+            if found != stage:
+                raise ConfigError(f"{model_name} (model_type {self.model_type!r}): its family's pipeline contract puts "
+                                  f"{part} on the {stage} stage, but the split found it "
+                                  f"{'on the ' + found + ' stage' if found else 'nowhere'} (blocks {parts.block_path}): "
+                                  "pass a plan of its own (a TPPlan) and blocks=.")
 
     def hyper_connection_plan(self, config: Any) -> HyperConnectionPlan:
         found = self.hyper_connections
         return found(config) if callable(found) else found
 
 
+Family = FamilyRecord
+"""The former name of :class:`FamilyRecord`."""
+
+LLAMA_PIPELINE = PipelineContract("model.layers", "model.embed_tokens", "model.norm", "lm_head")
+"""Llama's module names, which most decoder-only families share."""
+MOE_EXPERTS = FusedExperts("model.layers.*.mlp.experts")
+"""transformers 5's sparse-MoE block (Mixtral, Qwen2/3-MoE, OLMoE)."""
 HF_MOE_ROUTER_LOSS = RouterLossSpec("model.layers.*.mlp.gate", SWITCH_LOAD_BALANCING)
 """Mixtral's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's ``load_balancing_loss_func`` (transformers 5):
-their routers ``mlp.gate`` and Switch's loss over all their layers together."""
+their routers ``mlp.gate`` and Switch's loss over all their layers together (``router_loss.py``),
+its coefficient the config's ``router_aux_loss_coef``."""
+CP_EXACT = dict(context_parallel=True, context_parallel_refusal=None)
+"""RoPE on explicit position ids, causal attention through transformers' registry, nothing but a
+padding mask beside the causal one (a sliding window is refused by the model's config)."""
+MOE_NOT_UNDER_CP = "a sparse-MoE family is not checked under CP"
 
-FAMILIES: dict[str, Family] = {
-    "gpt2": Family(GPT2, _gpt2), "llama": Family(LLAMA, LLAMA_BRANCHES), "phi3": Family(PHI3, PHI3_BRANCHES),
-    "gpt_neox": Family(GPT_NEOX, _gpt_neox), "opt": Family(OPT, _opt),
+
+def _family(model_type: str, tp: TPPlan, hyper_connections, pipeline: PipelineContract = LLAMA_PIPELINE,
+            **capabilities: Any) -> FamilyRecord:
+    return FamilyRecord(model_type, tp, pipeline, hyper_connections, **capabilities)
+
+
+def _moe(model_type: str, tp: TPPlan) -> FamilyRecord:
+    return _family(model_type, tp, LLAMA_BRANCHES, experts=MOE_EXPERTS, router_loss=HF_MOE_ROUTER_LOSS,
+                   context_parallel_refusal=MOE_NOT_UNDER_CP)
+
+
+SOFTCAPPED_WINDOWS = "sliding-window layers and softcapped attention logits"
+
+RECORDS: tuple[FamilyRecord, ...] = (
+    _family("gpt2", GPT2, _gpt2, PipelineContract("transformer.h", "transformer.wte", "transformer.ln_f", "lm_head")),
+    _family("llama", LLAMA, LLAMA_BRANCHES, **CP_EXACT),
+    _family("phi3", PHI3, PHI3_BRANCHES),
+    _family("gpt_neox", GPT_NEOX, _gpt_neox,
+            PipelineContract("gpt_neox.layers", "gpt_neox.embed_in", "gpt_neox.final_layer_norm", "lm_head")),
+    _family("opt", OPT, _opt, PipelineContract("model.decoder.layers", "model.decoder.embed_tokens",
+                                               "model.decoder.final_layer_norm", "lm_head")),
     # Llama's module names, and forwards that read the head counts from the config
-    "mistral": Family(LLAMA, LLAMA_BRANCHES), "qwen2": Family(LLAMA, LLAMA_BRANCHES),
-    "gemma": Family(LLAMA, LLAMA_BRANCHES), "gemma2": Family(LLAMA, GEMMA2_BRANCHES),
+    _family("mistral", LLAMA, LLAMA_BRANCHES, **CP_EXACT), _family("qwen2", LLAMA, LLAMA_BRANCHES, **CP_EXACT),
+    _family("gemma", LLAMA, LLAMA_BRANCHES), _family("gemma2", LLAMA, GEMMA2_BRANCHES,
+                                                     context_parallel_refusal=SOFTCAPPED_WINDOWS),
     # the query/key norms of Qwen3 and Gemma 3
-    "qwen3": Family(QWEN3, LLAMA_BRANCHES), "gemma3": Family(QWEN3, GEMMA2_BRANCHES),
-    "gemma3_text": Family(QWEN3, GEMMA2_BRANCHES),
+    _family("qwen3", QWEN3, LLAMA_BRANCHES, **CP_EXACT),
+    _family("gemma3", QWEN3, GEMMA2_BRANCHES, context_parallel_refusal=SOFTCAPPED_WINDOWS),
+    _family("gemma3_text", QWEN3, GEMMA2_BRANCHES, context_parallel_refusal=SOFTCAPPED_WINDOWS),
     # sparse-MoE blocks (experts.py): the routed experts split over EP, not TP
-    "mixtral": Family(MIXTRAL, LLAMA_BRANCHES, HF_MOE_ROUTER_LOSS),
-    "qwen2_moe": Family(MIXTRAL, LLAMA_BRANCHES, HF_MOE_ROUTER_LOSS),
-    "qwen3_moe": Family(QWEN3_MOE, LLAMA_BRANCHES, HF_MOE_ROUTER_LOSS),
-    "olmoe": Family(OLMOE, LLAMA_BRANCHES, HF_MOE_ROUTER_LOSS),
-}
-"""The built-in families by Hugging Face ``config.model_type``."""
+    _moe("mixtral", MIXTRAL), _moe("qwen2_moe", MIXTRAL), _moe("qwen3_moe", QWEN3_MOE), _moe("olmoe", OLMOE),
+)
+
+FAMILIES: dict[str, FamilyRecord] = {record.model_type: record for record in RECORDS}
+"""The built-in families by Hugging Face ``config.model_type``: the one place a family's
+capabilities are written; every other table is a view of it."""
 
 PLANS: dict[str, TPPlan] = {name: family.tp for name, family in FAMILIES.items()}
 """The built-in TP plans by ``model_type`` (a view of :data:`FAMILIES`)."""
 HC_PLANS: dict[str, HyperConnectionPlan | Callable[[Any], HyperConnectionPlan]] = {
-    name: family.hyper_connections for name, family in FAMILIES.items()}
+    name: family.hyper_connections for name, family in FAMILIES.items() if family.hyper_connections is not None}
 """The built-in hyper-connection plans by ``model_type`` (a view of :data:`FAMILIES`)."""
+
+
+def supported_families() -> tuple[str, ...]:
+    """The ``model_type`` names built in (``plan="auto"`` and the command line's ``model.plan``)."""
+    return tuple(FAMILIES)
+
+
+def family_of(model: nn.Module | None) -> FamilyRecord | None:
+    """The record of ``model``'s ``config.model_type``; None for a model of another family."""
+    return FAMILIES.get(_model_type(model))
+
+
+def plan_family(plan: Any, model: nn.Module | None) -> FamilyRecord | None:
+    """The record whose TP plan ``plan`` names (``"auto"``: the model's family); None for a plan
+    of the user's own, which brings its own pipeline contract (``blocks=``, ``TPPlan.output``)."""
+    if not isinstance(plan, str):
+        return None
+    return FAMILIES.get(_model_type(model) if plan == "auto" else plan)
 
 
 def _model_type(model: nn.Module | None) -> str | None:
@@ -126,7 +246,9 @@ def resolve_plan(plan: str | TPPlan | Mapping[str, Style | str] | None, model: n
 
 def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: nn.Module) -> HyperConnectionPlan:
     """A hyper-connection plan: ``"auto"`` (by ``model.config.model_type``), a family's name, a
-    plan, or a mapping of its fields."""
+    plan, or a mapping of its fields. Refused for a model whose family carries streams of its own
+    (whatever the plan: they would be streams on streams)."""
+    refuse_native_streams(model)
     if isinstance(plan, HyperConnectionPlan):
         return plan
     if isinstance(plan, Mapping):
@@ -138,7 +260,25 @@ def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: 
         raise ConfigError(f"hyper-connections: {type(model).__name__} has {given}, and no built-in plan fits (built in: "
                           f"{', '.join(FAMILIES)}); pass a HyperConnectionPlan of its branches "
                           "(docs/mhc_any_model.md#a-plan-for-your-own-model).")
-    return FAMILIES[family].hyper_connection_plan(getattr(model, "config", None))
+    record = FAMILIES[family]
+    if record.hyper_connections is None:
+        raise ConfigError(f"hyper-connections: {type(model).__name__} (model_type {record.model_type!r}): its family "
+                          "has no built-in plan; pass a HyperConnectionPlan of its branches "
+                          "(docs/mhc_any_model.md#a-plan-for-your-own-model).")
+    return record.hyper_connection_plan(getattr(model, "config", None))
 
 
-__all__ = ["Branch", "FAMILIES", "Family", "HC_PLANS", "PLANS", "resolve_hc_plan", "resolve_plan"]
+def refuse_native_streams(model: nn.Module) -> None:
+    """A model whose family carries its own hyper-connections (``FamilyRecord.native_streams``)
+    takes none of ours: refused in one line naming the family and its streams."""
+    record = family_of(model)
+    if record is not None and record.native_streams is not None:
+        streams = getattr(getattr(model, "config", None), record.native_streams, None)
+        raise ConfigError(f"hyper-connections: {type(model).__name__} (model_type {record.model_type!r}) carries its "
+                          f"own ({record.native_streams}={streams} streams), which run as the model's: leave "
+                          "hyper_connections unset (model.hyper_connections=null on the command line).")
+
+
+__all__ = ["Branch", "FAMILIES", "Family", "FamilyRecord", "FusedExperts", "HC_PLANS", "PLANS", "PipelineContract",
+           "RECORDS", "family_of", "plan_family", "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
+           "supported_families"]

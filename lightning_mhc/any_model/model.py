@@ -47,7 +47,7 @@ from lightning_mhc.any_model.pipeline import (
 )
 from lightning_mhc.any_model.context_parallel import SequenceSplit, check_context_parallel_family, split_over_context
 from lightning_mhc.any_model.experts import check_experts, shard_experts
-from lightning_mhc.any_model.families import FAMILIES, resolve_plan
+from lightning_mhc.any_model.families import FAMILIES, FamilyRecord, plan_family, resolve_plan
 from lightning_mhc.any_model.router_loss import RouterLoss, router_loss_for
 from lightning_mhc.any_model.plan import Column, TPPlan, base_of, check_plan, linear_dims
 from lightning_mhc.any_model.adapters import (fill_adapters, lora_layers, place_injected_adapters, place_lora,
@@ -320,10 +320,12 @@ class ParallelizeSettings:
 
 @dataclass
 class PlannedModel:
-    """The recorded model and its TP plan (resolved: a family's by name, ``recompute_modules`` in)."""
+    """The recorded model and its TP plan (resolved: a family's by name, ``recompute_modules`` in),
+    and the family's record where the plan is a family's (its pipeline contract)."""
 
     model: nn.Module
     plan: TPPlan
+    family: FamilyRecord | None = None
 
 
 @dataclass
@@ -439,7 +441,7 @@ def resolve_model_plan(model: nn.Module, settings: ParallelizeSettings) -> Plann
     plan = resolve_plan(settings.plan, model)
     if settings.recompute_modules is not None:
         plan = dataclasses.replace(plan, selective=tuple(settings.recompute_modules))
-    return PlannedModel(model, plan)
+    return PlannedModel(model, plan, plan_family(settings.plan, model))
 
 
 def add_model_hyper_connections(planned: PlannedModel, settings: ParallelizeSettings) -> PlannedModel:
@@ -470,7 +472,7 @@ def split_pipeline(planned: PlannedModel, settings: ParallelizeSettings) -> Spli
     across = _tied_across_stages(_tied_tensors(model), parts, ranges, last_stage) if parts else []
     plan, vocab_parallel = _output_plan(model, planned.plan, parts, layout.tensor_model_parallel_size,
                                         settings.loss_parallel)
-    return SplitModel(PlannedModel(model, plan), parts, ranges, _unique_numel(model), hidden, vocab_parallel, across,
+    return SplitModel(PlannedModel(model, plan, planned.family), parts, ranges, _unique_numel(model), hidden, vocab_parallel, across,
                       weights, materializer, _tied_aliases(model, materializer),
                       _stage_chunks(model, parts, ranges, layout), sequence_split)
 
@@ -549,7 +551,7 @@ def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] |
                                    hyper_connection_plan=hyper_connection_plan)
     planned = resolve_model_plan(model, settings)
     if HyperConnectionSettings.of(settings.hyper_connections).enabled and _hyper_connection_streams(model) == 1:
-        planned = PlannedModel(copy.deepcopy(model), planned.plan)  # meta tensors: nothing is allocated
+        planned = PlannedModel(copy.deepcopy(model), planned.plan, planned.family)  # meta: nothing is allocated
     planned = add_model_hyper_connections(planned, settings)
     if settings.layout.context_parallel_size > 1:
         check_context_parallel_family(planned.model)
@@ -638,9 +640,12 @@ def _stage_ranges(planned: PlannedModel, settings: ParallelizeSettings,
     stages = layout.num_virtual_stages
     check_plan(model, plan, layout.tensor_model_parallel_size)
     check_experts(model, layout)
-    parts = _model_parts(model, settings.blocks,
-                         pipelined=stages > 1 or recompute.full or layout.sequence_parallel,
+    family = planned.family
+    blocks = settings.blocks if settings.blocks is not None or family is None else family.pipeline.blocks
+    parts = _model_parts(model, blocks, pipelined=stages > 1 or recompute.full or layout.sequence_parallel,
                          after_blocks=plan.after_blocks)
+    if parts is not None and family is not None and settings.blocks is None:
+        family.check_parts(parts, type(model).__name__)
     ranges = split_blocks(len(parts.blocks), stages, settings.pipeline_split, parts.block_path) if parts else [(0, 0)]
     if recompute.selective and not plan.selective:
         raise ConfigError("recompute='selective' needs the modules to checkpoint: pass recompute_modules=[patterns] "
