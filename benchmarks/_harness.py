@@ -57,6 +57,27 @@ def gpt_training_step(cfg, policy: str, tokens, labels, autocast=None) -> tuple[
     return step, meter.result.retained_bytes
 
 
+def sublayer_step(forward: Callable, x, modules, device="cpu") -> tuple[Callable[[], None], int]:
+    """One sub-layer's timed step (forward and backward of ``forward()``, ``x``'s gradient cleared)
+    and the activation bytes its first forward keeps for backward, measured on ``modules``
+    (``ActivationMemoryMeter``: their parameters are not activations)."""
+    import torch
+
+    from lightning_mhc.recompute import ActivationMemoryMeter
+
+    with ActivationMemoryMeter(*modules) as meter:
+        out = forward()
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    def step() -> None:
+        forward().backward(grad)
+        x.grad = None
+        synchronize(device)
+
+    return step, meter.result.retained_bytes
+
+
 def synchronize(device) -> None:
     """Wait for the GPU's queued work (timings are of work done, not launched)."""
     import torch

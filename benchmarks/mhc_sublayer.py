@@ -22,7 +22,7 @@ import os
 import pathlib
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
-from _harness import RESULTS, interleaved_times, median, pyplot, write_json
+from _harness import RESULTS, interleaved_times, median, pyplot, sublayer_step, write_json
 
 N = 4
 IMPLEMENTATIONS = ("reference", "fused", "hyper-connections")
@@ -61,25 +61,13 @@ def _peer(hidden: int, tokens: int):
 def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import torch
 
-    from lightning_mhc.recompute import ActivationMemoryMeter
-
     table = {}
     for hidden in args.hidden:
         steps, saved = {}, {}
         for impl in IMPLEMENTATIONS:
-            forward, x, modules = (_peer(hidden, args.tokens) if impl == "hyper-connections"
-                                   else _ours(hidden, args.tokens, impl))
-            with ActivationMemoryMeter(*modules) as meter:  # parameters are not activations
-                out = forward()
-            grad = torch.randn_like(out)
-            out.backward(grad)
-            saved[impl] = meter.result.retained_bytes / args.tokens
-
-            def step(forward=forward, grad=grad, x=x) -> None:
-                forward().backward(grad)
-                x.grad = None
-
-            steps[impl] = step
+            steps[impl], retained = sublayer_step(*(_peer(hidden, args.tokens) if impl == "hyper-connections"
+                                                    else _ours(hidden, args.tokens, impl)))
+            saved[impl] = retained / args.tokens
         times = interleaved_times(steps, args.rounds)
         table[hidden] = {impl: dict(median_s=median(times[impl]), saved_bytes_per_token=saved[impl], times_s=times[impl])
                          for impl in IMPLEMENTATIONS}

@@ -27,7 +27,7 @@ import pathlib
 import sys
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
-from _harness import RESULTS, interleaved_times, median, synchronize, write_json
+from _harness import RESULTS, interleaved_times, median, sublayer_step, write_json
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N = 4
@@ -97,8 +97,6 @@ def main() -> None:
 
     import torch
 
-    from lightning_mhc.recompute import ActivationMemoryMeter
-
     torch.set_num_threads(os.cpu_count() or 1)
     ours = args.implementations or (["auto", "compile", "fused"] if args.device == "cuda" else ["fused", "reference"])
     variants = ["transformers", *ours]
@@ -107,19 +105,8 @@ def main() -> None:
     for hidden in args.hidden:
         steps, saved = {}, {}
         for variant in variants:
-            forward, x, modules = _sublayer(hidden, args.tokens, variant, args.device)
-            with ActivationMemoryMeter(*modules) as meter:
-                out = forward()
-            grad = torch.randn_like(out)
-            out.backward(grad)
-            saved[variant] = meter.result.retained_bytes / args.tokens
-
-            def step(forward=forward, grad=grad, x=x) -> None:
-                forward().backward(grad)
-                x.grad = None
-                synchronize(device)
-
-            steps[variant] = step
+            steps[variant], retained = sublayer_step(*_sublayer(hidden, args.tokens, variant, args.device), device)
+            saved[variant] = retained / args.tokens
         times = interleaved_times(steps, args.rounds)
         table[hidden] = {v: dict(median_s=median(times[v]), saved_bytes_per_token=saved[v], times_s=times[v])
                          for v in variants}
