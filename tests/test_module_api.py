@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -200,6 +201,9 @@ def test_fit_logs_hparams_and_rejects_a_contradicting_layout(tmp_path):
     module = MHCGPTModule({**TINY, "pipeline_model_parallel_size": 1}, warmup_steps=1)
     trainer = _fit_one_step(module, tmp_path)
     assert trainer.global_step == 1
+    # the launcher keeps no mark of itself in this process: ranks forked from it later (another
+    # run in the same process) would otherwise watch it as their launcher and exit at once
+    assert "LIGHTNING_MHC_LAUNCHER_PID" not in os.environ
     written = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").read_text())
     assert written["model_config"] == {**TINY, "pipeline_model_parallel_size": 1}
 

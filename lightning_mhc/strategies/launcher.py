@@ -50,7 +50,19 @@ class JobLauncherMixin:
     :func:`watch_launcher`; ``finish`` the job."""
 
     def _call_children_scripts(self) -> None:
-        os.environ[LAUNCHER_PID] = str(os.getpid())  # inherited by the ranks started below
+        # the ranks started below inherit the launcher's pid; this process keeps no mark of it, or
+        # every process it forks later (another run's ranks in the same process) would watch it
+        previous = os.environ.get(LAUNCHER_PID)
+        os.environ[LAUNCHER_PID] = str(os.getpid())
+        try:
+            self._start_children()
+        finally:
+            if previous is None:
+                os.environ.pop(LAUNCHER_PID, None)
+            else:
+                os.environ[LAUNCHER_PID] = previous
+
+    def _start_children(self) -> None:
         if not _in_hydra_multirun():
             return super()._call_children_scripts()
         self._check_can_spawn_children()
@@ -72,7 +84,7 @@ class JobLauncherMixin:
         so the next job of a multirun launches its own."""
         for proc in getattr(self, "procs", []):
             proc.wait(timeout=timeout_s)
-        for key in (*_DDP_ENV, LAUNCHER_PID):
+        for key in _DDP_ENV:
             os.environ.pop(key, None)
 
 
