@@ -59,8 +59,10 @@ def _sublayer(hidden: int, tokens: int, implementation: str, device: str):
 
 
 def sinkhorn_conventions(tokens: int = 4096) -> list[dict]:
-    """How far ``H_res`` moves between the conventions on the same logits (fp32, 20 iterations):
-    the rows-first order without the transpose, with it, and V4's eps floors."""
+    """How far ``H_res`` moves between the conventions on the same logits (20 iterations): the
+    rows-first order without the transpose (fp32), with it (fp64: the same computation, so only
+    rounding is left, and fp32's rounding depends on how the CPU sums four numbers: 0 on one
+    machine, 4e-5 on another), and V4's eps floors (fp32)."""
     import torch
 
     from lightning_mhc.ops.sinkhorn import sinkhorn_knopp
@@ -79,7 +81,8 @@ def sinkhorn_conventions(tokens: int = 4096) -> list[dict]:
         ours = sinkhorn_knopp(logits, 20)
         v4 = (ours - sinkhorn_knopp(logits.mT, 20, 1e-6, "deepseek_v4")).abs().amax(dim=(1, 2))
         rows.append(dict(logit_std=scale, without_transpose=(ours - rows_first(logits)).abs().max().item(),
-                         with_transpose=(ours - rows_first(logits.mT).mT).abs().max().item(),
+                         with_transpose=(sinkhorn_knopp(logits.double(), 20)
+                                         - rows_first(logits.double().mT).mT).abs().max().item(),
                          eps_floors_max=v4.max().item(), eps_floors_median=v4.median().item()))
     return rows
 

@@ -509,7 +509,8 @@ def test_the_documented_gpu_call_is_what_make_gpu_wheels_prints(monkeypatch, tmp
 def test_v4_hyper_connection(tmp_path):
     """DeepSeek-V4's sub-layer on our kernels beside transformers' module: every variant timed,
     the fused one saves fewer bytes than transformers', and the conventions' H_res table (with the
-    transpose the two orders agree exactly)."""
+    transpose the two orders are one computation: in fp64 they agree to rounding; fp32's bits depend on the
+    CPU's summation order, 4e-5 apart on CI's machine)."""
     pytest.importorskip("transformers.models.deepseek_v4")
     out = tmp_path / "v4.json"
     _run("v4_hyper_connection.py", "--hidden", "32", "--tokens", "64", "--device", "cpu", "--out", str(out))
@@ -518,4 +519,5 @@ def test_v4_hyper_connection(tmp_path):
     assert set(row) == {"transformers", "fused", "reference"}
     assert all(v["median_s"] > 0 for v in row.values()), row
     assert row["fused"]["saved_bytes_per_token"] < row["transformers"]["saved_bytes_per_token"]
-    assert [r["with_transpose"] for r in result["sinkhorn_conventions"]] == [0.0, 0.0, 0.0]
+    assert all(r["with_transpose"] < 1e-12 for r in result["sinkhorn_conventions"]), result["sinkhorn_conventions"]
+    assert all(r["without_transpose"] > 1e-5 for r in result["sinkhorn_conventions"]), result["sinkhorn_conventions"]

@@ -8,8 +8,9 @@ Both versions compute, in fp32::
 Columns first, then rows: the paper's ``T_r(T_c(.))`` (arXiv 2512.24880, eq. 9).
 DeepSeek-V4 (and Megatron-LM main, which follows it) normalise rows first, but of ``comb``, whose
 transpose is the residual mixing (the layer computes ``comb^T x``): rows of ``comb`` are columns of
-``H_res``, so with the transpose the two orders are the same computation (measured: identical bits
-at every logit scale). Without the transpose they differ by 1.4e-4 (logits ~ N(0, 1)), 9.2e-2
+``H_res``, so with the transpose the two orders are the same computation (identical bits on our
+development machine; CI's CPU sums four numbers in another order and put fp32 4e-5 apart at N(0, 1),
+so the benchmark compares them in fp64). Without the transpose they differ by 1.4e-4 (logits ~ N(0, 1)), 9.2e-2
 (N(0, 5^2)) and 0.82 (N(0, 25^2)) after 20 iterations. What does change ``H_res`` is V4's eps
 floors (``+ eps`` after the softmax, ``sum + eps`` denominators; ``convention="deepseek_v4"``): at
 most 3e-6 at N(0, 1) logits, but up to 0.47 at N(0, 5^2) and 1.0 at N(0, 25^2) (median 0.46 per
