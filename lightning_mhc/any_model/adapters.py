@@ -199,9 +199,8 @@ def place_injected_adapters(model: nn.Module, layout: ParallelLayout, seed: int,
                 whole_in *= tp
             elif placement is not None and isinstance(placement.style, Column):
                 whole_out *= tp
-            config = _config(model, adapter)
-            _refuse_unsupported(layer_name, layer, adapter, config, split=placement is not None and tp > 1)
-            whole = _whole_adapters(layer, adapter, whole_name, seed, config, whole_in, whole_out)
+            # (what the placement does not cover is refused by place_lora, below, before anything is split)
+            whole = _whole_adapters(layer, adapter, whole_name, seed, _config(model, adapter), whole_in, whole_out)
             for key, tensor in whole.items():
                 _set(layer, key, tensor.to(device=a.weight.device, dtype=a.weight.dtype))
         place_lora(layer_name, layer, layout, model)

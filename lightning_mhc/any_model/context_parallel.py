@@ -35,10 +35,10 @@ from torch import Tensor, nn
 from lightning_mhc.distributed.context_parallel import context_parallel_attention
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.any_model.families import FAMILIES, NOT_CHECKED_UNDER_CP
+from lightning_mhc.any_model.families import FAMILIES, NOT_CHECKED_UNDER_CP, context_parallel_families
 from lightning_mhc.layers import sequence
 
-SUPPORTED_FAMILIES = tuple(name for name, record in FAMILIES.items() if record.context_parallel)
+SUPPORTED_FAMILIES = context_parallel_families()
 """The ``model_type``s split over CP (the records that claim it, ``families.py``): RoPE on explicit
 position ids, causal attention through the registry, nothing but a padding mask beside the causal
 one (Mistral, Qwen2 and Qwen3 without a sliding window)."""
@@ -94,7 +94,7 @@ def check_context_parallel_family(model: nn.Module) -> None:
         # what the config shows first (its values), else why the record does not claim CP
         reason = _inexact_attention(config) or (record.context_parallel_refusal if record else NOT_CHECKED_UNDER_CP)
         raise ConfigError(f"context parallelism: {name}: {reason}; the families split over CP are "
-                          f"{', '.join(n for n, r in FAMILIES.items() if r.context_parallel)} (docs/context_parallel.md#hugging-face-models): use "
+                          f"{', '.join(context_parallel_families())} (docs/context_parallel.md#hugging-face-models): use "
                           "context_parallel_size=1.")
     reason = _inexact_attention(config)
     if reason:

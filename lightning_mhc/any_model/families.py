@@ -208,6 +208,12 @@ def supported_families() -> tuple[str, ...]:
     return tuple(FAMILIES)
 
 
+def context_parallel_families() -> tuple[str, ...]:
+    """The ``model_type`` names whose records claim context parallelism (read when asked: a test
+    may change a record)."""
+    return tuple(name for name, record in FAMILIES.items() if record.context_parallel)
+
+
 def family_of(model: nn.Module | None) -> FamilyRecord | None:
     """The record of ``model``'s ``config.model_type``; None for a model of another family."""
     return FAMILIES.get(_model_type(model))

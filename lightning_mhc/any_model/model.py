@@ -47,7 +47,7 @@ from lightning_mhc.any_model.pipeline import (
 )
 from lightning_mhc.any_model.context_parallel import SequenceSplit, check_context_parallel_family, split_over_context
 from lightning_mhc.any_model.experts import check_experts, shard_experts
-from lightning_mhc.any_model.families import FAMILIES, FamilyRecord, plan_family, resolve_plan
+from lightning_mhc.any_model.families import FamilyRecord, family_of, plan_family, resolve_plan
 from lightning_mhc.any_model.router_loss import RouterLoss, router_loss_for
 from lightning_mhc.any_model.plan import Column, TPPlan, base_of, check_plan, linear_dims
 from lightning_mhc.any_model.adapters import (fill_adapters, lora_layers, place_injected_adapters, place_lora,
@@ -909,9 +909,9 @@ def _global_rank() -> int:
 def _attach_router_loss(model_parallel: ParallelModel, model: nn.Module, layout: ParallelLayout) -> None:
     """The family's own router loss (``Family.router_loss``) where the model's config asks for it:
     the model's forward then leaves its own out (each stage would take it over its layers only)."""
-    config = getattr(model, "config", None)
-    family = FAMILIES.get(getattr(config, "model_type", None))
-    router_loss = router_loss_for(list(model_parallel.chunks), family.router_loss if family else None, config, layout)
+    family = family_of(model)
+    router_loss = router_loss_for(list(model_parallel.chunks), family.router_loss if family else None,
+                                  getattr(model, "config", None), layout)
     if router_loss is not None:
         model_parallel.router_loss = router_loss
         if router_loss.active:

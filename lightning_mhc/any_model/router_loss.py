@@ -106,6 +106,8 @@ class RouterLoss:
                 if fnmatch.fnmatchcase(name, spec.routers):
                     self.routers.append((name, module))
                     module.register_forward_hook(self._routed)
+        self._router_names = {id(module): name for name, module in self.routers}
+        """A router's name by the module (its forward hook is handed the module)."""
         self._counting = False
         self._open: list[_MicroBatch] = []
         self._current: _MicroBatch | None = None
@@ -175,7 +177,7 @@ class RouterLoss:
         if in_backward() or not isinstance(output, tuple) or len(output) < 3:
             return None
         if self._counting:
-            name = next(n for n, m in self.routers if m is module)
+            name = self._router_names[id(module)]
             chosen = output[2].reshape(-1).detach()
             # scatter_add, not bincount: bincount reads the largest index back to the host (a sync per router)
             counts = torch.zeros(self.num_experts, dtype=torch.long, device=chosen.device).scatter_add_(

@@ -46,15 +46,9 @@ def _positive_int(key: str, value: str) -> int:
     return int(value)
 
 
-def bubble(p: int, v: int, m: int) -> float:
-    """The idle fraction of a pipeline's step: (p - 1) / (v m + p - 1) (1F1B: v = 1; megatron's
-    interleaved schedule shrinks the warm-up by v)."""
-    return (p - 1) / (v * m + p - 1)
-
-
 def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
     """One layout's entry of ``plan.json``: its sizes, the most loaded rank's bytes, each stage's."""
-    from lightning_mhc.planning import plan_gpt
+    from lightning_mhc.planning import bubble, plan_gpt
 
     param_bytes = 2 if cfg.trainer.precision == "bf16-true" else 4
     stages = plan_gpt(cfg.transformer_config(), layout, param_bytes=param_bytes,

@@ -342,9 +342,7 @@ def schedule_mismatch(saved: Mapping[str, Any] | None, settings: Mapping[str, An
         f"the checkpoint's learning-rate schedule differs from this run's: {said}.",
         f"Resume with the checkpoint's values, or set {{override_scheduler:True}} to follow this run's schedule "
         f"from the checkpoint's step {step} on.",
-        values=dict(lr=settings.get("lr"), warmup_steps=settings.get("warmup_steps"),
-                    max_steps=settings.get("max_steps"), min_lr_ratio=settings.get("min_lr_ratio"),
-                    weight_decay=settings.get("weight_decay"), override_scheduler=False))
+        values={**{name: settings.get(name) for name in _SCHEDULE_TERMS}, "override_scheduler": False})
 
 
 def _warmup_cosine(warmup: int, total: int | None, min_ratio: float):
