@@ -172,7 +172,7 @@ def test_a_bad_setting_is_refused_by_its_one_function_through_every_door(setting
             expected = PREFIX + " ".join(str(in_config_keys(raised)).split())
         else:
             caught = error.value
-            assert (caught.rule, caught.fix, caught.values) == (raised.rule, raised.fix, raised.values), door
+            assert caught.parts == raised.parts, door
             expected = str(raised.relabel(caught.labels))
         assert printed == expected, (door, printed, expected)
         messages[door] = printed
@@ -279,10 +279,10 @@ def test_the_public_name_parallelize_is_the_function():
 
 # ------------------------------------------------------------------ the CLI's relabel table
 def _error_fields(path: pathlib.Path) -> set[str]:
-    """The fields the ConfigErrors of one module can name: the keys of their ``values`` (and of a
-    layout's ``_fail(...)`` keywords), read from the source. A key held in a variable is followed to
-    what it can hold: a loop over a tuple (written out or a module constant), a parameter (its
-    default and every ``<parameter>="..."`` keyword in the package), a dict assigned in the function."""
+    """The fields the ConfigErrors of one module can name: the names given to ``term(...)`` and
+    ``key(...)``, read from the source. A name held in a variable is followed to what it can hold: a
+    loop over a tuple (written out or a module constant), a parameter (its default and every
+    ``<parameter>="..."`` keyword in the package)."""
     import ast
     import importlib
 
@@ -296,11 +296,12 @@ def _error_fields(path: pathlib.Path) -> set[str]:
             return [c for element in node.elts for c in constants(element)]
         if isinstance(node, ast.Name):  # a module constant
             module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
-            return list(getattr(module, node.id)) if isinstance(getattr(module, node.id, None), tuple) else []
+            held = getattr(module, node.id, None)
+            return list(held) if isinstance(held, (tuple, dict)) else []
         return []
 
     def name_values(name: str, function: ast.AST) -> list[str]:
-        found = [c for loop in ast.walk(function) if isinstance(loop, ast.For)
+        found = [c for loop in ast.walk(function) if isinstance(loop, (ast.For, ast.comprehension))
                  and isinstance(loop.target, ast.Name) and loop.target.id == name for c in constants(loop.iter)]
         args = function.args if isinstance(function, ast.FunctionDef) else None
         if args is not None and name in [a.arg for a in args.args + args.kwonlyargs]:
@@ -308,39 +309,22 @@ def _error_fields(path: pathlib.Path) -> set[str]:
             found += constants(defaults[name]) if name in defaults else []
             found += [c for source in PACKAGE.rglob("*.py") for call in ast.walk(ast.parse(source.read_text()))
                       if isinstance(call, ast.Call) for k in call.keywords if k.arg == name for c in constants(k.value)]
-        assert found, f"{path.name}: what the key {name!r} of an error holds is not found"
+        assert found, f"{path.name}: what the field name {name!r} of an error holds is not found"
         return found
-
-    def keys(node: ast.AST, function: ast.AST) -> list[str]:
-        if isinstance(node, ast.Dict):
-            return [k for key, value in zip(node.keys, node.values)
-                    for k in (keys(value, function) if key is None else
-                              constants(key) or name_values(key.id, function))]
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "dict":
-            return [k for keyword in node.keywords
-                    for k in ([keyword.arg] if keyword.arg else keys(keyword.value, function))]
-        kwarg = function.args.kwarg
-        if isinstance(node, ast.Name) and kwarg is not None and node.id == kwarg.arg:
-            return []  # a helper's **values: the keywords of its calls, read there
-        if isinstance(node, ast.Name):  # a dict assigned in the function
-            assigned = [a.value for a in ast.walk(function) if isinstance(a, ast.Assign)
-                        and any(getattr(t, "id", None) == node.id for t in a.targets)]
-            assert assigned, f"{path.name}: the values {node.id!r} of an error are not found"
-            return [k for value in assigned for k in keys(value, function)]
-        raise AssertionError(f"{path.name}:{node.lineno}: an error's values the test cannot read")
 
     for function in ast.walk(tree):
         if not isinstance(function, ast.FunctionDef):
             continue
         for call in ast.walk(function):
-            name = getattr(call, "func", None)
-            name = getattr(name, "id", None) or getattr(name, "attr", None)
-            if name == "ConfigError":
-                fields.update(k for keyword in call.keywords if keyword.arg == "values"
-                              for k in keys(keyword.value, function))
-            elif name == "_fail":
-                fields.update(k for keyword in call.keywords
-                              for k in ([keyword.arg] if keyword.arg else keys(keyword.value, function)))
+            if (isinstance(call, ast.Call) and getattr(call.func, "id", None) in ("term", "key") and call.args
+                    and call is not function):
+                name = call.args[0]
+                if isinstance(name, ast.Constant):
+                    fields.add(name.value)
+                elif isinstance(name, ast.Name):
+                    fields.update(name_values(name.id, function))
+                else:
+                    raise AssertionError(f"{path.name}:{call.lineno}: an error's field name the test cannot read")
     return fields
 
 
@@ -361,23 +345,29 @@ def test_the_clis_relabel_table_names_every_field_a_value_can_name():
 
 
 def test_a_config_error_carries_its_fields_and_a_door_relabels_them():
-    """A value's error: its fields, values, rule and fix, its message in its own terms; a door's
+    """A value's error: plain text and its fields as data, its message in its own terms; a door's
     labels rename a field (its key, its term, its value converted), the last door's label winning;
-    ``within`` keeps them relabellable; a finished message keeps its braces."""
+    ``within`` keeps them relabellable; braces are text; an error sent from another process keeps
+    its fields (their names, values and the text its doors gave them) and can be relabelled again."""
     import pickle
 
-    from lightning_mhc.errors import Label
+    from lightning_mhc.errors import Label, key, term
 
-    error = ConfigError("{timeout} with {sequence_parallel}:", "set {sequence_parallel:False} or raise {seed.key}.",
-                        values=dict(timeout=datetime.timedelta(seconds=0), sequence_parallel=True, seed=3))
+    error = ConfigError(term("timeout", datetime.timedelta(seconds=0)), " with ", term("sequence_parallel", True),
+                        ": set ", term("sequence_parallel", False), " or raise ", key("seed"), " {not a template}.")
     assert error.fields == ("timeout", "sequence_parallel", "seed")
     assert str(error) == ("timeout=datetime.timedelta(0) with sequence_parallel=True: set sequence_parallel=False "
-                          "or raise seed.")
+                          "or raise seed {not a template}.")
     door = error.relabel({"timeout": Label("t_s", convert=lambda t: t.total_seconds()), "seed": "run.seed",
                           "other": "never.named"}, show=lambda value: str(value).lower())
-    assert str(door) == "t_s=0.0 with sequence_parallel=true: set sequence_parallel=false or raise run.seed."
+    assert str(door) == ("t_s=0.0 with sequence_parallel=true: set sequence_parallel=false or raise run.seed "
+                         "{not a template}.")
     outer = door.within("model={x}").relabel({"seed": Label("s", lambda value: f"the seed {value}")})
-    assert str(outer) == "model={x}: t_s=0.0 with sequence_parallel=true: set sequence_parallel=false or raise s."
-    assert (outer.fix, outer.values, outer.rule) == (error.fix, error.values, "model={{x}}: " + error.rule)
+    assert str(outer) == ("model={x}: t_s=0.0 with sequence_parallel=true: set sequence_parallel=false or raise s "
+                          "{not a template}.")
+    assert outer.parts == ("model={x}: ", *error.parts) and outer.fields == error.fields
     assert str(ConfigError("a {finished} message")) == "a {finished} message"
-    assert str(pickle.loads(pickle.dumps(door))) == str(door)  # a spawned rank sends it back (labels: functions)
+    sent = pickle.loads(pickle.dumps(door))  # a spawned rank sends it back (labels: functions)
+    assert str(sent) == str(door) and sent.fields == error.fields
+    assert [p.value for p in sent.parts if not isinstance(p, str)][:2] == [datetime.timedelta(seconds=0), True]
+    assert str(sent.relabel({"seed": "again.seed"})).endswith("or raise again.seed {not a template}.")

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from lightning_mhc.distributed.expert_parallel import ExpertLayer, experts_on_their_ranks
 from lightning_mhc.distributed.layout import ParallelLayout
-from lightning_mhc.errors import ConfigError, literal
+from lightning_mhc.errors import ConfigError, key, term
 from lightning_mhc.any_model.plan import LLAMA, QWEN3, TPPlan
 from lightning_mhc.layers.moe import combine_pairs, grouped_matmul, token_expert_pairs
 
@@ -78,26 +78,25 @@ def check_experts(model: nn.Module, layout: ParallelLayout) -> None:
 
     record = family_of(model)
     experts = [(name, module) for name, module in model.named_modules() if is_fused_experts(module)]
-    values = {"expert_model_parallel_size": ep}
+    size = term("expert_model_parallel_size", ep)
     if not experts or (record is not None and record.experts is None):
         family = f"; model_type {record.model_type!r} is a dense family" if record is not None else ""
-        raise ConfigError("{expert_model_parallel_size}: " + literal(
-            f"{type(model).__name__} has no fused experts (a module with gate_up_proj [E, 2I, H] and down_proj "
-            f"[E, H, I], as Mixtral's, Qwen2/3-MoE's and OLMoE's mlp.experts{family}) to split;"), "set it to 1.",
-            values=values)
+        raise ConfigError(
+            size, f": {type(model).__name__} has no fused experts (a module with gate_up_proj [E, 2I, H] and "
+            f"down_proj [E, H, I], as Mixtral's, Qwen2/3-MoE's and OLMoE's mlp.experts{family}) to split; set it "
+            "to 1.")
     if record is not None:
         stray = [name for name, _ in experts if not fnmatch.fnmatchcase(name, record.experts.path)]
         if stray:
-            raise ConfigError("{expert_model_parallel_size}: " + literal(
-                f"{type(model).__name__} (model_type {record.model_type!r}) has fused experts at {stray[0]}, not "
-                f"where its family's record puts them ({record.experts.path});"),
-                "set it to 1, or correct the record's experts path.", values=values)
+            raise ConfigError(
+                size, f": {type(model).__name__} (model_type {record.model_type!r}) has fused experts at {stray[0]}, "
+                f"not where its family's record puts them ({record.experts.path}); set it to 1, or correct the "
+                "record's experts path.")
     for name, module in experts:
         count = module.gate_up_proj.shape[0]
         if count % ep:
-            raise ConfigError("{expert_model_parallel_size}: " + literal(
-                f"{name} has {count} experts, which do not split evenly over {ep} ranks;"),
-                "choose an {expert_model_parallel_size.key} that divides them.", values=values)
+            raise ConfigError(size, f": {name} has {count} experts, which do not split evenly over {ep} ranks; "
+                              "choose an ", key("expert_model_parallel_size"), " that divides them.")
 
 
 def shard_experts(module: nn.Module, layout: ParallelLayout) -> None:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_mhc.errors import ConfigError, Label
+from lightning_mhc.errors import ConfigError, Label, term
 from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
 from lightning_mhc.any_model.pipeline import (
     FirstStageStub,
@@ -606,10 +606,10 @@ def check_recompute(policy: RecomputePolicy, hyper_connections: bool | None = No
     model is split). Its errors name ``parallelize``'s arguments (``PARALLELIZE_LABELS``)."""
     try:
         if policy.modules is not None and not (policy.block and policy.modules == ("layernorm",)):
-            raise ConfigError("{policy} with {recompute_modules}: a model split by parallelize() names the "
-                              "selectively recomputed modules by pattern,",
-                              "parallelize(recompute_modules=[patterns]) (default: the plan's selective list).",
-                              values=dict(policy=policy.name, recompute_modules=list(policy.modules)))
+            raise ConfigError(term("policy", policy.name), " with ", term("recompute_modules", list(policy.modules)),
+                              ": a model split by parallelize() names the selectively recomputed modules by "
+                              "pattern, parallelize(recompute_modules=[patterns]) (default: the plan's selective "
+                              "list).")
         if hyper_connections is not None:
             policy.check_model(hyper_connections, model_field="hyper_connections")
     except ConfigError as error:

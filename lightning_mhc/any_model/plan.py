@@ -34,7 +34,7 @@ from typing import Mapping, Union
 
 from torch import nn
 
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, Field, term
 
 
 @dataclass(frozen=True)
@@ -315,13 +315,9 @@ def _check_ties(model: nn.Module, plan: TPPlan) -> None:
                               "the head), or 'replicate' for all.")
 
 
-TP_TERM = "{tensor_model_parallel_size}"
-"""How a plan's refusal names the TP size: the layout's field (a door relabels it)."""
-
-
-def _tp_error(message: str, tp: int) -> ConfigError:
-    """A refusal whose ``message`` names the TP size as ``TP_TERM``."""
-    return ConfigError(message, values=dict(tensor_model_parallel_size=tp))
+def _tp(tp: int) -> Field:
+    """How a plan's refusal names the TP size: the layout's field (a door relabels it)."""
+    return term("tensor_model_parallel_size", tp)
 
 
 def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
@@ -340,24 +336,23 @@ def _check_style(name: str, module: nn.Module, style: Style, tp: int) -> None:
                 raise ConfigError(f"{name}: Column(stride={style.stride}, gather_output=True) would gather the parts "
                                   "rank by rank, out of order; keep gather_output=False for a strided output.")
             if style.stride < 1 or size % (parts * tp):
-                raise _tp_error(
+                raise ConfigError(
                     f"{name} ({kind}) has {size} output features: {parts} part(s) of {size // max(parts, 1)} cannot be "
-                    f"split across {TP_TERM} ranks. Use a TP size that divides "
-                    f"{size // max(parts, 1)}, or map {name} to 'replicate'.", tp)
+                    "split across ", _tp(tp), f" ranks. Use a TP size that divides {size // max(parts, 1)}, or map "
+                    f"{name} to 'replicate'.")
         elif getattr(module, in_attr) % tp:
-            raise _tp_error(
-                f"{name} ({kind}) has {getattr(module, in_attr)} input features, not divisible by "
-                f"{TP_TERM}. Use a TP size that divides it, or map {name} to 'replicate'.", tp)
+            raise ConfigError(
+                f"{name} ({kind}) has {getattr(module, in_attr)} input features, not divisible by ", _tp(tp),
+                f". Use a TP size that divides it, or map {name} to 'replicate'.")
     elif isinstance(style, VocabEmbedding):
         if not isinstance(module, nn.Embedding):
             raise ConfigError(f"plan maps {name} ({kind}) to 'vocab', which splits nn.Embedding rows only: map it to "
                               "'column'/'row' (linear layers) or 'replicate'.")
         if module.num_embeddings % tp:
-            raise _tp_error(
-                f"{name} (nn.Embedding) has {module.num_embeddings} rows, not divisible by {TP_TERM}. Pad the "
-                f"vocabulary to a multiple of {tp} (e.g. "
-                f"vocab_size={module.num_embeddings + (-module.num_embeddings) % tp}) "
-                f"or map {name} to 'replicate'.", tp)
+            raise ConfigError(
+                f"{name} (nn.Embedding) has {module.num_embeddings} rows, not divisible by ", _tp(tp), ". Pad the "
+                f"vocabulary to a multiple of {tp} (e.g. vocab_size={module.num_embeddings + (-module.num_embeddings) % tp}) "
+                f"or map {name} to 'replicate'.")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ConfigError(f"{name}: nn.Embedding with max_norm, sparse=True or scale_grad_by_freq=True cannot be "
                               "split by 'vocab'; map it to 'replicate'.")
@@ -367,8 +362,8 @@ def _check_divisible(name: str, module: nn.Module, attrs: tuple[str, ...], tp: i
     for attr in attrs:
         value = _attribute(name, module, attr)
         if not isinstance(value, int) or value % tp:
-            raise _tp_error(f"{name}.{attr}={value} cannot be {verb} {TP_TERM}: each TP rank must hold whole "
-                            f"attention heads. Use a TP size that divides {value}.", tp)
+            raise ConfigError(f"{name}.{attr}={value} cannot be {verb} ", _tp(tp), ": each TP rank must hold whole "
+                              f"attention heads. Use a TP size that divides {value}.")
 
 
 def _check_equal(name: str, module: nn.Module, attrs: tuple[str, ...], tp: int) -> None:

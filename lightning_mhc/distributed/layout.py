@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lightning_mhc.distributed.context_parallel import sequence_divisor
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, Field, key, term
 from lightning_mhc.recompute.rng import set_parallel_randomizer
 
 DEGREES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -109,52 +109,43 @@ class ParallelLayout:
         """Degrees and ranks travel (e.g. ``all_gather_object``); process groups do not."""
         return {**self.__dict__, "groups": None}
 
-    # ------------------------------------------------------------------ rules
-    def _fail(self, rule: str, fix: str = "", **values: Any) -> None:
-        """Raise the ConfigError of a broken rule, naming ``values`` in the layout's own terms."""
-        raise ConfigError(rule, fix, values=values)
-
+    # ------------------------------------------------------------------ rules: errors name the layout's own fields
     def _check_degrees(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
             if not _positive_int(getattr(self, name)):
-                self._fail(f"{{{name}}}: must be a positive integer.", **{name: getattr(self, name)})
+                raise ConfigError(term(name, getattr(self, name)), ": must be a positive integer.")
         if not isinstance(self.sequence_parallel, bool):
-            self._fail("{sequence_parallel}: must be true or false.", sequence_parallel=self.sequence_parallel)
+            raise ConfigError(term("sequence_parallel", self.sequence_parallel), ": must be true or false.")
         vp, pp, tp = (self.virtual_pipeline_model_parallel_size, self.pipeline_model_parallel_size,
                       self.tensor_model_parallel_size)
         if vp > 1 and pp < 2:
-            self._fail(
-                "{virtual_pipeline_model_parallel_size} needs {pipeline_model_parallel_size.key} >= 2 (it is "
-                f"{pp}): the interleaved schedule splits each stage into chunks.",
-                "Set it to 1, or use pipeline parallelism.",
-                virtual_pipeline_model_parallel_size=vp, pipeline_model_parallel_size=pp)
+            raise ConfigError(
+                term("virtual_pipeline_model_parallel_size", vp), " needs ", key("pipeline_model_parallel_size"),
+                f" >= 2 (it is {pp}): the interleaved schedule splits each stage into chunks. Set it to 1, or use "
+                "pipeline parallelism.")
         if self.sequence_parallel and tp < 2:
-            self._fail(
-                "{sequence_parallel} needs {tensor_model_parallel_size.key} >= 2 "
-                f"(it is {tp}): the sequence is split across the tensor-parallel ranks.",
-                "Set {sequence_parallel:False}, or raise the TP size.",
-                sequence_parallel=True, tensor_model_parallel_size=tp)
+            raise ConfigError(
+                term("sequence_parallel", True), " needs ", key("tensor_model_parallel_size"), f" >= 2 (it is {tp}): "
+                "the sequence is split across the tensor-parallel ranks. Set ", term("sequence_parallel", False),
+                ", or raise the TP size.")
 
     def _check_world(self, world: int) -> None:
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         cp, ep = self.context_parallel_size, self.expert_model_parallel_size
         if not _positive_int(world) or world % (tp * cp * pp):
-            product = "{tensor_model_parallel_size} * {pipeline_model_parallel_size}"
-            product += " * {context_parallel_size}" if cp > 1 else ""
-            self._fail(
-                f"{product} = {tp * cp * pp} does not divide {{world_size}}.",
-                f"Use a number of devices that is a multiple of {tp * cp * pp}, or change the "
-                f"{'TP/CP/PP' if cp > 1 else 'TP/PP'} sizes.",
-                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-                world_size=world)
+            product = (term("tensor_model_parallel_size", tp), " * ", term("pipeline_model_parallel_size", pp))
+            product += (" * ", term("context_parallel_size", cp)) if cp > 1 else ()
+            raise ConfigError(
+                *product, f" = {tp * cp * pp} does not divide ", term("world_size", world),
+                f". Use a number of devices that is a multiple of {tp * cp * pp}, or change the "
+                f"{'TP/CP/PP' if cp > 1 else 'TP/PP'} sizes.")
         replicas = world // (tp * pp)  # DP x CP: the ranks experts are split over (megatron's rule)
         if replicas % ep:
-            self._fail(
-                f"{{expert_model_parallel_size}} does not divide the {replicas} data- and context-parallel "
-                "ranks of {world_size} (world / (TP * PP)): experts are split over ranks that hold the same "
-                "stage and TP shard.", f"Use an EP size that divides {replicas}, or more devices.",
-                expert_model_parallel_size=ep, world_size=world)
+            raise ConfigError(
+                term("expert_model_parallel_size", ep), f" does not divide the {replicas} data- and context-parallel "
+                "ranks of ", term("world_size", world), " (world / (TP * PP)): experts are split over ranks that hold "
+                f"the same stage and TP shard. Use an EP size that divides {replicas}, or more devices.")
 
     def with_world(self, world_size: int) -> ParallelLayout:
         """This layout in a world of ``world_size`` processes (checked)."""
@@ -167,26 +158,23 @@ class ParallelLayout:
         tp, pp, v = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, \
             self.virtual_pipeline_model_parallel_size
         layers = sizes.get("num_layers")
-        stages = dict(num_layers=layers, pipeline_model_parallel_size=pp)
         if layers is not None and layers % pp:
-            self._fail("{num_layers} cannot be split evenly over {pipeline_model_parallel_size} stages.",
-                       f"Use a number of layers divisible by {pp}.", **stages)
+            raise ConfigError(term("num_layers", layers), " cannot be split evenly over ",
+                              term("pipeline_model_parallel_size", pp),
+                              f" stages. Use a number of layers divisible by {pp}.")
         if layers is not None and layers % (pp * v):
-            self._fail(
-                "{num_layers} cannot be split into {pipeline_model_parallel_size} x "
-                f"{{virtual_pipeline_model_parallel_size}} = {pp * v} equal chunks.",
-                f"Use a number of layers divisible by {pp * v}, or another virtual pipeline size.",
-                **stages, virtual_pipeline_model_parallel_size=v)
+            raise ConfigError(
+                term("num_layers", layers), " cannot be split into ", term("pipeline_model_parallel_size", pp),
+                " x ", term("virtual_pipeline_model_parallel_size", v), f" = {pp * v} equal chunks. Use a number "
+                f"of layers divisible by {pp * v}, or another virtual pipeline size.")
         for name in MODEL_SPLIT_BY_TP:
             value = sizes.get(name)
             if value is not None and value % tp:
-                self._fail(f"{{{name}}} is not divisible by {{tensor_model_parallel_size}}.",
-                           f"Choose a tensor-parallel size that divides {value}, or change {{{name}.key}}.",
-                           **{name: value}, tensor_model_parallel_size=tp)
+                raise ConfigError(term(name, value), " is not divisible by ", term("tensor_model_parallel_size", tp),
+                                  f". Choose a tensor-parallel size that divides {value}, or change ", key(name), ".")
         if seq_length is not None and seq_length % self.sequence_split:
-            self._fail(f"{self._sequence_split_reason()}: use a sequence length divisible by {self.sequence_split}.",
-                       seq_length=seq_length, context_parallel_size=self.context_parallel_size,
-                       sequence_parallel=self.sequence_parallel, tensor_model_parallel_size=tp)
+            raise ConfigError(*self._sequence_split_reason(seq_length),
+                              f": use a sequence length divisible by {self.sequence_split}.")
 
     @property
     def sequence_split(self) -> int:
@@ -195,13 +183,19 @@ class ParallelLayout:
         return sequence_divisor(self.context_parallel_size,
                                 self.tensor_model_parallel_size if self.sequence_parallel else 1)
 
-    def _sequence_split_reason(self) -> str:
-        """Why the sequence length must divide by ``sequence_split`` (a rule's template)."""
-        sp = "{{sequence_parallel}} splits {} over {{tensor_model_parallel_size}} ranks"
+    def _sequence_split_reason(self, seq_length: int) -> tuple[str | Field, ...]:
+        """Why ``seq_length`` must divide by ``sequence_split`` (the parts of an error)."""
+        length = term("seq_length", seq_length)
+
+        def sp(what: str | Field) -> tuple[str | Field, ...]:
+            return (term("sequence_parallel", True), " splits ", what, " over ",
+                    term("tensor_model_parallel_size", self.tensor_model_parallel_size), " ranks")
+
         if self.context_parallel_size == 1:
-            return sp.format("{seq_length}")
-        chunks = f"{{context_parallel_size}} cuts {{seq_length}} into 2 * {self.context_parallel_size} chunks"
-        return f"{chunks} and {sp.format('each')}" if self.sequence_parallel else chunks
+            return sp(length)
+        chunks = (term("context_parallel_size", self.context_parallel_size), " cuts ", length,
+                  f" into 2 * {self.context_parallel_size} chunks")
+        return (*chunks, " and ", *sp("each")) if self.sequence_parallel else chunks
 
     def check_microbatches(self, num_microbatches: int, group: int | None = None) -> int:
         """The microbatches of one step on this layout: at least one; with a virtual pipeline,
@@ -210,23 +204,22 @@ class ParallelLayout:
         ``p`` would stall the pipeline. Returns the group size (``m`` without a virtual pipeline)."""
         m, p = num_microbatches, self.pipeline_model_parallel_size
         if not _positive_int(m):
-            self._fail("{num_microbatches}: must be a positive integer.", num_microbatches=m)
+            raise ConfigError(term("num_microbatches", m), ": must be a positive integer.")
         if self.virtual_pipeline_model_parallel_size == 1:
             return m
         group = group or p
-        multiple = "{pipeline_model_parallel_size}" if group == p else f"the group size {group}"
-        needs = "the interleaved schedule needs a number of microbatches ({num_microbatches}) that is a " \
-                f"multiple of {multiple} (megatron's rule)"
-        fix = "Change {num_microbatches.key}, or drop the virtual pipeline."
+        microbatches, stages = term("num_microbatches", m), term("pipeline_model_parallel_size", p)
+        needs = ("the interleaved schedule needs a number of microbatches (", microbatches, ") that is a multiple of ",
+                 stages if group == p else f"the group size {group}", " (megatron's rule)")
+        fix = (". Change ", key("num_microbatches"), ", or drop the virtual pipeline.")
         if not p <= group <= m:
-            self._fail(f"the interleaved pipeline schedule runs microbatches in groups of {group} per model chunk, "
-                       "which must lie in [{pipeline_model_parallel_size}, {num_microbatches}]: "
-                       f"{needs}, at least {max(p, group)}.", fix, num_microbatches=m, pipeline_model_parallel_size=p)
+            raise ConfigError(f"the interleaved pipeline schedule runs microbatches in groups of {group} per model "
+                              "chunk, which must lie in [", stages, ", ", microbatches, "]: ", *needs,
+                              f", at least {max(p, group)}", *fix)
         if 0 < m % group < p:
-            self._fail(f"{{num_microbatches}} leaves a last group of {m % group} microbatches for the "
-                       f"interleaved schedule (groups of {group}): it must be 0 or at least "
-                       f"{{pipeline_model_parallel_size}}, else the pipeline stalls; {needs}.", fix,
-                       num_microbatches=m, pipeline_model_parallel_size=p)
+            raise ConfigError(microbatches, f" leaves a last group of {m % group} microbatches for the interleaved "
+                              f"schedule (groups of {group}): it must be 0 or at least ", stages,
+                              ", else the pipeline stalls; ", *needs, *fix)
         return group
 
     # ------------------------------------------------------- degrees and stages

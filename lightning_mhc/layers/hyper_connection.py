@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, term
 from lightning_mhc.layers.init import ParamInit
 from lightning_mhc.ops import MHC_IMPLEMENTATIONS, fused_kernels, is_fused, triton_available
 from lightning_mhc.ops.hyper_connection import (
@@ -51,22 +51,20 @@ def check_hyper_connection_values(sinkhorn_iterations: int, implementation: str,
     errors name: the GPT's config spells them so, and the Hugging Face wing's settings have
     always answered with them."""
     if sinkhorn_iterations < 1:
-        raise ConfigError("{mhc_sinkhorn_iterations}: need at least 1 Sinkhorn-Knopp iteration (default 20).",
-                          values=dict(mhc_sinkhorn_iterations=sinkhorn_iterations))
+        raise ConfigError(term("mhc_sinkhorn_iterations", sinkhorn_iterations),
+                          ": need at least 1 Sinkhorn-Knopp iteration (default 20).")
     if implementation not in MHC_IMPLEMENTATIONS:
         raise ConfigError(
-            "{mhc_implementation}:", f"choose one of {', '.join(MHC_IMPLEMENTATIONS)} ('auto' picks the fused "
-            "ops; 'reference' forces the op-by-op path).", values=dict(mhc_implementation=implementation))
+            term("mhc_implementation", implementation), f": choose one of {', '.join(MHC_IMPLEMENTATIONS)} ('auto' "
+            "picks the fused ops; 'reference' forces the op-by-op path).")
     if implementation == "triton" and not triton_available():
-        raise ConfigError("{mhc_implementation} needs Triton, which does not import here:",
-                          "pip install 'lightning_mhc[triton]', or choose 'auto', 'fused' or 'compile'.",
-                          values=dict(mhc_implementation="triton"))
+        raise ConfigError(term("mhc_implementation", "triton"), " needs Triton, which does not import here: "
+                          "pip install 'lightning_mhc[triton]', or choose 'auto', 'fused' or 'compile'.")
     gating = init_gating_factor
     if isinstance(gating, bool) or not isinstance(gating, (int, float)) or not 0 <= gating < math.inf:
         raise ConfigError(
-            "{mhc_init_gating_factor}: the initial value of the gating scalars a_pre, a_post, a_res must be a "
-            "finite number >= 0 (Megatron-LM refuses negative values).", "Use e.g. 0.01, the paper's value.",
-            values=dict(mhc_init_gating_factor=gating))
+            term("mhc_init_gating_factor", gating), ": the initial value of the gating scalars a_pre, a_post, a_res "
+            "must be a finite number >= 0 (Megatron-LM refuses negative values). Use e.g. 0.01, the paper's value.")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 from megatron.core.transformer import TransformerConfig
 
 from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
-from lightning_mhc.errors import ConfigError, Label, literal
+from lightning_mhc.errors import ConfigError, Label, key, term
 from lightning_mhc.layers.hyper_connection import HyperConnectionConfig, check_hyper_connection_values
 from lightning_mhc.recompute.policy import RecomputePolicy
 
@@ -109,8 +109,8 @@ class MHCTransformerConfig(TransformerConfig):
         # weight and keeps this rank's shard, which makes weights independent of TP.
         self.use_cpu_initialization = True
         if self.normalization != "RMSNorm":
-            raise ConfigError("{normalization} is not supported: the mHC model uses RMSNorm.",
-                              "Set {normalization:'RMSNorm'}.", values=dict(normalization=self.normalization))
+            raise ConfigError(term("normalization", self.normalization), " is not supported: the mHC model uses "
+                              "RMSNorm. Set ", term("normalization", "RMSNorm"), ".")
         # before megatron's own checks, which would answer some of them with an unrelated message
         check_supported_options({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
                                 who="MHCTransformerConfig")
@@ -165,13 +165,13 @@ class MHCTransformerConfig(TransformerConfig):
     def _validate_mhc_values(self) -> None:
         """Each mHC field's own range (and the stream count hyper-connections off allow)."""
         if self.num_residual_streams < 1:
-            raise ConfigError("{num_residual_streams}: need at least 1 stream (the paper uses 4).",
-                              values=dict(num_residual_streams=self.num_residual_streams))
+            raise ConfigError(term("num_residual_streams", self.num_residual_streams),
+                              ": need at least 1 stream (the paper uses 4).")
         if not self.enable_hyper_connections and self.num_residual_streams != 1:
             raise ConfigError(
-                "{enable_hyper_connections} with {num_residual_streams}: without hyper-connections there is one "
-                "residual stream.", "Set {num_residual_streams.key}=1 or {enable_hyper_connections.key}=True.",
-                values=dict(enable_hyper_connections=False, num_residual_streams=self.num_residual_streams))
+                term("enable_hyper_connections", False), " with ", term("num_residual_streams", self.num_residual_streams),
+                ": without hyper-connections there is one residual stream. Set ", key("num_residual_streams"), "=1 or ",
+                key("enable_hyper_connections"), "=True.")
         # the hyper-connection's own settings, checked as the Hugging Face wing checks them
         check_hyper_connection_values(self.mhc_sinkhorn_iterations, self.mhc_implementation,
                                       self.mhc_init_gating_factor)
@@ -182,10 +182,10 @@ class MHCTransformerConfig(TransformerConfig):
         RecomputePolicy.of_config(self)
         if self.recompute_hyper_connections and getattr(self, "fine_grained_activation_offloading", False):
             raise ConfigError(
-                "{policy} with {fine_grained_activation_offloading}: Megatron-LM does not support the two together "
-                "(its mHC recompute hook fires before the offloading chunk exists) and this model does not offload.",
-                "Set {fine_grained_activation_offloading:False}.",
-                values=dict(policy="mhc_block", fine_grained_activation_offloading=True))
+                term("policy", "mhc_block"), " with ", term("fine_grained_activation_offloading", True),
+                ": Megatron-LM does not support the two together (its mHC recompute hook fires before the offloading "
+                "chunk exists) and this model does not offload. Set ",
+                term("fine_grained_activation_offloading", False), ".")
 
     def _validate_mhc_companions(self) -> None:
         """Megatron features that do not combine with hyper-connections."""
@@ -193,16 +193,14 @@ class MHCTransformerConfig(TransformerConfig):
             return
         if getattr(self, "mtp_num_layers", None) is not None:
             raise ConfigError(
-                "{enable_hyper_connections} with {mtp_num_layers}: Multi-Token Prediction does not combine with "
-                "hyper-connections (Megatron-LM refuses it too) and this model has no MTP head.",
-                "Leave {mtp_num_layers:None}.", values=dict(enable_hyper_connections=True,
-                                                            mtp_num_layers=self.mtp_num_layers))
+                term("enable_hyper_connections", True), " with ", term("mtp_num_layers", self.mtp_num_layers),
+                ": Multi-Token Prediction does not combine with hyper-connections (Megatron-LM refuses it too) and "
+                "this model has no MTP head. Leave ", term("mtp_num_layers", None), ".")
         if getattr(self, "inference_fuse_tp_communication", False):
             raise ConfigError(
-                "{enable_hyper_connections} with {inference_fuse_tp_communication}: the fused inference "
-                "tensor-parallel path assumes one residual stream (Megatron-LM refuses it too).",
-                "Set {inference_fuse_tp_communication:False}.",
-                values=dict(enable_hyper_connections=True, inference_fuse_tp_communication=True))
+                term("enable_hyper_connections", True), " with ", term("inference_fuse_tp_communication", True),
+                ": the fused inference tensor-parallel path assumes one residual stream (Megatron-LM refuses it "
+                "too). Set ", term("inference_fuse_tp_communication", False), ".")
 
     def _spelling_labels(self, spelled: Mapping[str, str]) -> dict[str, Label]:
         """How the mHC checks' errors name this config's fields: as the user spelled them
@@ -225,67 +223,62 @@ class MHCTransformerConfig(TransformerConfig):
         from lightning_mhc.model.moe_mlp import LOAD_BALANCING_TYPES, moe_config
 
         experts, ep = self.num_moe_experts, self.expert_model_parallel_size
-        named = dict(num_moe_experts=experts, expert_model_parallel_size=ep)
         if not experts:
             if ep > 1:
-                raise ConfigError("{expert_model_parallel_size} without experts:", f"set {{num_moe_experts.key}} (a "
-                                  f"multiple of {ep}) or {{expert_model_parallel_size:1}}.", values=named)
+                raise ConfigError(term("expert_model_parallel_size", ep), " without experts: set ",
+                                  key("num_moe_experts"), f" (a multiple of {ep}) or ",
+                                  term("expert_model_parallel_size", 1), ".")
             return
         if experts % ep:
-            raise ConfigError("{num_moe_experts} does not split over {expert_model_parallel_size}: the experts must "
-                              "divide evenly over the expert-parallel ranks.", values=named)
-        topk = dict(moe_router_topk=self.moe_router_topk, num_moe_experts=experts)
+            raise ConfigError(term("num_moe_experts", experts), " does not split over ",
+                              term("expert_model_parallel_size", ep),
+                              ": the experts must divide evenly over the expert-parallel ranks.")
         if not 1 <= self.moe_router_topk <= experts:
-            raise ConfigError("{moe_router_topk} must be between 1 and {num_moe_experts}.", values=topk)
+            raise ConfigError(term("moe_router_topk", self.moe_router_topk), " must be between 1 and ",
+                              term("num_moe_experts", experts), ".")
         if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
                 and not self.moe_router_pre_softmax):
-            raise ConfigError("{moe_router_topk} with a softmax after the top-k gives every token the weight 1 and the "
-                              "router no gradient (megatron refuses it too):", "set {moe_router_pre_softmax:True}.",
-                              values=dict(moe_router_topk=1, moe_router_pre_softmax=False))
+            raise ConfigError(term("moe_router_topk", 1), " with a softmax after the top-k gives every token the "
+                              "weight 1 and the router no gradient (megatron refuses it too): set ",
+                              term("moe_router_pre_softmax", True), ".")
         if self.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
-            raise ConfigError("{moe_router_load_balancing_type} is not implemented:",
-                              f"choose one of {', '.join(LOAD_BALANCING_TYPES)}.",
-                              values=dict(moe_router_load_balancing_type=self.moe_router_load_balancing_type))
+            raise ConfigError(term("moe_router_load_balancing_type", self.moe_router_load_balancing_type),
+                              f" is not implemented: choose one of {', '.join(LOAD_BALANCING_TYPES)}.")
         freq = self.moe_layer_freq
         if isinstance(freq, bool) or not (
                 (isinstance(freq, int) and freq >= 1)
                 or (isinstance(freq, (list, tuple)) and len(freq) == self.num_layers and set(freq) <= {0, 1})):
-            raise ConfigError("{moe_layer_freq}:", "give an int >= 1 (every that many layers, from the first) or a "
-                              f"list of {self.num_layers} zeros and ones (one per layer).",
-                              values=dict(moe_layer_freq=freq))
+            raise ConfigError(term("moe_layer_freq", freq), ": give an int >= 1 (every that many layers, from the "
+                              f"first) or a list of {self.num_layers} zeros and ones (one per layer).")
         if self.sequence_parallel:
-            raise ConfigError("{num_moe_experts} with {sequence_parallel} is not implemented (the experts would see "
-                              "part of the sequence on each TP rank):", "set {sequence_parallel:False}.",
-                              values=dict(num_moe_experts=experts, sequence_parallel=True))
+            raise ConfigError(term("num_moe_experts", experts), " with ", term("sequence_parallel", True),
+                              " is not implemented (the experts would see part of the sequence on each TP rank): "
+                              "set ", term("sequence_parallel", False), ".")
         try:
             moe_config(self)
         except ValueError as error:
-            raise ConfigError("{num_moe_experts}: " + literal(str(error)) + ".",
-                              values=dict(num_moe_experts=experts)) from None
+            raise ConfigError(term("num_moe_experts", experts), f": {error}.") from None
 
     def _validate_gpt(self) -> None:
         if (self.exact_hidden_dropout and self.attention_dropout > 0
                 and (self.tensor_model_parallel_size > 1 or self.context_parallel_size > 1)):
             raise ConfigError(
-                "{exact_hidden_dropout} with {attention_dropout} under {tensor_model_parallel_size}, "
-                "{context_parallel_size}: the attention's dropout, drawn inside SDPA on this rank's heads and "
-                "queries, cannot draw one process's masks.",
-                "Set {attention_dropout:0} or {exact_hidden_dropout:False}.",
-                values=dict(exact_hidden_dropout=True, attention_dropout=self.attention_dropout,
-                            tensor_model_parallel_size=self.tensor_model_parallel_size,
-                            context_parallel_size=self.context_parallel_size))
+                term("exact_hidden_dropout", True), " with ", term("attention_dropout", self.attention_dropout),
+                " under ", term("tensor_model_parallel_size", self.tensor_model_parallel_size), ", ",
+                term("context_parallel_size", self.context_parallel_size), ": the attention's dropout, drawn inside "
+                "SDPA on this rank's heads and queries, cannot draw one process's masks. Set ",
+                term("attention_dropout", 0), " or ", term("exact_hidden_dropout", False), ".")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise ConfigError("{position_embedding_type}:", f"choose one of {', '.join(POSITION_EMBEDDING_TYPES)}.",
-                              values=dict(position_embedding_type=self.position_embedding_type))
+            raise ConfigError(term("position_embedding_type", self.position_embedding_type),
+                              f": choose one of {', '.join(POSITION_EMBEDDING_TYPES)}.")
         if self.vocab_size < 1 or self.max_sequence_length < 1:
-            raise ConfigError("{vocab_size}, {max_sequence_length}: both must be positive.",
-                              values=dict(vocab_size=self.vocab_size, max_sequence_length=self.max_sequence_length))
+            raise ConfigError(term("vocab_size", self.vocab_size), ", ",
+                              term("max_sequence_length", self.max_sequence_length), ": both must be positive.")
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ConfigError(
-                "{position_embedding_type} needs an even head dimension, got {kv_channels} (hidden_size / "
-                "num_attention_heads).", "Change {hidden_size.key} or {num_attention_heads.key}.",
-                values=dict(position_embedding_type="rope", kv_channels=self.kv_channels, hidden_size=self.hidden_size,
-                            num_attention_heads=self.num_attention_heads))
+                term("position_embedding_type", "rope"), " needs an even head dimension, got ",
+                term("kv_channels", self.kv_channels), " (hidden_size / num_attention_heads). Change ",
+                key("hidden_size"), " or ", key("num_attention_heads"), ".")
 
     def split_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits in this model (``ParallelLayout.check_model``)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_mhc.errors import ConfigError, literal
+from lightning_mhc.errors import ConfigError, key, term
 from lightning_mhc.recompute.groups import attach_block_recompute, block_ranges, detach_block_recompute
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 
@@ -66,28 +66,28 @@ class RecomputePolicy:
             object.__setattr__(self, "modules", tuple(self.modules))
         modules = self.modules
         if self.name not in POLICIES:
-            raise ConfigError("{policy} is not a recompute policy:", f"choose one of {', '.join(POLICIES)}.",
-                              values=dict(policy=self.name))
+            raise ConfigError(term("policy", self.name), f" is not a recompute policy: choose one of "
+                              f"{', '.join(POLICIES)}.")
         if not _is_layer_count(self.layer_num):
             raise ConfigError(
-                "{mhc_recompute_layer_num}: a recompute block holds a whole, positive number of layers (Megatron-LM "
-                "refuses other values too).", "Use a positive integer, or None for the paper's default.",
-                values=dict(mhc_recompute_layer_num=self.layer_num))
+                term("mhc_recompute_layer_num", self.layer_num), ": a recompute block holds a whole, positive number "
+                "of layers (Megatron-LM refuses other values too). Use a positive integer, or None for the paper's "
+                "default.")
         if modules is None:
             return
-        named = dict(policy=self.name, recompute_modules=list(modules))
+        policy, given = term("policy", self.name), term("recompute_modules", list(modules))
         if self.name not in _DEFAULT_MODULES:
-            raise ConfigError("{recompute_modules} is only used by the 'selective' and 'mhc_block' policies, not "
-                              "{policy}.", "Drop {recompute_modules.key} or change the policy.", values=named)
+            raise ConfigError(given, " is only used by the 'selective' and 'mhc_block' policies, not ", policy,
+                              ". Drop ", key("recompute_modules"), " or change the policy.")
         unknown = sorted(set(modules) - set(SUPPORTED_MODULES))
         if unknown:
-            raise ConfigError(f"{{recompute_modules}}: {literal(str(unknown))} not supported by this model;",
-                              f"choose from {', '.join(SUPPORTED_MODULES)}.", values=named)
+            raise ConfigError(given, f": {unknown} not supported by this model; choose from "
+                              f"{', '.join(SUPPORTED_MODULES)}.")
         if self.block and "mlp" in modules:
             raise ConfigError(
-                "{policy} cannot be combined with 'mlp' in {recompute_modules} (recompute_mlp): the two checkpoint "
-                "mechanisms conflict (Megatron-LM refuses it too).",
-                "Remove 'mlp' from {recompute_modules.key}, or use the 'selective' policy.", values=named)
+                policy, " cannot be combined with 'mlp' in ", given, " (recompute_mlp): the two checkpoint "
+                "mechanisms conflict (Megatron-LM refuses it too). Remove 'mlp' from ", key("recompute_modules"),
+                ", or use the 'selective' policy.")
 
     @classmethod
     def of(cls, policy: str | Mapping[str, Any] | RecomputePolicy | None = None) -> RecomputePolicy:
@@ -171,10 +171,8 @@ class RecomputePolicy:
             granularity, "none")
         _check_hyper_connections(name, config.enable_hyper_connections)
         if name == "mhc_block" and granularity != "selective":
-            raise ConfigError("{policy} needs {recompute_granularity:'selective'} "
-                              "(got {recompute_granularity.value!r}).",
-                              "Set {recompute_granularity:'selective'}.",
-                              values=dict(policy=name, recompute_granularity=granularity))
+            raise ConfigError(term("policy", name), " needs ", term("recompute_granularity", "selective"),
+                              f" (got {granularity!r}). Set ", term("recompute_granularity", "selective"), ".")
         modules = tuple(config.recompute_modules or ()) if granularity == "selective" else None
         return cls(name, modules, config.mhc_recompute_layer_num)
 
@@ -183,9 +181,9 @@ def _check_hyper_connections(policy: str, hyper_connections: bool,
                              model_field: str = "enable_hyper_connections") -> None:
     if policy == "mhc_block" and not hyper_connections:
         raise ConfigError(
-            f"{{policy}} needs {{{model_field}:True}}: it recomputes hyper-connection activations, which this model "
-            "does not have.", "Enable hyper-connections or choose the 'selective' or 'full' policy.",
-            values={"policy": policy, model_field: hyper_connections})
+            term("policy", policy), " needs ", term(model_field, True), ": it recomputes hyper-connection "
+            "activations, which this model does not have. Enable hyper-connections or choose the 'selective' or "
+            "'full' policy.")
 
 
 # ----------------------------------------------------------- attaching managers

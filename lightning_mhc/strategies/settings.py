@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
-from lightning_mhc.errors import ConfigError
+from lightning_mhc.errors import ConfigError, term
 
 
 @dataclass(frozen=True)
@@ -79,20 +79,19 @@ class ParallelSettings:
         for name in ("deallocate_pipeline_outputs", "overlap_grad_reduce", "raise_on_nonfinite_loss",
                      "measure_activation_memory", "use_distributed_optimizer"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{{{name}}}: must be true or false.", values={name: getattr(self, name)})
+                raise ConfigError(term(name, getattr(self, name)), ": must be true or false.")
         self.layout.check_microbatches(self.microbatches)
         if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
-            raise ConfigError("{process_group_backend}: name a backend ('gloo', 'nccl'), or leave it None for the "
-                              "device's default.", values=dict(process_group_backend=self.process_group_backend))
+            raise ConfigError(term("process_group_backend", self.process_group_backend),
+                              ": name a backend ('gloo', 'nccl'), or leave it None for the device's default.")
         if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
-            raise ConfigError("{timeout}: must be positive: the longest a collective may wait (default 10 minutes).",
-                              values=dict(timeout=self.timeout))
+            raise ConfigError(term("timeout", self.timeout),
+                              ": must be positive: the longest a collective may wait (default 10 minutes).")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ConfigError("{seed}: must be an integer in [0, 2**32).", values=dict(seed=self.seed))
+            raise ConfigError(term("seed", self.seed), ": must be an integer in [0, 2**32).")
         bucket = self.gradient_bucket_bytes
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-            raise ConfigError("{gradient_bucket_bytes}: must be a positive number of bytes.",
-                              values=dict(gradient_bucket_bytes=bucket))
+            raise ConfigError(term("gradient_bucket_bytes", bucket), ": must be a positive number of bytes.")
 
     @property
     def microbatches(self) -> int:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
-from lightning_mhc.errors import ConfigError, literal
+from lightning_mhc.errors import ConfigError, term
 from lightning_mhc.lightning.modules.throughput import ThroughputMeter
 from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.model.flops import device_peak_flops
@@ -329,20 +329,19 @@ _SCHEDULE_TERMS = dict(lr="the peak learning rate", warmup_steps="the warm-up's 
 def schedule_mismatch(saved: Mapping[str, Any] | None, settings: Mapping[str, Any], step: int) -> ConfigError | None:
     """The error for resuming, at ``step``, a schedule saved with ``saved`` settings under other
     ``settings`` (None: the same, or a state saved before the settings were kept, which cannot be
-    compared). Its message names the settings that differ and ``override_scheduler``; its fields
-    are all of them (a door relabels them: the CLI's ``trainer.max_steps``, ``optim.lr`` ...)."""
+    compared). Its message names, as fields, the settings that differ and ``override_scheduler`` (a
+    door relabels them: the CLI's ``trainer.max_steps``, ``optim.lr`` ...)."""
     if saved is None:
         return None
-    changed = [name for name in _SCHEDULE_TERMS if saved.get(name) != settings.get(name)]
-    if not changed:
+    named = [(term(name, settings.get(name)), f" ({_SCHEDULE_TERMS[name]}; the checkpoint's {saved.get(name)!r})")
+             for name in _SCHEDULE_TERMS if saved.get(name) != settings.get(name)]
+    if not named:
         return None
-    said = ", ".join(f"{{{name}}} ({_SCHEDULE_TERMS[name]}; the checkpoint's {literal(repr(saved.get(name)))})"
-                     for name in changed)
+    said = [part for i, pair in enumerate(named) for part in ((", ",) if i else ()) + pair]
     return ConfigError(
-        f"the checkpoint's learning-rate schedule differs from this run's: {said}.",
-        f"Resume with the checkpoint's values, or set {{override_scheduler:True}} to follow this run's schedule "
-        f"from the checkpoint's step {step} on.",
-        values={**{name: settings.get(name) for name in _SCHEDULE_TERMS}, "override_scheduler": False})
+        "the checkpoint's learning-rate schedule differs from this run's: ", *said, ". Resume with the "
+        "checkpoint's values, or set ", term("override_scheduler", True), " to follow this run's schedule from the "
+        f"checkpoint's step {step} on.")
 
 
 def _warmup_cosine(warmup: int, total: int | None, min_ratio: float):
