@@ -35,6 +35,39 @@ from lightning_mhc.testing.launch import free_port  # noqa: E402
 launch.PRELOAD += ("lightning.pytorch", "lightning_mhc.lightning", "lightning_mhc.cli.train")
 
 
+# `make test`'s two workers take a whole file at a time (``--dist loadfile``), and xdist hands the
+# files out by their number of tests, most first: the long files of few tests (real launches, the
+# wheel, preemption, the gpu-check dry run) came last, and one worker ran the last of them while
+# the other sat idle. Handed out longest first, the files left at the end are short ones. The
+# order below is the files' time on CI's 2-core machine, longest first (from its slowest
+# durations, 2026-11-28); the files it does not name follow, most tests first, as before.
+LONGEST_FILES = ("test_benchmarks.py", "test_triton_kernels.py", "test_docs.py", "test_parallelize.py",
+                 "test_preemption.py", "test_hydra.py", "test_distributed_optimizer.py", "test_wheel.py",
+                 "test_checkpoint_reshard.py", "test_hf_idioms.py", "test_multinode.py")
+
+
+def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False  # xdist's own order (most tests first) would undo ours
+
+
+def pytest_collection_modifyitems(config, items):
+    """In an xdist worker (whose collection the controller hands out in order), the files in
+    ``LONGEST_FILES``' order, then the rest by their number of tests; each file's tests keep their
+    order (every worker sorts the same collection the same way, as xdist requires)."""
+    if not hasattr(config, "workerinput"):  # one process: nothing to balance
+        return
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+
+    def rank(item):
+        name = item.path.name
+        return (LONGEST_FILES.index(name), 0) if name in LONGEST_FILES else (len(LONGEST_FILES), -counts[name])
+
+    items.sort(key=rank)  # stable: a file's tests stay in order, and together
+
+
 @pytest.fixture(scope="session")
 def single_rank_group():
     """A world of one gloo rank (megatron's layers need an initialised TP group)."""

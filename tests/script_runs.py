@@ -2,6 +2,7 @@
 once per extra device), or on ranks forked from the preloaded fork server (``run_on_ranks``)."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -65,6 +66,17 @@ def run_as_main(cwd: str, argv: list[str], main) -> None:
     except SystemExit as exit:
         if exit.code not in (None, 0):
             raise
+
+
+def run_module_on_a_rank(module: str, *args: str, cwd: pathlib.Path = SCRIPTS, timeout: float = 300) -> None:
+    """``python -m module *args`` (a command's ``main``) on one rank forked from the preloaded fork
+    server, for a command whose subject is what it writes, not how its process starts (which a
+    fresh interpreter's 7 s of imports would check again). A failure raises ``RankError``."""
+    spawn_ranks(_module_rank, 1, module, list(args), str(cwd), timeout_s=timeout, init_group=False)
+
+
+def _module_rank(rank: int, world_size: int, module: str, args: list[str], cwd: str) -> None:
+    run_as_main(cwd, [module, *args], importlib.import_module(module).main)
 
 
 def _script_rank(rank: int, world_size: int, path: str, args: list[str], cwd: str) -> None:

@@ -240,19 +240,28 @@ def _device_tool_returns(out: pathlib.Path) -> None:
         assert path.stat().st_size <= 16 * 2**20, path
 
 
-@pytest.mark.slow
-def test_gpu_check_without_cuda_is_a_dry_run_of_every_step(tmp_path):
+@pytest.fixture(scope="module")
+def gpu_check_dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
     """``make gpu-check``'s command on a machine without CUDA, with ``$OUT`` set as the device tool
-    sets it: the GPU test set's CPU dry run (so a broken GPU test shows here before a lent GPU's
-    minutes are spent on it; every test's outcome as expected), ``gpu_mhc.py`` at CPU sizes with
-    the GPU columns absent and why (Triton's times, peak memory, the kernel's bandwidth, Megatron's
-    mHC without a checkout), and 8 training steps with ``mhc_block`` whose loss falls; one JSON in
-    ``$OUT`` holds the device, the versions and every step, and every file there is one the
-    device tool returns."""
+    sets it: the process and its ``$OUT``. Run once for the tests that read what it wrote (its
+    DeepSeek-V4 step is ``test_v4_hyper_connection``'s benchmark at its sizes: run once, not twice)."""
+    tmp_path = tmp_path_factory.mktemp("gpu_check")
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py")], cwd=tmp_path,
                           env=child_env(OUT=str(out)), capture_output=True, text=True, timeout=600)
+    return proc, out
+
+
+@pytest.mark.slow
+def test_gpu_check_without_cuda_is_a_dry_run_of_every_step(gpu_check_dry_run):
+    """``make gpu-check``'s command on a machine without CUDA: the GPU test set's CPU dry run (so a
+    broken GPU test shows here before a lent GPU's minutes are spent on it; every test's outcome as
+    expected), ``gpu_mhc.py`` at CPU sizes with the GPU columns absent and why (Triton's times,
+    peak memory, the kernel's bandwidth, Megatron's mHC without a checkout), and 8 training steps
+    with ``mhc_block`` whose loss falls; one JSON in ``$OUT`` holds the device, the versions and
+    every step, and every file there is one the device tool returns."""
+    proc, out = gpu_check_dry_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry_run"] and report["device"]["name"].startswith("CPU") and report["versions"]["torch"]
@@ -506,15 +515,17 @@ def test_the_documented_gpu_call_is_what_make_gpu_wheels_prints(monkeypatch, tmp
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
-def test_v4_hyper_connection(tmp_path):
+def test_v4_hyper_connection(gpu_check_dry_run):
     """DeepSeek-V4's sub-layer on our kernels beside transformers' module: every variant timed,
     the fused one saves fewer bytes than transformers', and the conventions' H_res table (with the
     transpose the two orders are one computation: in fp64 they agree to rounding; fp32's bits depend on the
-    CPU's summation order, 4e-5 apart on CI's machine)."""
+    CPU's summation order, 4e-5 apart on CI's machine). The benchmark as the gpu-check dry run
+    runs it (``--hidden 32 --tokens 64 --device cpu``, 2 rounds): its JSON, read here."""
     pytest.importorskip("transformers.models.deepseek_v4")
-    out = tmp_path / "v4.json"
-    _run("v4_hyper_connection.py", "--hidden", "32", "--tokens", "64", "--device", "cpu", "--out", str(out))
-    result = json.loads(out.read_text())
+    proc, out = gpu_check_dry_run
+    step = json.loads((out / "gpu_check.json").read_text())["steps"]["v4_hyper_connection"]
+    assert step["status"] == "passed", step
+    result = json.loads((out / "v4_hyper_connection.json").read_text())
     row = result["table"]["32"]
     assert set(row) == {"transformers", "fused", "reference"}
     assert all(v["median_s"] > 0 for v in row.values()), row

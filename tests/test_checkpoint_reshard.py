@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from script_runs import fit_gpt, run_script
+from script_runs import fit_gpt, run_module_on_a_rank, run_on_ranks
 from subprocess_env import child_env
 
 STEPS_AFTER = slice(2, 5)  # the checkpoint is at step 2 of 5
@@ -42,17 +42,16 @@ def test_checkpoint_of_tp2_pp2_continues_on_other_layouts(tmp_path):
                             "--ckpt", saved["checkpoint"])["continued"]
         _compare(name, continued, reference)
 
-    # one-process use of the final (step 5) checkpoint, in fresh processes: lightning-mhc-export,
-    # then load_exported / MHCGPTModule.load_from_checkpoint against the TP2 x PP2 logits
+    # one-process use of the final (step 5) checkpoint: lightning-mhc-export, then load_exported /
+    # MHCGPTModule.load_from_checkpoint against the TP2 x PP2 logits, each on one rank forked from
+    # the preloaded server (no strategy, no groups: what a fresh interpreter would be, without its 7 s
+    # of imports; the generate command below keeps its fresh process, whose printed text is checked)
     final, export_dir = tmp_path / "save" / "final.ckpt", tmp_path / "export"
-    proc = subprocess.run([sys.executable, "-m", "lightning_mhc.cli.export", str(final), str(export_dir)],
-                          capture_output=True, text=True, timeout=300, env=child_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_module_on_a_rank("lightning_mhc.cli.export", str(final), str(export_dir))
     assert sorted(p.name for p in export_dir.iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((export_dir / "config.json").read_text())["activation"] == "swiglu"
-    proc = run_script("check_export.py", str(final), str(export_dir), str(tmp_path / "save" / "logits.pt"),
-                      str(tmp_path / "export.json"), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_on_ranks("check_export.py", 1, str(final), str(export_dir), str(tmp_path / "save" / "logits.pt"),
+                 str(tmp_path / "export.json"), timeout=300)
     checked = json.loads((tmp_path / "export.json").read_text())
     print(f"exported vs TP2 x PP2 logits: {checked['export_vs_training']:.3g}; "
           f"load_from_checkpoint: {checked['checkpoint_vs_training']:.3g}")

@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
 from lm_models import save_sample_llama  # noqa: E402
+from script_runs import run_module_on_a_rank  # noqa: E402
 from subprocess_env import child_env  # noqa: E402
 from train_cli import check_before_launch, run_train_on_ranks, stream_divergences, train_losses  # noqa: E402
 
@@ -224,11 +225,7 @@ def test_continue_a_pretrained_llama_with_hyper_connections_on_tp2_pp2(llama_dir
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.1
     checkpoint = pathlib.Path(summary["last_checkpoint"])
     export = tmp_path / "export"
-    import subprocess
-
-    exported = subprocess.run([sys.executable, "-m", "lightning_mhc.cli.export", str(checkpoint), str(export)],
-                              capture_output=True, text=True, env=child_env(), timeout=300)
-    assert exported.returncode == 0, exported.stderr[-3000:]
+    run_module_on_a_rank("lightning_mhc.cli.export", str(checkpoint), str(export))  # what it writes, checked below
     from transformers import LlamaForCausalLM
 
     from lightning_mhc import load_pretrained
@@ -273,8 +270,6 @@ def test_the_exports_of_a_trained_hyper_connected_model_agree(llama_dir, tmp_pat
     ``load_pretrained`` of each gives the trained model's logits (1e-6), the base class's
     ``from_pretrained`` of each reads exactly the trained base weights, and the checkpoint loaded
     by ``load_checkpoint`` holds exactly the trained tensors."""
-    import subprocess
-
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
     from transformers import LlamaForCausalLM
@@ -307,9 +302,7 @@ def test_the_exports_of_a_trained_hyper_connected_model_agree(llama_dir, tmp_pat
     assert whole.state_dict().keys() == state.keys()
     assert all(torch.equal(t, state[name]) for name, t in whole.state_dict().items())
     export_pretrained(checkpoint, HFCausalLMModule.whole_model(module.hparams), tmp_path / "export_pretrained")
-    cli = subprocess.run([sys.executable, "-m", "lightning_mhc.cli.export", str(checkpoint), str(tmp_path / "cli")],
-                         capture_output=True, text=True, env=child_env(), timeout=300)
-    assert cli.returncode == 0, cli.stderr[-3000:]
+    run_module_on_a_rank("lightning_mhc.cli.export", str(checkpoint), str(tmp_path / "cli"))
 
     for way in ("save_pretrained", "export_pretrained", "cli"):
         loaded = load_pretrained(tmp_path / way).eval()
