@@ -6,7 +6,7 @@ layout, before launch, with the overrides and config groups of ``lightning-mhc-t
     lightning-mhc-plan ... plan.json=plan.json                               # {"layouts": [...]}, asked first
 
 The counts are the planner's (``lightning_mhc.planning``): parameters, gradients and AdamW state per
-rank of each pipeline stage, counted on the model's stages built on the meta device. Activations
+rank of each pipeline stage, counted from the config (no model built, no process group started). Activations
 and traffic are not counted yet, so "fits" means the model states fit (docs/planning.md). The
 pipeline bubble is the schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
 ``lightning-mhc-plan: invalid configuration: ...``, exit status 2.
