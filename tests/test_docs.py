@@ -453,8 +453,8 @@ def _check_module(command, scratch, monkeypatch, capsys):
 
 
 def _check_plan(command, tmp_path, monkeypatch, capsys):
-    """``lightning-mhc-plan``: run as written (its entry point in this process; it builds meta
-    models only) and succeed."""
+    """``lightning-mhc-plan``: run as written (its entry point in this process; it counts from
+    the config, no model built) and succeed."""
     from lightning_mhc.cli.plan import main
 
     monkeypatch.chdir(tmp_path)

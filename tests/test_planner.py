@@ -10,10 +10,16 @@ from lightning_mhc.testing.launch import spawn_ranks
 TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=300,
             max_sequence_length=64, enable_hyper_connections=True, num_residual_streams=4)
 MOE = dict(TINY, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+# the options that change a tensor's shape or presence: grouped queries, head width, gated units,
+# no biases, learned positions, an untied output layer; shared experts, MoE every other layer
+VARIED = dict(TINY, num_query_groups=2, kv_channels=8, gated_linear_unit=True, add_bias_linear=False,
+              position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False,
+              num_residual_streams=2)
+VARIED_MOE = dict(MOE, gated_linear_unit=True, moe_shared_expert_intermediate_size=48, moe_layer_freq=2)
 # (model, TP, PP, VP, EP): each divides the 4 ranks; the vocabulary 300 is padded to 384 rows, split over TP
 CASES = [(TINY, 1, 1, 1, 1), (TINY, 2, 1, 1, 1), (TINY, 2, 2, 1, 1), (TINY, 1, 4, 1, 1),
          (TINY, 1, 2, 2, 1), (dict(TINY, num_residual_streams=1, enable_hyper_connections=False), 4, 1, 1, 1),
-         (MOE, 1, 1, 1, 4), (MOE, 1, 2, 1, 2)]
+         (MOE, 1, 1, 1, 4), (MOE, 1, 2, 1, 2), (VARIED, 2, 2, 1, 1), (VARIED_MOE, 1, 2, 1, 2)]
 
 
 def _layout(world, tp, pp, vp, ep):
@@ -67,6 +73,19 @@ def test_model_state_bytes_per_rank_exact(measured):
             got = (params, grads, optim)
             assert got == (want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes), \
                 (CASES[i][1:], rank, got, want)
+
+
+def test_plan_starts_no_process_group(tmp_path, monkeypatch, capsys):
+    """A plan is arithmetic on the config: no process group is started, no model built."""
+    import torch.distributed as dist
+
+    from lightning_mhc.cli.plan import plan
+
+    monkeypatch.chdir(tmp_path)
+    assert not dist.is_initialized()
+    rows = plan(["model=small", "parallel=tp2pp2", "trainer.devices=4"])
+    assert not dist.is_initialized()
+    assert rows[0]["sizes"]["tensor"] == 2 and "most loaded rank" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ the console door

@@ -6,8 +6,10 @@ layout, before launch, with the overrides and config groups of ``lightning-mhc-t
     lightning-mhc-plan ... plan.json=plan.json                               # {"layouts": [...]}, asked first
 
 The counts are the planner's (``lightning_mhc.planning``): parameters, gradients and AdamW state per
-rank of each pipeline stage, counted on the model's stages built on the meta device. Activations
-and traffic are not counted yet, so "fits" means the model states fit (docs/planning.md). The
+rank of each pipeline stage, counted from the config (no model built, no process group started), and
+the retained activations at the schedule's peak for the run's recompute policy (where the count covers
+the model: not yet CP or MoE layers, which plan the model states alone and say so). Traffic is not
+counted yet (docs/planning.md). The
 pipeline bubble is the schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
 ``lightning-mhc-plan: invalid configuration: ...``, exit status 2.
 """
@@ -48,12 +50,23 @@ def _positive_int(key: str, value: str) -> int:
 
 def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
     """One layout's entry of ``plan.json``: its sizes, the most loaded rank's bytes, each stage's."""
-    from lightning_mhc.planning import bubble, plan_gpt
+    from lightning_mhc.errors import ConfigError
+    from lightning_mhc.model.config import with_parallel_layout
+    from lightning_mhc.planning import bubble, plan_activations, plan_gpt
 
     param_bytes = 2 if cfg.trainer.precision == "bf16-true" else 4
-    stages = plan_gpt(cfg.transformer_config(), layout, param_bytes=param_bytes,
+    config = cfg.transformer_config()
+    stages = plan_gpt(config, layout, param_bytes=param_bytes,
                       distributed_optimizer=cfg.optim.use_distributed_optimizer)
-    top = max(stages, key=lambda s: s.total)
+    try:  # activations in the parameters' dtype (checked against runs in fp32)
+        activations = [a for a, _ in plan_activations(
+            with_parallel_layout(config, layout), layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
+            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes)]
+        not_counted = None
+    except ConfigError as error:  # what the activation count does not cover: the model states alone
+        activations, not_counted = [0] * len(stages), str(error)
+    totals = [s.total + a for s, a in zip(stages, activations)]
+    top = stages[max(range(len(stages)), key=totals.__getitem__)]
     p = layout.pipeline_model_parallel_size
     return dict(
         sizes=dict(world_size=layout.world_size, tensor=layout.tensor_model_parallel_size, pipeline=p,
@@ -61,10 +74,13 @@ def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
                    context=layout.context_parallel_size, expert=layout.expert_model_parallel_size,
                    sequence_parallel=layout.sequence_parallel, microbatches=num_microbatches),
         most_loaded_stage=top.stage, parameter_bytes=top.parameter_bytes, gradient_bytes=top.gradient_bytes,
-        optimizer_bytes=top.optimizer_bytes, total_bytes=top.total,
+        optimizer_bytes=top.optimizer_bytes,
+        activation_bytes=None if not_counted else activations[top.stage], activations_not_counted=not_counted,
+        total_bytes=totals[top.stage],
         bubble=bubble(p, layout.num_virtual_stages // p, num_microbatches),
         stages=[dict(stage=s.stage, parameter_bytes=s.parameter_bytes, gradient_bytes=s.gradient_bytes,
-                     optimizer_bytes=s.optimizer_bytes, total_bytes=s.total) for s in stages])
+                     optimizer_bytes=s.optimizer_bytes, activation_bytes=None if not_counted else a,
+                     total_bytes=total) for s, a, total in zip(stages, activations, totals)])
 
 
 def _candidates(cfg, devices: int):
@@ -100,12 +116,14 @@ def _print_layout(row: dict[str, Any]) -> None:
     print(f"layout: {s['world_size']} ranks = TP {s['tensor']} x PP {s['pipeline']} (v {s['virtual']}) x "
           f"DP {s['data']} x CP {s['context']}, EP {s['expert']}; {s['microbatches']} micro-batches; "
           f"bubble {row['bubble']:.3f}")
-    print(f"{'stage':>5} {'parameters':>14} {'gradients':>14} {'optimizer':>14} {'total':>14}")
+    print(f"{'stage':>5} {'parameters':>14} {'gradients':>14} {'optimizer':>14} {'activations':>14} {'total':>14}")
     for st in row["stages"]:
+        activations = "-" if st["activation_bytes"] is None else _gb(st["activation_bytes"])
         print(f"{st['stage']:>5} {_gb(st['parameter_bytes']):>14} {_gb(st['gradient_bytes']):>14} "
-              f"{_gb(st['optimizer_bytes']):>14} {_gb(st['total_bytes']):>14}")
-    print(f"most loaded rank: stage {row['most_loaded_stage']}, {_gb(row['total_bytes'])} of model states "
-          "(activations not counted)")
+              f"{_gb(st['optimizer_bytes']):>14} {activations:>14} {_gb(st['total_bytes']):>14}")
+    what = (f"model states only: {row['activations_not_counted']}" if row["activations_not_counted"]
+            else "model states and retained activations")
+    print(f"most loaded rank: stage {row['most_loaded_stage']}, {_gb(row['total_bytes'])} ({what})")
 
 
 def plan(argv: list[str]) -> list[dict[str, Any]]:
@@ -134,7 +152,7 @@ def plan(argv: list[str]) -> list[dict[str, Any]]:
         fitting = [r for r in _candidates(cfg, devices) if r["total_bytes"] <= memory]
         # most headroom first, then the smaller bubble, then fewer model-parallel ranks (less traffic)
         fitting.sort(key=lambda r: (r["total_bytes"], r["bubble"], r["sizes"]["tensor"] * r["sizes"]["pipeline"]))
-        print(f"\n{len(fitting)} layouts of {devices} devices fit {_gb(memory)} (model states); the best {min(top, len(fitting))}:")
+        print(f"\n{len(fitting)} layouts of {devices} devices fit {_gb(memory)}; the best {min(top, len(fitting))}:")
         for row in fitting[:top]:
             print()
             _print_layout(row)

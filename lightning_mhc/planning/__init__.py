@@ -1,7 +1,8 @@
 """Planning a layout before launch: each rank's parameter, gradient and optimizer bytes for a layout
-of the mHC GPT, counted on the model the runtime builds (each stage built on the meta device), not
-re-derived by hand."""
+of the mHC GPT, counted from its config by arithmetic (``shapes``: the tensors the runtime's modules
+make; no model built, no process group started)."""
 from lightning_mhc.planning.memory import RankBytes, StageCount, parse_bytes, plan_gpt, stage_counts
+from lightning_mhc.planning.activations import plan_activations
 from lightning_mhc.planning.schedule import bubble
 
-__all__ = ["RankBytes", "StageCount", "bubble", "parse_bytes", "plan_gpt", "stage_counts"]
+__all__ = ["RankBytes", "StageCount", "bubble", "parse_bytes", "plan_activations", "plan_gpt", "stage_counts"]

@@ -1,26 +1,20 @@
 """Per-rank model-state bytes of a layout: parameters, gradients and AdamW state.
 
-The counts come from the model itself: each virtual pipeline stage of the GPT is built on the meta
-device (no memory, no weights) with the runtime's own stage split (``partition_layers``), at TP = EP
-= 1, and each parameter is then divided as the layout divides it: megatron's
-``tensor_model_parallel`` marker says TP splits it, the expert marker (``allreduce = False``) that EP
-splits it. Building at TP = 1 needs no TP group (only the one-rank group megatron's layers ask for);
-the asked layout's rules (sizes over TP, layers over stages) are checked first.
+Each virtual pipeline stage's parameter tensors are counted from the config
+(``lightning_mhc.planning.shapes``: no model built, no process group) with the runtime's own split
+of layers over stages (``partition_layers``), and each tensor is divided as the layout divides it:
+by TP where the runtime's layer splits it, by EP for a routed expert's.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 
-import torch
-
-from lightning_mhc.distributed.grads import is_expert_parameter
-from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
+from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
-from lightning_mhc.model.gpt import GPTModel
 from lightning_mhc.model.stages import partition_layers
+from lightning_mhc.planning.shapes import chunk_tensors
 
 ADAM_MOMENTS = 2
 """AdamW keeps two fp32 moments per parameter element (``exp_avg``, ``exp_avg_sq``)."""
@@ -59,40 +53,23 @@ class StageCount:
         return self.dense + self.expert
 
 
-def _tp_free_config(config: MHCTransformerConfig, layout: ParallelLayout) -> MHCTransformerConfig:
-    """The model at TP = EP = 1, checked against the asked layout first, so the meta build needs no
-    process group beyond a one-rank one. (The padded vocabulary, a multiple of
-    ``make_vocab_size_divisible_by``, is carried over as the vocabulary so the rows stay the asked
-    model's.)"""
-    asked = with_parallel_layout(config, layout)  # the asked layout's checks (sizes over TP, layers over stages)
-    return dataclasses.replace(config, vocab_size=asked.padded_vocab_size, tensor_model_parallel_size=1,
-                               sequence_parallel=False, context_parallel_size=1, expert_model_parallel_size=1,
-                               expert_tensor_parallel_size=1, pipeline_model_parallel_size=1,
-                               virtual_pipeline_model_parallel_size=None)
-
-
 def stage_counts(config: MHCTransformerConfig, layout: ParallelLayout, first_stage_layers: int | None = None,
                  last_stage_layers: int | None = None) -> list[StageCount]:
     """One :class:`StageCount` per physical pipeline stage of ``layout`` (every rank of a stage holds
-    the same count: TP shards and EP shards are equal in size)."""
+    the same count: TP shards and EP shards are equal in size). The asked layout's rules (sizes over
+    TP, layers over stages, the padded vocabulary) are checked first, by the config itself."""
+    asked = with_parallel_layout(config, layout)
     tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
     p, v = layout.pipeline_model_parallel_size, layout.num_virtual_stages // layout.pipeline_model_parallel_size
     ranges = partition_layers(config.num_layers, p * v, first_stage_layers, last_stage_layers)
-    base = _tp_free_config(config, layout)
-    one = single_process_layout()
     counts = []
     for stage in range(p):
         dense = expert = tensors = 0
         chunks = [c * p + stage for c in range(v)]  # megatron's interleaved assignment
         for virtual in chunks:
-            with torch.device("meta"):
-                model = GPTModel(base, pre_process=virtual == 0, post_process=virtual == p * v - 1,
-                                 layer_range=ranges[virtual], layout=one)
-            for param in model.parameters():
-                n = param.numel()
-                if getattr(param, "tensor_model_parallel", False):
-                    n //= tp
-                if is_expert_parameter(param):
+            for tensor in chunk_tensors(asked, ranges[virtual], virtual == 0, virtual == p * v - 1):
+                n = tensor.numel // tp if tensor.tensor_parallel else tensor.numel
+                if tensor.expert:
                     expert += n // ep
                 else:
                     dense += n
