@@ -30,7 +30,7 @@ from typing import Any
 
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.recompute.groups import block_ranges
-from lightning_mhc.recompute.policy import _DEFAULT_MODULES, RecomputePolicy
+from lightning_mhc.recompute.policy import DEFAULT_MODULES, RecomputePolicy
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def check_activation_plan(config: Any, layout: Any, policy: RecomputePolicy) -> 
         ("MoE layers", bool(getattr(config, "num_moe_experts", None))),
         ("gated MLPs", config.gated_linear_unit),
         ("recompute_modules other than the policy's default", policy.modules is not None
-         and tuple(policy.modules) != _DEFAULT_MODULES.get(policy.name)),
+         and tuple(policy.modules) != DEFAULT_MODULES.get(policy.name)),
     ) if yes]
     if missing:
         raise ConfigError(f"the planner's activation count does not cover {', '.join(missing)} yet "

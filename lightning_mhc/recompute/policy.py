@@ -32,7 +32,8 @@ POLICIES = ("none", "selective", "mhc_block", "full")
 """The one list of recompute policies."""
 SUPPORTED_MODULES = ("core_attn", "layernorm", "mlp")
 """What ``recompute_modules`` may name (megatron's names for the GPT's sub-modules)."""
-_DEFAULT_MODULES = {"selective": ("layernorm", "mlp"), "mhc_block": ("layernorm",)}
+DEFAULT_MODULES = {"selective": ("layernorm", "mlp"), "mhc_block": ("layernorm",)}
+"""What each policy that names modules recomputes when none are given (the planner counts it too)."""
 
 
 def _is_layer_count(value: Any) -> bool:
@@ -76,7 +77,7 @@ class RecomputePolicy:
         if modules is None:
             return
         policy, given = term("policy", self.name), term("recompute_modules", list(modules))
-        if self.name not in _DEFAULT_MODULES:
+        if self.name not in DEFAULT_MODULES:
             raise ConfigError(given, " is only used by the 'selective' and 'mhc_block' policies, not ", policy,
                               ". Drop ", key("recompute_modules"), " or change the policy.")
         unknown = sorted(set(modules) - set(SUPPORTED_MODULES))
@@ -147,8 +148,8 @@ class RecomputePolicy:
             recompute_hyper_connections=False,
             mhc_recompute_layer_num=self.layer_num,
         )
-        if self.name in _DEFAULT_MODULES:
-            modules = self.modules if self.modules is not None else _DEFAULT_MODULES[self.name]
+        if self.name in DEFAULT_MODULES:
+            modules = self.modules if self.modules is not None else DEFAULT_MODULES[self.name]
             fields.update(recompute_granularity="selective", recompute_modules=list(modules))
         if self.block:
             fields.update(recompute_hyper_connections=True)
