@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.any_model.recompute import refuse_hf_gradient_checkpointing
 from lightning_mhc.layers.init import stable_seed
 
 InitFn = Callable[[nn.Module], None]
@@ -120,6 +121,15 @@ def is_meta(module: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in chain(module.parameters(), module.buffers()))
 
 
+def check_recorded(model: nn.Module) -> None:
+    """A model ``parallelize`` can take: recorded on the meta device, without Hugging Face's own
+    gradient checkpointing."""
+    if not is_meta(model):
+        raise ConfigError(f"parallelize() takes a model built on the meta device with its constructor arguments "
+                          f"recorded: construct {type(model).__name__} inside `with record_module_init():`.")
+    refuse_hf_gradient_checkpointing(model)
+
+
 @contextlib.contextmanager
 def seeded(seed: int, key: str) -> Iterator[None]:
     """The default CPU generator seeded by ``(seed, key)`` for a block, then put back."""
@@ -190,6 +200,14 @@ class Materializer:
         """The tensor's name in the whole model: its owner's (one name for tied tensors)."""
         name, _, attr = self.owners[id(tensor)]
         return f"{name}.{attr}" if name else attr
+
+    def aliases(self, model: nn.Module) -> dict[str, str]:
+        """State-dict name -> its tensor's owner's name, for the names of ``model``'s tensors owned
+        under another name (tied): ``ParallelModel.global_parameter_name``."""
+        return {name: self.owner_name(t)
+                for name, t in list(model.named_parameters(remove_duplicate=False))
+                + list(model.named_buffers(remove_duplicate=False))
+                if self.owner_name(t) != name}
 
     def materialize(self, name: str, module: nn.Module) -> None:
         """Real tensors for ``module`` (named ``name`` in the root) and its whole subtree, each
