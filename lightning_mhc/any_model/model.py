@@ -21,8 +21,9 @@ runs too): the plan (``families.resolve_plan``), the hyper-connections
 (``plan.output_plan``). Then the passes that build: context parallel
 (``context_parallel.split_over_context``), the pretrained files checked (``weights.check_weights``),
 the stages cut (``pipeline.split_stages``), tensor (+ sequence) parallel with the experts sharded
-(``tensor_parallel.apply_tensor_parallel``), the stages connected
-(``pipeline.connect_stages``), the weights read (``weights.load_weights``), the recompute
+(``tensor_parallel.apply_tensor_parallel``), the built chunks as one :class:`ParallelModel` with
+its side of the pipeline contract (``ParallelModel.connect_stages``) and the family's router loss,
+the weights read (``weights.load_weights``), the recompute
 (``recompute.apply_recompute``).
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ from lightning_mhc.any_model.families import FamilyRecord, plan_family, resolve_
 from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionPlan, HyperConnectionSettings, apply_hyper_connections, check_stream_count, hyper_connection_streams)
 from lightning_mhc.any_model.parallel_model import MaterializedReport, ParallelModel, stage_forward_kwargs
-from lightning_mhc.any_model.pipeline import StagePlan, connect_stages, model_parts, plan_stages, split_stages
+from lightning_mhc.any_model.pipeline import ModelParts, StagePlan, model_parts, plan_stages, split_stages
 from lightning_mhc.any_model.plan import TPPlan, check_plan, output_plan
 from lightning_mhc.any_model.record import InitFn, Materializer, check_recorded, is_meta
 from lightning_mhc.any_model.recompute import apply_recompute, check_recompute, check_selective
@@ -159,7 +160,8 @@ def parallelize(
     model, layout, tp = planned.model, settings.layout, settings.layout.tensor_model_parallel_size
     sequence_split = split_over_context(model, layout)  # the attention through CP, by transformers' registry
     weights = check_weights(model, settings.weights) if settings.weights is not None else None
-    materializer = Materializer(model, settings.seed, settings.init_fn, loaded=weights.tensor_ids if weights is not None else None)
+    materializer = Materializer(model, settings.seed, settings.init_fn,
+                                loaded=weights.tensor_ids if weights is not None else None)
     aliases, whole_parameters = materializer.aliases(model), _unique_numel(model)  # read before the cut
     split = split_stages(model, planned.stages, layout, settings.hidden_size, planned.streams)
     apply_tensor_parallel(split.chunks, materializer, planned.plan, layout, model)
@@ -170,7 +172,7 @@ def parallelize(
                                    planned.vocab_parallel_logits, aliases, report, stage_forward_kwargs(model),
                                    settings.recompute, tp if layout.sequence_parallel else 1, sequence_split)
     model_parallel.seed = settings.seed  # what adapters injected later are drawn from (place_adapters)
-    connect_stages(model_parallel, split, materializer, layout)
+    model_parallel.connect_stages(split, materializer, layout)
     model_parallel.attach_router_loss(model, layout)
     if weights is not None:
         load_weights(model_parallel, weights, layout)
@@ -212,7 +214,7 @@ def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] |
                       recompute_modules: tuple[str, ...] | list[str] | None = None,
                       hyper_connections: int | HyperConnectionSettings | None = None,
                       hyper_connection_plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto",
-                      ) -> tuple[TPPlan, Any, list[tuple[int, int]]]:
+                      ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
     """Everything :func:`parallelize` refuses, before anything is built (the CLI runs it before
     launch, on a layout not built yet): the passes' checks (:func:`plan_parallelize`) and the
     context-parallel pass's, on a copy of the recorded model when hyper-connections are added (a

@@ -5,9 +5,10 @@ family's router loss) and the whole model's names for checkpoints.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +20,15 @@ from lightning_mhc.any_model.adapters import place_injected_adapters
 from lightning_mhc.any_model.context_parallel import SequenceSplit
 from lightning_mhc.any_model.families import family_of
 from lightning_mhc.any_model.pipeline import FirstStageStub, replace_hidden_states
-from lightning_mhc.any_model.recompute import refuse_hf_gradient_checkpointing
+from lightning_mhc.any_model.record import refuse_hf_gradient_checkpointing
 from lightning_mhc.any_model.router_loss import RouterLoss, router_loss_for
 from lightning_mhc.layers.loss import token_mean_loss
 from lightning_mhc.recompute.policy import RecomputePolicy
 from lightning_mhc.recompute.rng import rng_fork
+
+if TYPE_CHECKING:
+    from lightning_mhc.any_model.pipeline import StageSplit
+    from lightning_mhc.any_model.record import Materializer
 
 IGNORE_INDEX = -100
 
@@ -168,6 +173,30 @@ class ParallelModel(nn.Module):
         drawn from the model's seed by their whole-model names and placed like the layers they
         adapt (``adapters.place_injected_adapters``); the strategy calls it at fit start."""
         return place_injected_adapters(self, layout, getattr(self, "seed", 0), self.global_parameter_name)
+
+    def connect_stages(self, split: StageSplit, materializer: Materializer, layout: ParallelLayout) -> None:
+        """This model's side of the pipeline contract hooked onto its built chunks (``split``): a
+        stage's first block takes the previous stage's activations, its last block ends the
+        forward before the last stage, and a first-stage part run after the blocks is refused
+        (``FirstStageStub``); the tied tensors this rank holds of those tied across stages are
+        marked: their gradient is summed between the first and the last stage."""
+        last_stage = layout.num_virtual_stages - 1
+        for index, chunk in enumerate(split.chunks):
+            if not chunk.blocks:  # no block list: the whole model is the one stage
+                continue
+            first_block, last_block = chunk.blocks[min(chunk.blocks)], chunk.blocks[max(chunk.blocks)]
+            if chunk.stage > 0:  # takes the previous stage's activations
+                first_block.register_forward_pre_hook(functools.partial(self._take_input, index), with_kwargs=True)
+            if chunk.stage < last_stage:  # the stage ends here
+                last_block.register_forward_hook(functools.partial(self._stop, index))
+        for chunk in self.chunks:
+            for stub in chunk.modules():
+                if isinstance(stub, FirstStageStub):
+                    stub.register_forward_pre_hook(self._stub_called)
+        for meta_id in split.tied_across_stages:
+            held = materializer.real.get(meta_id)
+            if held is not None and any(p is held for p in self.parameters()):
+                held.shared_embedding = True
 
     def attach_router_loss(self, model: nn.Module, layout: ParallelLayout) -> None:
         """The family's own router loss (``Family.router_loss``) where the model's config asks for it:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,10 +36,8 @@ from torch import nn
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
 
-if TYPE_CHECKING:  # the records hold this file's ModelParts; the split model is built from this file's chunks
+if TYPE_CHECKING:  # the records hold this file's ModelParts
     from lightning_mhc.any_model.families import FamilyRecord
-    from lightning_mhc.any_model.parallel_model import ParallelModel
-    from lightning_mhc.any_model.record import Materializer
 
 
 @dataclass
@@ -319,9 +316,9 @@ def plan_stages(model: nn.Module, family: FamilyRecord | None, layout: ParallelL
     named = blocks if blocks is not None or family is None else family.pipeline.blocks
     parts = model_parts(model, named, pipelined=stages > 1 or recompute_full or layout.sequence_parallel,
                         after_blocks=after_blocks)
+    ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
     if parts is not None and family is not None and blocks is None:
         family.check_parts(parts, type(model).__name__)
-    ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
     return StagePlan(parts, ranges)
 
 
@@ -336,33 +333,6 @@ def split_stages(model: nn.Module, plan: StagePlan, layout: ParallelLayout, hidd
     last_stage = layout.num_virtual_stages - 1
     across = _tied_across_stages(_tied_tensors(model), parts, ranges, last_stage) if parts else []
     return StageSplit(plan, hidden * streams, across, _stage_chunks(model, parts, ranges, layout))  # n streams cross
-
-
-def connect_stages(model_parallel: ParallelModel, split: StageSplit, materializer: Materializer,
-                   layout: ParallelLayout) -> None:
-    """The hooks of the pipeline contract on the built chunks: a stage's first block takes the
-    previous stage's activations, its last block ends the forward before the last stage, and a
-    first-stage part run after the blocks is refused (``FirstStageStub``); the tied tensors this
-    rank holds of those tied across stages are marked: their gradient is summed between the
-    first and the last stage."""
-    last_stage = layout.num_virtual_stages - 1
-    for chunk_index, chunk in enumerate(split.chunks):
-        if not chunk.blocks:
-            continue
-        first_block, last_block = chunk.blocks[min(chunk.blocks)], chunk.blocks[max(chunk.blocks)]
-        if chunk.stage > 0:  # takes the previous stage's activations
-            first_block.register_forward_pre_hook(functools.partial(model_parallel._take_input, chunk_index),
-                                                  with_kwargs=True)
-        if chunk.stage < last_stage:  # the stage ends here
-            last_block.register_forward_hook(functools.partial(model_parallel._stop, chunk_index))
-    for chunk in model_parallel.chunks:
-        for stub in chunk.modules():
-            if isinstance(stub, FirstStageStub):
-                stub.register_forward_pre_hook(model_parallel._stub_called)
-    for meta_id in split.tied_across_stages:
-        held = materializer.real.get(meta_id)
-        if held is not None and any(p is held for p in model_parallel.parameters()):
-            held.shared_embedding = True
 
 
 def model_parts(model: nn.Module, blocks: str | None, pipelined: bool, after_blocks: tuple[str, ...] = ()

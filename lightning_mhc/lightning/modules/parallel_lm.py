@@ -30,7 +30,8 @@ from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.any_model.hyper_connections import hyper_connection_blocks
 from lightning_mhc.any_model.model import parallelize
 from lightning_mhc.any_model.parallel_model import ParallelModel
-from lightning_mhc.any_model.recompute import check_recompute, refuse_hf_gradient_checkpointing
+from lightning_mhc.any_model.record import refuse_hf_gradient_checkpointing
+from lightning_mhc.any_model.recompute import check_recompute
 from lightning_mhc.recompute.policy import RecomputePolicy
 
 
