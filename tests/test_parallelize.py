@@ -792,7 +792,7 @@ def test_a_plan_without_an_output_finds_the_head(name):
     from lm_models import DICT_PLAN, MODELS
 
     from lightning_mhc.any_model import record_module_init
-    from lightning_mhc.any_model.plan import default_output, output_plan
+    from lightning_mhc.any_model.tensor_parallel import default_output, output_plan
     from lightning_mhc.any_model.pipeline import find_parts
     from lightning_mhc.any_model.families import resolve_plan
 

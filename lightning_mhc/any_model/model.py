@@ -17,8 +17,8 @@ what is checked before anything is built (:func:`plan_parallelize`, which ``chec
 runs too): the plan (``families.resolve_plan``), the hyper-connections
 (``hyper_connections.apply_hyper_connections``), the recompute policy
 (``recompute.check_recompute``), the TP plan (``plan.check_plan``), the experts
-(``experts.check_experts``), the stages (``pipeline.plan_stages``), the logits layer
-(``plan.output_plan``). Then the passes that build: context parallel
+(``experts.check_experts``), the stages (``pipeline.plan_stages``) and the record's pipeline
+contract (``FamilyRecord.check_parts``), the logits layer (``tensor_parallel.output_plan``). Then the passes that build: context parallel
 (``context_parallel.split_over_context``), the pretrained files checked (``weights.check_weights``),
 the stages cut (``pipeline.split_stages``), tensor (+ sequence) parallel with the experts sharded
 (``tensor_parallel.apply_tensor_parallel``), the built chunks as one :class:`ParallelModel` with
@@ -45,10 +45,10 @@ from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionPlan, HyperConnectionSettings, apply_hyper_connections, check_stream_count, hyper_connection_streams)
 from lightning_mhc.any_model.parallel_model import MaterializedReport, ParallelModel, stage_forward_kwargs
 from lightning_mhc.any_model.pipeline import ModelParts, StagePlan, model_parts, plan_stages, split_stages
-from lightning_mhc.any_model.plan import TPPlan, check_plan, output_plan
+from lightning_mhc.any_model.plan import TPPlan, check_plan
 from lightning_mhc.any_model.record import InitFn, Materializer, check_recorded, is_meta
 from lightning_mhc.any_model.recompute import apply_recompute, check_recompute, check_selective
-from lightning_mhc.any_model.tensor_parallel import apply_tensor_parallel
+from lightning_mhc.any_model.tensor_parallel import apply_tensor_parallel, output_plan
 from lightning_mhc.any_model.weights import check_weights, load_weights
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.recompute.policy import RecomputePolicy
@@ -199,8 +199,11 @@ def plan_parallelize(model: nn.Module, settings: ParallelizeSettings) -> Planned
     layout = settings.layout
     check_plan(model, plan, layout.tensor_model_parallel_size)
     check_experts(model, layout)
-    stages = plan_stages(model, family, layout, settings.blocks, settings.pipeline_split, plan.after_blocks,
-                         settings.recompute.full)
+    by_record = family is not None and settings.blocks is None  # the record's pipeline contract names the blocks
+    stages = plan_stages(model, layout, family.pipeline.blocks if by_record else settings.blocks,
+                         settings.pipeline_split, plan.after_blocks, settings.recompute.full)
+    if by_record:
+        family.check_parts(stages.parts, type(model).__name__)  # the contract against the split found
     check_selective(settings.recompute, plan)
     plan, vocab_parallel = output_plan(model, plan, stages.parts, layout.tensor_model_parallel_size,
                                        settings.loss_parallel)

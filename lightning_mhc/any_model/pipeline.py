@@ -28,16 +28,13 @@ import copy
 import fnmatch
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
-
-if TYPE_CHECKING:  # the records hold this file's ModelParts
-    from lightning_mhc.any_model.families import FamilyRecord
 
 
 @dataclass
@@ -305,20 +302,16 @@ class StageChunk:
 
 
 
-def plan_stages(model: nn.Module, family: FamilyRecord | None, layout: ParallelLayout, blocks: str | None,
+def plan_stages(model: nn.Module, layout: ParallelLayout, blocks: str | None,
                 pipeline_split: list[int] | list[str] | None, after_blocks: tuple[str, ...], recompute_full: bool,
                 ) -> StagePlan:
-    """The pipeline pass's checks: the block list (named, the family's record's, or found) and
-    the parts around it, each (virtual) stage's blocks, and the parts against the record's
-    pipeline contract. A block list is looked for even without a pipeline (full recompute and
-    sequence parallelism run on it), and a model without one is a single stage."""
+    """The pipeline pass's checks: the block list (``blocks``, or found) and the parts around it,
+    and each (virtual) stage's blocks. A block list is looked for even without a pipeline (full
+    recompute and sequence parallelism run on it), and a model without one is a single stage."""
     stages = layout.num_virtual_stages
-    named = blocks if blocks is not None or family is None else family.pipeline.blocks
-    parts = model_parts(model, named, pipelined=stages > 1 or recompute_full or layout.sequence_parallel,
+    parts = model_parts(model, blocks, pipelined=stages > 1 or recompute_full or layout.sequence_parallel,
                         after_blocks=after_blocks)
     ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
-    if parts is not None and family is not None and blocks is None:
-        family.check_parts(parts, type(model).__name__)
     return StagePlan(parts, ranges)
 
 

@@ -30,14 +30,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Union
+from typing import Mapping, Union
 
 from torch import nn
 
 from lightning_mhc.errors import ConfigError
-
-if TYPE_CHECKING:
-    from lightning_mhc.any_model.pipeline import ModelParts
 
 
 @dataclass(frozen=True)
@@ -390,50 +387,3 @@ def _attribute(name: str, module: nn.Module, attr: str):
     except AttributeError:
         raise ConfigError(f"plan names attribute {attr!r} of {name} ({type(module).__name__}), which it does not "
                           "have. Fix the attribute name in the plan.") from None
-
-
-# ------------------------------------------------------------------ the logits layer
-def output_plan(model: nn.Module, plan: TPPlan, parts: ModelParts | None, tp: int,
-                 loss_parallel: bool) -> tuple[TPPlan, bool]:
-    """The plan, with the output layer gathering its logits where the plan splits them over the
-    vocabulary but ``loss_parallel`` is off; and whether the logits stay split (vocab-parallel loss)."""
-    last_parts = parts.last if parts else [n for n, c in model.named_children() if any(True for _ in c.parameters())]
-    output_name = _output_layer(model, plan, plan.output or default_output(model, plan, parts, last_parts))
-    output_style = plan.style_of(output_name) if output_name else None
-    split_logits = tp > 1 and isinstance(output_style, Column) and not output_style.gather_output
-    vocab_parallel = loss_parallel and split_logits
-    if split_logits and not loss_parallel:  # gather the logits: the output layer's style first (first match wins)
-        if output_style.stride > 1:
-            raise ConfigError(f"loss_parallel=False gathers {output_name}'s output, which is split with stride "
-                              f"{output_style.stride} (its parts would come out of order): keep loss_parallel=True.")
-        layers = {output_name: Column(1, True), **{k: v for k, v in plan.layers.items() if k != output_name}}
-        plan = dataclasses.replace(plan, layers=layers)
-    return plan, vocab_parallel
-
-
-def _output_layer(model: nn.Module, plan: TPPlan, name: str | None) -> str | None:
-    """The layer that produces the logits: ``name``, or the last layer inside it the plan styles
-    (a head that is a container, e.g. ``Sequential(norm, Linear)``)."""
-    if name is None:
-        return None
-    styled = [n for n, _ in model.get_submodule(name).named_modules(prefix=name) if plan.style_of(n) is not None]
-    return styled[-1] if styled else name
-
-
-def default_output(model: nn.Module, plan: TPPlan, parts: ModelParts | None, last_parts: list[str]) -> str | None:
-    """The logits layer of a plan that names none (``TPPlan.output``): among the linear layers
-    after the block list, the one whose weight is tied to a tensor before it (a tied head: the
-    parts after the blocks are listed outermost container first, so the last of them is often
-    the final norm); else the one the plan splits as a column; else the only one; else the last
-    part after the blocks."""
-    if parts is None:
-        return last_parts[-1] if last_parts else None
-    linears = [name for part in last_parts for name, module in model.get_submodule(part).named_modules(prefix=part)
-               if linear_dims(module) is not None]
-    before = {id(p) for part in parts.first for p in model.get_submodule(part).parameters()}
-    tied = [n for n in linears if id(getattr(model.get_submodule(n), "weight", None)) in before]
-    columns = [n for n in linears if isinstance(plan.style_of(n), Column)]
-    for found in (tied, columns, linears):
-        if len(found) == 1:
-            return found[0]
-    return last_parts[-1] if last_parts else None

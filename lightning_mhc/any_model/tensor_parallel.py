@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.errors import ConfigError
 from lightning_mhc.layers.sequence_parallel import (
     all_gather_sequence,
     mark_sequence_parallel_parameters,
@@ -41,7 +42,9 @@ from lightning_mhc.layers.sequence_parallel import (
     sequence_mapping,
     split_sequence,
 )
-from lightning_mhc.any_model.pipeline import replace_hidden_states
+from lightning_mhc.any_model.adapters import fill_adapters, lora_layers, place_lora
+from lightning_mhc.any_model.pipeline import ModelParts, replace_hidden_states
+from lightning_mhc.any_model.placement import Placement, shard
 from lightning_mhc.any_model.plan import (
     Column, Replicate, ReplicateOnSplit, Row, Style, TPPlan, VocabEmbedding, base_of, linear_dims)
 from lightning_mhc.recompute.rng import rng_fork
@@ -54,19 +57,8 @@ if TYPE_CHECKING:
     from lightning_mhc.any_model.record import Materializer
 
 
-def strided_runs(size: int, stride: int, tp: int, rank: int) -> list[tuple[int, int, int]]:
-    """Megatron's strided split of a dimension of ``size``: it is ``stride`` equal parts, and
-    this rank's slice is its piece of each part, concatenated. Per part, ``(start in the slice,
-    start in the whole, length)``."""
-    part = size // stride
-    share = part // tp
-    return [(j * share, j * part + rank * share, share) for j in range(stride)]
 
 
-def shard(tensor: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> torch.Tensor:
-    """This rank's slice of ``tensor`` along ``dim`` (:func:`strided_runs`)."""
-    runs = strided_runs(tensor.shape[dim], stride, tp, rank)
-    return torch.cat([tensor.narrow(dim, start, length) for _, start, length in runs], dim).contiguous()
 
 
 def _sharded_parameter(param: torch.Tensor, dim: int, stride: int, layout: ParallelLayout) -> nn.Parameter:
@@ -134,20 +126,6 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
         module.tensor_parallel_placement = Placement(style, sequence_parallel, reduce=reduce)
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """How :func:`apply_style` split a linear layer, kept on it (``tensor_parallel_placement``)
-    for what runs beside it on the same input, as a LoRA adapter does (``adapters.py``):
-    ``input_map``, what a column layer does to its input first (the copy into the TP region, or
-    the sequence's all-gather; None: nothing); ``output_map``, to its output (the all-gather of a
-    gathered output); ``reduce``, how a row layer sums its partial products over TP (all-reduce,
-    or reduce-scatter of the sequence)."""
-
-    style: Style
-    sequence_parallel: bool
-    input_map: Callable[[torch.Tensor], torch.Tensor] | None = None
-    output_map: Callable[[torch.Tensor], torch.Tensor] | None = None
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -285,6 +263,53 @@ def random_region(module: nn.Module, region: str) -> None:
     module.forward = forward_in_region
 
 
+# ------------------------------------------------------------------ the logits layer
+def output_plan(model: nn.Module, plan: TPPlan, parts: ModelParts | None, tp: int,
+                 loss_parallel: bool) -> tuple[TPPlan, bool]:
+    """The plan, with the output layer gathering its logits where the plan splits them over the
+    vocabulary but ``loss_parallel`` is off; and whether the logits stay split (vocab-parallel loss)."""
+    last_parts = parts.last if parts else [n for n, c in model.named_children() if any(True for _ in c.parameters())]
+    output_name = _output_layer(model, plan, plan.output or default_output(model, plan, parts, last_parts))
+    output_style = plan.style_of(output_name) if output_name else None
+    split_logits = tp > 1 and isinstance(output_style, Column) and not output_style.gather_output
+    vocab_parallel = loss_parallel and split_logits
+    if split_logits and not loss_parallel:  # gather the logits: the output layer's style first (first match wins)
+        if output_style.stride > 1:
+            raise ConfigError(f"loss_parallel=False gathers {output_name}'s output, which is split with stride "
+                              f"{output_style.stride} (its parts would come out of order): keep loss_parallel=True.")
+        layers = {output_name: Column(1, True), **{k: v for k, v in plan.layers.items() if k != output_name}}
+        plan = dataclasses.replace(plan, layers=layers)
+    return plan, vocab_parallel
+
+
+def _output_layer(model: nn.Module, plan: TPPlan, name: str | None) -> str | None:
+    """The layer that produces the logits: ``name``, or the last layer inside it the plan styles
+    (a head that is a container, e.g. ``Sequential(norm, Linear)``)."""
+    if name is None:
+        return None
+    styled = [n for n, _ in model.get_submodule(name).named_modules(prefix=name) if plan.style_of(n) is not None]
+    return styled[-1] if styled else name
+
+
+def default_output(model: nn.Module, plan: TPPlan, parts: ModelParts | None, last_parts: list[str]) -> str | None:
+    """The logits layer of a plan that names none (``TPPlan.output``): among the linear layers
+    after the block list, the one whose weight is tied to a tensor before it (a tied head: the
+    parts after the blocks are listed outermost container first, so the last of them is often
+    the final norm); else the one the plan splits as a column; else the only one; else the last
+    part after the blocks."""
+    if parts is None:
+        return last_parts[-1] if last_parts else None
+    linears = [name for part in last_parts for name, module in model.get_submodule(part).named_modules(prefix=part)
+               if linear_dims(module) is not None]
+    before = {id(p) for part in parts.first for p in model.get_submodule(part).parameters()}
+    tied = [n for n in linears if id(getattr(model.get_submodule(n), "weight", None)) in before]
+    columns = [n for n in linears if isinstance(plan.style_of(n), Column)]
+    for found in (tied, columns, linears):
+        if len(found) == 1:
+            return found[0]
+    return last_parts[-1] if last_parts else None
+
+
 # ------------------------------------------------------------------ the tensor-parallel pass
 def apply_tensor_parallel(chunks: list[StageChunk], materializer: Materializer, plan: TPPlan,
                           layout: ParallelLayout, root: nn.Module) -> None:
@@ -321,9 +346,6 @@ def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLa
     their adapters placed with it (``adapters.py``); every parameter built here is marked as
     placed (``mark_replicated``)."""
     tp = layout.tensor_model_parallel_size
-    # imported here: adapters places its layers with this file's ``shard``
-    from lightning_mhc.any_model.adapters import fill_adapters, lora_layers, place_lora
-
     def replace(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         key = materializer.meta_id(old)
         if key is not None:
