@@ -14,7 +14,9 @@ blocks), without rewriting it on megatron layers, and mHC added to it.
   parts, CP, EP, the router's aux loss), chosen by ``model_type`` with ``plan="auto"``;
 - ``experts.py``: Hugging Face mixture-of-experts models (Mixtral, Qwen2/3-MoE, OLMoE) under
   expert parallelism: each EP rank's experts, the token exchange, their per-expert weights;
-- ``tensor_parallel.py``: the styles applied in place with megatron-core's TP mappings;
+- ``tensor_parallel.py``: the styles applied in place with megatron-core's TP mappings, the
+  logits layer, and the tensor-parallel pass that builds this rank's chunks; ``placement.py``:
+  the words TP, LoRA's adapters and the weights share (strided runs, a shard, ``Placement``);
 - ``pipeline.py``: the block list, the stage split, stubs for parts on other stages, the hooks
   between stages;
 - ``model.py``: :func:`parallelize`, a conductor of passes, one per dimension, each in the file of
