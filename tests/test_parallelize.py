@@ -30,7 +30,7 @@ from subprocess_env import child_env  # noqa: E402
 
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule  # noqa: E402
 from lightning_mhc.any_model import (  # noqa: E402
-    GPT2, LLAMA, Column, TPPlan, build_recorded_module, check_plan, parallelize, record_module_init)
+    GPT2, LLAMA, Column, TPPlan, build_recorded_module, check_parallelize, check_plan, parallelize, record_module_init)
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fit_parallelize.py"
 MODEL_NAMES = ("gpt2", "llama", "plain")
@@ -344,29 +344,33 @@ def test_one_process_parallelize_is_the_recorded_model(name, model_parallel):
     assert model.report.rank_parameters == model.report.whole_parameters
 
 
-def test_parallelize_is_its_steps_over_one_settings_value(model_parallel):
-    """``parallelize`` is its steps in order, each taking what the one before returned, the settings
-    in one frozen value: run by hand they give ``parallelize``'s model bit for bit (Llama with 2
-    streams and full recompute); without a layout it runs on the one-process layout."""
+def test_parallelize_checks_are_check_parallelizes_over_one_settings_value(model_parallel):
+    """``parallelize`` reads its settings in one frozen value, and its checks before building
+    (``plan_parallelize``, the passes' checks) are those ``check_parallelize`` runs before launch:
+    the same plan, block list and stage ranges (Llama with 2 streams and full recompute); without
+    a layout it runs on the one-process layout, bit for bit as on the one-process layout given."""
     import dataclasses
 
-    from lightning_mhc.any_model.model import (
-        ParallelizeSettings, add_model_hyper_connections, apply_tensor_parallel, attach_model_recompute,
-        load_model_weights, resolve_model_plan, split_pipeline)
+    from lightning_mhc.any_model.model import ParallelizeSettings, plan_parallelize
 
     make, plan = MODELS["llama"]
     settings = ParallelizeSettings(model_parallel, plan, seed=11, recompute="full", hyper_connections=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.seed = 0
-    planned = add_model_hyper_connections(resolve_model_plan(_meta(make), settings), settings)
-    split = load_model_weights(apply_tensor_parallel(split_pipeline(planned, settings), settings), settings)
-    by_hand = attach_model_recompute(split, settings).eval()
+    planned = plan_parallelize(_meta(make), settings)
+    checked_plan, parts, ranges = check_parallelize(_meta(make), plan, layout=model_parallel, seed=11,
+                                                    recompute="full", hyper_connections=2)
+    assert planned.streams == 2 and planned.plan == checked_plan
+    assert (planned.stages.parts.block_path, len(planned.stages.parts.blocks), planned.stages.ranges) == (
+        parts.block_path, len(parts.blocks), ranges)
+    on_layout = parallelize(_meta(make), plan, layout=model_parallel, seed=11, recompute="full",
+                            hyper_connections=2).eval()
     model = parallelize(_meta(make), plan, seed=11, recompute="full", hyper_connections=2).eval()
-    assert by_hand.recompute == model.recompute == settings.recompute
-    mine, theirs = by_hand.state_dict(), model.state_dict()
+    assert on_layout.recompute == model.recompute == settings.recompute
+    mine, theirs = on_layout.state_dict(), model.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     ids = torch.randint(0, 128, (2, 16))
-    torch.testing.assert_close(by_hand(input_ids=ids), model(input_ids=ids), rtol=0, atol=0)
+    torch.testing.assert_close(on_layout(input_ids=ids), model(input_ids=ids), rtol=0, atol=0)
 
 
 def test_record_module_init_keeps_arguments_and_restores_classes():
@@ -788,7 +792,7 @@ def test_a_plan_without_an_output_finds_the_head(name):
     from lm_models import DICT_PLAN, MODELS
 
     from lightning_mhc.any_model import record_module_init
-    from lightning_mhc.any_model.model import _default_output, _output_plan
+    from lightning_mhc.any_model.tensor_parallel import default_output, output_plan
     from lightning_mhc.any_model.pipeline import find_parts
     from lightning_mhc.any_model.families import resolve_plan
 
@@ -798,8 +802,8 @@ def test_a_plan_without_an_output_finds_the_head(name):
     plan = resolve_plan(DICT_PLAN if name != "gpt2" else {"transformer.wte": "vocab", "lm_head": "column"})
     parts = find_parts(model)
     assert parts.last[-1] != "lm_head"  # what the default took before: the final norm
-    assert _default_output(model, plan, parts, parts.last) == "lm_head"
-    assert _output_plan(model, plan, parts, tp=2, loss_parallel=True)[1]  # vocabulary-parallel logits
+    assert default_output(model, plan, parts, parts.last) == "lm_head"
+    assert output_plan(model, plan, parts, tp=2, loss_parallel=True)[1]  # vocabulary-parallel logits
 
 
 def _saved_tied_llama(directory: pathlib.Path, **config) -> pathlib.Path:

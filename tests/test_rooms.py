@@ -107,3 +107,37 @@ def test_distributed_imports_nothing_above_it_when_loaded():
     rooms = read_map()
     above = (set(rooms) - rooms["distributed"]["rooms"] - {"distributed"}) | set(GUARDED)
     assert not loaded & above, sorted(loaded & above)
+
+
+def read_passes() -> list[tuple[str, list[str], str]]:
+    """``[(pass, [function or Class.method], file)]`` from docs/rooms.md's table of ``parallelize``'s passes."""
+    text = (ROOT / "docs" / "rooms.md").read_text()
+    section = text[text.index("## Inside `any_model`: the passes of `parallelize`"):]
+    rows = re.findall(r"^\| ([^|`]+?) \| ((?:`[\w.]+`(?:, )?)+) \| `(\w+\.py)` \|$", section, re.M)
+    assert rows, "docs/rooms.md: no table of parallelize's passes"
+    return [(name, re.findall(r"`([\w.]+)`", functions), file) for name, functions, file in rows]
+
+
+def test_each_pass_of_parallelize_lives_in_its_dimensions_file_and_the_conductor_calls_it():
+    """Each function of a pass is defined in the file the map names, and ``model.py`` (the
+    conductor) calls it: a pass moved back into the conductor, or one the conductor no longer
+    runs, fails."""
+    folder = PACKAGE / "any_model"
+    conductor = ast.parse((folder / "model.py").read_text())
+    called = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+              for node in ast.walk(conductor) if isinstance(node, ast.Call)}
+    conductor_defs = {node.name for node in conductor.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    problems = []
+    for name, functions, file in read_passes():
+        tree = ast.parse((folder / file).read_text())
+        defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {f"{node.name}.{item.name}" for node in tree.body if isinstance(node, ast.ClassDef)
+                    for item in node.body if isinstance(item, ast.FunctionDef)}
+        for function in functions:
+            if function not in defined:
+                problems.append(f"{name}: {function} is not defined in any_model/{file}")
+            if function.rpartition(".")[2] not in called:
+                problems.append(f"{name}: the conductor (any_model/model.py) does not call {function}")
+            if function in conductor_defs:
+                problems.append(f"{name}: {function} is defined in the conductor, not in its pass's file")
+    assert not problems, "\n".join(problems)

@@ -14,10 +14,16 @@ blocks), without rewriting it on megatron layers, and mHC added to it.
   parts, CP, EP, the router's aux loss), chosen by ``model_type`` with ``plan="auto"``;
 - ``experts.py``: Hugging Face mixture-of-experts models (Mixtral, Qwen2/3-MoE, OLMoE) under
   expert parallelism: each EP rank's experts, the token exchange, their per-expert weights;
-- ``tensor_parallel.py``: the styles applied in place with megatron-core's TP mappings;
-- ``pipeline.py``: the block list, the stage split, stubs for parts on other stages;
-- ``model.py``: :func:`parallelize`, :class:`ParallelModel` (the pipeline contract), and
-  :func:`build_recorded_module` (the whole model in one process, same weights);
+- ``tensor_parallel.py``: the styles applied in place with megatron-core's TP mappings, the
+  logits layer, and the tensor-parallel pass that builds this rank's chunks; ``placement.py``:
+  the words TP, LoRA's adapters and the weights share (strided runs, a shard, ``Placement``);
+- ``pipeline.py``: the block list, the stage split, stubs for parts on other stages, the hooks
+  between stages;
+- ``model.py``: :func:`parallelize`, a conductor of passes, one per dimension, each in the file of
+  its dimension (``plan.py``, ``pipeline.py``, ``context_parallel.py``, ``experts.py``,
+  ``tensor_parallel.py``, ``hyper_connections.py``, ``recompute.py``, ``weights.py``), its checks
+  before launch (:func:`check_parallelize`), and :func:`build_recorded_module` (the whole model in
+  one process, same weights); ``parallel_model.py``: :class:`ParallelModel` (the pipeline contract);
 - ``weights.py``: pretrained safetensors read stage by stage and TP slice by slice;
 - ``hyper_connections.py``: mHC for any model: ``add_hyper_connections`` (``parallelize(...,
   hyper_connections=n)``) rewires each block's branches around the project's hyper-connection
@@ -35,8 +41,8 @@ from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionSettings, add_hyper_connections, hyper_connection_modules)
 from lightning_mhc.any_model.export import consolidated_state_dict, export_pretrained, load_checkpoint, load_pretrained
 from lightning_mhc.any_model.hc_files import save_hyper_connections
-from lightning_mhc.any_model.model import (
-    MaterializedReport, ParallelModel, build_recorded_module, check_parallelize, parallelize)
+from lightning_mhc.any_model.model import build_recorded_module, check_parallelize, parallelize
+from lightning_mhc.any_model.parallel_model import MaterializedReport, ParallelModel
 from lightning_mhc.any_model.plan import (
     GPT2, GPT_NEOX, LLAMA, OPT, PHI3, QWEN3, Column, Replicate, ReplicateOnSplit, Row, TPPlan, VocabEmbedding,
     check_plan)

@@ -34,7 +34,7 @@ from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model.plan import Column, Row, base_of, is_lora_layer
 from lightning_mhc.any_model.record import seeded
-from lightning_mhc.any_model.tensor_parallel import Placement, shard
+from lightning_mhc.any_model.placement import Placement, shard
 
 PLACEMENT_MARKS = ("tensor_model_parallel", "partial_over_tp", "sequence_parallel")
 """The attributes a parameter's gradient reduction reads (``distributed/grads.py``)."""

@@ -78,10 +78,17 @@ def split_over_context(model: nn.Module, layout: ParallelLayout) -> SequenceSpli
     cp = layout.context_parallel_size
     if cp == 1:
         return None
-    check_context_parallel_family(model)
+    check_context_parallel(model, layout)
     group = layout.cp_group
     model.set_attn_implementation(_register(group))
     return SequenceSplit(group, layout.context_parallel_rank, cp)
+
+
+def check_context_parallel(model: nn.Module, layout: ParallelLayout) -> None:
+    """The context-parallel pass's check (a layout built or not): under CP, ``model``'s family is
+    one whose attention CP splits exactly."""
+    if layout.context_parallel_size > 1:
+        check_context_parallel_family(model)
 
 
 def check_context_parallel_family(model: nn.Module) -> None:
@@ -160,4 +167,5 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
     return out.transpose(1, 2).contiguous(), None
 
 
-__all__ = ["SUPPORTED_FAMILIES", "SequenceSplit", "check_context_parallel_family", "split_over_context"]
+__all__ = ["SUPPORTED_FAMILIES", "SequenceSplit", "check_context_parallel", "check_context_parallel_family",
+           "split_over_context"]

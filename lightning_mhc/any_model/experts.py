@@ -21,7 +21,7 @@ conversions how they join, and ``weights.py`` reads each rank's experts only (:c
 Files that hold the fused tensors are read as a block of dim 0 per EP rank.
 
 The router's auxiliary loss (``output_router_logits``, ``router_aux_loss_coef``) is the model's own:
-:class:`~lightning_mhc.any_model.model.ParallelModel`'s loss adds it, its statistics combined over
+:class:`~lightning_mhc.any_model.parallel_model.ParallelModel`'s loss adds it, its statistics combined over
 layers, stages and the sequence's ranks (``router_loss.py``).
 """
 from __future__ import annotations

@@ -354,6 +354,33 @@ def add_hyper_connections(model: nn.Module, num_residual_streams: int | HyperCon
     return model
 
 
+def apply_hyper_connections(model: nn.Module, hyper_connections: int | HyperConnectionSettings | None,
+                            plan: str | HyperConnectionPlan | Mapping[str, Any], seed: int) -> int:
+    """The hyper-connection pass of ``parallelize``: ``hyper_connections`` added to the recorded
+    model before it is split (None: as the model is; a model ``add_hyper_connections`` rewired
+    already keeps its own). Returns the model's residual streams (1 without hyper-connections)."""
+    if hyper_connections is not None:
+        add_hyper_connections(model, HyperConnectionSettings.of(hyper_connections, seed), plan)
+    return hyper_connection_streams(model)
+
+
+def hyper_connection_streams(model: nn.Module) -> int:
+    """The residual streams of ``model``: ``n`` with hyper-connections, else 1."""
+    settings = getattr(model, "hyper_connection_settings", None)
+    return settings.num_residual_streams if settings is not None else 1
+
+
+def check_stream_count(hyper_connections: int | HyperConnectionSettings | None) -> None:
+    """``parallelize(hyper_connections=...)`` named as the caller wrote it (checked before anything
+    else, a layout included)."""
+    n = hyper_connections
+    if n is None or isinstance(n, HyperConnectionSettings):
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"parallelize(hyper_connections={n!r}): the number of residual streams, n >= 1 (1 or None: "
+                          "no hyper-connections); use a positive integer such as 4.")
+
+
 def _hidden_size(model: nn.Module, block: nn.Module, plan: HyperConnectionPlan) -> int:
     size = getattr(getattr(model, "config", None), "hidden_size", None)
     if isinstance(size, int):
@@ -518,3 +545,11 @@ def hyper_connection_blocks(model: nn.Module) -> list[nn.Module]:
 
 __all__ = ["Branch", "HyperConnectionPlan", "HyperConnectionSettings", "add_hyper_connections",
            "hyper_connection_blocks", "hyper_connection_modules"]
+
+
+def wire_sequence_parallel(block: nn.Module) -> None:
+    """A hyper-connected ``block`` run on this rank's part of the sequence (sequence parallelism):
+    its wiring says so (the tensor-parallel pass calls it on every block it splits so)."""
+    wiring = getattr(block, "hyper_connection_wiring", None)
+    if wiring is not None:
+        block.hyper_connection_wiring = dataclasses.replace(wiring, sequence_parallel=True)

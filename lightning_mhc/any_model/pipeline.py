@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
 
 
@@ -264,3 +265,157 @@ def _detach_dicts(module: nn.Module) -> None:
                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
         if attr in module.__dict__:
             module.__dict__[attr] = copy.copy(module.__dict__[attr])
+
+
+# ------------------------------------------------------------------ the pipeline pass
+@dataclass(frozen=True)
+class StagePlan:
+    """Where the stages fall, known before anything is built (``check_parallelize`` stops here):
+    the model's parts (None: no block list, the whole model is one stage) and each (virtual)
+    stage's ``[start, end)`` blocks (``[(0, 0)]`` without a block list)."""
+
+    parts: ModelParts | None
+    ranges: list[tuple[int, int]]
+
+
+@dataclass
+class StageSplit:
+    """The model cut into this rank's (virtual) stages: what crosses them, the tied tensors kept in
+    sync between the first and the last, and this rank's chunks (on the meta device until built)."""
+
+    plan: StagePlan
+    hidden_size: int
+    """What crosses the stages: the model's hidden size times its residual streams."""
+    tied_across_stages: list[int]
+    chunks: list[StageChunk]
+
+
+@dataclass
+class StageChunk:
+    """One of this rank's chunks: its module (on the meta device until built), its (virtual) stage,
+    the modules it builds (whole-model name, module, whether it is a block) and its blocks by index."""
+
+    module: nn.Module
+    stage: int
+    builds: list[tuple[str, nn.Module, bool]]
+    blocks: dict[int, nn.Module]
+
+
+
+def plan_stages(model: nn.Module, layout: ParallelLayout, blocks: str | None,
+                pipeline_split: list[int] | list[str] | None, after_blocks: tuple[str, ...], recompute_full: bool,
+                ) -> StagePlan:
+    """The pipeline pass's checks: the block list (``blocks``, or found) and the parts around it,
+    and each (virtual) stage's blocks. A block list is looked for even without a pipeline (full
+    recompute and sequence parallelism run on it), and a model without one is a single stage."""
+    stages = layout.num_virtual_stages
+    parts = model_parts(model, blocks, pipelined=stages > 1 or recompute_full or layout.sequence_parallel,
+                        after_blocks=after_blocks)
+    ranges = split_blocks(len(parts.blocks), stages, pipeline_split, parts.block_path) if parts else [(0, 0)]
+    return StagePlan(parts, ranges)
+
+
+def split_stages(model: nn.Module, plan: StagePlan, layout: ParallelLayout, hidden_size: int | None,
+                 streams: int) -> StageSplit:
+    """The pipeline pass: the block list cut into the (virtual) stages of ``plan``, and this rank's
+    chunks made of its stages' blocks and parts (on the meta device: the tensor-parallel pass
+    builds them). What needs the whole model is read first: the cut changes it (the first chunk
+    is the recorded model itself, holding only its blocks)."""
+    parts, ranges = plan.parts, plan.ranges
+    hidden = _hidden_size(model, parts, hidden_size) if parts else hidden_size or 0
+    last_stage = layout.num_virtual_stages - 1
+    across = _tied_across_stages(_tied_tensors(model), parts, ranges, last_stage) if parts else []
+    return StageSplit(plan, hidden * streams, across, _stage_chunks(model, parts, ranges, layout))  # n streams cross
+
+
+def model_parts(model: nn.Module, blocks: str | None, pipelined: bool, after_blocks: tuple[str, ...] = ()
+                 ) -> ModelParts | None:
+    """The block list and the parts around it; None when nothing needs them (no pipeline, no full
+    recompute, no ``blocks=`` given) and the model has no block list a pipeline could split."""
+    if pipelined or blocks is not None:
+        return find_parts(model, blocks, after_blocks)
+    try:
+        return find_parts(model, None, after_blocks)
+    except ConfigError:
+        return None
+
+
+def _hidden_size(model: nn.Module, parts: ModelParts, given: int | None) -> int:
+    if given is not None:
+        return given
+    size = getattr(getattr(model, "config", None), "hidden_size", None)
+    if isinstance(size, int):
+        return size
+    for name in parts.first:
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Embedding):
+            return module.embedding_dim
+    raise ConfigError(f"cannot tell the hidden size of {type(model).__name__} (what crosses pipeline stages): pass "
+                      "hidden_size= to parallelize().")
+
+
+def _tied_tensors(model: nn.Module) -> dict[int, list[str]]:
+    """``id(parameter) -> the names of the modules holding it``, for parameters held by several."""
+    holders: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(name.rpartition(".")[0])
+    return {key: names for key, names in holders.items() if len(names) > 1}
+
+
+def _tied_across_stages(ties: dict[int, list[str]], parts: ModelParts, ranges: list[tuple[int, int]],
+                        last_stage: int) -> list[int]:
+    """The tied parameters whose holders sit on different (virtual) stages: the first and the last
+    (a tied embedding and head), like megatron's embedding group; any other split is refused."""
+    def stage_of(module_name: str) -> int:
+        prefix = parts.block_path + "."
+        if module_name.startswith(prefix):
+            index = int(module_name[len(prefix):].split(".")[0])
+            return next(stage for stage, (start, end) in enumerate(ranges) if start <= index < end)
+        if any(module_name == p or module_name.startswith(p + ".") for p in parts.first):
+            return 0
+        return last_stage
+
+    across = []
+    for key, holders in ties.items():
+        stages = {stage_of(name) for name in holders}
+        if len(stages) == 1:
+            continue
+        if stages != {0, last_stage}:
+            raise ConfigError(f"{', '.join(holders)} share a parameter across pipeline stages {sorted(stages)}; only a "
+                              "tie between the first and the last stage (embedding and head) is kept in sync. Change "
+                              "pipeline_split so the holders share a stage.")
+        across.append(key)
+    return across
+
+
+def _stage_chunks(model: nn.Module, parts: ModelParts | None, ranges: list[tuple[int, int]],
+                  layout: ParallelLayout) -> list[StageChunk]:
+    """This rank's (virtual) stages of ``model``, each a chunk holding its blocks, the parts before
+    the blocks on the first stage (a ``FirstStageStub`` elsewhere), those after on the last (else
+    ``NotOnThisStage``), the parts every stage runs, and the list of what it must build. Without a
+    block list the whole model is the one chunk."""
+    if parts is None:  # TP and DP only, no block list to split
+        return [StageChunk(model, 0, [("", model, False)], {})]
+    block_list = model.get_submodule(parts.block_path)
+    virtual_stages = layout.local_virtual_stages()
+    skeletons = [model] + [chunk_skeleton(model, parts) for _ in virtual_stages[1:]]
+    part_modules = {name: model.get_submodule(name) for name in parts.first + parts.last + parts.everywhere}
+    last_stage = layout.num_virtual_stages - 1
+    chunks = []
+    for skeleton, stage in zip(skeletons, virtual_stages):
+        start, end = ranges[stage]
+        local = {i: parts.blocks[i] for i in range(start, end)}
+        set_submodule(skeleton, parts.block_path, stage_block_list(block_list, local))
+        cut_per_layer_config(skeleton, parts, start, end)
+        builds = []
+        for names, here, absent in ((parts.first, stage == 0, FirstStageStub),
+                                    (parts.last, stage == last_stage, lambda name, _: NotOnThisStage(name)),
+                                    (parts.everywhere, True, None)):
+            for name in names:
+                set_submodule(skeleton, name, part_modules[name] if here else absent(name, part_modules[name]))
+                if here:
+                    builds.append((name, part_modules[name], False))
+        builds += [(parts.block_name(index), block, True) for index, block in local.items()]
+        chunks.append(StageChunk(skeleton, stage, builds, local))
+    return chunks
+

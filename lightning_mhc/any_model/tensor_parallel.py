@@ -11,14 +11,18 @@ reshardable checkpoints read, as they do for the mHC GPT's megatron layers.
 Why megatron's mappings and attributes rather than DTensor: the rest of the runtime (the 1F1B
 schedule, DP reduction, clipping, checkpoints) speaks them, they run on gloo and NCCL alike, and
 the model's own modules keep running their own code on plain tensors.
+
+The tensor-parallel pass (:func:`apply_tensor_parallel`) builds this rank's chunks: each module
+materialised (its tensors drawn whole from the generator of its name), then cut by the plan.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import functools
 import types
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,30 +34,31 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.errors import ConfigError
 from lightning_mhc.layers.sequence_parallel import (
     all_gather_sequence,
+    mark_sequence_parallel_parameters,
     reduce_scatter_sequence,
     sequence_mapping,
     split_sequence,
 )
-from lightning_mhc.any_model.pipeline import replace_hidden_states
-from lightning_mhc.any_model.plan import Column, Replicate, ReplicateOnSplit, Row, Style, VocabEmbedding, linear_dims
+from lightning_mhc.any_model.adapters import fill_adapters, lora_layers, place_lora
+from lightning_mhc.any_model.pipeline import ModelParts, replace_hidden_states
+from lightning_mhc.any_model.placement import Placement, shard
+from lightning_mhc.any_model.plan import (
+    Column, Replicate, ReplicateOnSplit, Row, Style, TPPlan, VocabEmbedding, base_of, linear_dims)
 from lightning_mhc.recompute.rng import rng_fork
+from lightning_mhc.distributed.grads import mark_replicated
+from lightning_mhc.any_model.experts import shard_experts
+from lightning_mhc.any_model.hyper_connections import wire_sequence_parallel
+
+if TYPE_CHECKING:
+    from lightning_mhc.any_model.pipeline import StageChunk
+    from lightning_mhc.any_model.record import Materializer
 
 
-def strided_runs(size: int, stride: int, tp: int, rank: int) -> list[tuple[int, int, int]]:
-    """Megatron's strided split of a dimension of ``size``: it is ``stride`` equal parts, and
-    this rank's slice is its piece of each part, concatenated. Per part, ``(start in the slice,
-    start in the whole, length)``."""
-    part = size // stride
-    share = part // tp
-    return [(j * share, j * part + rank * share, share) for j in range(stride)]
 
 
-def shard(tensor: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> torch.Tensor:
-    """This rank's slice of ``tensor`` along ``dim`` (:func:`strided_runs`)."""
-    runs = strided_runs(tensor.shape[dim], stride, tp, rank)
-    return torch.cat([tensor.narrow(dim, start, length) for _, start, length in runs], dim).contiguous()
 
 
 def _sharded_parameter(param: torch.Tensor, dim: int, stride: int, layout: ParallelLayout) -> nn.Parameter:
@@ -121,20 +126,6 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
         module.tensor_parallel_placement = Placement(style, sequence_parallel, reduce=reduce)
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """How :func:`apply_style` split a linear layer, kept on it (``tensor_parallel_placement``)
-    for what runs beside it on the same input, as a LoRA adapter does (``adapters.py``):
-    ``input_map``, what a column layer does to its input first (the copy into the TP region, or
-    the sequence's all-gather; None: nothing); ``output_map``, to its output (the all-gather of a
-    gathered output); ``reduce``, how a row layer sums its partial products over TP (all-reduce,
-    or reduce-scatter of the sequence)."""
-
-    style: Style
-    sequence_parallel: bool
-    input_map: Callable[[torch.Tensor], torch.Tensor] | None = None
-    output_map: Callable[[torch.Tensor], torch.Tensor] | None = None
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -270,3 +261,152 @@ def random_region(module: nn.Module, region: str) -> None:
             return forward(*args, **kwargs)
 
     module.forward = forward_in_region
+
+
+# ------------------------------------------------------------------ the logits layer
+def output_plan(model: nn.Module, plan: TPPlan, parts: ModelParts | None, tp: int,
+                 loss_parallel: bool) -> tuple[TPPlan, bool]:
+    """The plan, with the output layer gathering its logits where the plan splits them over the
+    vocabulary but ``loss_parallel`` is off; and whether the logits stay split (vocab-parallel loss)."""
+    last_parts = parts.last if parts else [n for n, c in model.named_children() if any(True for _ in c.parameters())]
+    output_name = _output_layer(model, plan, plan.output or default_output(model, plan, parts, last_parts))
+    output_style = plan.style_of(output_name) if output_name else None
+    split_logits = tp > 1 and isinstance(output_style, Column) and not output_style.gather_output
+    vocab_parallel = loss_parallel and split_logits
+    if split_logits and not loss_parallel:  # gather the logits: the output layer's style first (first match wins)
+        if output_style.stride > 1:
+            raise ConfigError(f"loss_parallel=False gathers {output_name}'s output, which is split with stride "
+                              f"{output_style.stride} (its parts would come out of order): keep loss_parallel=True.")
+        layers = {output_name: Column(1, True), **{k: v for k, v in plan.layers.items() if k != output_name}}
+        plan = dataclasses.replace(plan, layers=layers)
+    return plan, vocab_parallel
+
+
+def _output_layer(model: nn.Module, plan: TPPlan, name: str | None) -> str | None:
+    """The layer that produces the logits: ``name``, or the last layer inside it the plan styles
+    (a head that is a container, e.g. ``Sequential(norm, Linear)``)."""
+    if name is None:
+        return None
+    styled = [n for n, _ in model.get_submodule(name).named_modules(prefix=name) if plan.style_of(n) is not None]
+    return styled[-1] if styled else name
+
+
+def default_output(model: nn.Module, plan: TPPlan, parts: ModelParts | None, last_parts: list[str]) -> str | None:
+    """The logits layer of a plan that names none (``TPPlan.output``): among the linear layers
+    after the block list, the one whose weight is tied to a tensor before it (a tied head: the
+    parts after the blocks are listed outermost container first, so the last of them is often
+    the final norm); else the one the plan splits as a column; else the only one; else the last
+    part after the blocks."""
+    if parts is None:
+        return last_parts[-1] if last_parts else None
+    linears = [name for part in last_parts for name, module in model.get_submodule(part).named_modules(prefix=part)
+               if linear_dims(module) is not None]
+    before = {id(p) for part in parts.first for p in model.get_submodule(part).parameters()}
+    tied = [n for n in linears if id(getattr(model.get_submodule(n), "weight", None)) in before]
+    columns = [n for n in linears if isinstance(plan.style_of(n), Column)]
+    for found in (tied, columns, linears):
+        if len(found) == 1:
+            return found[0]
+    return last_parts[-1] if last_parts else None
+
+
+# ------------------------------------------------------------------ the tensor-parallel pass
+def apply_tensor_parallel(chunks: list[StageChunk], materializer: Materializer, plan: TPPlan,
+                          layout: ParallelLayout, root: nn.Module) -> None:
+    """The tensor-parallel pass: every module of this rank's chunks materialised and cut by the
+    plan (TP styles, divided attributes, random regions; each tensor drawn whole from the
+    generator of its name, then cut to this rank's slice). Under sequence parallelism the blocks
+    run on this rank's part of the sequence: it is scattered before the first stage's first block
+    and gathered after the last stage's last (the embeddings, masks and positions before, and the
+    final norm and head after, see the whole sequence)."""
+    build = _module_builder(materializer, plan, layout, root)
+    for chunk in chunks:
+        for name, module, block in chunk.builds:
+            build(name, module, block)
+    if not (layout.sequence_parallel and layout.tensor_model_parallel_size > 1):
+        return
+    last_stage = layout.num_virtual_stages - 1
+    for chunk in chunks:
+        if chunk.blocks and chunk.stage == 0:
+            chunk.blocks[min(chunk.blocks)].register_forward_pre_hook(_scatter_hidden, with_kwargs=True)
+        if chunk.blocks and chunk.stage == last_stage:
+            chunk.blocks[max(chunk.blocks)].register_forward_hook(_gather_hidden)
+
+
+def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout,
+                    root: nn.Module | None = None) -> Callable[..., nn.Module]:
+    """``build(name, module, block=False)``: materialise ``module`` under its whole-model ``name``
+    and apply the plan to it and its submodules (TP styles, divided attributes, random regions);
+    a module met again (shared by several parts) is returned as it is. Under
+    sequence parallelism a block runs on this rank's part of the sequence: its linears gather and
+    reduce-scatter it, every dropout in it draws this rank's own mask, and its TP-replicated
+    parameters (norms, biases after a row layer, hyper-connections) get partial gradients, summed
+    over TP by the runtime (megatron's ``sequence_parallel`` mark). PEFT's LoRA layers (injected
+    into the recorded model) get their adapters drawn by name, their base split by the plan and
+    their adapters placed with it (``adapters.py``); every parameter built here is marked as
+    placed (``mark_replicated``)."""
+    tp = layout.tensor_model_parallel_size
+    def replace(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        key = materializer.meta_id(old)
+        if key is not None:
+            materializer.replace(key, new)
+        return new
+
+    built: set[int] = set()
+
+    def build(name: str, module: nn.Module, block: bool = False) -> nn.Module:
+        if id(module) in built:
+            return module
+        built.add(id(module))
+        fill_adapters(module, name, materializer.seed, root if root is not None else module)
+        materializer.materialize(name, module)
+        split_sequence = block and layout.sequence_parallel and tp > 1
+        regions = _gathering_regions(module, name, plan) if split_sequence else {}
+        for sub_name, sub in module.named_modules(prefix=name):
+            style = plan.style_of(sub_name)
+            if style is not None:  # (a LoRA layer's base: its adapters are placed below)
+                apply_style(base_of(sub), style, layout, replace, sequence_parallel=split_sequence,
+                            gathered=sub_name.rpartition(".")[0] in regions)
+            for pattern, attrs in plan.divide.items():
+                if fnmatch.fnmatchcase(sub_name, pattern):
+                    divide_attributes(sub, attrs, tp)
+            for pattern, region in plan.random.items():
+                if fnmatch.fnmatchcase(sub_name, pattern) and not split_sequence:  # (all of the block is, below)
+                    random_region(sub, region)
+        for layer_name, layer in lora_layers(module, name):
+            place_lora(layer_name, layer, layout, root if root is not None else module)
+        shard_experts(module, layout)  # this EP rank's experts (nothing without EP)
+        if split_sequence:
+            for region in regions.values():
+                gather_sequence_into(region)
+            mark_sequence_parallel_parameters(module)
+            random_region(module, "parallel")
+            wire_sequence_parallel(module)  # its hyper-connections on this rank's part of the sequence
+        mark_replicated(module)  # the rest is whole on every TP rank
+        return module
+
+    return build
+
+
+def _gathering_regions(block: nn.Module, name: str, plan: TPPlan) -> dict[str, nn.Module]:
+    """Under sequence parallelism, the modules of ``block`` that gather the sequence for their
+    column layers: the parent of each column layer (its attention, its MLP), unless that parent
+    is the block itself (OPT's ``fc1``, which then gathers its own input)."""
+    regions = {}
+    for sub_name, sub in block.named_modules(prefix=name):
+        parent = sub_name.rpartition(".")[0]
+        if isinstance(plan.style_of(sub_name), Column) and parent != name:
+            regions[parent] = block.get_submodule(parent[len(name) + 1:])
+    return regions
+
+
+def _scatter_hidden(module: nn.Module, args: tuple, kwargs: dict):
+    return replace_hidden_states(module, args, kwargs, scatter_sequence,
+                                 "sequence parallelism cannot split its sequence")
+
+
+def _gather_hidden(module: nn.Module, args: tuple, output: Any):
+    if isinstance(output, torch.Tensor):
+        return gather_replicated_sequence(output)
+    return (gather_replicated_sequence(output[0]), *output[1:])
+

@@ -29,7 +29,7 @@ from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model.experts import PerExpertFiles, conversion_mapping, merged_experts, per_expert_files
 from lightning_mhc.any_model.hc_plan import drawn_from_seed
-from lightning_mhc.any_model.tensor_parallel import strided_runs
+from lightning_mhc.any_model.placement import strided_runs
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -51,7 +51,7 @@ from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.strategies.processes import StrategyProcesses
 from lightning_mhc.strategies.runtime import refuse_gradient_scaler, sync_replicas, unwrap_optimizer
-from lightning_mhc.any_model.model import ParallelModel
+from lightning_mhc.any_model.parallel_model import ParallelModel
 from lightning_mhc.strategies.settings import ParallelSettings
 
 

@@ -28,8 +28,10 @@ from lightning_mhc.errors import ConfigError, Label
 from lightning_mhc.lightning.modules.base import PipelinedLMModule
 from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.any_model.hyper_connections import hyper_connection_blocks
-from lightning_mhc.any_model.model import (
-    ParallelModel, check_recompute, parallelize, refuse_hf_gradient_checkpointing)
+from lightning_mhc.any_model.model import parallelize
+from lightning_mhc.any_model.parallel_model import ParallelModel
+from lightning_mhc.any_model.record import refuse_hf_gradient_checkpointing
+from lightning_mhc.any_model.recompute import check_recompute
 from lightning_mhc.recompute.policy import RecomputePolicy
 
 
