@@ -29,8 +29,9 @@ from lightning_mhc.lightning.modules.base import PipelinedLMModule
 from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.any_model.hyper_connections import hyper_connection_blocks
 from lightning_mhc.any_model.model import (
-    ParallelModel, check_recompute, parallelize, refuse_hf_gradient_checkpointing)
+    ParallelModel, check_recompute, parallelize)
 from lightning_mhc.recompute.policy import RecomputePolicy
+from lightning_mhc.recompute.rng import replay_tracked_rng_in_hf_checkpointing
 
 
 _CALLBACK_LABELS = {"policy": Label("MHCRecomputeCallback", lambda policy: f"MHCRecomputeCallback({policy!r})")}
@@ -141,9 +142,9 @@ class ParallelLMModule(PipelinedLMModule):
         against the whole model (about 1/(TP*PP))."""
         super().on_fit_start()
         self._check_built_policy()
-        # on every rank before any step: gradient_checkpointing_enable() after self.parallelize(...)
+        # gradient_checkpointing_enable() after self.parallelize(...): its recomputes replay the randomizer
         for chunk in self._parallel_model().chunks:
-            refuse_hf_gradient_checkpointing(chunk)
+            replay_tracked_rng_in_hf_checkpointing(chunk)
         layout = getattr(self.trainer.strategy, "layout", None)
         where = (f" (tp {layout.tensor_model_parallel_rank}, pp {layout.pipeline_model_parallel_rank}, "
                  f"dp {layout.data_parallel_rank})" if layout is not None else "")
