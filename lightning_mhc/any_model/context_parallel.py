@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_mhc.distributed.context_parallel import context_parallel_attention
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.process_state import current_process_state
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model.families import FAMILIES, NOT_CHECKED_UNDER_CP, context_parallel_families
 from lightning_mhc.layers import sequence
@@ -125,9 +126,15 @@ def _register(group) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    # re-registered each time: a rebuilt layout's group of the same ranks replaces the old one
-    AttentionInterface.register(name, functools.partial(_attention, group=group))
-    AttentionMaskInterface.register(name, _padding_mask)
+    # re-registered each time: a rebuilt layout's group of the same ranks replaces the old one; the
+    # run holding the process takes them out again at its teardown
+    state = current_process_state()
+    for registry, function in ((AttentionInterface, functools.partial(_attention, group=group)),
+                               (AttentionMaskInterface, _padding_mask)):
+        if state is None:
+            registry.register(name, function)
+        else:
+            state.register(registry._global_mapping, name, function)
     return name
 
 
