@@ -3,7 +3,8 @@
 - Under the strategy's randomizer, a hyper-connected model with dropout under Hugging Face's
   gradient checkpointing (reentrant and not, turned on before the run or during it): every gradient is the unchecked run's, bit for bit
   (through Fabric, one process). torch's checkpoint restores only its own generators; unwrapped,
-  the re-run drew other masks from the randomizer's streams.
+  the re-run drew other masks from the randomizer's streams. The same for a user's
+  ``torch.utils.checkpoint`` of dropouts drawn from the streams, reentrant and not.
 - Two runs in one process group (2 ranks): ``Trainer.fit`` with context parallelism, then another
   layout without it, then a Fabric run on TP 2: the process is left as it was before them
   (transformers' attention and mask registries, torch's and transformers' checkpoint functions,
@@ -17,6 +18,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -26,10 +28,52 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
 from lm_models import SEQ, VOCAB, llama, opt  # noqa: E402
 
 from lightning_mhc import add_hyper_connections  # noqa: E402
+from lightning_mhc.recompute.rng import get_all_rng_states, rng_fork, set_all_rng_states  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 
 STREAMS = 4
 TOKENS = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _dropouts(x: torch.Tensor) -> torch.Tensor:
+    """Dropout drawn from the randomizer's streams, as a split model's: a replicated region's inside
+    a TP-split one's, then the TP-split one's again."""
+    with rng_fork():
+        x = F.dropout(x * 2, p=0.1)
+        with rng_fork("tensor"):
+            x = F.dropout(x.sin(), p=0.1)
+        return F.dropout(x, p=0.1)
+
+
+def _torch_checkpoint_cases() -> dict[str, bool]:
+    """A user's ``torch.utils.checkpoint.checkpoint`` (looked up at call time) of :func:`_dropouts`,
+    reentrant and not, in a Fabric run: True where the gradient is the unchecked one's bit for bit."""
+    from lightning.fabric import Fabric
+
+    from lightning_mhc.fabric import MHCParallelStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=MHCParallelStrategy())
+    fabric.launch()
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    states = get_all_rng_states()
+    out = {}
+    try:
+        for reentrant in (False, True):
+            grads = []
+            for checkpointed in (False, True):
+                set_all_rng_states(states)
+                x.grad = None
+                y = x
+                for _ in range(3):  # the streams move on between checkpoints, as over a model's blocks
+                    y = torch.utils.checkpoint.checkpoint(_dropouts, y, use_reentrant=reentrant) if checkpointed \
+                        else _dropouts(y)
+                y.square().sum().backward()
+                grads.append(x.grad.clone())
+            assert grads[0].count_nonzero() > grads[0].numel() // 4  # about 0.9 ** 9 of them kept through 9 dropouts
+            out[f"torch_checkpoint:{'reentrant' if reentrant else 'non_reentrant'}"] = torch.equal(*grads)
+    finally:
+        fabric.strategy.teardown()
+    return out
 
 
 def _grads(model: nn.Module, backward) -> dict[str, torch.Tensor]:
@@ -76,6 +120,7 @@ def _checkpointing_cases() -> dict[str, bool]:
             got = _fabric_grads(make, way)
             out[f"{name}:{way}"] = got.keys() == expected.keys() and all(
                 torch.equal(got[k], g) for k, g in expected.items())
+    out.update(_torch_checkpoint_cases())
     return out
 
 
