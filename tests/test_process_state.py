@@ -168,6 +168,7 @@ def _two_fits(rank: int, world: int) -> dict:
 
     from lightning_mhc import MHCParallelStrategy, ParallelLMModule, parallelize, record_module_init
     from lightning_mhc.data.sources import SyntheticTokens
+    from lightning_mhc.distributed.process_state import ProcessState
     from lightning_mhc.fabric import MHCParallelStrategy as FabricStrategy
 
     class LM(ParallelLMModule):
@@ -186,9 +187,18 @@ def _two_fits(rank: int, world: int) -> dict:
         trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=MHCParallelStrategy(**sizes), max_steps=2,
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False)
-        trainer.fit(LM(), train_dataloaders=DataLoader(SyntheticTokens(8, SEQ, vocab_size=VOCAB), batch_size=2))
+        module = LM()
+        trainer.fit(module, train_dataloaders=DataLoader(SyntheticTokens(8, SEQ, vocab_size=VOCAB), batch_size=2))
         assert trainer.global_step == 2
         out[name] = [d for d in _differences(before, _process_state()) if d != "groups"]  # the Trainer keeps them
+        if name == "cp2":  # the split model goes on in a later run: its forward registers CP attention again
+            later = ProcessState()
+            later.enter()
+            try:
+                with torch.no_grad():
+                    out["cp2_later_forward"] = list(module.model.eval()(input_ids=TOKENS).shape)
+            finally:
+                later.release()
     fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(tensor_model_parallel_size=2))
     fabric.launch()
     assert _differences(before, _process_state())  # the run holds the process
@@ -199,6 +209,7 @@ def _two_fits(rank: int, world: int) -> dict:
 
 def test_two_fits_leave_the_process_as_they_found_it():
     """CP 2, then DP 2, then Fabric on TP 2, in one group of 2 processes: each rank, after each run,
-    finds nothing changed (see the module docstring for what is compared)."""
+    finds nothing changed (see the module docstring for what is compared); the CP-split model's
+    forward in a later run registers its attention again (its run's teardown took it out)."""
     for rank, found in enumerate(spawn_ranks(_two_fits, 2, timeout_s=300, init_group=False)):
-        assert found == {"cp2": [], "dp2": [], "fabric": []}, (rank, found)
+        assert found == {"cp2": [], "cp2_later_forward": [2, SEQ // 2, VOCAB], "dp2": [], "fabric": []}, (rank, found)

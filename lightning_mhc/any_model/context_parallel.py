@@ -63,6 +63,7 @@ class SequenceSplit(sequence.SequenceSplit):
             raise ConfigError("position_ids given to a model split over context parallelism: its positions are the "
                               "chunks' global ones, made here (packed sequences are not split over CP); leave "
                               "position_ids out of the batch.")
+        _register(self.group, unless_registered=True)  # taken out by a run's teardown: a later run's forward
         split = self.shard_batch(inputs, SPLIT_INPUTS)
         whole = next(inputs[key] for key in SPLIT_INPUTS if inputs.get(key) is not None)
         batch, seq_len = whole.shape[:2]
@@ -118,13 +119,18 @@ def _inexact_attention(config: Any) -> str | None:
     return None
 
 
-def _register(group) -> str:
+def _register(group, unless_registered: bool = False) -> str:
     """The registry name of CP attention over ``group`` (registered once per group's ranks: the
-    name is global to transformers, a model reads it from its config)."""
+    name is global to transformers, a model reads it from its config). ``unless_registered``: left
+    as it is when the name is registered already (each forward checks: the teardown of the run
+    that registered it took it out, and the split model may go on in the next run)."""
     ranks = dist.get_process_group_ranks(group)
     name = f"{_NAME_PREFIX}_{'_'.join(map(str, ranks))}"
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+
+    if unless_registered and name in AttentionInterface._global_mapping:
+        return name
 
     # re-registered each time: a rebuilt layout's group of the same ranks replaces the old one; the
     # run holding the process takes them out again at its teardown
