@@ -76,14 +76,11 @@ def test_gradient_checkpointing_gives_every_gradient_of_the_unchecked_run(family
 
 @pytest.mark.parametrize("make", [llama, opt], ids=["llama", "opt"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_gradient_checkpointing_with_dropout_is_bit_exact(make, reentrant, no_model_parallel):
+def test_gradient_checkpointing_with_dropout_is_bit_exact(make, reentrant):
     """With dropout (Llama's in its attention; OPT's after each branch, drawn in the
     hyper-connections' own bias-dropout-add): the re-run block draws the same masks, so every
-    gradient equals the unchecked run's bit for bit.
-
-    In a process without a parallel randomizer (``no_model_parallel``): an earlier in-process fit
-    leaves its randomizer installed, whose streams ``torch.utils.checkpoint`` does not restore, and
-    OPT's re-run then drew other masks (test_cli_hf before this file on one worker)."""
+    gradient equals the unchecked run's bit for bit. Here in a plain process (a run's randomizer is
+    gone after its teardown); under the strategy's randomizer: test_process_state."""
     torch.manual_seed(1)
     model = add_hyper_connections(make(dropout=0.1), STREAMS, init_gating_factor=0.5, implementation="reference")
 

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_mhc.distributed.context_parallel import context_parallel_attention
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.process_state import current_process_state
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model.families import FAMILIES, NOT_CHECKED_UNDER_CP, context_parallel_families
 from lightning_mhc.layers import sequence
@@ -62,6 +63,7 @@ class SequenceSplit(sequence.SequenceSplit):
             raise ConfigError("position_ids given to a model split over context parallelism: its positions are the "
                               "chunks' global ones, made here (packed sequences are not split over CP); leave "
                               "position_ids out of the batch.")
+        _register(self.group, unless_registered=True)  # taken out by a run's teardown: a later run's forward
         split = self.shard_batch(inputs, SPLIT_INPUTS)
         whole = next(inputs[key] for key in SPLIT_INPUTS if inputs.get(key) is not None)
         batch, seq_len = whole.shape[:2]
@@ -124,17 +126,28 @@ def _inexact_attention(config: Any) -> str | None:
     return None
 
 
-def _register(group) -> str:
+def _register(group, unless_registered: bool = False) -> str:
     """The registry name of CP attention over ``group`` (registered once per group's ranks: the
-    name is global to transformers, a model reads it from its config)."""
+    name is global to transformers, a model reads it from its config). ``unless_registered``: left
+    as it is when the name is registered already (each forward checks: the teardown of the run
+    that registered it took it out, and the split model may go on in the next run)."""
     ranks = dist.get_process_group_ranks(group)
     name = f"{_NAME_PREFIX}_{'_'.join(map(str, ranks))}"
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    # re-registered each time: a rebuilt layout's group of the same ranks replaces the old one
-    AttentionInterface.register(name, functools.partial(_attention, group=group))
-    AttentionMaskInterface.register(name, _padding_mask)
+    if unless_registered and name in AttentionInterface._global_mapping:
+        return name
+
+    # re-registered each time: a rebuilt layout's group of the same ranks replaces the old one; the
+    # run holding the process takes them out again at its teardown
+    state = current_process_state()
+    for registry, function in ((AttentionInterface, functools.partial(_attention, group=group)),
+                               (AttentionMaskInterface, _padding_mask)):
+        if state is None:
+            registry.register(name, function)
+        else:
+            state.register(registry._global_mapping, name, function)
     return name
 
 

@@ -20,11 +20,10 @@ from lightning_mhc.any_model.adapters import place_injected_adapters
 from lightning_mhc.any_model.context_parallel import SequenceSplit
 from lightning_mhc.any_model.families import family_of
 from lightning_mhc.any_model.pipeline import FirstStageStub, replace_hidden_states
-from lightning_mhc.any_model.record import refuse_hf_gradient_checkpointing
 from lightning_mhc.any_model.router_loss import RouterLoss, router_loss_for
 from lightning_mhc.layers.loss import token_mean_loss
 from lightning_mhc.recompute.policy import RecomputePolicy
-from lightning_mhc.recompute.rng import rng_fork
+from lightning_mhc.recompute.rng import replay_tracked_rng_in_hf_checkpointing, rng_fork
 
 if TYPE_CHECKING:
     from lightning_mhc.any_model.pipeline import StageSplit
@@ -103,8 +102,8 @@ class ParallelModel(nn.Module):
     def forward_step(self, inputs: Mapping[str, Any], chunk: int = 0) -> Tensor:
         """The stage's part of the model's forward on ``inputs`` (the model's keyword arguments):
         the activations for the next stage, or the logits on the last."""
-        if self.training and torch.is_grad_enabled():  # turned on after parallelize (Fabric, a plain loop)
-            refuse_hf_gradient_checkpointing(self.chunks[chunk])
+        if self.training and torch.is_grad_enabled():  # HF checkpointing may be turned on at any time
+            replay_tracked_rng_in_hf_checkpointing(self.chunks[chunk])
         if self.sequence_split is not None:
             inputs = self.sequence_split.split_inputs(inputs)
         self._running, self._blocks_ran = chunk, False

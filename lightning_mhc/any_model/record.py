@@ -121,34 +121,10 @@ def is_meta(module: nn.Module) -> bool:
 
 
 def check_recorded(model: nn.Module) -> None:
-    """A model ``parallelize`` can take: recorded on the meta device, without Hugging Face's own
-    gradient checkpointing."""
+    """A model ``parallelize`` can take: recorded on the meta device."""
     if not is_meta(model):
         raise ConfigError(f"parallelize() takes a model built on the meta device with its constructor arguments "
                           f"recorded: construct {type(model).__name__} inside `with record_module_init():`.")
-    refuse_hf_gradient_checkpointing(model)
-
-
-def refuse_hf_gradient_checkpointing(model: nn.Module) -> None:
-    """Hugging Face's gradient checkpointing (``gradient_checkpointing_enable()``) refused on a model
-    split by ``parallelize``: its re-run of a block restores torch's generator but not the
-    randomizer's per-region streams (``recompute/rng.py``), which the forward's dropout drew from
-    and which moved on since, so the recomputed masks differ from the forward's and the gradients
-    are silently wrong (measured on one process, tiny Llama with 4 streams and dropout 0.1: the
-    first step's gradients off by up to 0.075; the second step's loss off by 1.2e-3, its masks
-    moved too). Without dropout it was exact (the same Llama on TP 2 x PP 2: losses within 1e-6 of
-    one process; transformers checkpoints the block's ``forward``, so the pipeline's module hooks
-    stay outside), but a model's dropout can sit anywhere, so it is refused whole.
-    ``recompute="full"`` saves the same memory and restores every stream. Checked when the model
-    is split and again before training (it may be turned on after)."""
-    on = next((m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True), None)
-    if on is not None:
-        raise ConfigError(
-            f"{type(on).__name__} has Hugging Face gradient checkpointing on (gradient_checkpointing_enable() or "
-            "activation_checkpointing_enable()), which "
-            "re-runs its blocks without the strategy's dropout streams, so a split model's gradients would differ "
-            "from the forward's; call gradient_checkpointing_disable() and use recompute=\"full\" "
-            "(MHCRecomputeCallback(\"full\") or parallelize(recompute=\"full\")) for the same memory saving, exactly.")
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 
 from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.checkpoint.format import PARAM_GROUPS
+from lightning_mhc.recompute.rng import replay_tracked_rng_in_hf_checkpointing
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.distributed.grads import clip_grad_norm_
 from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
@@ -125,16 +126,19 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         self._start_processes()
 
     def teardown(self) -> None:
-        """Remove the gradient hooks, destroy megatron's groups and the parallel randomizer (call it
-        before making another Fabric in the same processes; the default process group stays)."""
+        """Remove the gradient hooks, destroy megatron's groups and the parallel randomizer, and put
+        back what the run changed in the process (``runtime.process_state``; call it before making
+        another Fabric in the same processes; the default process group stays)."""
         self.runtime.remove_gradient_hooks()
         self._modules.clear()
         super().teardown()
         self.runtime.stop()
+        self.runtime.process_state.release()
 
     # ---------------------------------------------------------- modules
     def setup_module(self, module: Module) -> Module:
         self.runtime.check_module(module)
+        replay_tracked_rng_in_hf_checkpointing(module)  # Hugging Face checkpointing turned on before the run
         if callable(getattr(module, "configure_model", None)):
             if hasattr(module, "handed_layout"):  # our modules: Fabric attaches itself only after this
                 module.handed_layout = self.layout

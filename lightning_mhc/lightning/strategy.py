@@ -48,6 +48,7 @@ from lightning_mhc.errors import ConfigError
 from lightning_mhc.data.resumable_loader import ResumableLoader
 from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
 from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
+from lightning_mhc.recompute.rng import replay_tracked_rng_in_hf_checkpointing
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
 from lightning_mhc.strategies.processes import StrategyProcesses
 from lightning_mhc.strategies.runtime import refuse_gradient_scaler, sync_replicas, unwrap_optimizer
@@ -132,6 +133,7 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        replay_tracked_rng_in_hf_checkpointing(self.lightning_module)  # Hugging Face checkpointing on already
         pipelined = is_pipeline_module(self.lightning_module)
         if not pipelined:
             sync_replicas(self.model)
@@ -305,9 +307,12 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
         """The end of ``fit`` / ``validate`` / ``test`` / ``predict``: the gradient hooks go; the
         process groups stay (as Lightning's DDP leaves its group), so that ``trainer.save_checkpoint``
         and the next entry point of this Trainer run on them. They go at exit, or when another
-        layout is built."""
+        layout is built. What else the run changed in the process (the RNG and the randomizer,
+        transformers' registries, the patched checkpoint functions) is put back
+        (``runtime.process_state``)."""
         self.runtime.remove_gradient_hooks()
         super().teardown()
+        self.runtime.process_state.release()
         if self.preemption.signum is not None and self.launcher is not None:
             self.preemption.wait_for(getattr(self.launcher, "procs", []))  # like torchrun: the launcher goes last
         self.preemption.cancel()  # stopped cleanly: nothing left for the watchdog

@@ -20,6 +20,7 @@ taken (``active_fork``).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -262,3 +263,44 @@ def restored_tracked_rng_states(states: dict[str, Any]) -> Iterator[None]:
             yield
     finally:
         set_tracked_rng_states(current)
+
+
+def replaying_tracked_rng(checkpoint_fn: Callable) -> Callable:
+    """``checkpoint_fn`` (``torch.utils.checkpoint.checkpoint``'s signature, either mode, or a
+    ``functools.partial`` of it, as Hugging Face's ``_gradient_checkpointing_func``) made to re-run
+    its function with the tracked RNG states it had when first run: torch's checkpoint restores
+    only the CPU/CUDA generators, so without this a recompute's dropout drew from the parallel
+    randomizer's streams as they had moved on since the forward, other masks, and the gradients
+    were silently wrong. The first call of the function is the forward (reentrant or not); every
+    later call is a recompute. Wrapping a wrapped function returns it unchanged."""
+    if getattr(checkpoint_fn, "replays_tracked_rng", False):
+        return checkpoint_fn
+
+    @functools.wraps(checkpoint_fn)
+    def checkpoint(function: Callable, *args: Any, **kwargs: Any):
+        states = get_tracked_rng_states()
+        calls = 0
+
+        def run(*inner_args: Any, **inner_kwargs: Any):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return function(*inner_args, **inner_kwargs)
+            with restored_tracked_rng_states(states):
+                return function(*inner_args, **inner_kwargs)
+
+        return checkpoint_fn(run, *args, **kwargs)
+
+    checkpoint.replays_tracked_rng = True
+    return checkpoint
+
+
+def replay_tracked_rng_in_hf_checkpointing(model: Any) -> None:
+    """Every Hugging Face checkpointing function set on ``model``'s modules
+    (``gradient_checkpointing_enable()`` sets ``_gradient_checkpointing_func`` on each) wrapped by
+    :func:`replaying_tracked_rng`, so their recomputes draw the forward's dropout masks. Run again
+    whenever it may have been turned on since (a wrapped one stays as it is)."""
+    for module in model.modules():
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if func is not None:
+            module._gradient_checkpointing_func = replaying_tracked_rng(func)

@@ -13,7 +13,6 @@ Arguments may be nested tuples/lists (``x_with_bias``) and non-tensors
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
@@ -25,8 +24,7 @@ from lightning_mhc.recompute.rng import (
     active_fork,
     fork_rng,
     get_all_rng_states,
-    get_tracked_rng_states,
-    restored_tracked_rng_states,
+    replaying_tracked_rng,
     set_all_rng_states,
 )
 
@@ -193,9 +191,7 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any):
     """``torch.utils.checkpoint`` (non-reentrant) that also restores the parallel randomizer
     and registered RNG sources when it recomputes (inside the fork that was open in the forward);
     torch restores the CPU/CUDA generators."""
-    states = get_tracked_rng_states()
+    return _REPLAYING_CHECKPOINT(function, *args, use_reentrant=False, **kwargs)
 
-    def context_fn():
-        return contextlib.nullcontext(), restored_tracked_rng_states(states)
 
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+_REPLAYING_CHECKPOINT = replaying_tracked_rng(torch.utils.checkpoint.checkpoint)

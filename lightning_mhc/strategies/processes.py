@@ -110,7 +110,9 @@ class StrategyProcesses:
             self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _start_processes(self, module: Any = None) -> None:
-        """In every process, from ``setup_environment``: ranks, seeds, then the runtime's groups."""
+        """In every process, from ``setup_environment``: the process taken (put back at teardown), ranks,
+        seeds, then the runtime's groups."""
+        self.runtime.process_state.enter()
         reset_seed()
         self.set_world_ranks()
         self.runtime.start(self.cluster_environment, self.root_device, module)

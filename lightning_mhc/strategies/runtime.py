@@ -42,6 +42,7 @@ from lightning_mhc.distributed.pipeline.protocol import (
     is_pipeline_module,
     split_microbatches,
 )
+from lightning_mhc.distributed.process_state import ProcessState
 from lightning_mhc.distributed.random import model_parallel_manual_seed
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.distributed.expert_parallel import set_aux_loss_scale, update_expert_biases
@@ -87,6 +88,9 @@ class ParallelRuntime:
         self.distributed_optimizer: DistributedOptimizer | None = None
         """What steps the module's optimizer with ``use_distributed_optimizer`` or bf16 weights."""
         self._distributed_module: int | None = None
+        self.process_state = ProcessState()
+        """What the run changes in its process outside itself (RNG, randomizer, registries, patched
+        checkpoint functions), taken when the processes start and put back at teardown."""
 
     # ------------------------------------------------------------ processes
     def check_module(self, module: Any) -> None:

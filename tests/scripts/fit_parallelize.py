@@ -30,7 +30,8 @@ recorded model's, materialised by ``build_recorded_module``. With ``--checkpoint
 parameter added to the split model after ``parallelize``, ``loradropout``: ``peft`` with
 ``lora_dropout=0.1``; both record each rank's ``ConfigError``.
 ``gcbefore`` / ``gcafter``: the module calls ``model.gradient_checkpointing_enable()`` before /
-after ``parallelize`` and records each rank's ``ConfigError`` message (or ``None``).
+after ``parallelize`` (its recomputes replay the randomizer's streams: with ``dropout``, the run of
+the case without it, bit for bit).
 A case ``<model>:<layout>:nolabels`` fits batches without ``labels`` and records each rank's
 ``ConfigError`` message (or ``None``): every rank must refuse them, before the schedule.
 """
@@ -349,7 +350,7 @@ def fit_case(case: str, devices: int, checkpoints: pathlib.Path | None, weights:
                             lora_dropout=0.1 if "loradropout" in flags else 0.0)
     loader = DataLoader(SyntheticTokens(4 * GLOBAL_BATCH, SEQ, vocab_size=VOCAB), batch_size=GLOBAL_BATCH // dp,
                         shuffle=True, drop_last=True)
-    if flags & {"gcbefore", "gcafter", "nolayout", "unplaced", "loradropout"}:  # refused on every rank before any step
+    if flags & {"nolayout", "unplaced", "loradropout"}:  # refused on every rank before any step
         return _refused_fit(trainer, module, loader)
     if variant == "nolabels":
         return _refused_fit(trainer, module,

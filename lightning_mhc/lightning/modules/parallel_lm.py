@@ -30,9 +30,9 @@ from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.any_model.hyper_connections import hyper_connection_blocks
 from lightning_mhc.any_model.model import parallelize
 from lightning_mhc.any_model.parallel_model import ParallelModel
-from lightning_mhc.any_model.record import refuse_hf_gradient_checkpointing
 from lightning_mhc.any_model.recompute import check_recompute
 from lightning_mhc.recompute.policy import RecomputePolicy
+from lightning_mhc.recompute.rng import replay_tracked_rng_in_hf_checkpointing
 
 
 _CALLBACK_LABELS = {"policy": Label("MHCRecomputeCallback", lambda policy: f"MHCRecomputeCallback({policy!r})")}
@@ -143,9 +143,9 @@ class ParallelLMModule(PipelinedLMModule):
         against the whole model (about 1/(TP*PP))."""
         super().on_fit_start()
         self._check_built_policy()
-        # on every rank before any step: gradient_checkpointing_enable() after self.parallelize(...)
+        # gradient_checkpointing_enable() after self.parallelize(...): its recomputes replay the randomizer
         for chunk in self._parallel_model().chunks:
-            refuse_hf_gradient_checkpointing(chunk)
+            replay_tracked_rng_in_hf_checkpointing(chunk)
         layout = getattr(self.trainer.strategy, "layout", None)
         where = (f" (tp {layout.tensor_model_parallel_rank}, pp {layout.pipeline_model_parallel_rank}, "
                  f"dp {layout.data_parallel_rank})" if layout is not None else "")
