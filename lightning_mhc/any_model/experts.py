@@ -198,9 +198,11 @@ def merged_experts(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
             continue
         ops = [(type(op), getattr(op, "dim", None)) for op in conversion.operations]
         stacks = ops[:1] == [(MergeModulelist, 0)] and ops[1:] in ([], [(Concatenate, 1)])
-        sources = tuple(conversion.source_patterns)
+        # their patterns are regular expressions; those of names, dots and the expert's '*' read literally
+        # (DeepSeek-V4 escapes its dots: r"\.experts.*.w1.weight")
+        sources = tuple(source.replace("\\.", ".") for source in conversion.source_patterns)
         if stacks and all(source.count("*") == 1 for source in sources) and (len(sources) == 1 or len(ops) == 2):
-            merged.append((conversion.target_patterns[0], sources))
+            merged.append((conversion.target_patterns[0].replace("\\.", "."), sources))
     return merged
 
 

@@ -47,7 +47,8 @@ from lightning_mhc.any_model.pipeline import (
 )
 from lightning_mhc.any_model.context_parallel import SequenceSplit, check_context_parallel_family, split_over_context
 from lightning_mhc.any_model.experts import check_experts, shard_experts
-from lightning_mhc.any_model.families import FamilyRecord, family_of, plan_family, resolve_plan
+from lightning_mhc.any_model.families import (FamilyRecord, carry_native_streams, check_family_layout, family_of,
+                                             native_stream_count, plan_family, resolve_plan)
 from lightning_mhc.any_model.router_loss import RouterLoss, router_loss_for
 from lightning_mhc.any_model.plan import Column, TPPlan, base_of, check_plan, linear_dims
 from lightning_mhc.any_model.adapters import (fill_adapters, lora_layers, place_injected_adapters, place_lora,
@@ -465,7 +466,7 @@ def split_pipeline(planned: PlannedModel, settings: ParallelizeSettings) -> Spli
     sequence_split = split_over_context(model, layout)  # the attention through CP, by transformers' registry
     weights = check_weights(model, settings.weights) if settings.weights is not None else None
     hidden = _hidden_size(model, parts, settings.hidden_size) if parts else settings.hidden_size or 0
-    hidden *= _hyper_connection_streams(model)  # the n streams cross the stages
+    hidden *= _hyper_connection_streams(model) * native_stream_count(model)  # the n streams cross the stages
     materializer = Materializer(model, settings.seed, settings.init_fn,
                                 loaded=weights.tensor_ids if weights is not None else None)
     last_stage = layout.num_virtual_stages - 1
@@ -485,6 +486,8 @@ def apply_tensor_parallel(split: SplitModel, settings: ParallelizeSettings) -> S
     for chunk in split.chunks:
         for name, module, block in chunk.builds:
             build(name, module, block)
+    carry_native_streams(split.planned.model, [chunk.module for chunk in split.chunks],
+                         split.parts.block_path if split.parts else None)
     return split
 
 
@@ -638,6 +641,7 @@ def _stage_ranges(planned: PlannedModel, settings: ParallelizeSettings,
     block list) and each (virtual) stage's ``(start, end)`` block range (``[(0, 0)]`` without one)."""
     model, plan, layout, recompute = planned.model, planned.plan, settings.layout, settings.recompute
     stages = layout.num_virtual_stages
+    check_family_layout(model, layout)  # what the family's own module does not run on yet
     check_plan(model, plan, layout.tensor_model_parallel_size)
     check_experts(model, layout)
     family = planned.family

@@ -1,0 +1,121 @@
+"""DeepSeek-V4 (``deepseek_v4``) through ``parallelize(model, plan="auto")`` (``any_model/deepseek_v4.py``,
+its family record): its own hyper-connections kept as they are (``hc_mult`` streams, none added),
+from ``save_pretrained`` files in several shards (DeepSeek's own tensor names, the experts one file
+tensor each), against the model in one process (fp32).
+
+A tiny V4 (tests/v4_utils.py: compressed sparse and heavily compressed attention, a sliding-window
+layer, a hash-routed layer with ``tid2eid`` spreading tokens over the experts, every map moved off
+its init): on one process bit-exact; one spawned 4-rank group runs PP 2 (DP 2), the streams
+crossing the stages flat, ``hc_head`` and the final norm and head on the last stage: step-0 logits
+within 1e-5. What is not built yet (TP, EP, CP on V4) and ``hyper_connections=n`` are refused in one
+line before anything is built.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.deepseek_v4")
+
+from lightning_mhc import ConfigError  # noqa: E402
+from lightning_mhc.any_model import check_parallelize, parallelize, record_module_init  # noqa: E402
+from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
+from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
+from v4_utils import V4_VOCAB, moved_from_init, tiny_v4_config  # noqa: E402
+
+SEQ, ROWS, MICRO = 16, 4, 1
+"""``ROWS`` sequences of ``SEQ`` tokens (two CSA windows of the indexer's top 2, two HCA windows,
+twice the sliding window), in microbatches of ``MICRO`` rows."""
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, V4_VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def meta_model(directory: pathlib.Path):
+    with record_module_init():
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> pathlib.Path:
+    directory = tmp_path_factory.mktemp("deepseek_v4")
+    torch.manual_seed(0)
+    model = moved_from_init(transformers.AutoModelForCausalLM.from_config(tiny_v4_config()))
+    model.save_pretrained(directory, max_shard_size="60KB")
+    assert len(list(directory.glob("*.safetensors"))) > 2
+    return directory
+
+
+def reference_logits(directory: pathlib.Path) -> torch.Tensor:
+    """The model as transformers reads its files, in one process."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        return model(input_ids=batch()).logits
+
+
+def _pipeline_logits(directory: pathlib.Path, layout: ParallelLayout) -> tuple[int, torch.Tensor | None]:
+    """Step-0 logits of this DP rank's rows through the forward-only pipeline schedule (None
+    before the last stage)."""
+    from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
+
+    model = parallelize(meta_model(directory), "auto", layout=layout, weights=directory, loss_parallel=False)
+    per_rank, dp_rank = ROWS // layout.data_parallel_size, layout.data_parallel_rank
+    rows = batch()[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    microbatches = [dict(input_ids=c) for c in rows.split(MICRO)]
+    logits = []
+
+    def loss_func(output, microbatch):
+        logits.append(output.detach())
+        return output.sum() * 0
+
+    forward_backward_pipelining([model], microbatches, lambda m, mb: m.forward_step(mb), loss_func,
+                                ScheduleConfig(layout, model.pipeline_tensor_shape(microbatches[0]), forward_only=True))
+    return dp_rank, torch.cat(logits) if logits else None
+
+
+def _all_layouts(rank: int, world: int, directory: str) -> dict:
+    directory = pathlib.Path(directory)
+    return {"pp2": _pipeline_logits(directory, ParallelLayout(pipeline_model_parallel_size=2).build())}
+
+
+def test_one_process_is_the_model_bit_for_bit(saved):
+    model = parallelize(meta_model(saved), "auto", weights=saved)
+    assert not hasattr(model.chunks[0].model.layers[0], "hyper_connection_wiring")  # none of ours added
+    with torch.no_grad():
+        logits = model(input_ids=batch())
+    torch.testing.assert_close(logits, reference_logits(saved), rtol=0, atol=0)
+
+
+def test_layouts_equal_one_process(saved):
+    expected = reference_logits(saved)
+    results = spawn_ranks(_all_layouts, 4, str(saved), timeout_s=240)
+    per_rank = ROWS // 2
+    found = [r["pp2"] for r in results if r["pp2"][1] is not None]
+    assert sorted(dp for dp, _ in found) == [0, 1]  # the last stage's two DP ranks
+    for dp_rank, logits in found:
+        torch.testing.assert_close(logits, expected[dp_rank * per_rank:(dp_rank + 1) * per_rank], rtol=0, atol=1e-5)
+
+
+def _refusal(**kwargs) -> str:
+    with pytest.raises(ConfigError) as raised:
+        check_parallelize(kwargs.pop("model"), "auto", **kwargs)
+    message = str(raised.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
+    model = meta_model(saved)
+    message = _refusal(model=model, layout=ParallelLayout(), hyper_connections=4)
+    assert "model_type 'deepseek_v4'" in message and "carries its own (hc_mult=4 streams)" in message
+    for size in ("tensor_model_parallel_size", "expert_model_parallel_size"):
+        message = _refusal(model=model, layout=ParallelLayout(**{size: 2}))
+        assert f"(model_type 'deepseek_v4'): {size}=2 needs" in message, message
+    message = _refusal(model=model, layout=ParallelLayout(context_parallel_size=2))
+    # (the config's sliding window is named first; without one, the record's reason)
+    assert message.startswith("context parallelism: DeepseekV4ForCausalLM (model_type 'deepseek_v4')"), message
+    check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # PP runs
