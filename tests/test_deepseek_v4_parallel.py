@@ -77,9 +77,14 @@ def _pipeline_logits(directory: pathlib.Path, layout: ParallelLayout) -> tuple[i
     return dp_rank, torch.cat(logits) if logits else None
 
 
+LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model_parallel_size=2),
+           "tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)}
+"""The layouts of the 4 ranks (DP fills the rest)."""
+
+
 def _all_layouts(rank: int, world: int, directory: str) -> dict:
     directory = pathlib.Path(directory)
-    return {"pp2": _pipeline_logits(directory, ParallelLayout(pipeline_model_parallel_size=2).build())}
+    return {name: _pipeline_logits(directory, ParallelLayout(**sizes).build()) for name, sizes in LAYOUTS.items()}
 
 
 def test_one_process_is_the_model_bit_for_bit(saved):
@@ -93,11 +98,14 @@ def test_one_process_is_the_model_bit_for_bit(saved):
 def test_layouts_equal_one_process(saved):
     expected = reference_logits(saved)
     results = spawn_ranks(_all_layouts, 4, str(saved), timeout_s=240)
-    per_rank = ROWS // 2
-    found = [r["pp2"] for r in results if r["pp2"][1] is not None]
-    assert sorted(dp for dp, _ in found) == [0, 1]  # the last stage's two DP ranks
-    for dp_rank, logits in found:
-        torch.testing.assert_close(logits, expected[dp_rank * per_rank:(dp_rank + 1) * per_rank], rtol=0, atol=1e-5)
+    for name, sizes in LAYOUTS.items():
+        dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1))
+        per_rank = ROWS // dp
+        found = [r[name] for r in results if r[name][1] is not None]  # the last stage's ranks
+        assert sorted({d for d, _ in found}) == list(range(dp)), name
+        for dp_rank, logits in found:
+            torch.testing.assert_close(logits, expected[dp_rank * per_rank:(dp_rank + 1) * per_rank], rtol=0,
+                                       atol=1e-5, msg=name)
 
 
 def _refusal(**kwargs) -> str:
@@ -112,9 +120,12 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     model = meta_model(saved)
     message = _refusal(model=model, layout=ParallelLayout(), hyper_connections=4)
     assert "model_type 'deepseek_v4'" in message and "carries its own (hc_mult=4 streams)" in message
-    for size in ("tensor_model_parallel_size", "expert_model_parallel_size"):
-        message = _refusal(model=model, layout=ParallelLayout(**{size: 2}))
-        assert f"(model_type 'deepseek_v4'): {size}=2 needs" in message, message
+    message = _refusal(model=model, layout=ParallelLayout(expert_model_parallel_size=2))
+    assert "(model_type 'deepseek_v4'): expert_model_parallel_size=2 needs" in message, message
+    message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True))
+    assert "(model_type 'deepseek_v4'): sequence_parallel=True needs" in message, message
+    message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=4))  # 4 heads, 2 groups
+    assert "o_groups" in message, message
     message = _refusal(model=model, layout=ParallelLayout(context_parallel_size=2))
     # (the config's sliding window is named first; without one, the record's reason)
     assert message.startswith("context parallelism: DeepseekV4ForCausalLM (model_type 'deepseek_v4')"), message

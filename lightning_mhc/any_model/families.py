@@ -103,6 +103,9 @@ class FamilyRecord:
     - ``carry_streams``: for such a family, how a built chunk's blocks carry their streams
       (``carry_streams(chunk, block_path, n)``, in the family's own module: DeepSeek-V4's carry
       them flat, ``deepseek_v4.py``);
+    - ``tensor_parallel``: what the family's TP needs beyond its plan's styles, on each built chunk
+      (``tensor_parallel(chunk, layout)``, in its own module: DeepSeek-V4's per-head sinks and
+      grouped output projection, ``deepseek_v4.py``);
     - ``check_layout``: the family's own refusals of a layout (``check_layout(model, layout)``,
       one line, before anything is built), for what its module does not run on yet;
     - ``context_parallel``: its attention is split over CP exactly (``context_parallel.py``), else
@@ -119,6 +122,7 @@ class FamilyRecord:
     hyper_connections: HyperConnectionPlan | Callable[[Any], HyperConnectionPlan] | None = None
     native_streams: str | None = None
     carry_streams: Callable[[nn.Module, str | None, int], None] | None = None
+    tensor_parallel: Callable[[nn.Module, Any], None] | None = None
     check_layout: Callable[[nn.Module, Any], None] | None = None
     context_parallel: bool = False
     context_parallel_refusal: str | None = NOT_CHECKED_UNDER_CP
@@ -203,7 +207,8 @@ RECORDS: tuple[FamilyRecord, ...] = (
     _moe("mixtral", MIXTRAL), _moe("qwen2_moe", MIXTRAL), _moe("qwen3_moe", QWEN3_MOE), _moe("olmoe", OLMOE),
     # hyper-connections of its own (deepseek_v4.py): its streams carried as they are
     _family("deepseek_v4", deepseek_v4.DEEPSEEK_V4, None, native_streams="hc_mult",
-            carry_streams=deepseek_v4.carry_streams_flat, check_layout=deepseek_v4.check_layout,
+            carry_streams=deepseek_v4.carry_streams_flat, tensor_parallel=deepseek_v4.split_attention,
+            check_layout=deepseek_v4.check_layout,
             context_parallel_refusal=deepseek_v4.NOT_UNDER_CP),
 )
 
@@ -304,11 +309,17 @@ def check_family_layout(model: nn.Module, layout: Any) -> None:
         record.check_layout(model, layout)
 
 
-def carry_native_streams(model: nn.Module, chunks: list[nn.Module], block_path: str | None) -> None:
-    """Built chunks of a family with streams of its own wired to carry them (``FamilyRecord.carry_streams``)."""
+def finish_family_chunks(model: nn.Module, chunks: list[nn.Module], block_path: str | None, layout: Any) -> None:
+    """The family's own steps on its built chunks (before the weights are read into them): its TP
+    beyond the plan's styles (``FamilyRecord.tensor_parallel``), and, for a family with streams of
+    its own, how its blocks carry them (``FamilyRecord.carry_streams``)."""
     record = family_of(model)
-    if record is not None and record.carry_streams is not None:
-        for chunk in chunks:
+    if record is None:
+        return
+    for chunk in chunks:
+        if record.tensor_parallel is not None:
+            record.tensor_parallel(chunk, layout)
+        if record.carry_streams is not None:
             record.carry_streams(chunk, block_path, native_stream_count(model))
 
 
@@ -324,6 +335,6 @@ def refuse_native_streams(model: nn.Module) -> None:
 
 
 __all__ = ["Branch", "FAMILIES", "Family", "FamilyRecord", "FusedExperts", "HC_PLANS", "PLANS", "PipelineContract",
-           "RECORDS", "carry_native_streams", "check_family_layout", "family_of", "native_stream_count", "plan_family",
+           "RECORDS", "check_family_layout", "family_of", "finish_family_chunks", "native_stream_count", "plan_family",
            "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
            "supported_families"]

@@ -47,7 +47,7 @@ from lightning_mhc.any_model.pipeline import (
 )
 from lightning_mhc.any_model.context_parallel import SequenceSplit, check_context_parallel_family, split_over_context
 from lightning_mhc.any_model.experts import check_experts, shard_experts
-from lightning_mhc.any_model.families import (FamilyRecord, carry_native_streams, check_family_layout, family_of,
+from lightning_mhc.any_model.families import (FamilyRecord, check_family_layout, family_of, finish_family_chunks,
                                              native_stream_count, plan_family, resolve_plan)
 from lightning_mhc.any_model.router_loss import RouterLoss, router_loss_for
 from lightning_mhc.any_model.plan import Column, TPPlan, base_of, check_plan, linear_dims
@@ -486,8 +486,8 @@ def apply_tensor_parallel(split: SplitModel, settings: ParallelizeSettings) -> S
     for chunk in split.chunks:
         for name, module, block in chunk.builds:
             build(name, module, block)
-    carry_native_streams(split.planned.model, [chunk.module for chunk in split.chunks],
-                         split.parts.block_path if split.parts else None)
+    finish_family_chunks(split.planned.model, [chunk.module for chunk in split.chunks],
+                         split.parts.block_path if split.parts else None, settings.layout)
     return split
 
 
