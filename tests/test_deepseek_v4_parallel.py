@@ -74,11 +74,15 @@ def _pipeline_logits(directory: pathlib.Path, layout: ParallelLayout) -> tuple[i
 
     forward_backward_pipelining([model], microbatches, lambda m, mb: m.forward_step(mb), loss_func,
                                 ScheduleConfig(layout, model.pipeline_tensor_shape(microbatches[0]), forward_only=True))
-    return dp_rank, torch.cat(logits) if logits else None
+    experts = {(m.local_expert_start, m.gate_up_proj.shape[0]) for m in model.modules()
+               if type(m).__name__ == "ExpertParallelExperts"}
+    return dp_rank, torch.cat(logits) if logits else None, experts, layout.expert_model_parallel_rank
 
 
 LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model_parallel_size=2),
-           "tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)}
+           "tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+           "pp2ep2": dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
+           "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)}
 """The layouts of the 4 ranks (DP fills the rest)."""
 
 
@@ -101,8 +105,11 @@ def test_layouts_equal_one_process(saved):
     for name, sizes in LAYOUTS.items():
         dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1))
         per_rank = ROWS // dp
-        found = [r[name] for r in results if r[name][1] is not None]  # the last stage's ranks
+        found = [r[name][:2] for r in results if r[name][1] is not None]  # the last stage's ranks
         assert sorted({d for d, _ in found}) == list(range(dp)), name
+        # under EP each rank holds its 2 of every layer's 4 experts
+        ep = sizes.get("expert_model_parallel_size", 1)
+        assert all(r[name][2] == ({(2 * r[name][3], 2)} if ep > 1 else set()) for r in results), (name, [r[name][2:] for r in results])
         for dp_rank, logits in found:
             torch.testing.assert_close(logits, expected[dp_rank * per_rank:(dp_rank + 1) * per_rank], rtol=0,
                                        atol=1e-5, msg=name)
@@ -120,10 +127,14 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     model = meta_model(saved)
     message = _refusal(model=model, layout=ParallelLayout(), hyper_connections=4)
     assert "model_type 'deepseek_v4'" in message and "carries its own (hc_mult=4 streams)" in message
-    message = _refusal(model=model, layout=ParallelLayout(expert_model_parallel_size=2))
-    assert "(model_type 'deepseek_v4'): expert_model_parallel_size=2 needs" in message, message
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True))
-    assert "(model_type 'deepseek_v4'): sequence_parallel=True needs" in message, message
+    assert "(model_type 'deepseek_v4'): sequence_parallel=True is not built" in message, message
+    model.config.output_router_logits = True
+    message = _refusal(model=model, layout=ParallelLayout())
+    assert "(model_type 'deepseek_v4'): output_router_logits=True asks for its router's auxiliary loss" in message
+    model.config.output_router_logits = False
+    message = _refusal(model=model, layout=ParallelLayout(expert_model_parallel_size=3))  # 4 experts
+    assert "4 experts, which do not split evenly over 3 ranks" in message, message
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=4))  # 4 heads, 2 groups
     assert "o_groups" in message, message
     message = _refusal(model=model, layout=ParallelLayout(context_parallel_size=2))

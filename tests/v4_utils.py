@@ -140,7 +140,8 @@ def tiny_v4_config(layers: int = 4):
     """A tiny ``DeepseekV4Config`` with every kind of V4 layer: compressed sparse attention (the
     indexer's top 2 of the compressed entries, compression 4), heavily compressed attention
     (compression 8), a sliding window of 8 alone; the first layer hash-routed, the rest by
-    top-2 of 4 experts with the score-correction bias; 4 streams; 4 heads in 2 output groups."""
+    top-2 of 4 experts with the score-correction bias; 4 streams; 4 heads in 2 output groups; the
+    experts' SwiGLU clamp at 0.2, which the tiny activations reach (V4's 10 would never bite here)."""
     from transformers import DeepseekV4Config
 
     kinds = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
@@ -151,7 +152,7 @@ def tiny_v4_config(layers: int = 4):
         mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, sliding_window=8,
         index_n_heads=2, index_head_dim=8, index_topk=2, hc_mult=4, hc_sinkhorn_iters=5, max_position_embeddings=64,
-        pad_token_id=None)
+        swiglu_limit=0.2, pad_token_id=None)
 
 
 def moved_from_init(model, seed: int = 0):

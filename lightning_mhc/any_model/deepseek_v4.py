@@ -18,6 +18,9 @@ layers, collapsed by ``model.hc_head`` before the final norm): ``parallelize`` a
   its gradient summed over the ranks' heads (:func:`shared_kv_attention`); the compressor and the
   indexer whole (they read the whole hidden state and the whole low-rank query, and feed the shared
   K/V and the top-k picks); the shared expert split as an MLP; the routed experts and routers whole.
+- Expert parallelism: the routed experts are the record's fused experts (``experts.py``, with V4's
+  clamp of the gate and up projections); the routers stay whole on every rank that routes, the
+  hash router's ``tid2eid`` table and the score-correction bias with them (buffers of the blocks).
 - :func:`check_layout`: the layouts not built for V4 yet, refused in one line before anything is
   built.
 """
@@ -53,23 +56,20 @@ DEEPSEEK_V4 = TPPlan(
 """Hugging Face ``DeepseekV4ForCausalLM`` over TP (the module docstring; :func:`split_attention`
 does what a style cannot)."""
 
-NOT_YET = {
-    "expert_model_parallel_size": "expert parallelism (its hash router's tid2eid and score-correction bias are "
-                                  "not placed yet)",
-    "sequence_parallel": "sequence parallelism (its compressor and indexer read the whole sequence)",
-}
-"""The layout sizes above 1 that V4 does not run on yet, and why (context parallelism: the
-record's ``context_parallel_refusal``, :data:`NOT_UNDER_CP`)."""
 NOT_UNDER_CP = "its sliding-window and compressed attention are not split over the sequence yet"
+"""The record's ``context_parallel_refusal``."""
 
 
 def check_layout(model: nn.Module, layout: Any) -> None:
-    """Refuse, before anything is built, a layout dimension V4 does not run on yet (:data:`NOT_YET`)."""
-    for size, what in NOT_YET.items():
-        value = getattr(layout, size, 1)
-        if value is True or (value is not False and value > 1):
-            raise ConfigError(f"{type(model).__name__} (model_type 'deepseek_v4'): {size}={value} needs {what}; "
-                              "run it with pipeline and data parallelism only.")
+    """Refuse, before anything is built, what V4 does not run on yet: sequence parallelism (its
+    compressor and indexer read the whole sequence), and its router's auxiliary loss."""
+    name = f"{type(model).__name__} (model_type 'deepseek_v4')"
+    if getattr(layout, "sequence_parallel", False):
+        raise ConfigError(f"{name}: sequence_parallel=True is not built for it (its compressor and indexer read the "
+                          "whole sequence); leave it off (TP, PP, EP and DP run).")
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ConfigError(f"{name}: output_router_logits=True asks for its router's auxiliary loss, not built for it "
+                          "yet; set it to False (as transformers trains it by default).")
 
 
 def carry_streams_flat(chunk: nn.Module, block_path: str | None, streams: int) -> None:

@@ -126,6 +126,9 @@ class ExpertParallelExperts(ExpertLayer):
         self.local_expert_start = ep_rank * self.num_local_experts
         self.ep_group = ep_group
         self.act_fn = experts.act_fn
+        self.swiglu_limit = getattr(experts, "limit", None)
+        """DeepSeek-V4's clamp of the gate (above) and the up projection (both sides) before the
+        product, as its ``_apply_gate`` does; None for the families without one."""
         self.gate_up_proj = self._local(experts.gate_up_proj)
         self.down_proj = self._local(experts.down_proj)
 
@@ -151,6 +154,8 @@ class ExpertParallelExperts(ExpertLayer):
         ``[E, out, in]`` (``F.linear``'s), the grouped product takes ``[E, in, out]``."""
         gate_up = grouped_matmul(tokens, self.gate_up_proj.transpose(1, 2), tokens_per_expert)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.swiglu_limit is not None:
+            gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
         return grouped_matmul(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), tokens_per_expert)
 
     def extra_repr(self) -> str:

@@ -208,7 +208,7 @@ RECORDS: tuple[FamilyRecord, ...] = (
     # hyper-connections of its own (deepseek_v4.py): its streams carried as they are
     _family("deepseek_v4", deepseek_v4.DEEPSEEK_V4, None, native_streams="hc_mult",
             carry_streams=deepseek_v4.carry_streams_flat, tensor_parallel=deepseek_v4.split_attention,
-            check_layout=deepseek_v4.check_layout,
+            check_layout=deepseek_v4.check_layout, experts=MOE_EXPERTS,
             context_parallel_refusal=deepseek_v4.NOT_UNDER_CP),
 )
 
