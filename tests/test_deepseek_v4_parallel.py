@@ -86,9 +86,56 @@ LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model
 """The layouts of the 4 ranks (DP fills the rest)."""
 
 
+FIT = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+"""The layout trained through ``Trainer.fit`` (DP 2): the shared K/V head's gradient summed over
+TP, the experts' over their ranks."""
+FIT_STEPS, FIT_ROWS, FIT_LR = 3, 4, 0.05
+
+
+def _fit(directory: pathlib.Path, devices: int, **sizes) -> dict:
+    """``FIT_STEPS`` SGD steps of ``HFCausalLMModule`` (the CLI's ``model=hf``) through
+    ``Trainer.fit`` on ``MHCParallelStrategy(**sizes)``: each step's loss, and this rank's
+    parameters by their whole-model names (gathered over TP; experts: ``(start, block)``)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    from lightning_mhc import MHCParallelStrategy
+    from lightning_mhc.data.sources import SyntheticTokens
+    from lightning_mhc.lightning.modules.hf import HFCausalLMModule
+    from lightning_mhc.testing.tensor_parallel import gather_tensor_parallel
+
+    class Losses(Callback):
+        losses: list = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(outputs["loss"].detach()))
+
+    pl.seed_everything(0, verbose=False)
+    module = HFCausalLMModule(str(directory), pretrained=True, optimizer="sgd", lr=FIT_LR, weight_decay=0.0,
+                              min_lr_ratio=1.0)
+    losses = Losses()
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=MHCParallelStrategy(**sizes),
+                         max_steps=FIT_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[losses])
+    dp = devices // sizes.get("tensor_model_parallel_size", 1) // sizes.get("pipeline_model_parallel_size", 1)
+    data = SyntheticTokens(FIT_ROWS * FIT_STEPS, SEQ, vocab_size=V4_VOCAB, seed=3)
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=FIT_ROWS // dp))
+    params = {}
+    for name, param in module.model.named_parameters():
+        experts = next((m for m in module.model.modules() if type(m).__name__ == "ExpertParallelExperts"
+                        and any(p is param for p in m.parameters())), None)
+        value = param.detach() if experts is not None else gather_tensor_parallel(param.detach(), param)
+        params[module.model.global_parameter_name(name)] = (experts.local_expert_start if experts else None, value)
+    return dict(losses=losses.losses, params=params)
+
+
 def _all_layouts(rank: int, world: int, directory: str) -> dict:
     directory = pathlib.Path(directory)
-    return {name: _pipeline_logits(directory, ParallelLayout(**sizes).build()) for name, sizes in LAYOUTS.items()}
+    results = {"fit": _fit(directory, world, **FIT)}
+    results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build())
+                    for name, sizes in LAYOUTS.items()})
+    return results
 
 
 def test_one_process_is_the_model_bit_for_bit(saved):
@@ -101,7 +148,7 @@ def test_one_process_is_the_model_bit_for_bit(saved):
 
 def test_layouts_equal_one_process(saved):
     expected = reference_logits(saved)
-    results = spawn_ranks(_all_layouts, 4, str(saved), timeout_s=240)
+    results = spawn_ranks(_all_layouts, 4, str(saved), timeout_s=240, init_group=False)
     for name, sizes in LAYOUTS.items():
         dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1))
         per_rank = ROWS // dp
@@ -113,6 +160,25 @@ def test_layouts_equal_one_process(saved):
         for dp_rank, logits in found:
             torch.testing.assert_close(logits, expected[dp_rank * per_rank:(dp_rank + 1) * per_rank], rtol=0,
                                        atol=1e-5, msg=name)
+
+    # the same 3 steps in one process, through the same Trainer.fit
+    reference = _fit(saved, 1)
+    print(f"Trainer.fit TP 2 x EP 2 losses {[r['fit']['losses'] for r in results]}; one process "
+          f"{reference['losses']}")
+    compared = 0
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["fit"]["losses"]), torch.tensor(reference["losses"]), rtol=0,
+                                   atol=1e-5)
+        for name, (start, value) in r["fit"]["params"].items():
+            expected_value = reference["params"][name][1]
+            if start is not None:
+                expected_value = expected_value[start:start + value.shape[0]]
+            torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5, msg=name)
+            compared += 1
+    start = {n: p for n, p in transformers.AutoModelForCausalLM.from_pretrained(saved).named_parameters()}
+    moved = max((reference["params"][n][1] - p.detach()).abs().max().item() for n, p in start.items()
+                if n in reference["params"])
+    assert compared and moved > 1e-3  # training moved the weights far beyond the tolerance
 
 
 def _refusal(**kwargs) -> str:
