@@ -207,3 +207,22 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     # (the config's sliding window is named first; without one, the record's reason)
     assert message.startswith("context parallelism: DeepseekV4ForCausalLM (model_type 'deepseek_v4')"), message
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # PP runs
+
+
+def test_the_command_line_trains_it_on_pp2_ep2_as_one_process(saved, tmp_path):
+    """``lightning-mhc-train model=hf model.pretrained=DIR`` (its entry point on forked ranks) on
+    PP 2 x EP 2 (DP 2; synthetic tokens below the model's vocabulary of 64): 3 AdamW steps' losses
+    equal the same command on one process (1e-5)."""
+    from train_cli import run_train_on_ranks, train_losses
+
+    common = ("model=hf", f"model.pretrained={saved}", "data=synthetic", f"data.seq_length={SEQ}",
+              "trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.val_check_interval=3",
+              "trainer.limit_val_batches=1")
+    run_train_on_ranks(tmp_path, *common, "parallel=pp2", "parallel.expert_model_parallel_size=2",
+                       "trainer.devices=4", "hydra.run.dir=pp2ep2")
+    run_train_on_ranks(tmp_path, *common, "hydra.run.dir=single")
+    split, single = (train_losses(tmp_path / run / "metrics.csv") for run in ("pp2ep2", "single"))
+    print(f"lightning-mhc-train PP 2 x EP 2 losses {split}; one process {single}")
+    assert split.keys() == single.keys() and len(single) == 3
+    torch.testing.assert_close(torch.tensor(list(split.values())), torch.tensor(list(single.values())), rtol=0,
+                               atol=1e-5)
