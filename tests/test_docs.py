@@ -244,12 +244,19 @@ def _user_files(scratch: pathlib.Path, monkeypatch, text: str = "") -> None:
     """The user's own files the documents name: ``$HOME/corpus`` (a text folder: HOME points at the
     scratch directory, holding this repository's documents as text), ``notes.txt`` (the 188-byte
     file of the transcript in docs/cli.md) and, for a command ``text`` that names it,
-    ``$HOME/llama`` (a small Llama's ``save_pretrained`` directory with the sample tokenizer)."""
+    ``$HOME/llama`` (a small Llama's ``save_pretrained`` directory with the sample tokenizer) or
+    ``$HOME/deepseek_v4`` (tests/v4_utils.py's tiny DeepSeek-V4, saved)."""
     home = scratch / "home"
     if "$HOME/llama" in text:
         from lm_models import save_sample_llama
 
         save_sample_llama(home / "llama")
+    if "$HOME/deepseek_v4" in text:
+        from transformers import AutoModelForCausalLM
+
+        from v4_utils import tiny_v4_config
+
+        AutoModelForCausalLM.from_config(tiny_v4_config()).save_pretrained(home / "deepseek_v4")
     (home / "corpus").mkdir(parents=True, exist_ok=True)
     (home / "corpus" / "docs.txt").write_text("\n".join(doc.read_text() for doc in DOCS))
     monkeypatch.setenv("HOME", str(home))

@@ -19,12 +19,13 @@ transformers = pytest.importorskip("transformers")
 from lightning_mhc import ConfigError  # noqa: E402
 from lightning_mhc.any_model import (  # noqa: E402
     HC_PLANS, PLANS, check_parallelize, check_plan, record_module_init, supported_families)
-from lightning_mhc.any_model import experts as experts_module, families, plan as plan_module  # noqa: E402
+from lightning_mhc.any_model import deepseek_v4, experts as experts_module, families, plan as plan_module  # noqa: E402
 from lightning_mhc.any_model.context_parallel import SUPPORTED_FAMILIES  # noqa: E402
 from lightning_mhc.any_model.experts import is_fused_experts  # noqa: E402
 from lightning_mhc.any_model.families import FAMILIES, RECORDS, FamilyRecord  # noqa: E402
 from lightning_mhc.any_model.pipeline import find_parts  # noqa: E402
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
+from v4_utils import tiny_v4_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
@@ -51,6 +52,7 @@ CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, **HEAD, **MOE),
     "olmoe": lambda: transformers.OlmoeConfig(**{**COMMON, "num_key_value_heads": 4}, num_experts=4,
                                               num_experts_per_tok=2),
+    "deepseek_v4": lambda: tiny_v4_config(layers=2),
 }
 """A tiny config of each family, without a sliding window where it can go (so the CP claim is the
 record's, not the config's)."""
@@ -97,7 +99,8 @@ def test_every_table_of_families_is_a_view_of_the_records():
         assert dataclasses.replace(FAMILIES[alias], model_type=name) == FAMILIES[name]
     for record in RECORDS:
         assert record.tp.output == record.pipeline.head, record.model_type
-        assert (record.experts is None) == (record.router_loss is None), record.model_type
+        # a router loss is a MoE family's (DeepSeek-V4's own is not built: its config's ask is refused)
+        assert record.router_loss is None or record.experts is not None, record.model_type
 
 
 def test_a_record_claims_cp_or_says_why_not_and_hyper_connections_of_one_kind():
@@ -105,6 +108,8 @@ def test_a_record_claims_cp_or_says_why_not_and_hyper_connections_of_one_kind():
     assert "CP refusal" in refusal(dataclasses.replace, llama, context_parallel=False, context_parallel_refusal=None)
     assert "CP refusal" in refusal(dataclasses.replace, llama, context_parallel_refusal="no")
     assert "streams of its own" in refusal(dataclasses.replace, llama, native_streams="hc_mult")
+    assert "native_streams and carry_streams together" in refusal(
+        dataclasses.replace, llama, hyper_connections=None, native_streams="hc_mult")
 
 
 # ------------------------------------------------------------------ TP, pipeline, hyper-connections
@@ -116,12 +121,17 @@ def test_the_records_tp_plan_pipeline_and_hyper_connections_fit_a_model_of_the_f
     record, model = FAMILIES[name], model_of(name)
     check_plan(model, record.tp, 2)  # refuses a pattern that matches no module
     contract = record.pipeline
+    streams = None if record.native_streams else 4  # a family with streams of its own takes none of ours
     plan, parts, ranges = check_parallelize(model, name, layout=layout(tensor_model_parallel_size=2,
                                                                       pipeline_model_parallel_size=2),
-                                            hyper_connections=4)
+                                            hyper_connections=streams)
     assert parts.block_path == contract.blocks and ranges == [(0, 1), (1, 2)]
     assert find_parts(model, after_blocks=record.tp.after_blocks).block_path == contract.blocks
     assert contract.embedding in parts.first and {contract.final_norm, contract.head} <= set(parts.last), parts
+    if record.native_streams:
+        assert not any(hasattr(block, "hyper_connection_wiring") for block in parts.blocks)
+        assert families.native_stream_count(model) == getattr(model.config, record.native_streams) > 1
+        return
     assert all(hasattr(block, "hyper_connection_wiring") for block in parts.blocks)
     assert len(parts.blocks[0].hyper_connection_wiring.plan.branches) == len(
         record.hyper_connection_plan(model.config).branches)
@@ -145,14 +155,15 @@ def test_hyper_connections_are_refused_on_a_family_with_streams_of_its_own(monke
     """The place of the native-mHC families (DeepSeek-V4): ``native_streams`` names the config's
     stream count, and ``hyper_connections=n`` is refused, whatever the plan; without a plan of its
     own a family is refused its hyper-connections by name."""
-    native = dataclasses.replace(FAMILIES["llama"], hyper_connections=None, native_streams="hc_mult")
+    native = dataclasses.replace(FAMILIES["llama"], hyper_connections=None, native_streams="hc_mult",
+                                 carry_streams=FAMILIES["deepseek_v4"].carry_streams)
     monkeypatch.setitem(FAMILIES, "llama", native)
     model = model_of("llama")
     model.config.hc_mult = 4
     message = refusal(check_parallelize, model, "auto", layout=layout(), hyper_connections=4)
     assert "model_type 'llama'" in message and "carries its own (hc_mult=4 streams)" in message
     check_parallelize(model, "auto", layout=layout(pipeline_model_parallel_size=2))  # the rest is unchanged
-    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(native, native_streams=None))
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(native, native_streams=None, carry_streams=None))
     message = refusal(check_parallelize, model, "auto", layout=layout(), hyper_connections=4)
     assert "model_type 'llama'" in message and "has no built-in plan" in message
 
@@ -190,7 +201,8 @@ def test_ep_finds_the_records_fused_experts_and_a_dense_family_is_refused(name):
         check_parallelize(model, "auto", layout=layout(expert_model_parallel_size=2))
         found = [n for n, module in model.named_modules() if is_fused_experts(module)]
         assert found and all(fnmatch.fnmatchcase(n, record.experts.path) for n in found), found
-        assert isinstance(getattr(model.config, record.router_loss.coef), float)  # the aux loss's coefficient
+        if record.router_loss is not None:
+            assert isinstance(getattr(model.config, record.router_loss.coef), float)  # the aux loss's coefficient
         return
     message = refusal(check_parallelize, model, "auto", layout=layout(expert_model_parallel_size=2))
     assert f"has no fused experts" in message and f"model_type {name!r} is a dense family" in message, message
@@ -226,7 +238,7 @@ def table_row(record: FamilyRecord) -> str:
     contract = record.pipeline
     cp = "yes" if record.context_parallel else f"no: {record.context_parallel_refusal}"
     ep = f"`{record.experts.path}`" if record.experts is not None else "no: dense"
-    return (f"| `{record.model_type}` | `{_constant_name(record.tp, plan_module, experts_module)}` | {_branches(record)} "
+    return (f"| `{record.model_type}` | `{_constant_name(record.tp, plan_module, experts_module, deepseek_v4)}` | {_branches(record)} "
             f"| {cp} | {ep} | `{contract.blocks}`; `{contract.embedding}`; `{contract.final_norm}`; "
             f"`{contract.head}` |")
 

@@ -130,3 +130,44 @@ def errors(implementation: str, modules, x, upstream, exact=None) -> dict:
     theirs = sublayer_results(modules, x, upstream)
     ours = sublayer_results(ours_of(modules, implementation), x, upstream, ours=True)
     return {name: (error(o, e), error(t, e), error(o, t)) for name, o, t, e in zip(RESULTS, ours, theirs, exact)}
+
+
+# ------------------------------------------------------------------ a whole tiny model (parallelize's tests)
+V4_VOCAB, V4_EXPERTS = 64, 4
+
+
+def tiny_v4_config(layers: int = 4):
+    """A tiny ``DeepseekV4Config`` with every kind of V4 layer: compressed sparse attention (the
+    indexer's top 2 of the compressed entries, compression 4), heavily compressed attention
+    (compression 8), a sliding window of 8 alone; the first layer hash-routed, the rest by
+    top-2 of 4 experts with the score-correction bias; 4 streams; 4 heads in 2 output groups; the
+    experts' SwiGLU clamp at 0.2, which the tiny activations reach (V4's 10 would never bite here)."""
+    from transformers import DeepseekV4Config
+
+    kinds = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
+    return DeepseekV4Config(
+        vocab_size=V4_VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=layers,
+        num_attention_heads=4, head_dim=16, partial_rotary_factor=0.5, q_lora_rank=16, o_groups=2, o_lora_rank=8,
+        n_routed_experts=V4_EXPERTS, num_experts_per_tok=2, layer_types=[kinds[i % 3] for i in range(layers)],
+        mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, sliding_window=8,
+        index_n_heads=2, index_head_dim=8, index_topk=2, hc_mult=4, hc_sinkhorn_iters=5, max_position_embeddings=64,
+        swiglu_limit=0.2, pad_token_id=None)
+
+
+def moved_from_init(model, seed: int = 0):
+    """``model`` (a ``DeepseekV4ForCausalLM``) with every parameter moved off its init (the maps,
+    sinks, position biases and zero-initialised parts too), the hash router's ``tid2eid`` filled with
+    two distinct experts per token (all zeros would send every token to expert 0) and the
+    score-correction biases moved, so that a layout that drops or misplaces any of them differs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=g) * 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buffer.copy_(torch.stack([torch.randperm(V4_EXPERTS, generator=g)[:buffer.shape[1]]
+                                          for _ in range(buffer.shape[0])]))
+            elif name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=g) * 0.1)
+    return model

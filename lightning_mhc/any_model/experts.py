@@ -125,6 +125,9 @@ class ExpertParallelExperts(ExpertLayer):
         self.local_expert_start = ep_rank * self.num_local_experts
         self.ep_group = ep_group
         self.act_fn = experts.act_fn
+        self.swiglu_limit = getattr(experts, "limit", None)
+        """DeepSeek-V4's clamp of the gate (above) and the up projection (both sides) before the
+        product, as its ``_apply_gate`` does; None for the families without one."""
         self.gate_up_proj = self._local(experts.gate_up_proj)
         self.down_proj = self._local(experts.down_proj)
 
@@ -150,6 +153,8 @@ class ExpertParallelExperts(ExpertLayer):
         ``[E, out, in]`` (``F.linear``'s), the grouped product takes ``[E, in, out]``."""
         gate_up = grouped_matmul(tokens, self.gate_up_proj.transpose(1, 2), tokens_per_expert)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.swiglu_limit is not None:
+            gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
         return grouped_matmul(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), tokens_per_expert)
 
     def extra_repr(self) -> str:
@@ -197,9 +202,11 @@ def merged_experts(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
             continue
         ops = [(type(op), getattr(op, "dim", None)) for op in conversion.operations]
         stacks = ops[:1] == [(MergeModulelist, 0)] and ops[1:] in ([], [(Concatenate, 1)])
-        sources = tuple(conversion.source_patterns)
+        # their patterns are regular expressions; those of names, dots and the expert's '*' read literally
+        # (DeepSeek-V4 escapes its dots: r"\.experts.*.w1.weight")
+        sources = tuple(source.replace("\\.", ".") for source in conversion.source_patterns)
         if stacks and all(source.count("*") == 1 for source in sources) and (len(sources) == 1 or len(ops) == 2):
-            merged.append((conversion.target_patterns[0], sources))
+            merged.append((conversion.target_patterns[0].replace("\\.", "."), sources))
     return merged
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.any_model import deepseek_v4
 from lightning_mhc.any_model.experts import MIXTRAL, OLMOE, QWEN3_MOE
 from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
 from lightning_mhc.any_model.pipeline import ModelParts
@@ -98,7 +99,15 @@ class FamilyRecord:
       config that makes one), None where it has none built in;
     - ``native_streams``: for a family that carries hyper-connections of its own, the config
       attribute holding its number of streams (e.g. ``"hc_mult"``): ``hyper_connections=n`` is
-      refused on it (its streams are the model's);
+      refused on it (its streams are the model's), and ``n * hidden`` crosses pipeline stages;
+    - ``carry_streams``: for such a family, how a built chunk's blocks carry their streams
+      (``carry_streams(chunk, block_path, n)``, in the family's own module: DeepSeek-V4's carry
+      them flat, ``deepseek_v4.py``);
+    - ``tensor_parallel``: what the family's TP needs beyond its plan's styles, on each built chunk
+      (``tensor_parallel(chunk, layout)``, in its own module: DeepSeek-V4's per-head sinks and
+      grouped output projection, ``deepseek_v4.py``);
+    - ``check_layout``: the family's own refusals of a layout (``check_layout(model, layout)``,
+      one line, before anything is built), for what its module does not run on yet;
     - ``context_parallel``: its attention is split over CP exactly (``context_parallel.py``), else
       ``context_parallel_refusal`` says why not;
     - ``experts``: its fused experts, split over EP (``experts.py``); None: a dense family;
@@ -112,6 +121,9 @@ class FamilyRecord:
     pipeline: PipelineContract
     hyper_connections: HyperConnectionPlan | Callable[[Any], HyperConnectionPlan] | None = None
     native_streams: str | None = None
+    carry_streams: Callable[[nn.Module, str | None, int], None] | None = None
+    tensor_parallel: Callable[[nn.Module, Any], None] | None = None
+    check_layout: Callable[[nn.Module, Any], None] | None = None
     context_parallel: bool = False
     context_parallel_refusal: str | None = NOT_CHECKED_UNDER_CP
     experts: FusedExperts | None = None
@@ -122,6 +134,9 @@ class FamilyRecord:
         if self.native_streams is not None and self.hyper_connections is not None:
             raise ConfigError(f"family {self.model_type!r}: a family with streams of its own takes no hyper-connection "
                               "plan")
+        if (self.native_streams is None) != (self.carry_streams is None):
+            raise ConfigError(f"family {self.model_type!r}: a family with streams of its own says how its blocks carry "
+                              "them (native_streams and carry_streams together)")
         if self.context_parallel == (self.context_parallel_refusal is not None):
             raise ConfigError(f"family {self.model_type!r}: give a CP refusal reason exactly when CP is not claimed")
 
@@ -190,6 +205,11 @@ RECORDS: tuple[FamilyRecord, ...] = (
     _family("gemma3_text", QWEN3, GEMMA2_BRANCHES, context_parallel_refusal=SOFTCAPPED_WINDOWS),
     # sparse-MoE blocks (experts.py): the routed experts split over EP, not TP
     _moe("mixtral", MIXTRAL), _moe("qwen2_moe", MIXTRAL), _moe("qwen3_moe", QWEN3_MOE), _moe("olmoe", OLMOE),
+    # hyper-connections of its own (deepseek_v4.py): its streams carried as they are
+    _family("deepseek_v4", deepseek_v4.DEEPSEEK_V4, None, native_streams="hc_mult",
+            carry_streams=deepseek_v4.carry_streams_flat, tensor_parallel=deepseek_v4.split_attention,
+            check_layout=deepseek_v4.check_layout, experts=MOE_EXPERTS,
+            context_parallel_refusal=deepseek_v4.NOT_UNDER_CP),
 )
 
 FAMILIES: dict[str, FamilyRecord] = {record.model_type: record for record in RECORDS}
@@ -274,6 +294,35 @@ def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: 
     return record.hyper_connection_plan(getattr(model, "config", None))
 
 
+def native_stream_count(model: nn.Module) -> int:
+    """The residual streams ``model``'s family carries itself (1 for a family without)."""
+    record = family_of(model)
+    if record is None or record.native_streams is None:
+        return 1
+    return int(getattr(model.config, record.native_streams))
+
+
+def check_family_layout(model: nn.Module, layout: Any) -> None:
+    """The family's own refusals of ``layout`` (``FamilyRecord.check_layout``), before anything is built."""
+    record = family_of(model)
+    if record is not None and record.check_layout is not None:
+        record.check_layout(model, layout)
+
+
+def finish_family_chunks(model: nn.Module, chunks: list[nn.Module], block_path: str | None, layout: Any) -> None:
+    """The family's own steps on its built chunks (before the weights are read into them): its TP
+    beyond the plan's styles (``FamilyRecord.tensor_parallel``), and, for a family with streams of
+    its own, how its blocks carry them (``FamilyRecord.carry_streams``)."""
+    record = family_of(model)
+    if record is None:
+        return
+    for chunk in chunks:
+        if record.tensor_parallel is not None:
+            record.tensor_parallel(chunk, layout)
+        if record.carry_streams is not None:
+            record.carry_streams(chunk, block_path, native_stream_count(model))
+
+
 def refuse_native_streams(model: nn.Module) -> None:
     """A model whose family carries its own hyper-connections (``FamilyRecord.native_streams``)
     takes none of ours: refused in one line naming the family and its streams."""
@@ -286,5 +335,6 @@ def refuse_native_streams(model: nn.Module) -> None:
 
 
 __all__ = ["Branch", "FAMILIES", "Family", "FamilyRecord", "FusedExperts", "HC_PLANS", "PLANS", "PipelineContract",
-           "RECORDS", "family_of", "plan_family", "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
+           "RECORDS", "check_family_layout", "family_of", "finish_family_chunks", "native_stream_count", "plan_family",
+           "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
            "supported_families"]

@@ -40,7 +40,8 @@ from lightning_mhc.distributed.layout import ParallelLayout, single_process_layo
 from lightning_mhc.any_model.adapters import fill_adapters, unwrap_peft_model
 from lightning_mhc.any_model.context_parallel import check_context_parallel, split_over_context
 from lightning_mhc.any_model.experts import check_experts
-from lightning_mhc.any_model.families import FamilyRecord, plan_family, resolve_plan
+from lightning_mhc.any_model.families import (FamilyRecord, check_family_layout, finish_family_chunks,
+                                             native_stream_count, plan_family, resolve_plan)
 from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionPlan, HyperConnectionSettings, apply_hyper_connections, check_stream_count, hyper_connection_streams)
 from lightning_mhc.any_model.parallel_model import MaterializedReport, ParallelModel, stage_forward_kwargs
@@ -163,9 +164,12 @@ def parallelize(
     materializer = Materializer(model, settings.seed, settings.init_fn,
                                 loaded=weights.tensor_ids if weights is not None else None)
     aliases, whole_parameters = materializer.aliases(model), _unique_numel(model)  # read before the cut
-    split = split_stages(model, planned.stages, layout, settings.hidden_size, planned.streams)
+    streams = planned.streams * native_stream_count(model)  # added or the family's own: they cross the stages
+    split = split_stages(model, planned.stages, layout, settings.hidden_size, streams)
     apply_tensor_parallel(split.chunks, materializer, planned.plan, layout, model)
     modules = [chunk.module for chunk in split.chunks]
+    parts = planned.stages.parts
+    finish_family_chunks(model, modules, parts.block_path if parts else None, layout)  # the family's own pass
     report = MaterializedReport(_unique_numel(nn.ModuleList(modules)), whole_parameters, tp,
                                 layout.pipeline_model_parallel_size)
     model_parallel = ParallelModel(modules, layout.num_virtual_stages, split.hidden_size,
@@ -197,6 +201,7 @@ def plan_parallelize(model: nn.Module, settings: ParallelizeSettings) -> Planned
     streams = apply_hyper_connections(model, settings.hyper_connections, settings.hyper_connection_plan, settings.seed)
     check_recompute(settings.recompute, hyper_connections=streams > 1)
     layout = settings.layout
+    check_family_layout(model, layout)  # what the family's own modules do not run on yet
     check_plan(model, plan, layout.tensor_model_parallel_size)
     check_experts(model, layout)
     by_record = family is not None and settings.blocks is None  # the record's pipeline contract names the blocks

@@ -146,6 +146,13 @@ class _GatherLastDim(torch.autograd.Function):
         return grad.narrow(-1, dist.get_rank(ctx.group) * size, size).contiguous(), None
 
 
+def split_parameter(module: nn.Module, attr: str, dim: int, layout: ParallelLayout) -> None:
+    """``module``'s parameter ``attr`` (materialised, whole, not tied) cut to this rank's slice
+    along ``dim``, marked as megatron's split parameters are (what a style cannot express: a
+    family's own per-head tensors, ``deepseek_v4.py``)."""
+    _split(module, attr, dim, 1, layout, lambda _old, new: new)
+
+
 def _split(module: nn.Module, attr: str, dim: int, stride: int, layout: ParallelLayout, replace) -> None:
     whole = module._parameters[attr]
     if getattr(whole, "tensor_model_parallel", False):  # a tied tensor another holder split already

@@ -75,7 +75,7 @@ def check_weights(whole: nn.Module, weights) -> CheckedWeights:
     a ConfigError names every tensor that is missing, unexpected, or of another shape or dtype."""
     files = weight_files(weights)
     to_file = _check(files, _expected(whole), getattr(whole, "base_model_prefix", ""), weights,
-                     _renamed_prefixes(whole), merged_experts(whole))
+                     _renamed_prefixes(whole), merged_experts(whole), _renamed_files(whole, files))
     filled = {id(tensor) for name, tensor in whole.state_dict(keep_vars=True).items() if name in to_file}
     return CheckedWeights(files, to_file, filled)
 
@@ -146,9 +146,23 @@ def _renamed_prefixes(whole: nn.Module) -> list[tuple[str, str, bool]]:
     return pairs
 
 
+def _renamed_files(whole: nn.Module, files: dict[str, Path]) -> dict[str, str]:
+    """``{the name transformers loads a file's tensor as: its name in the files}`` where its
+    renamings chain (all of them applied in turn, as ``from_pretrained`` does: DeepSeek-V4's files
+    keep DeepSeek's own names, ``layers.0.attn.wq_a`` for ``layers.0.self_attn.q_a_proj``); empty
+    for a model without renamings."""
+    renamings = conversion_mapping(whole)
+    if not renamings:
+        return {}
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    renamings = [r for r in renamings if isinstance(r, WeightRenaming)]
+    return {apply_renamings(name, renamings): name for name in files} if renamings else {}
+
+
 def _check(files: dict[str, Path], expected: dict[str, tuple[tuple[int, ...], torch.dtype]], prefix: str,
            weights, renamed: list[tuple[str, str, bool]] = (), merged: list[tuple[str, tuple[str, ...]]] = (),
-           ) -> dict[str, str | PerExpertFiles]:
+           renamed_files: dict[str, str] | None = None) -> dict[str, str | PerExpertFiles]:
     """``{model name: file name}`` (a fused expert tensor stored per expert: its per-expert names,
     ``merged`` by :func:`~lightning_mhc.any_model.experts.merged_experts`), once every model tensor
     is found with its shape and dtype and no file tensor is left over; else a ConfigError naming them."""
@@ -161,7 +175,7 @@ def _check(files: dict[str, Path], expected: dict[str, tuple[tuple[int, ...], to
                           f"{prefix}.{name}" if prefix else None, *old_names):
             if candidate and candidate in files:
                 return candidate
-        return None
+        return (renamed_files or {}).get(name)
 
     to_file = {name: in_files(name) for name in expected}
     for name, found in to_file.items():

@@ -609,7 +609,12 @@ class TrainConfig:
 
     @property
     def vocab_size(self) -> int:
-        """``model.vocab_size``, or the data's when it is null (padded by the model)."""
+        """``model.vocab_size``, or the data's when it is null (padded by the model); model=hf: its
+        config.json's (synthetic tokens are drawn below it: a tiny model's vocabulary is under 256)."""
+        if self.model.is_hf and self.data.source == "synthetic":
+            import json
+
+            return int(json.loads((Path(self.model.hf_dir) / "config.json").read_text())["vocab_size"])
         return self.model.vocab_size or self.data.tokenizer_vocab_size()
 
     @property

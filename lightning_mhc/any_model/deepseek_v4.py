@@ -1,0 +1,142 @@
+"""DeepSeek-V4 (``model_type`` ``deepseek_v4``, transformers' ``DeepseekV4ForCausalLM``) in
+``parallelize``: what its family record (``families.py``) calls beyond the generic steps.
+
+V4 carries hyper-connections of its own (``hc_mult`` streams, ``[B, S, n, D]`` between its decoder
+layers, collapsed by ``model.hc_head`` before the final norm): ``parallelize`` adds none
+(``FamilyRecord.native_streams``) and runs its own as they are.
+
+- :func:`carry_streams_flat`: every decoder layer takes and returns its streams flat,
+  ``[B, S, n*D]``, as every other family's blocks carry their hidden states, so the pipeline sends
+  and receives them like any activation (``ParallelModel.pipeline_tensor_shape`` is
+  ``n * hidden``), and ``hc_head`` (on the last stage, after the blocks) takes them flat too. The
+  views change no value: one process is bit-exact with the model as written.
+- :data:`DEEPSEEK_V4` and :func:`split_attention`: tensor parallelism beyond transformers' own plan
+  (which keeps the attention whole): each TP rank its heads of the low-rank query (``q_b_proj`` by
+  its outputs; ``q_a_proj`` and its norm, the low rank, whole), its heads' ``sinks``, its groups of
+  the grouped output projection (``o_a_proj``'s per-group blocks, local to the rank's heads, then
+  ``o_b_proj`` by its inputs, reduced over TP), and the single shared K/V head whole on every rank,
+  its gradient summed over the ranks' heads (:func:`shared_kv_attention`); the compressor and the
+  indexer whole (they read the whole hidden state and the whole low-rank query, and feed the shared
+  K/V and the top-k picks); the shared expert split as an MLP; the routed experts and routers whole.
+- Expert parallelism: the routed experts are the record's fused experts (``experts.py``, with V4's
+  clamp of the gate and up projections); the routers stay whole on every rank that routes, the
+  hash router's ``tid2eid`` table and the score-correction bias with them (buffers of the blocks).
+- :func:`check_layout`: the layouts not built for V4 yet, refused in one line before anything is
+  built.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_mhc.any_model.plan import TPPlan
+from lightning_mhc.errors import ConfigError
+
+_ATTENTION = "model.layers.*.self_attn"
+DEEPSEEK_V4 = TPPlan(
+    layers={
+        "model.embed_tokens": "vocab",
+        f"{_ATTENTION}.q_b_proj": "column",  # the rank's heads of the low-rank query
+        f"{_ATTENTION}.o_b_proj": "row",  # the rank's groups' low-rank outputs, reduced over TP
+        "model.layers.*.mlp.shared_experts.gate_proj": "column",
+        "model.layers.*.mlp.shared_experts.up_proj": "column",
+        "model.layers.*.mlp.shared_experts.down_proj": "row",
+        "lm_head": "column",
+    },
+    # the forward reads the heads (repeat_kv's broadcast of the one K/V head) and the output groups
+    # from the module and its config; o_a_proj is cut by split_attention (its input is the rank's own)
+    divide={_ATTENTION: ("num_heads", "num_key_value_groups", "config.o_groups")},
+    divisible={_ATTENTION: ("config.num_attention_heads", "config.o_groups")},
+    output="lm_head",
+    selective=("model.layers.*.mlp",),
+)
+"""Hugging Face ``DeepseekV4ForCausalLM`` over TP (the module docstring; :func:`split_attention`
+does what a style cannot)."""
+
+NOT_UNDER_CP = "its sliding-window and compressed attention are not split over the sequence yet"
+"""The record's ``context_parallel_refusal``."""
+
+
+def check_layout(model: nn.Module, layout: Any) -> None:
+    """Refuse, before anything is built, what V4 does not run on yet: sequence parallelism (its
+    compressor and indexer read the whole sequence), and its router's auxiliary loss."""
+    name = f"{type(model).__name__} (model_type 'deepseek_v4')"
+    if getattr(layout, "sequence_parallel", False):
+        raise ConfigError(f"{name}: sequence_parallel=True is not built for it (its compressor and indexer read the "
+                          "whole sequence); leave it off (TP, PP, EP and DP run).")
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ConfigError(f"{name}: output_router_logits=True asks for its router's auxiliary loss, not built for it "
+                          "yet; set it to False (as transformers trains it by default).")
+
+
+def carry_streams_flat(chunk: nn.Module, block_path: str | None, streams: int) -> None:
+    """Each decoder layer of ``chunk`` (the modules of ``block_path``) and its ``hc_head`` (where
+    this chunk holds it) take their streams flat or not, and the layers return them flat: the
+    forwards are wrapped, so the pipeline's hooks around them (a stage's first layer taking the
+    received activations, its last one ending the stage) see ``[B, S, n*D]``."""
+    if block_path is None:
+        return
+    for layer in chunk.get_submodule(block_path).children():
+        layer.forward = _flat_streams(layer.forward, streams, flatten_output=True)
+    head = getattr(getattr(chunk, "model", None), "hc_head", None)
+    if isinstance(head, nn.Module) and hasattr(head, "hc_fn"):  # NotOnThisStage before the last stage
+        head.forward = _flat_streams(head.forward, streams, flatten_output=False)
+
+
+def _flat_streams(forward, streams: int, flatten_output: bool):
+    @functools.wraps(forward)
+    def run(hidden_states: Tensor, *args: Any, **kwargs: Any):
+        if hidden_states.dim() == 3:  # flat [B, S, n*D] (the layer before, or a previous stage's)
+            hidden_states = hidden_states.unflatten(-1, (streams, -1))
+        output = forward(hidden_states, *args, **kwargs)
+        return output.flatten(-2) if flatten_output else output
+
+    return run
+
+
+# ------------------------------------------------------------------ tensor parallelism beyond the plan
+SHARED_KV_ATTENTION = "lightning_mhc_deepseek_v4_shared_kv"
+"""The name :func:`shared_kv_attention` is registered under in transformers' attention registry
+(read from the attention's own copy of the config, so the model's masks are built as before)."""
+
+
+def split_attention(chunk: nn.Module, layout: Any) -> None:
+    """What the plan's styles cannot express, on each built attention of ``chunk`` under TP: its
+    ``sinks`` and its ``o_a_proj`` blocks cut to the rank's heads and groups (dim 0, as a column
+    layer's weight, but without the column's all-reduce of the input gradient: the input is the
+    rank's own heads' output), and its attention through :func:`shared_kv_attention`."""
+    tp = layout.tensor_model_parallel_size
+    if tp == 1:
+        return
+    from transformers import AttentionInterface
+
+    from lightning_mhc.any_model.tensor_parallel import split_parameter
+
+    AttentionInterface.register(SHARED_KV_ATTENTION, shared_kv_attention)
+    for module in chunk.modules():
+        if not (hasattr(module, "sinks") and hasattr(module, "o_a_proj")):
+            continue
+        split_parameter(module, "sinks", 0, layout)
+        grouped = module.o_a_proj
+        split_parameter(grouped, "weight", 0, layout)
+        grouped.out_features //= tp
+        grouped.n_groups //= tp
+        module.config = copy.copy(module.config)  # (its own already: the plan divided its o_groups)
+        module.config._attn_implementation = SHARED_KV_ATTENTION
+        module.shared_kv_group = layout.tp_group
+
+
+def shared_kv_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):
+    """transformers' V4 attention (``eager_attention_forward``: the sinks, the compressed entries'
+    bias) on this rank's heads, with the one K/V head every head reads (``key is value``, the
+    sliding window's and the compressed entries') whole on every rank: the identity forward, and its
+    gradient summed over TP (megatron's copy to the TP region), so that ``kv_proj``, the compressor
+    and the hidden state get the whole gradient of all heads, as in one process."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward
+
+    shared = copy_to_tensor_model_parallel_region(key, group=module.shared_kv_group)
+    return eager_attention_forward(module, query, shared, shared if value is key else value, *args, **kwargs)
