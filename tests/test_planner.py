@@ -76,15 +76,22 @@ def test_model_state_bytes_per_rank_exact(measured):
 
 
 def test_plan_starts_no_process_group(tmp_path, monkeypatch, capsys):
-    """A plan is arithmetic on the config: no process group is started, no model built."""
+    """A plan is arithmetic on the config: no process group is started or made, no model built
+    (an earlier in-process fit on this worker may have left the default group: so the calls that
+    would make one are made to fail, whatever the process holds)."""
     import torch.distributed as dist
 
     from lightning_mhc.cli.plan import plan
 
+    def refuse(*args, **kwargs):
+        raise AssertionError("the plan made a process group")
+
     monkeypatch.chdir(tmp_path)
-    assert not dist.is_initialized()
+    for name in ("init_process_group", "new_group", "new_subgroups", "new_subgroups_by_enumeration"):
+        monkeypatch.setattr(dist, name, refuse)
+    initialized = dist.is_initialized()
     rows = plan(["model=small", "parallel=tp2pp2", "trainer.devices=4"])
-    assert not dist.is_initialized()
+    assert dist.is_initialized() == initialized
     assert rows[0]["sizes"]["tensor"] == 2 and "most loaded rank" in capsys.readouterr().out
 
 

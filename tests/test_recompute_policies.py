@@ -146,12 +146,17 @@ def test_retained_activation_bytes(model_parallel, dropout):
 
 @pytest.fixture(scope="module")
 def refused_fit_leftovers(single_rank_group):
-    """What a Trainer.fit refused in ``setup`` leaves in its process: the strategy started (its
-    layout built, the parallel randomizer seeded for it) before the callback refused the policy."""
+    """A Trainer.fit refused in ``setup``: the strategy started (its layout built, the parallel
+    randomizer seeded for it) before the callback refused the policy. Its teardown puts the
+    process's randomizer back (``ProcessState``) and keeps the layout (as after any fit); the tests
+    then start from that layout with a randomizer seeded for it, as a run's."""
     import lightning.pytorch as pl
 
     from lightning_mhc import ConfigError, MHCGPTModule, MHCParallelStrategy, MHCRecomputeCallback
+    from lightning_mhc.distributed.random import model_parallel_manual_seed
     from lightning_mhc.recompute.rng import get_parallel_randomizer
+
+    before = get_parallel_randomizer()
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=MHCParallelStrategy(seed=7), max_steps=1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -160,7 +165,8 @@ def refused_fit_leftovers(single_rank_group):
                   enable_hyper_connections=False, num_residual_streams=1)
     with pytest.raises(ConfigError, match="needs enable_hyper_connections=True"):
         trainer.fit(MHCGPTModule(config))
-    assert get_parallel_randomizer() is not None  # the state this module's tests start from, on purpose
+    assert get_parallel_randomizer() is before  # the refused run left the process's randomizer as it found it
+    model_parallel_manual_seed(7, trainer.strategy.layout)  # the state this module's tests start from, on purpose
     yield trainer.strategy.layout
     # ... and not the state of the tests after this module: a randomizer left installed would feed
     # their dropout from its streams (test_fused_ops' same-mask test failed after this one)
@@ -173,7 +179,7 @@ def refused_fit_leftovers(single_rank_group):
         os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors needs its interpreter (no CUDA)")),
     "compile"])
 def test_block_recompute_replays_the_dropout_after_a_refused_fit(refused_fit_leftovers, implementation):
-    """After a refused ``Trainer.fit`` left its layout and parallel randomizer: runs seeded through
+    """On the layout a refused ``Trainer.fit`` left, with a parallel randomizer: runs seeded through
     the randomizer (``model_parallel_manual_seed``) give ``mhc_block`` the losses and gradients of
     ``none`` bit for bit with dropout, every implementation (the recompute replays the masks it
     drew, randomizer included); and once the layout is destroyed (as the ``model_parallel`` fixture
@@ -199,7 +205,7 @@ def test_block_recompute_replays_the_dropout_after_a_refused_fit(refused_fit_lef
         return all(torch.equal(la, lb) and all(torch.equal(ga[k], gb[k]) for k in ga) for (la, ga), (lb, gb) in zip(a, b))
 
     assert get_parallel_randomizer() is not None
-    assert same(run("none", reseed=True), run("mhc_block", reseed=True)), "with the randomizer left installed"
+    assert same(run("none", reseed=True), run("mhc_block", reseed=True)), "with the randomizer installed"
     destroy_parallel()
     assert get_parallel_randomizer() is None
     ParallelLayout().build()
