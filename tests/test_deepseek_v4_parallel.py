@@ -206,6 +206,8 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     message = _refusal(model=model, layout=ParallelLayout(context_parallel_size=2))
     # (the config's sliding window is named first; without one, the record's reason)
     assert message.startswith("context parallelism: DeepseekV4ForCausalLM (model_type 'deepseek_v4')"), message
+    message = _refusal(model=model, layout=ParallelLayout(), recompute="mhc_block")
+    assert message.startswith("recompute='mhc_block' on the model's own hyper-connections (4 streams"), message
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # PP runs
 
 

@@ -199,7 +199,7 @@ def plan_parallelize(model: nn.Module, settings: ParallelizeSettings) -> Planned
         plan = dataclasses.replace(plan, selective=tuple(settings.recompute_modules))
     family = plan_family(settings.plan, model)
     streams = apply_hyper_connections(model, settings.hyper_connections, settings.hyper_connection_plan, settings.seed)
-    check_recompute(settings.recompute, hyper_connections=streams > 1)
+    check_recompute(settings.recompute, hyper_connections=streams > 1, native_streams=native_stream_count(model))
     layout = settings.layout
     check_family_layout(model, layout)  # what the family's own modules do not run on yet
     check_plan(model, plan, layout.tensor_model_parallel_size)

@@ -1,6 +1,6 @@
 """Recompute for a model split by ``parallelize``: the policy's checks in ``parallelize``'s words,
 and the recompute pass (:func:`apply_recompute`) on this rank's built chunks (Hugging Face's own
-gradient checkpointing is refused with the recorded model, ``record.py``).
+gradient checkpointing replays the randomizer's streams instead, ``recompute/rng.py``).
 """
 from __future__ import annotations
 
@@ -30,11 +30,17 @@ PARALLELIZE_LABELS = {
 splits has hyper-connections or not, whichever way they were added)."""
 
 
-def check_recompute(policy: RecomputePolicy, hyper_connections: bool | None = None) -> None:
+def check_recompute(policy: RecomputePolicy, hyper_connections: bool | None = None, native_streams: int = 1) -> None:
     """What ``parallelize`` runs of a recompute policy: no named ``modules`` (it checkpoints the
     modules its plan or ``recompute_modules`` name by pattern), and the block recompute only for a
     model with hyper-connections (``hyper_connections``; None: not known yet, checked when the
-    model is split). Its errors name ``parallelize``'s arguments (``PARALLELIZE_LABELS``)."""
+    model is split) that we added: on a family's own (``native_streams`` > 1, DeepSeek-V4's) it is
+    not built yet, and said so rather than "needs hyper-connections". Its errors name
+    ``parallelize``'s arguments (``PARALLELIZE_LABELS``)."""
+    if policy.block and native_streams > 1:
+        raise ConfigError(f"recompute='mhc_block' on the model's own hyper-connections ({native_streams} streams of "
+                          "its family's design) is not built yet: use recompute='full' (or 'selective' with "
+                          "recompute_modules) for the memory.")
     try:
         if policy.modules is not None and not (policy.block and policy.modules == ("layernorm",)):
             raise ConfigError(term("policy", policy.name), " with ", term("recompute_modules", list(policy.modules)),
