@@ -23,7 +23,7 @@ from lightning_mhc.any_model.pipeline import FirstStageStub, replace_hidden_stat
 from lightning_mhc.any_model.router_loss import RouterLoss, router_loss_for
 from lightning_mhc.layers.loss import token_mean_loss
 from lightning_mhc.recompute.policy import RecomputePolicy
-from lightning_mhc.recompute.rng import replay_tracked_rng_in_hf_checkpointing, rng_fork
+from lightning_mhc.recompute.rng import hf_checkpointing_modules, replay_tracked_rng_in_hf_checkpointing, rng_fork
 
 if TYPE_CHECKING:
     from lightning_mhc.any_model.pipeline import StageSplit
@@ -82,6 +82,8 @@ class ParallelModel(nn.Module):
         self.recompute = recompute
         """The recompute policy the blocks were built with (``parallelize(recompute=...)``)."""
         self.chunks = nn.ModuleList(chunks)
+        self._checkpointing_modules = [hf_checkpointing_modules(chunk) for chunk in chunks]
+        """Per chunk, the modules ``gradient_checkpointing_enable()`` may give a checkpointing function."""
         self.num_virtual_stages = num_virtual_stages
         self.hidden_size = hidden_size
         self.vocab_parallel_logits = vocab_parallel_logits
@@ -103,7 +105,7 @@ class ParallelModel(nn.Module):
         """The stage's part of the model's forward on ``inputs`` (the model's keyword arguments):
         the activations for the next stage, or the logits on the last."""
         if self.training and torch.is_grad_enabled():  # HF checkpointing may be turned on at any time
-            replay_tracked_rng_in_hf_checkpointing(self.chunks[chunk])
+            replay_tracked_rng_in_hf_checkpointing(self.chunks[chunk], self._checkpointing_modules[chunk])
         if self.sequence_split is not None:
             inputs = self.sequence_split.split_inputs(inputs)
         self._running, self._blocks_ran = chunk, False

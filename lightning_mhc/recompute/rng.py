@@ -295,12 +295,20 @@ def replaying_tracked_rng(checkpoint_fn: Callable) -> Callable:
     return checkpoint
 
 
-def replay_tracked_rng_in_hf_checkpointing(model: Any) -> None:
+def hf_checkpointing_modules(model: Any) -> tuple[Any, ...]:
+    """The modules of ``model`` that Hugging Face's ``gradient_checkpointing_enable()`` gives a
+    checkpointing function: those with a ``gradient_checkpointing`` flag. Fixed when the model is
+    built, so a caller on the training path finds them once, not every micro-batch."""
+    return tuple(module for module in model.modules() if hasattr(module, "gradient_checkpointing"))
+
+
+def replay_tracked_rng_in_hf_checkpointing(model: Any, modules: tuple[Any, ...] | None = None) -> None:
     """Every Hugging Face checkpointing function set on ``model``'s modules
     (``gradient_checkpointing_enable()`` sets ``_gradient_checkpointing_func`` on each) wrapped by
     :func:`replaying_tracked_rng`, so their recomputes draw the forward's dropout masks. Run again
-    whenever it may have been turned on since (a wrapped one stays as it is)."""
-    for module in model.modules():
+    whenever it may have been turned on since (a wrapped one stays as it is); ``modules``, the
+    model's :func:`hf_checkpointing_modules` found before, spares the walk over the model."""
+    for module in hf_checkpointing_modules(model) if modules is None else modules:
         func = module.__dict__.get("_gradient_checkpointing_func")
         if func is not None:
             module._gradient_checkpointing_func = replaying_tracked_rng(func)
