@@ -90,9 +90,31 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def measured_on() -> dict:
+    """Where and on what code a result was taken: the git commit (``+dirty`` with uncommitted
+    changes; None outside a checkout), the UTC date, the CPUs and the machine's 1-minute load at the
+    end (a benchmark beside other work says so)."""
+    import datetime
+    import os
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        commit += "+dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return dict(commit=commit, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                cpus=os.cpu_count(), load_1min=round(os.getloadavg()[0], 2))
+
+
 def write_json(path: pathlib.Path, payload: dict) -> None:
+    """``payload`` and :func:`measured_on` as ``measured``, to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
+    path.write_text(json.dumps({**payload, "measured": measured_on()}, indent=2))
     print(f"wrote {path}")
 
 

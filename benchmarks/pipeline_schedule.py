@@ -18,15 +18,14 @@ Writes benchmarks/results/pipeline_schedule.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
 import time
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
+from _harness import RESULTS, write_json
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 SEQ, MICRO_BATCH = 64, 2
 
 
@@ -120,9 +119,7 @@ def main() -> None:
     for r in memory:
         print(f"{r['pp']:>3} {r['peak_bytes_kept']:>12,d} {r['peak_bytes_deallocated']:>12,d} "
               f"{r['saved_bytes']:>12,d} {r['saved_bytes'] / r['output_bytes']:>15.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(policy=args.policy, cpus=os.cpu_count(), rows=rows, memory=memory), indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, dict(policy=args.policy, cpus=os.cpu_count(), rows=rows, memory=memory))
 
 
 if __name__ == "__main__":
