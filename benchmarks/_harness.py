@@ -92,7 +92,7 @@ def median(values: list[float]) -> float:
 
 def measured_on() -> dict:
     """Where and on what code a result was taken: the git commit (``+dirty`` with uncommitted
-    changes; None outside a checkout), the UTC date, the CPUs and the machine's 1-minute load at the
+    changes to the code measured, the package or the benchmarks; None outside a checkout), the UTC date, the CPUs and the machine's 1-minute load at the
     end (a benchmark beside other work says so)."""
     import datetime
     import os
@@ -102,7 +102,7 @@ def measured_on() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                 text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "lightning_mhc", "benchmarks"], cwd=root,
                                capture_output=True, text=True, check=True).stdout.strip()
         commit += "+dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
