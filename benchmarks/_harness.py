@@ -92,8 +92,9 @@ def median(values: list[float]) -> float:
 
 def measured_on() -> dict:
     """Where and on what code a result was taken: the git commit (``+dirty`` with uncommitted
-    changes to the code measured, the package or the benchmarks; None outside a checkout), the UTC date, the CPUs and the machine's 1-minute load at the
-    end (a benchmark beside other work says so)."""
+    changes to the code measured, the package or the benchmarks; None outside a checkout), the UTC
+    date, the CPUs and the machine's 1-minute load at the end (a benchmark beside other work says
+    so)."""
     import datetime
     import os
     import subprocess
