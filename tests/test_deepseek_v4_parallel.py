@@ -5,14 +5,17 @@ tensor each), against the model in one process (fp32).
 
 A tiny V4 (tests/v4_utils.py: compressed sparse and heavily compressed attention, a sliding-window
 layer, a hash-routed layer with ``tid2eid`` spreading tokens over the experts, every map moved off
-its init): on one process bit-exact; one spawned 4-rank group runs PP 2 (DP 2), the streams
-crossing the stages flat, ``hc_head`` and the final norm and head on the last stage: step-0 logits
-within 1e-5. What is not built yet (TP, EP, CP on V4) and ``hyper_connections=n`` are refused in one
-line before anything is built.
+its init): on one process bit-exact; one spawned 4-rank group runs PP 2, TP 2, TP 2 x PP 2, PP 2 x EP 2
+and TP 2 x EP 2, the streams crossing the stages flat, ``hc_head`` and the final norm and head on the
+last stage: step-0 logits within 1e-5; ``Trainer.fit`` on TP 2 x EP 2, and on PP 2 x EP 2 with the
+router's own loss and the auxiliary-free bias update, equal one process. What is not built yet (SP,
+CP, ``mhc_block`` on V4) and ``hyper_connections=n`` are refused in one line before anything is built.
 """
 from __future__ import annotations
 
+import json
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ from lightning_mhc import ConfigError  # noqa: E402
 from lightning_mhc.any_model import check_parallelize, parallelize, record_module_init  # noqa: E402
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
-from v4_utils import V4_VOCAB, moved_from_init, tiny_v4_config  # noqa: E402
+from v4_utils import V4_EXPERTS, V4_VOCAB, moved_from_init, tiny_v4_config  # noqa: E402
 
 SEQ, ROWS, MICRO = 16, 4, 1
 """``ROWS`` sequences of ``SEQ`` tokens (two CSA windows of the indexer's top 2, two HCA windows,
@@ -90,12 +93,17 @@ FIT = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
 """The layout trained through ``Trainer.fit`` (DP 2): the shared K/V head's gradient summed over
 TP, the experts' over their ranks."""
 FIT_STEPS, FIT_ROWS, FIT_LR = 3, 4, 0.05
+BALANCED = dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2)
+"""The layout the router's own loss and the auxiliary-free bias update train on (DP 2): the
+routers' statistics cross the stages, the counts the DP ranks."""
+AUX_COEF, BIAS_RATE = 0.5, 0.02
 
 
-def _fit(directory: pathlib.Path, devices: int, **sizes) -> dict:
+def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float = 0.0, **sizes) -> dict:
     """``FIT_STEPS`` SGD steps of ``HFCausalLMModule`` (the CLI's ``model=hf``) through
-    ``Trainer.fit`` on ``MHCParallelStrategy(**sizes)``: each step's loss, and this rank's
-    parameters by their whole-model names (gathered over TP; experts: ``(start, block)``)."""
+    ``Trainer.fit`` on ``MHCParallelStrategy(**sizes)``: each step's loss, this rank's
+    parameters by their whole-model names (gathered over TP; experts: ``(start, block)``), its
+    routers' score-correction biases, and the batches it trained on (with its DP rank)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader
@@ -106,14 +114,18 @@ def _fit(directory: pathlib.Path, devices: int, **sizes) -> dict:
     from lightning_mhc.testing.tensor_parallel import gather_tensor_parallel
 
     class Losses(Callback):
-        losses: list = []
+        def __init__(self) -> None:
+            self.losses, self.batches = [], []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            self.batches.append((trainer.strategy.layout.data_parallel_rank, batch["tokens"], batch["labels"]))
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             self.losses.append(float(outputs["loss"].detach()))
 
     pl.seed_everything(0, verbose=False)
     module = HFCausalLMModule(str(directory), pretrained=True, optimizer="sgd", lr=FIT_LR, weight_decay=0.0,
-                              min_lr_ratio=1.0)
+                              min_lr_ratio=1.0, router_bias_update_rate=router_bias_update_rate)
     losses = Losses()
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=MHCParallelStrategy(**sizes),
                          max_steps=FIT_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -127,12 +139,15 @@ def _fit(directory: pathlib.Path, devices: int, **sizes) -> dict:
                         and any(p is param for p in m.parameters())), None)
         value = param.detach() if experts is not None else gather_tensor_parallel(param.detach(), param)
         params[module.model.global_parameter_name(name)] = (experts.local_expert_start if experts else None, value)
-    return dict(losses=losses.losses, params=params)
+    biases = {module.model.global_parameter_name(name): buffer.clone()
+              for name, buffer in module.model.named_buffers() if name.endswith("e_score_correction_bias")}
+    return dict(losses=losses.losses, params=params, biases=biases, batches=losses.batches)
 
 
-def _all_layouts(rank: int, world: int, directory: str) -> dict:
+def _all_layouts(rank: int, world: int, directory: str, balanced: str) -> dict:
     directory = pathlib.Path(directory)
-    results = {"fit": _fit(directory, world, **FIT)}
+    results = {"fit": _fit(directory, world, **FIT),
+               "balanced": _fit(pathlib.Path(balanced), world, BIAS_RATE, **BALANCED)}
     results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build())
                     for name, sizes in LAYOUTS.items()})
     return results
@@ -146,9 +161,22 @@ def test_one_process_is_the_model_bit_for_bit(saved):
     torch.testing.assert_close(logits, reference_logits(saved), rtol=0, atol=0)
 
 
-def test_layouts_equal_one_process(saved):
+@pytest.fixture(scope="module")
+def balanced(saved, tmp_path_factory) -> pathlib.Path:
+    """The saved model with its own auxiliary loss asked for (``output_router_logits``), at a
+    coefficient that makes its part of the loss far larger than the tolerance."""
+    directory = tmp_path_factory.mktemp("deepseek_v4_aux")
+    shutil.copytree(saved, directory, dirs_exist_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(output_router_logits=True, router_aux_loss_coef=AUX_COEF)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_layouts_equal_one_process(saved, balanced):
     expected = reference_logits(saved)
-    results = spawn_ranks(_all_layouts, 4, str(saved), timeout_s=240, init_group=False)
+    results = spawn_ranks(_all_layouts, 4, str(saved), str(balanced), timeout_s=300, init_group=False)
+    _check_balanced(balanced, [r["balanced"] for r in results])
     for name, sizes in LAYOUTS.items():
         dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1))
         per_rank = ROWS // dp
@@ -181,6 +209,71 @@ def test_layouts_equal_one_process(saved):
     assert compared and moved > 1e-3  # training moved the weights far beyond the tolerance
 
 
+def _check_balanced(directory: pathlib.Path, results: list[dict]) -> None:
+    """PP 2 x EP 2 (DP 2) through ``Trainer.fit`` with the config's own router loss and the
+    auxiliary-free bias update, against transformers' model in one process, by hand: per step, each
+    DP rank's microbatches (a row each: PP 2's two) through the model's forward, each loss CE + coef x
+    the ``aux_loss`` the model returns (as Hugging Face under DDP takes it, per rank and microbatch),
+    their mean backward, SGD with momentum 0.9; then every top-k router's bias moved by rate x sign(mean - count), the
+    counts of the step's tokens on both DP ranks. Losses and weights within 1e-5, biases equal."""
+    import torch.nn.functional as F
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    assert reference.config.output_router_logits and reference.config.router_aux_loss_coef == AUX_COEF
+    chosen: list = []
+    for module in reference.modules():
+        if type(module).__name__ == "DeepseekV4TopKRouter":
+            module.register_forward_hook(lambda router, args, out: chosen.append((router, out[2])))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=FIT_LR, momentum=0.9)  # HFCausalLMModule's "sgd"
+    micro = FIT_ROWS // 2 // BALANCED["pipeline_model_parallel_size"]
+    ref_losses, aux_parts = [], []
+    for step in range(FIT_STEPS):
+        by_dp = {dp: (tokens, labels) for r in results for dp, tokens, labels in [r["batches"][step]]}
+        assert sorted(by_dp) == [0, 1]
+        chosen.clear()
+        losses = []
+        for dp in sorted(by_dp):
+            for tokens, labels in zip(*(t.split(micro) for t in by_dp[dp])):
+                out = reference(input_ids=tokens)
+                losses.append(F.cross_entropy(out.logits.flatten(0, 1), labels.flatten()) + AUX_COEF * out.aux_loss)
+                aux_parts.append(AUX_COEF * out.aux_loss.item())
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ref_losses.append(loss.item())
+        with torch.no_grad():
+            counts: dict = {}
+            for router, experts in chosen:
+                counts[router] = counts.get(router, 0) + torch.bincount(experts.flatten(), minlength=V4_EXPERTS)
+            assert len(counts) == 3  # the three top-k routers (the hash router's layer has none)
+            for router, count in counts.items():
+                count = count.double()
+                router.e_score_correction_bias.add_((torch.sign(count.mean() - count) * BIAS_RATE).float())
+
+    print(f"Trainer.fit PP 2 x EP 2 with the router's loss and the bias update: losses {results[0]['losses']}; "
+          f"one process by hand {ref_losses} (the router loss's part {min(aux_parts):.3f}..{max(aux_parts):.3f})")
+    assert min(aux_parts) > 1e-2  # far above the tolerance
+    trained = dict(reference.named_parameters())
+    biases = {n: b for n, b in reference.named_buffers() if n.endswith("e_score_correction_bias")}
+    start = {n: b for n, b in transformers.AutoModelForCausalLM.from_pretrained(directory).named_buffers()
+             if n.endswith("e_score_correction_bias")}
+    assert max((biases[n] - start[n]).abs().max().item() for n in biases) >= BIAS_RATE * 0.99  # they moved
+    compared = 0
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+        for name, (start_row, value) in r["params"].items():
+            expected = trained[name].detach()
+            if start_row is not None:
+                expected = expected[start_row:start_row + value.shape[0]]
+            torch.testing.assert_close(value, expected, rtol=0, atol=1e-5, msg=name)
+            compared += 1
+        for name, bias in r["biases"].items():
+            torch.testing.assert_close(bias, biases[name], rtol=0, atol=0, msg=name)
+            compared += 1
+    assert compared and all(r["biases"] for r in results)
+
+
 def _refusal(**kwargs) -> str:
     with pytest.raises(ConfigError) as raised:
         check_parallelize(kwargs.pop("model"), "auto", **kwargs)
@@ -195,10 +288,13 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     assert "model_type 'deepseek_v4'" in message and "carries its own (hc_mult=4 streams)" in message
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True))
     assert "(model_type 'deepseek_v4'): sequence_parallel=True is not built" in message, message
-    model.config.output_router_logits = True
-    message = _refusal(model=model, layout=ParallelLayout())
-    assert "(model_type 'deepseek_v4'): output_router_logits=True asks for its router's auxiliary loss" in message
-    model.config.output_router_logits = False
+    message = _refusal(model=model, layout=ParallelLayout(), router_bias_update_rate=-0.1)
+    assert message == "router_bias_update_rate=-0.1: a number >= 0 (0: the bias stays as loaded).", message
+    with record_module_init():
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2))
+    message = _refusal(model=llama, layout=ParallelLayout(), router_bias_update_rate=1e-3)
+    assert message.startswith("router_bias_update_rate=0.001: llama has no routers with a score-correction bias"), message
     message = _refusal(model=model, layout=ParallelLayout(expert_model_parallel_size=3))  # 4 experts
     assert "4 experts, which do not split evenly over 3 ranks" in message, message
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=4))  # 4 heads, 2 groups

@@ -99,8 +99,9 @@ def test_every_table_of_families_is_a_view_of_the_records():
         assert dataclasses.replace(FAMILIES[alias], model_type=name) == FAMILIES[name]
     for record in RECORDS:
         assert record.tp.output == record.pipeline.head, record.model_type
-        # a router loss is a MoE family's (DeepSeek-V4's own is not built: its config's ask is refused)
+        # a router loss and a router bias are a MoE family's
         assert record.router_loss is None or record.experts is not None, record.model_type
+        assert record.router_bias is None or record.experts is not None, record.model_type
 
 
 def test_a_record_claims_cp_or_says_why_not_and_hyper_connections_of_one_kind():

@@ -21,6 +21,8 @@ layers, collapsed by ``model.hc_head`` before the final norm): ``parallelize`` a
 - Expert parallelism: the routed experts are the record's fused experts (``experts.py``, with V4's
   clamp of the gate and up projections); the routers stay whole on every rank that routes, the
   hash router's ``tid2eid`` table and the score-correction bias with them (buffers of the blocks).
+  Its own auxiliary loss where the config asks for it (:data:`ROUTER_LOSS`, ``router_loss.py``), and
+  the bias moved by auxiliary-free balancing where ``parallelize`` is asked to (``router_bias.py``).
 - :func:`check_layout`: the layouts not built for V4 yet, refused in one line before anything is
   built.
 """
@@ -33,7 +35,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_mhc.any_model.plan import TPPlan
+from lightning_mhc.any_model.router_loss import RouterLossSpec
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.layers.moe import SWITCH_LOAD_BALANCING
 
 _ATTENTION = "model.layers.*.self_attn"
 DEEPSEEK_V4 = TPPlan(
@@ -59,17 +63,21 @@ does what a style cannot)."""
 NOT_UNDER_CP = "its sliding-window and compressed attention are not split over the sequence yet"
 """The record's ``context_parallel_refusal``."""
 
+ROUTERS = "model.layers.*.mlp.gate"
+"""Its routers: the top-k ones carry the score-correction bias (``router_bias.py``), the hash
+routers of its first layers a fixed token table instead."""
+ROUTER_LOSS = RouterLossSpec(ROUTERS, SWITCH_LOAD_BALANCING, router_types=("DeepseekV4TopKRouter",))
+"""Its own auxiliary loss, where the config asks for it (``output_router_logits``): Switch's, over
+its top-k routers only, as transformers records their logits (the hash routers' are not)."""
+
 
 def check_layout(model: nn.Module, layout: Any) -> None:
     """Refuse, before anything is built, what V4 does not run on yet: sequence parallelism (its
-    compressor and indexer read the whole sequence), and its router's auxiliary loss."""
+    compressor and indexer read the whole sequence)."""
     name = f"{type(model).__name__} (model_type 'deepseek_v4')"
     if getattr(layout, "sequence_parallel", False):
         raise ConfigError(f"{name}: sequence_parallel=True is not built for it (its compressor and indexer read the "
                           "whole sequence); leave it off (TP, PP, EP and DP run).")
-    if getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise ConfigError(f"{name}: output_router_logits=True asks for its router's auxiliary loss, not built for it "
-                          "yet; set it to False (as transformers trains it by default).")
 
 
 def carry_streams_flat(chunk: nn.Module, block_path: str | None, streams: int) -> None:

@@ -113,7 +113,9 @@ class FamilyRecord:
     - ``experts``: its fused experts, split over EP (``experts.py``); None: a dense family;
     - ``router_loss``: a MoE family's own router loss (its routers, the rule that combines their
       statistics over layers, stages and the sequence's ranks, and the config attribute of its
-      coefficient: ``router_loss.py``); None: no router loss.
+      coefficient: ``router_loss.py``); None: no router loss;
+    - ``router_bias``: the routers (fnmatch on module names) whose score-correction bias
+      auxiliary-free balancing moves (``router_bias.py``); None: the family has none.
     """
 
     model_type: str
@@ -128,6 +130,7 @@ class FamilyRecord:
     context_parallel_refusal: str | None = NOT_CHECKED_UNDER_CP
     experts: FusedExperts | None = None
     router_loss: RouterLossSpec | None = None
+    router_bias: str | None = None
 
     def __post_init__(self) -> None:
         # a record is the family's one statement of a capability: no claim made two ways at once
@@ -209,7 +212,8 @@ RECORDS: tuple[FamilyRecord, ...] = (
     _family("deepseek_v4", deepseek_v4.DEEPSEEK_V4, None, native_streams="hc_mult",
             carry_streams=deepseek_v4.carry_streams_flat, tensor_parallel=deepseek_v4.split_attention,
             check_layout=deepseek_v4.check_layout, experts=MOE_EXPERTS,
-            context_parallel_refusal=deepseek_v4.NOT_UNDER_CP),
+            context_parallel_refusal=deepseek_v4.NOT_UNDER_CP, router_loss=deepseek_v4.ROUTER_LOSS,
+            router_bias=deepseek_v4.ROUTERS),
 )
 
 FAMILIES: dict[str, FamilyRecord] = {record.model_type: record for record in RECORDS}

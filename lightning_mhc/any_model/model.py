@@ -18,11 +18,13 @@ runs too): the plan (``families.resolve_plan``), the hyper-connections
 (``hyper_connections.apply_hyper_connections``), the recompute policy
 (``recompute.check_recompute``), the TP plan (``plan.check_plan``), the experts
 (``experts.check_experts``), the stages (``pipeline.plan_stages``) and the record's pipeline
-contract (``FamilyRecord.check_parts``), the logits layer (``tensor_parallel.output_plan``). Then the passes that build: context parallel
+contract (``FamilyRecord.check_parts``), the logits layer (``tensor_parallel.output_plan``), the
+router bias's update (``router_bias.check_router_bias``). Then the passes that build: context parallel
 (``context_parallel.split_over_context``), the pretrained files checked (``weights.check_weights``),
 the stages cut (``pipeline.split_stages``), tensor (+ sequence) parallel with the experts sharded
 (``tensor_parallel.apply_tensor_parallel``), the built chunks as one :class:`ParallelModel` with
-its side of the pipeline contract (``ParallelModel.connect_stages``) and the family's router loss,
+its side of the pipeline contract (``ParallelModel.connect_stages``), the family's router loss
+and the update of its routers' bias,
 the weights read (``weights.load_weights``), the recompute
 (``recompute.apply_recompute``).
 """
@@ -40,7 +42,7 @@ from lightning_mhc.distributed.layout import ParallelLayout, single_process_layo
 from lightning_mhc.any_model.adapters import fill_adapters, unwrap_peft_model
 from lightning_mhc.any_model.context_parallel import check_context_parallel, split_over_context
 from lightning_mhc.any_model.experts import check_experts
-from lightning_mhc.any_model.families import (FamilyRecord, check_family_layout, finish_family_chunks,
+from lightning_mhc.any_model.families import (FamilyRecord, check_family_layout, family_of, finish_family_chunks,
                                              native_stream_count, plan_family, resolve_plan)
 from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionPlan, HyperConnectionSettings, apply_hyper_connections, check_stream_count, hyper_connection_streams)
@@ -49,6 +51,7 @@ from lightning_mhc.any_model.pipeline import ModelParts, StagePlan, model_parts,
 from lightning_mhc.any_model.plan import TPPlan, check_plan
 from lightning_mhc.any_model.record import InitFn, Materializer, check_recorded, is_meta
 from lightning_mhc.any_model.recompute import apply_recompute, check_recompute, check_selective
+from lightning_mhc.any_model.router_bias import check_router_bias
 from lightning_mhc.any_model.tensor_parallel import apply_tensor_parallel, output_plan
 from lightning_mhc.any_model.weights import check_weights, load_weights
 from lightning_mhc.errors import ConfigError
@@ -77,6 +80,7 @@ class ParallelizeSettings:
     weights: str | Any | None = None
     hyper_connections: int | HyperConnectionSettings | None = None
     hyper_connection_plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto"
+    router_bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         check_stream_count(self.hyper_connections)  # named as the caller wrote it, before anything else
@@ -116,6 +120,7 @@ def parallelize(
     weights: str | Any | None = None,
     hyper_connections: int | HyperConnectionSettings | None = None,
     hyper_connection_plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto",
+    router_bias_update_rate: float = 0.0,
 ) -> ParallelModel:
     """This rank's part of ``model`` (built under :func:`record_module_init`) on ``layout``: the
     run's (a LightningModule's ``self.layout``, a strategy's ``layout``); a layout not built yet,
@@ -150,10 +155,15 @@ def parallelize(
             ``add_hyper_connections`` left it). ``recompute="mhc_block"`` needs them.
         hyper_connection_plan: where they go: ``"auto"`` (by ``model_type``), or a
             :class:`HyperConnectionPlan`.
+        router_bias_update_rate: auxiliary-free balancing of a family whose routers carry a
+            score-correction bias (DeepSeek-V4's): each step the bias moves by this towards the
+            mean load (megatron's ``moe_router_bias_update_rate``, e.g. 1e-3); 0, the default, as
+            transformers trains: the bias stays as loaded (``router_bias.py``).
     """
     settings = ParallelizeSettings(
         layout if layout is not None else ParallelLayout(), plan, blocks, pipeline_split, seed, init_fn, recompute,
-        recompute_modules, hidden_size, loss_parallel, weights, hyper_connections, hyper_connection_plan)
+        recompute_modules, hidden_size, loss_parallel, weights, hyper_connections, hyper_connection_plan,
+        router_bias_update_rate)
     if not settings.layout.is_built:  # the settings checked first, then the groups made
         built = settings.layout.build() if layout is not None else single_process_layout()
         settings = dataclasses.replace(settings, layout=built)
@@ -178,6 +188,7 @@ def parallelize(
     model_parallel.seed = settings.seed  # what adapters injected later are drawn from (place_adapters)
     model_parallel.connect_stages(split, materializer, layout)
     model_parallel.attach_router_loss(model, layout)
+    model_parallel.attach_router_bias(model, settings.router_bias_update_rate, layout)
     if weights is not None:
         load_weights(model_parallel, weights, layout)
     log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
@@ -210,6 +221,7 @@ def plan_parallelize(model: nn.Module, settings: ParallelizeSettings) -> Planned
     if by_record:
         family.check_parts(stages.parts, type(model).__name__)  # the contract against the split found
     check_selective(settings.recompute, plan)
+    check_router_bias(settings.router_bias_update_rate, family_of(model), model)
     plan, vocab_parallel = output_plan(model, plan, stages.parts, layout.tensor_model_parallel_size,
                                        settings.loss_parallel)
     return PlannedModel(model, plan, family, streams, stages, vocab_parallel)
@@ -222,6 +234,7 @@ def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] |
                       recompute_modules: tuple[str, ...] | list[str] | None = None,
                       hyper_connections: int | HyperConnectionSettings | None = None,
                       hyper_connection_plan: str | HyperConnectionPlan | Mapping[str, Any] = "auto",
+                      router_bias_update_rate: float = 0.0,
                       ) -> tuple[TPPlan, ModelParts | None, list[tuple[int, int]]]:
     """Everything :func:`parallelize` refuses, before anything is built (the CLI runs it before
     launch, on a layout not built yet): the passes' checks (:func:`plan_parallelize`) and the
@@ -230,7 +243,8 @@ def check_parallelize(model: nn.Module, plan: str | TPPlan | Mapping[str, Any] |
     block range (of the copy, if one was made)."""
     settings = ParallelizeSettings(layout, plan, blocks, pipeline_split, seed, recompute=recompute,
                                    recompute_modules=recompute_modules, hyper_connections=hyper_connections,
-                                   hyper_connection_plan=hyper_connection_plan)
+                                   hyper_connection_plan=hyper_connection_plan,
+                                   router_bias_update_rate=router_bias_update_rate)
     recorded = unwrap_peft_model(model)
     if HyperConnectionSettings.of(hyper_connections).enabled and hyper_connection_streams(recorded) == 1 \
             and is_meta(recorded):

@@ -20,6 +20,7 @@ from lightning_mhc.any_model.adapters import place_injected_adapters
 from lightning_mhc.any_model.context_parallel import SequenceSplit
 from lightning_mhc.any_model.families import family_of
 from lightning_mhc.any_model.pipeline import FirstStageStub, replace_hidden_states
+from lightning_mhc.any_model.router_bias import RouterBias, biased_routers
 from lightning_mhc.any_model.router_loss import RouterLoss, router_loss_for
 from lightning_mhc.layers.loss import token_mean_loss
 from lightning_mhc.recompute.policy import RecomputePolicy
@@ -91,6 +92,8 @@ class ParallelModel(nn.Module):
         self.report = report
         self.forward_kwargs = forward_kwargs
         self._inputs: list[Tensor | None] = [None] * len(chunks)
+        self.router_bias: RouterBias | None = None
+        """Auxiliary-free balancing of the family's biased routers, where asked (``router_bias.py``)."""
         self.router_loss: RouterLoss | None = None
         """A Hugging Face MoE family's own router loss, where its config asks for it
         (``output_router_logits``): added to :meth:`loss` (``router_loss.py``)."""
@@ -209,6 +212,13 @@ class ParallelModel(nn.Module):
             self.router_loss = router_loss
             if router_loss.active:
                 self.forward_kwargs = {**self.forward_kwargs, "output_router_logits": False}
+
+    def attach_router_bias(self, model: nn.Module, rate: float, layout: ParallelLayout) -> None:
+        """Auxiliary-free balancing of the family's biased routers on this rank, at ``rate`` (0: none):
+        a submodule the runtime updates once per optimizer step (``router_bias.py``)."""
+        family = family_of(model)
+        if rate and family is not None and family.router_bias is not None:
+            self.router_bias = RouterBias(biased_routers(list(self.chunks), family.router_bias), rate, layout)
 
     # ------------------------------------------------------------------ hooks
     def _take_input(self, chunk: int, module: nn.Module, args: tuple, kwargs: dict):

@@ -59,6 +59,9 @@ class RouterLossSpec:
     top_k: str = "num_experts_per_tok"
     enabled: str = "output_router_logits"
     coef: str = "router_aux_loss_coef"
+    router_types: tuple[str, ...] = ()
+    """The class names of the modules that are routers where ``routers`` names others too (a
+    family's hash routers, left out of its loss); empty: every module it names."""
 
 
 def in_backward() -> bool:
@@ -103,7 +106,8 @@ class RouterLoss:
         self.routers: list[tuple[str, nn.Module]] = []
         for chunk in chunks:
             for name, module in chunk.named_modules():
-                if fnmatch.fnmatchcase(name, spec.routers):
+                if fnmatch.fnmatchcase(name, spec.routers) and (
+                        not spec.router_types or type(module).__name__ in spec.router_types):
                     self.routers.append((name, module))
                     module.register_forward_hook(self._routed)
         self._router_names = {id(module): name for name, module in self.routers}

@@ -37,8 +37,9 @@ DATA_SOURCES = ("stdlib", "text", "synthetic", "megatron")
 MODEL_SOURCES = ("gpt", "hf")
 HF_MODEL_KEYS = ("pretrained", "config", "hyper_connections", "plan")
 """The model group's keys only a Hugging Face model (model=hf) reads."""
-SHARED_MODEL_KEYS = ("source", "init_seed", "mhc_implementation")
-"""The model group's keys both models read; every other key is the project's GPT's alone."""
+SHARED_MODEL_KEYS = ("source", "init_seed", "mhc_implementation", "moe_router_bias_update_rate")
+"""The model group's keys both models read; every other key is the project's GPT's alone
+(``moe_router_bias_update_rate``: a Hugging Face family's biased routers, as DeepSeek-V4's, too)."""
 BYTE_VOCAB = 256
 """The vocabulary of the byte-level sources (stdlib, text)."""
 LOGGERS = ("csv", "wandb", "none")
@@ -84,7 +85,8 @@ def _one_of(key: str, value: Any, choices: tuple[str, ...], fix: str | None = No
 class ModelConfig:
     """The model group: the project's mHC GPT (``source: gpt``, the MHCTransformerConfig fields a run
     chooses), or a Hugging Face causal LM (``source: hf``: ``pretrained`` or ``config``,
-    ``hyper_connections``, ``plan``; and the shared ``init_seed``, ``mhc_implementation``).
+    ``hyper_connections``, ``plan``; and the shared ``init_seed``, ``mhc_implementation``,
+    ``moe_router_bias_update_rate``).
 
     A key the chosen model does not read is null here and refused when given, whatever its value
     (``model=hf model.num_residual_streams=4`` would otherwise be silently ignored); the defaults
@@ -251,7 +253,8 @@ class ModelConfig:
 
     def transformer_kwargs(self) -> dict[str, Any]:
         kwargs = {k: getattr(self, k) for k in self.own_keys if k != "activation"}
-        kwargs.update(init_seed=self.init_seed, mhc_implementation=self.mhc_implementation)
+        kwargs.update(init_seed=self.init_seed, mhc_implementation=self.mhc_implementation,
+                      moe_router_bias_update_rate=self.moe_router_bias_update_rate)
         kwargs["activation_func"], kwargs["gated_linear_unit"] = ACTIVATIONS[self.activation]
         return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -274,7 +277,8 @@ GPT_SIZES = dict(num_layers=4, hidden_size=64, num_attention_heads=4, max_sequen
 them out); its other keys default to ``MHCTransformerConfig``'s."""
 NULL_IS_A_CHOICE = ("num_query_groups", "ffn_hidden_size", "vocab_size")
 """GPT keys whose null the model resolves itself (one group per head, 4 x hidden, the data's)."""
-HF_DEFAULTS = dict(plan="auto", init_seed=0)
+HF_DEFAULTS = dict(plan="auto", init_seed=0, moe_router_bias_update_rate=0.0)
+"""model=hf's defaults (the routers' bias stays as loaded, as transformers trains)."""
 
 
 @functools.cache
@@ -673,7 +677,8 @@ class TrainConfig:
             model = recorded_hf_model(m.hf_dir)
             _check_built_in_plan(model, m.plan)
             check_parallelize(model, m.plan, layout=self.layout, recompute=self.recompute_policy,
-                              hyper_connections=m.hyper_connection_settings)
+                              hyper_connections=m.hyper_connection_settings,
+                              router_bias_update_rate=m.moe_router_bias_update_rate)
             if m.pretrained:
                 check_weights(model, m.pretrained)
         except ConfigError as error:

@@ -166,7 +166,8 @@ def _build_module_and_data(cfg: TrainConfig, output_dir: Path):
                                   plan=m.plan, seed=m.init_seed, optimizer=o.name, lr=o.lr, weight_decay=o.weight_decay,
                                   warmup_steps=o.warmup_steps, min_lr_ratio=o.min_lr_ratio,
                                   implementation=m.mhc_implementation, peak_flops=_peak_flops(cfg),
-                                  override_scheduler=o.override_scheduler)
+                                  override_scheduler=o.override_scheduler,
+                                  router_bias_update_rate=m.moe_router_bias_update_rate)
         return module, _build_data(cfg, output_dir)
     module = MHCGPTModule(cfg.transformer_config(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                           warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,

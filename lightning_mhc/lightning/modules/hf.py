@@ -65,6 +65,8 @@ class HFCausalLMModule(ParallelLMModule):
         override_scheduler: resuming from a checkpoint of another schedule follows this one from the
             checkpoint's step (without it, refused: ``WarmupCosineSchedule``).
         implementation: the hyper-connections' ops (``mhc_implementation``).
+        router_bias_update_rate: auxiliary-free balancing of a family whose routers carry a
+            score-correction bias (DeepSeek-V4's; ``parallelize``'s argument); 0: the bias stays.
         peak_flops: one device's peak FLOP/s, for the logged ``mfu``; None: the figure of a known
             GPU (``lightning_mhc.model.flops``), and no ``mfu`` on CPU or an unknown device.
     """
@@ -73,7 +75,7 @@ class HFCausalLMModule(ParallelLMModule):
                  plan: str = "auto", seed: int = 0, optimizer: str = "adamw", lr: float = 3e-4,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0,
                  min_lr_ratio: float = 0.1, implementation: str = "auto", peak_flops: float | None = None,
-                 override_scheduler: bool = False) -> None:
+                 override_scheduler: bool = False, router_bias_update_rate: float = 0.0) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay, betas=betas)
         self.peak_flops = peak_flops
         self._forward_flops: tuple[float, float] | None = None
@@ -85,6 +87,7 @@ class HFCausalLMModule(ParallelLMModule):
         self.hyper_connection_settings = HyperConnectionSettings.of(hyper_connections, seed, implementation)
         self.optimizer_name, self.warmup_steps, self.min_lr_ratio = optimizer, warmup_steps, min_lr_ratio
         self.override_scheduler = override_scheduler
+        self.router_bias_update_rate = router_bias_update_rate
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -92,7 +95,8 @@ class HFCausalLMModule(ParallelLMModule):
             self._forward_flops = _forward_flops_of(recorded, self.hyper_connection_settings)
             self.model = self.parallelize(recorded, self.plan, seed=self.seed,
                                           weights=self.model_dir if self.pretrained else None,
-                                          hyper_connections=self.hyper_connection_settings)
+                                          hyper_connections=self.hyper_connection_settings,
+                                          router_bias_update_rate=self.router_bias_update_rate)
 
     def flops_per_token(self, seq_length: int) -> float | None:
         """Training FLOPs per token of the whole model (3 x forward: ``module_forward_flops_terms``
