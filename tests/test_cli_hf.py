@@ -78,6 +78,10 @@ def _hf(llama_dir, *extra):
     (["data.seq_length=256"], r"data.seq_length=256 exceeds its max_position_embeddings=128"),
     (["parallel.expert_model_parallel_size=2", "trainer.devices=2"],
      r"parallel.expert_model_parallel_size=2: LlamaForCausalLM has no fused experts .* to split; set it to 1"),
+    # the GPT's and a biased router's key (DeepSeek-V4's): on a family without such routers, refused
+    (["model.moe_router_bias_update_rate=0.001"],
+     r"model.pretrained=.*: model.moe_router_bias_update_rate=0.001: llama has no routers with a score-correction bias"),
+    (["model.moe_router_bias_update_rate=0"], None),
 ])
 def test_the_command_line_checks_a_hugging_face_model_before_launch(llama_dir, extra, message, tmp_path, monkeypatch,
                                                                    capsys):

@@ -842,6 +842,7 @@ CONFIG_LABELS: dict[str, Label] = {
                                _recompute_modules),
     "mhc_recompute_layer_num": Label("recompute.mhc_recompute_layer_num"),
     "hyper_connections": Label("model.hyper_connections", lambda _: "model.hyper_connections=<n >= 2> (model=hf)"),
+    "router_bias_update_rate": Label("model.moe_router_bias_update_rate"),
 }
 """The one table from field names of the values the CLI builds (layout, strategy settings, recompute
 policy, model config) to its config keys: their errors are relabelled by it (``in_config_keys``)."""
