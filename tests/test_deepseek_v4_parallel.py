@@ -22,6 +22,7 @@ pytest.importorskip("transformers.models.deepseek_v4")
 
 from lightning_mhc import ConfigError  # noqa: E402
 from lightning_mhc.any_model import check_parallelize, parallelize, record_module_init  # noqa: E402
+from lightning_mhc.distributed.context_parallel import shard_sequence  # noqa: E402
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 from v4_utils import V4_VOCAB, moved_from_init, tiny_v4_config  # noqa: E402
@@ -76,14 +77,18 @@ def _pipeline_logits(directory: pathlib.Path, layout: ParallelLayout) -> tuple[i
                                 ScheduleConfig(layout, model.pipeline_tensor_shape(microbatches[0]), forward_only=True))
     experts = {(m.local_expert_start, m.gate_up_proj.shape[0]) for m in model.modules()
                if type(m).__name__ == "ExpertParallelExperts"}
-    return dp_rank, torch.cat(logits) if logits else None, experts, layout.expert_model_parallel_rank
+    cp_rank = layout.context_parallel_rank if layout.context_parallel_size > 1 else None
+    return dp_rank, torch.cat(logits) if logits else None, experts, layout.expert_model_parallel_rank, cp_rank
 
 
 LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model_parallel_size=2),
            "tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
            "pp2ep2": dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
-           "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)}
-"""The layouts of the 4 ranks (DP fills the rest)."""
+           "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+           "cp2": dict(context_parallel_size=2), "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2)}
+"""The layouts of the 4 ranks (DP fills the rest). Under CP 2 each sequence of ``SEQ`` tokens is cut
+into 4 chunks of 4: the sliding window (8), the HCA windows (8) and CSA's overlapping pairs of
+windows (2 x 4) cross the chunk borders."""
 
 
 FIT = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
@@ -150,16 +155,22 @@ def test_layouts_equal_one_process(saved):
     expected = reference_logits(saved)
     results = spawn_ranks(_all_layouts, 4, str(saved), timeout_s=240, init_group=False)
     for name, sizes in LAYOUTS.items():
-        dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1))
+        cp = sizes.get("context_parallel_size", 1)
+        dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1) * cp)
         per_rank = ROWS // dp
         found = [r[name][:2] for r in results if r[name][1] is not None]  # the last stage's ranks
         assert sorted({d for d, _ in found}) == list(range(dp)), name
         # under EP each rank holds its 2 of every layer's 4 experts
         ep = sizes.get("expert_model_parallel_size", 1)
         assert all(r[name][2] == ({(2 * r[name][3], 2)} if ep > 1 else set()) for r in results), (name, [r[name][2:] for r in results])
-        for dp_rank, logits in found:
-            torch.testing.assert_close(logits, expected[dp_rank * per_rank:(dp_rank + 1) * per_rank], rtol=0,
-                                       atol=1e-5, msg=name)
+        for r in results:
+            dp_rank, logits, cp_rank = r[name][0], r[name][1], r[name][4]
+            if logits is None:
+                continue
+            rows = expected[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+            if cp_rank is not None:  # this rank's chunks r and 2cp-1-r of the sequence
+                rows = shard_sequence(rows, cp_rank, cp, dim=1)
+            torch.testing.assert_close(logits, rows, rtol=0, atol=1e-5, msg=name)
 
     # the same 3 steps in one process, through the same Trainer.fit
     reference = _fit(saved, 1)

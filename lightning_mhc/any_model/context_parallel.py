@@ -105,7 +105,8 @@ def check_context_parallel_family(model: nn.Module) -> None:
         raise ConfigError(f"context parallelism: {name}: {reason}; the families split over CP are "
                           f"{', '.join(context_parallel_families())} (docs/context_parallel.md#hugging-face-models): use "
                           "context_parallel_size=1.")
-    reason = _inexact_attention(config)
+    # a family that splits its own attention (windows, compressed entries) owns what the config shows
+    reason = None if record.context_parallel_attention is not None else _inexact_attention(config)
     if reason:
         raise ConfigError(f"context parallelism: {name}: {reason}, which the all-gathered causal attention does not "
                           "compute: use context_parallel_size=1.")

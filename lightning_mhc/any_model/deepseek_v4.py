@@ -56,10 +56,6 @@ DEEPSEEK_V4 = TPPlan(
 """Hugging Face ``DeepseekV4ForCausalLM`` over TP (the module docstring; :func:`split_attention`
 does what a style cannot)."""
 
-NOT_UNDER_CP = "its sliding-window and compressed attention are not split over the sequence yet"
-"""The record's ``context_parallel_refusal``."""
-
-
 def check_layout(model: nn.Module, layout: Any) -> None:
     """Refuse, before anything is built, what V4 does not run on yet: sequence parallelism (its
     compressor and indexer read the whole sequence), and its router's auxiliary loss."""
