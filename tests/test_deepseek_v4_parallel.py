@@ -91,9 +91,12 @@ into 4 chunks of 4: the sliding window (8), the HCA windows (8) and CSA's overla
 windows (2 x 4) cross the chunk borders."""
 
 
-FIT = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
-"""The layout trained through ``Trainer.fit`` (DP 2): the shared K/V head's gradient summed over
-TP, the experts' over their ranks."""
+FITS = {"tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+        "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2),
+        "cp2ep2": dict(context_parallel_size=2, expert_model_parallel_size=2)}
+"""The layouts trained through ``Trainer.fit``: the shared K/V head's gradient summed over TP, the
+experts' over their ranks; under CP the gathered K/V's and compressor inputs' gradients
+reduce-scattered back to their ranks, the loss each rank's part of the mean."""
 FIT_STEPS, FIT_ROWS, FIT_LR = 3, 4, 0.05
 
 
@@ -123,7 +126,8 @@ def _fit(directory: pathlib.Path, devices: int, **sizes) -> dict:
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=MHCParallelStrategy(**sizes),
                          max_steps=FIT_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[losses])
-    dp = devices // sizes.get("tensor_model_parallel_size", 1) // sizes.get("pipeline_model_parallel_size", 1)
+    dp = (devices // sizes.get("tensor_model_parallel_size", 1) // sizes.get("pipeline_model_parallel_size", 1)
+          // sizes.get("context_parallel_size", 1))
     data = SyntheticTokens(FIT_ROWS * FIT_STEPS, SEQ, vocab_size=V4_VOCAB, seed=3)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=FIT_ROWS // dp))
     params = {}
@@ -137,7 +141,7 @@ def _fit(directory: pathlib.Path, devices: int, **sizes) -> dict:
 
 def _all_layouts(rank: int, world: int, directory: str) -> dict:
     directory = pathlib.Path(directory)
-    results = {"fit": _fit(directory, world, **FIT)}
+    results = {f"fit {name}": _fit(directory, world, **sizes) for name, sizes in FITS.items()}
     results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build())
                     for name, sizes in LAYOUTS.items()})
     return results
@@ -174,18 +178,19 @@ def test_layouts_equal_one_process(saved):
 
     # the same 3 steps in one process, through the same Trainer.fit
     reference = _fit(saved, 1)
-    print(f"Trainer.fit TP 2 x EP 2 losses {[r['fit']['losses'] for r in results]}; one process "
-          f"{reference['losses']}")
     compared = 0
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["fit"]["losses"]), torch.tensor(reference["losses"]), rtol=0,
-                                   atol=1e-5)
-        for name, (start, value) in r["fit"]["params"].items():
-            expected_value = reference["params"][name][1]
-            if start is not None:
-                expected_value = expected_value[start:start + value.shape[0]]
-            torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5, msg=name)
-            compared += 1
+    for fit in FITS:
+        print(f"Trainer.fit {fit} losses {[r['fit ' + fit]['losses'] for r in results]}; one process "
+              f"{reference['losses']}")
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r[f"fit {fit}"]["losses"]), torch.tensor(reference["losses"]),
+                                       rtol=0, atol=1e-5, msg=fit)
+            for name, (start, value) in r[f"fit {fit}"]["params"].items():
+                expected_value = reference["params"][name][1]
+                if start is not None:
+                    expected_value = expected_value[start:start + value.shape[0]]
+                torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5, msg=f"{fit} {name}")
+                compared += 1
     start = {n: p for n, p in transformers.AutoModelForCausalLM.from_pretrained(saved).named_parameters()}
     moved = max((reference["params"][n][1] - p.detach()).abs().max().item() for n, p in start.items()
                 if n in reference["params"])
