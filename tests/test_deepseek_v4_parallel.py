@@ -7,8 +7,10 @@ A tiny V4 (tests/v4_utils.py: compressed sparse and heavily compressed attention
 layer, a hash-routed layer with ``tid2eid`` spreading tokens over the experts, every map moved off
 its init): on one process bit-exact; one spawned 4-rank group runs PP 2 (DP 2), the streams
 crossing the stages flat, ``hc_head`` and the final norm and head on the last stage: step-0 logits
-within 1e-5. What is not built yet (TP, EP, CP on V4) and ``hyper_connections=n`` are refused in one
-line before anything is built.
+within 1e-5; the same group runs TP, EP and CP (``any_model/deepseek_v4_context.py``: CP 2, TP 2 x
+CP 2, PP 2 x CP 2, a left-padded batch) and trains through ``Trainer.fit`` (TP 2 x EP 2, TP 2 x CP 2,
+CP 2 x EP 2) against one process. What is not built yet and ``hyper_connections=n`` are refused in
+one line before anything is built.
 """
 from __future__ import annotations
 
@@ -51,22 +53,32 @@ def saved(tmp_path_factory) -> pathlib.Path:
     return directory
 
 
-def reference_logits(directory: pathlib.Path) -> torch.Tensor:
+def padding() -> torch.Tensor:
+    """A left-padding mask of the batch: row ``i`` starts after ``PADS[i]`` pad tokens (crossing
+    the first CP chunk border for the last rows)."""
+    return (torch.arange(SEQ)[None, :] >= torch.tensor(PADS)[:, None]).long()
+
+
+PADS = (0, 3, 5, 7)
+
+
+def reference_logits(directory: pathlib.Path, padded: bool = False) -> torch.Tensor:
     """The model as transformers reads its files, in one process."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     with torch.no_grad():
-        return model(input_ids=batch()).logits
+        return model(input_ids=batch(), attention_mask=padding() if padded else None).logits
 
 
-def _pipeline_logits(directory: pathlib.Path, layout: ParallelLayout) -> tuple[int, torch.Tensor | None]:
-    """Step-0 logits of this DP rank's rows through the forward-only pipeline schedule (None
-    before the last stage)."""
+def _pipeline_logits(directory: pathlib.Path, layout: ParallelLayout, padded: bool = False) -> tuple:
+    """Step-0 logits of this DP rank's rows (of its CP chunks) through the forward-only pipeline
+    schedule (None before the last stage)."""
     from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
 
     model = parallelize(meta_model(directory), "auto", layout=layout, weights=directory, loss_parallel=False)
     per_rank, dp_rank = ROWS // layout.data_parallel_size, layout.data_parallel_rank
     rows = batch()[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    microbatches = [dict(input_ids=c) for c in rows.split(MICRO)]
+    masks = padding()[dp_rank * per_rank:(dp_rank + 1) * per_rank].split(MICRO)
+    microbatches = [dict(input_ids=c, attention_mask=m if padded else None) for c, m in zip(rows.split(MICRO), masks)]
     logits = []
 
     def loss_func(output, microbatch):
@@ -85,10 +97,12 @@ LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model
            "tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
            "pp2ep2": dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
            "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
-           "cp2": dict(context_parallel_size=2), "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2)}
-"""The layouts of the 4 ranks (DP fills the rest). Under CP 2 each sequence of ``SEQ`` tokens is cut
-into 4 chunks of 4: the sliding window (8), the HCA windows (8) and CSA's overlapping pairs of
-windows (2 x 4) cross the chunk borders."""
+           "cp2": dict(context_parallel_size=2), "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2),
+           "pp2cp2": dict(pipeline_model_parallel_size=2, context_parallel_size=2),
+           "cp2 padded": dict(context_parallel_size=2)}
+"""The layouts of the 4 ranks (DP fills the rest); "padded": the batch left-padded (``PADS``).
+Under CP 2 each sequence of ``SEQ`` tokens is cut into 4 chunks of 4: the sliding window (8), the
+HCA windows (8) and CSA's overlapping pairs of windows (2 x 4) cross the chunk borders."""
 
 
 FITS = {"tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
@@ -142,7 +156,7 @@ def _fit(directory: pathlib.Path, devices: int, **sizes) -> dict:
 def _all_layouts(rank: int, world: int, directory: str) -> dict:
     directory = pathlib.Path(directory)
     results = {f"fit {name}": _fit(directory, world, **sizes) for name, sizes in FITS.items()}
-    results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build())
+    results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build(), name.endswith("padded"))
                     for name, sizes in LAYOUTS.items()})
     return results
 
@@ -156,7 +170,7 @@ def test_one_process_is_the_model_bit_for_bit(saved):
 
 
 def test_layouts_equal_one_process(saved):
-    expected = reference_logits(saved)
+    expected = {padded: reference_logits(saved, padded) for padded in (False, True)}
     results = spawn_ranks(_all_layouts, 4, str(saved), timeout_s=240, init_group=False)
     for name, sizes in LAYOUTS.items():
         cp = sizes.get("context_parallel_size", 1)
@@ -171,7 +185,7 @@ def test_layouts_equal_one_process(saved):
             dp_rank, logits, cp_rank = r[name][0], r[name][1], r[name][4]
             if logits is None:
                 continue
-            rows = expected[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+            rows = expected[name.endswith("padded")][dp_rank * per_rank:(dp_rank + 1) * per_rank]
             if cp_rank is not None:  # this rank's chunks r and 2cp-1-r of the sequence
                 rows = shard_sequence(rows, cp_rank, cp, dim=1)
             torch.testing.assert_close(logits, rows, rtol=0, atol=1e-5, msg=name)
@@ -219,12 +233,23 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     assert "4 experts, which do not split evenly over 3 ranks" in message, message
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=4))  # 4 heads, 2 groups
     assert "o_groups" in message, message
-    message = _refusal(model=model, layout=ParallelLayout(context_parallel_size=2))
-    # (the config's sliding window is named first; without one, the record's reason)
-    assert message.startswith("context parallelism: DeepseekV4ForCausalLM (model_type 'deepseek_v4')"), message
     message = _refusal(model=model, layout=ParallelLayout(), recompute="mhc_block")
     assert message.startswith("recompute='mhc_block' on the model's own hyper-connections (4 streams"), message
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # PP runs
+    check_parallelize(model, "auto", layout=ParallelLayout(context_parallel_size=2))  # CP too (its own attention)
+
+
+def test_the_command_line_refuses_a_sequence_cp_does_not_split_before_launch(saved, tmp_path, monkeypatch, capsys):
+    """CP 2 cuts the sequence into 4 chunks: 18 tokens are refused in one line before launch (the
+    compressed windows need nothing more: the compressors run on the gathered sequence)."""
+    from train_cli import check_before_launch
+
+    command = ["model=hf", f"model.pretrained={saved}", "data=synthetic", "parallel=cp2", "trainer.devices=2"]
+    status, err = check_before_launch([*command, "data.seq_length=16"], tmp_path, monkeypatch, capsys)
+    assert status == 0, err
+    status, err = check_before_launch([*command, "data.seq_length=18"], tmp_path, monkeypatch, capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert "parallel.context_parallel_size=2 cuts data.seq_length=18 into 2 * 2 chunks" in err, err
 
 
 def test_the_command_line_trains_it_on_pp2_ep2_as_one_process(saved, tmp_path):
