@@ -5,11 +5,13 @@ tensor each), against the model in one process (fp32).
 
 A tiny V4 (tests/v4_utils.py: compressed sparse and heavily compressed attention, a sliding-window
 layer, a hash-routed layer with ``tid2eid`` spreading tokens over the experts, every map moved off
-its init): on one process bit-exact; one spawned 4-rank group runs PP 2, TP 2, TP 2 x PP 2, PP 2 x EP 2
-and TP 2 x EP 2, the streams crossing the stages flat, ``hc_head`` and the final norm and head on the
-last stage: step-0 logits within 1e-5; ``Trainer.fit`` on TP 2 x EP 2, and on PP 2 x EP 2 with the
-router's own loss and the auxiliary-free bias update, equal one process. What is not built yet (SP,
-CP, ``mhc_block`` on V4) and ``hyper_connections=n`` are refused in one line before anything is built.
+its init): on one process bit-exact; one spawned 4-rank group runs PP 2 (DP 2), the streams
+crossing the stages flat, ``hc_head`` and the final norm and head on the last stage: step-0 logits
+within 1e-5; the same group runs TP, EP and CP (``any_model/deepseek_v4_context.py``: CP 2, TP 2 x
+CP 2, PP 2 x CP 2, a left-padded batch) and trains through ``Trainer.fit`` (TP 2 x EP 2, TP 2 x CP 2,
+CP 2 x EP 2; and PP 2 x EP 2 with the router's own loss and the auxiliary-free bias update, against
+transformers' model trained by hand) against one process. What is not built yet and
+``hyper_connections=n`` are refused in one line before anything is built.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ pytest.importorskip("transformers.models.deepseek_v4")
 
 from lightning_mhc import ConfigError  # noqa: E402
 from lightning_mhc.any_model import check_parallelize, parallelize, record_module_init  # noqa: E402
+from lightning_mhc.distributed.context_parallel import shard_sequence  # noqa: E402
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 from v4_utils import V4_EXPERTS, V4_VOCAB, moved_from_init, tiny_v4_config  # noqa: E402
@@ -53,22 +56,32 @@ def saved(tmp_path_factory) -> pathlib.Path:
     return directory
 
 
-def reference_logits(directory: pathlib.Path) -> torch.Tensor:
+def padding() -> torch.Tensor:
+    """A left-padding mask of the batch: row ``i`` starts after ``PADS[i]`` pad tokens (crossing
+    the first CP chunk border for the last rows)."""
+    return (torch.arange(SEQ)[None, :] >= torch.tensor(PADS)[:, None]).long()
+
+
+PADS = (0, 3, 5, 7)
+
+
+def reference_logits(directory: pathlib.Path, padded: bool = False) -> torch.Tensor:
     """The model as transformers reads its files, in one process."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     with torch.no_grad():
-        return model(input_ids=batch()).logits
+        return model(input_ids=batch(), attention_mask=padding() if padded else None).logits
 
 
-def _pipeline_logits(directory: pathlib.Path, layout: ParallelLayout) -> tuple[int, torch.Tensor | None]:
-    """Step-0 logits of this DP rank's rows through the forward-only pipeline schedule (None
-    before the last stage)."""
+def _pipeline_logits(directory: pathlib.Path, layout: ParallelLayout, padded: bool = False) -> tuple:
+    """Step-0 logits of this DP rank's rows (of its CP chunks) through the forward-only pipeline
+    schedule (None before the last stage)."""
     from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
 
     model = parallelize(meta_model(directory), "auto", layout=layout, weights=directory, loss_parallel=False)
     per_rank, dp_rank = ROWS // layout.data_parallel_size, layout.data_parallel_rank
     rows = batch()[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    microbatches = [dict(input_ids=c) for c in rows.split(MICRO)]
+    masks = padding()[dp_rank * per_rank:(dp_rank + 1) * per_rank].split(MICRO)
+    microbatches = [dict(input_ids=c, attention_mask=m if padded else None) for c, m in zip(rows.split(MICRO), masks)]
     logits = []
 
     def loss_func(output, microbatch):
@@ -79,19 +92,28 @@ def _pipeline_logits(directory: pathlib.Path, layout: ParallelLayout) -> tuple[i
                                 ScheduleConfig(layout, model.pipeline_tensor_shape(microbatches[0]), forward_only=True))
     experts = {(m.local_expert_start, m.gate_up_proj.shape[0]) for m in model.modules()
                if type(m).__name__ == "ExpertParallelExperts"}
-    return dp_rank, torch.cat(logits) if logits else None, experts, layout.expert_model_parallel_rank
+    cp_rank = layout.context_parallel_rank if layout.context_parallel_size > 1 else None
+    return dp_rank, torch.cat(logits) if logits else None, experts, layout.expert_model_parallel_rank, cp_rank
 
 
 LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model_parallel_size=2),
            "tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
            "pp2ep2": dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
-           "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)}
-"""The layouts of the 4 ranks (DP fills the rest)."""
+           "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+           "cp2": dict(context_parallel_size=2), "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2),
+           "pp2cp2": dict(pipeline_model_parallel_size=2, context_parallel_size=2),
+           "cp2 padded": dict(context_parallel_size=2)}
+"""The layouts of the 4 ranks (DP fills the rest); "padded": the batch left-padded (``PADS``).
+Under CP 2 each sequence of ``SEQ`` tokens is cut into 4 chunks of 4: the sliding window (8), the
+HCA windows (8) and CSA's overlapping pairs of windows (2 x 4) cross the chunk borders."""
 
 
-FIT = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
-"""The layout trained through ``Trainer.fit`` (DP 2): the shared K/V head's gradient summed over
-TP, the experts' over their ranks."""
+FITS = {"tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+        "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2),
+        "cp2ep2": dict(context_parallel_size=2, expert_model_parallel_size=2)}
+"""The layouts trained through ``Trainer.fit``: the shared K/V head's gradient summed over TP, the
+experts' over their ranks; under CP the gathered K/V's and compressor inputs' gradients
+reduce-scattered back to their ranks, the loss each rank's part of the mean."""
 FIT_STEPS, FIT_ROWS, FIT_LR = 3, 4, 0.05
 BALANCED = dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2)
 """The layout the router's own loss and the auxiliary-free bias update train on (DP 2): the
@@ -130,7 +152,8 @@ def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float =
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=MHCParallelStrategy(**sizes),
                          max_steps=FIT_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[losses])
-    dp = devices // sizes.get("tensor_model_parallel_size", 1) // sizes.get("pipeline_model_parallel_size", 1)
+    dp = (devices // sizes.get("tensor_model_parallel_size", 1) // sizes.get("pipeline_model_parallel_size", 1)
+          // sizes.get("context_parallel_size", 1))
     data = SyntheticTokens(FIT_ROWS * FIT_STEPS, SEQ, vocab_size=V4_VOCAB, seed=3)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=FIT_ROWS // dp))
     params = {}
@@ -146,9 +169,9 @@ def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float =
 
 def _all_layouts(rank: int, world: int, directory: str, balanced: str) -> dict:
     directory = pathlib.Path(directory)
-    results = {"fit": _fit(directory, world, **FIT),
-               "balanced": _fit(pathlib.Path(balanced), world, BIAS_RATE, **BALANCED)}
-    results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build())
+    results = {f"fit {name}": _fit(directory, world, **sizes) for name, sizes in FITS.items()}
+    results["balanced"] = _fit(pathlib.Path(balanced), world, BIAS_RATE, **BALANCED)
+    results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build(), name.endswith("padded"))
                     for name, sizes in LAYOUTS.items()})
     return results
 
@@ -174,35 +197,42 @@ def balanced(saved, tmp_path_factory) -> pathlib.Path:
 
 
 def test_layouts_equal_one_process(saved, balanced):
-    expected = reference_logits(saved)
+    expected = {padded: reference_logits(saved, padded) for padded in (False, True)}
     results = spawn_ranks(_all_layouts, 4, str(saved), str(balanced), timeout_s=300, init_group=False)
     _check_balanced(balanced, [r["balanced"] for r in results])
     for name, sizes in LAYOUTS.items():
-        dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1))
+        cp = sizes.get("context_parallel_size", 1)
+        dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1) * cp)
         per_rank = ROWS // dp
         found = [r[name][:2] for r in results if r[name][1] is not None]  # the last stage's ranks
         assert sorted({d for d, _ in found}) == list(range(dp)), name
         # under EP each rank holds its 2 of every layer's 4 experts
         ep = sizes.get("expert_model_parallel_size", 1)
         assert all(r[name][2] == ({(2 * r[name][3], 2)} if ep > 1 else set()) for r in results), (name, [r[name][2:] for r in results])
-        for dp_rank, logits in found:
-            torch.testing.assert_close(logits, expected[dp_rank * per_rank:(dp_rank + 1) * per_rank], rtol=0,
-                                       atol=1e-5, msg=name)
+        for r in results:
+            dp_rank, logits, cp_rank = r[name][0], r[name][1], r[name][4]
+            if logits is None:
+                continue
+            rows = expected[name.endswith("padded")][dp_rank * per_rank:(dp_rank + 1) * per_rank]
+            if cp_rank is not None:  # this rank's chunks r and 2cp-1-r of the sequence
+                rows = shard_sequence(rows, cp_rank, cp, dim=1)
+            torch.testing.assert_close(logits, rows, rtol=0, atol=1e-5, msg=name)
 
     # the same 3 steps in one process, through the same Trainer.fit
     reference = _fit(saved, 1)
-    print(f"Trainer.fit TP 2 x EP 2 losses {[r['fit']['losses'] for r in results]}; one process "
-          f"{reference['losses']}")
     compared = 0
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["fit"]["losses"]), torch.tensor(reference["losses"]), rtol=0,
-                                   atol=1e-5)
-        for name, (start, value) in r["fit"]["params"].items():
-            expected_value = reference["params"][name][1]
-            if start is not None:
-                expected_value = expected_value[start:start + value.shape[0]]
-            torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5, msg=name)
-            compared += 1
+    for fit in FITS:
+        print(f"Trainer.fit {fit} losses {[r['fit ' + fit]['losses'] for r in results]}; one process "
+              f"{reference['losses']}")
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r[f"fit {fit}"]["losses"]), torch.tensor(reference["losses"]),
+                                       rtol=0, atol=1e-5, msg=fit)
+            for name, (start, value) in r[f"fit {fit}"]["params"].items():
+                expected_value = reference["params"][name][1]
+                if start is not None:
+                    expected_value = expected_value[start:start + value.shape[0]]
+                torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5, msg=f"{fit} {name}")
+                compared += 1
     start = {n: p for n, p in transformers.AutoModelForCausalLM.from_pretrained(saved).named_parameters()}
     moved = max((reference["params"][n][1] - p.detach()).abs().max().item() for n, p in start.items()
                 if n in reference["params"])
@@ -299,12 +329,23 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     assert "4 experts, which do not split evenly over 3 ranks" in message, message
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=4))  # 4 heads, 2 groups
     assert "o_groups" in message, message
-    message = _refusal(model=model, layout=ParallelLayout(context_parallel_size=2))
-    # (the config's sliding window is named first; without one, the record's reason)
-    assert message.startswith("context parallelism: DeepseekV4ForCausalLM (model_type 'deepseek_v4')"), message
     message = _refusal(model=model, layout=ParallelLayout(), recompute="mhc_block")
     assert message.startswith("recompute='mhc_block' on the model's own hyper-connections (4 streams"), message
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # PP runs
+    check_parallelize(model, "auto", layout=ParallelLayout(context_parallel_size=2))  # CP too (its own attention)
+
+
+def test_the_command_line_refuses_a_sequence_cp_does_not_split_before_launch(saved, tmp_path, monkeypatch, capsys):
+    """CP 2 cuts the sequence into 4 chunks: 18 tokens are refused in one line before launch (the
+    compressed windows need nothing more: the compressors run on the gathered sequence)."""
+    from train_cli import check_before_launch
+
+    command = ["model=hf", f"model.pretrained={saved}", "data=synthetic", "parallel=cp2", "trainer.devices=2"]
+    status, err = check_before_launch([*command, "data.seq_length=16"], tmp_path, monkeypatch, capsys)
+    assert status == 0, err
+    status, err = check_before_launch([*command, "data.seq_length=18"], tmp_path, monkeypatch, capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert "parallel.context_parallel_size=2 cuts data.seq_length=18 into 2 * 2 chunks" in err, err
 
 
 def test_the_command_line_trains_it_on_pp2_ep2_as_one_process(saved, tmp_path):

@@ -21,7 +21,9 @@ are those of the un-split sequence), and each attention all-gathers K/V over the
   mean: its masked sum over the token count summed over CP (``layers.loss.token_mean_loss``, the GPT's too).
 
 Attention the all-gather cannot reproduce exactly is refused before anything is built: sliding
-windows, logit softcapping, attention sinks, and any family not checked under CP.
+windows, logit softcapping, attention sinks, and any family not checked under CP, except where the
+family's record splits its own attention (``FamilyRecord.context_parallel_attention``:
+DeepSeek-V4's window and compressed attention, ``deepseek_v4_context.py``).
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ from lightning_mhc.layers import sequence
 SUPPORTED_FAMILIES = context_parallel_families()
 """The ``model_type``s split over CP (the records that claim it, ``families.py``): RoPE on explicit
 position ids, causal attention through the registry, nothing but a padding mask beside the causal
-one (Mistral, Qwen2 and Qwen3 without a sliding window)."""
+one (Llama; Mistral, Qwen2 and Qwen3 without a sliding window), or the family's own CP attention
+(DeepSeek-V4)."""
 
 SPLIT_INPUTS = ("input_ids", "inputs_embeds")
 """The model's inputs cut into this rank's chunks (sequence on dim 1)."""
@@ -105,7 +108,8 @@ def check_context_parallel_family(model: nn.Module) -> None:
         raise ConfigError(f"context parallelism: {name}: {reason}; the families split over CP are "
                           f"{', '.join(context_parallel_families())} (docs/context_parallel.md#hugging-face-models): use "
                           "context_parallel_size=1.")
-    reason = _inexact_attention(config)
+    # a family that splits its own attention (windows, compressed entries) owns what the config shows
+    reason = None if record.context_parallel_attention is not None else _inexact_attention(config)
     if reason:
         raise ConfigError(f"context parallelism: {name}: {reason}, which the all-gathered causal attention does not "
                           "compute: use context_parallel_size=1.")

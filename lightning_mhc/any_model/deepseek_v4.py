@@ -60,9 +60,6 @@ DEEPSEEK_V4 = TPPlan(
 """Hugging Face ``DeepseekV4ForCausalLM`` over TP (the module docstring; :func:`split_attention`
 does what a style cannot)."""
 
-NOT_UNDER_CP = "its sliding-window and compressed attention are not split over the sequence yet"
-"""The record's ``context_parallel_refusal``."""
-
 ROUTERS = "model.layers.*.mlp.gate"
 """Its routers: the top-k ones carry the score-correction bias (``router_bias.py``), the hash
 routers of its first layers a fixed token table instead."""

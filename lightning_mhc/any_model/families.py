@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.any_model import deepseek_v4
+from lightning_mhc.any_model import deepseek_v4, deepseek_v4_context
 from lightning_mhc.any_model.experts import MIXTRAL, OLMOE, QWEN3_MOE
 from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
 from lightning_mhc.any_model.pipeline import ModelParts
@@ -110,6 +110,10 @@ class FamilyRecord:
       one line, before anything is built), for what its module does not run on yet;
     - ``context_parallel``: its attention is split over CP exactly (``context_parallel.py``), else
       ``context_parallel_refusal`` says why not;
+    - ``context_parallel_attention``: a family whose attention the generic CP attention does not
+      compute (windows, compressed entries) splits it itself, on each built chunk under CP
+      (``context_parallel_attention(chunk, layout)``, in its own module: DeepSeek-V4's,
+      ``deepseek_v4_context.py``);
     - ``experts``: its fused experts, split over EP (``experts.py``); None: a dense family;
     - ``router_loss``: a MoE family's own router loss (its routers, the rule that combines their
       statistics over layers, stages and the sequence's ranks, and the config attribute of its
@@ -128,6 +132,7 @@ class FamilyRecord:
     check_layout: Callable[[nn.Module, Any], None] | None = None
     context_parallel: bool = False
     context_parallel_refusal: str | None = NOT_CHECKED_UNDER_CP
+    context_parallel_attention: Callable[[nn.Module, Any], None] | None = None
     experts: FusedExperts | None = None
     router_loss: RouterLossSpec | None = None
     router_bias: str | None = None
@@ -208,12 +213,13 @@ RECORDS: tuple[FamilyRecord, ...] = (
     _family("gemma3_text", QWEN3, GEMMA2_BRANCHES, context_parallel_refusal=SOFTCAPPED_WINDOWS),
     # sparse-MoE blocks (experts.py): the routed experts split over EP, not TP
     _moe("mixtral", MIXTRAL), _moe("qwen2_moe", MIXTRAL), _moe("qwen3_moe", QWEN3_MOE), _moe("olmoe", OLMOE),
-    # hyper-connections of its own (deepseek_v4.py): its streams carried as they are
+    # hyper-connections of its own (deepseek_v4.py): its streams carried as they are; its window and
+    # compressed attention split over CP by its own pass (deepseek_v4_context.py)
     _family("deepseek_v4", deepseek_v4.DEEPSEEK_V4, None, native_streams="hc_mult",
             carry_streams=deepseek_v4.carry_streams_flat, tensor_parallel=deepseek_v4.split_attention,
-            check_layout=deepseek_v4.check_layout, experts=MOE_EXPERTS,
-            context_parallel_refusal=deepseek_v4.NOT_UNDER_CP, router_loss=deepseek_v4.ROUTER_LOSS,
-            router_bias=deepseek_v4.ROUTERS),
+            check_layout=deepseek_v4.check_layout, experts=MOE_EXPERTS, **CP_EXACT,
+            context_parallel_attention=deepseek_v4_context.split_attention_over_context,
+            router_loss=deepseek_v4.ROUTER_LOSS, router_bias=deepseek_v4.ROUTERS),
 )
 
 FAMILIES: dict[str, FamilyRecord] = {record.model_type: record for record in RECORDS}
@@ -315,8 +321,9 @@ def check_family_layout(model: nn.Module, layout: Any) -> None:
 
 def finish_family_chunks(model: nn.Module, chunks: list[nn.Module], block_path: str | None, layout: Any) -> None:
     """The family's own steps on its built chunks (before the weights are read into them): its TP
-    beyond the plan's styles (``FamilyRecord.tensor_parallel``), and, for a family with streams of
-    its own, how its blocks carry them (``FamilyRecord.carry_streams``)."""
+    beyond the plan's styles (``FamilyRecord.tensor_parallel``), for a family with streams of
+    its own how its blocks carry them (``FamilyRecord.carry_streams``), and under CP its own split
+    of its attention (``FamilyRecord.context_parallel_attention``)."""
     record = family_of(model)
     if record is None:
         return
@@ -325,6 +332,8 @@ def finish_family_chunks(model: nn.Module, chunks: list[nn.Module], block_path: 
             record.tensor_parallel(chunk, layout)
         if record.carry_streams is not None:
             record.carry_streams(chunk, block_path, native_stream_count(model))
+        if record.context_parallel_attention is not None and layout.context_parallel_size > 1:
+            record.context_parallel_attention(chunk, layout)
 
 
 def refuse_native_streams(model: nn.Module) -> None:
