@@ -1,0 +1,168 @@
+"""HY-V4 (``hy_v4``) through ``parallelize(model, plan="auto")`` (``any_model/hy_v4.py``, its family
+record): its own hyper-connections kept as they are (``hc_mult`` streams, none added, carried flat
+between pipeline stages as DeepSeek-V4's), from ``save_pretrained`` files in several shards (its
+checkpoint's own tensor names), against the model in one process (fp32).
+
+A tiny HY-V4 (:func:`tiny_hy_v4_config`: a dense layer then three MoE layers with a shared expert
+and a score-correction bias, every attention's indexer picking 4 of 16 keys, full and shared
+indexer layers in turn, every map moved off its init): on one process bit-exact; one spawned
+4-rank group runs TP 2 x PP 2, PP 2 x EP 2 and TP 2 x EP 2 (step-0 logits within 1e-5 of one
+process) and 3 SGD steps through ``Trainer.fit`` on TP 2 x EP 2 (losses and weights within 1e-5).
+The command line trains it on TP 2 x PP 2. What is not built (CP, sequence parallelism, a stage
+beginning with a shared-indexer layer, GLM-5-next) is refused in one line before anything is built.
+The spawned group's helpers are DeepSeek-V4's (tests/test_deepseek_v4_parallel.py): they read the
+model from its directory.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.hy_v4")
+
+from lightning_mhc import ConfigError  # noqa: E402
+from lightning_mhc.any_model import check_parallelize, parallelize  # noqa: E402
+from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
+from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
+from test_deepseek_v4_parallel import (  # noqa: E402
+    ROWS, SEQ, _fit, _pipeline_logits, _refusal, batch, meta_model, reference_logits)
+from v4_utils import V4_VOCAB, moved_from_init  # noqa: E402
+
+EXPERTS = 4
+
+
+def tiny_hy_v4_config():
+    """4 layers (dense, then MoE), 4 heads of multi-head latent attention, 4 streams; the
+    indexer's top 4 of the 16 keys, its layers full and shared in turn (so each of two pipeline
+    stages begins with a full one); 4 experts, 2 per token, and a shared expert; the experts'
+    clamp of their gate and up projections at 0.1, where it cuts (at its default of 10 it would not
+    at these sizes)."""
+    return transformers.HYV4Config(
+        vocab_size=V4_VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=4, n_routed_experts=EXPERTS, num_experts_per_tok=2, n_shared_experts=1,
+        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=4,
+        index_head_dim=16, index_n_heads=2, indexer_types=["full", "shared", "full", "shared"], hc_mult=4,
+        swiglu_limit=0.1, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> pathlib.Path:
+    directory = tmp_path_factory.mktemp("hy_v4")
+    torch.manual_seed(0)
+    model = moved_from_init(transformers.AutoModelForCausalLM.from_config(tiny_hy_v4_config()))
+    model.save_pretrained(directory, max_shard_size="60KB")
+    assert len(list(directory.glob("*.safetensors"))) > 2
+    return directory
+
+
+LAYOUTS = {"tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+           "pp2ep2": dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
+           "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)}
+"""The layouts of the 4 ranks (DP fills the rest)."""
+FIT = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+"""The layout trained through ``Trainer.fit`` (DP 2): the rotary key's gradient summed over TP, the
+experts' over their ranks."""
+
+
+def _all_layouts(rank: int, world: int, directory: str) -> dict:
+    directory = pathlib.Path(directory)
+    results = {"fit": _fit(directory, world, **FIT)}
+    results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build())
+                    for name, sizes in LAYOUTS.items()})
+    return results
+
+
+def test_one_process_is_the_model_bit_for_bit(saved):
+    model = parallelize(meta_model(saved), "auto", weights=saved)
+    assert not hasattr(model.chunks[0].model.layers[0], "hyper_connection_wiring")  # none of ours added
+    with torch.no_grad():
+        logits = model(input_ids=batch())
+    torch.testing.assert_close(logits, reference_logits(saved), rtol=0, atol=0)
+
+
+def test_layouts_equal_one_process(saved):
+    expected = reference_logits(saved)
+    results = spawn_ranks(_all_layouts, 4, str(saved), timeout_s=240, init_group=False)
+    for name, sizes in LAYOUTS.items():
+        dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1))
+        per_rank = ROWS // dp
+        found = [r[name][:2] for r in results if r[name][1] is not None]  # the last stage's ranks
+        assert sorted({d for d, _ in found}) == list(range(dp)), name
+        # under EP each rank holds its 2 of every MoE layer's 4 experts
+        ep = sizes.get("expert_model_parallel_size", 1)
+        assert all(r[name][2] == ({(2 * r[name][3], 2)} if ep > 1 else set()) for r in results), name
+        for dp_rank, logits in found:
+            torch.testing.assert_close(logits, expected[dp_rank * per_rank:(dp_rank + 1) * per_rank], rtol=0,
+                                       atol=1e-5, msg=name)
+
+    # the same 3 steps in one process, through the same Trainer.fit
+    reference = _fit(saved, 1)
+    print(f"Trainer.fit TP 2 x EP 2 losses {[r['fit']['losses'] for r in results]}; one process "
+          f"{reference['losses']}")
+    compared = 0
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["fit"]["losses"]), torch.tensor(reference["losses"]), rtol=0,
+                                   atol=1e-5)
+        for name, (start, value) in r["fit"]["params"].items():
+            expected_value = reference["params"][name][1]
+            if start is not None:
+                expected_value = expected_value[start:start + value.shape[0]]
+            torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5, msg=name)
+            compared += 1
+    start = {n: p for n, p in transformers.AutoModelForCausalLM.from_pretrained(saved).named_parameters()}
+    moved = max((reference["params"][n][1] - p.detach()).abs().max().item() for n, p in start.items()
+                if n in reference["params"])
+    assert compared and moved > 1e-3  # training moved the weights far beyond the tolerance
+
+
+def test_what_is_not_built_is_refused_in_one_line(saved):
+    model = meta_model(saved)
+    message = _refusal(model=model, layout=ParallelLayout(), hyper_connections=4)
+    assert "model_type 'hy_v4'" in message and "carries its own (hc_mult=4 streams)" in message
+    message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True))
+    assert "(model_type 'hy_v4'): sequence_parallel=True is not built" in message, message
+    message = _refusal(model=model, layout=ParallelLayout(expert_model_parallel_size=3))  # 4 experts
+    assert "4 experts, which do not split evenly over 3 ranks" in message, message
+    message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=8))  # 4 heads
+    assert "self_attn.num_heads=4 cannot be divided by tensor_model_parallel_size=8" in message, message
+    message = _refusal(model=model, layout=ParallelLayout(context_parallel_size=2))
+    assert "(model_type 'hy_v4')" in message and "top-k keys over the whole sequence" in message, message
+    message = _refusal(model=model, layout=ParallelLayout(), recompute="mhc_block")
+    assert message.startswith("recompute='mhc_block' on the model's own hyper-connections (4 streams"), message
+    # layer 1's indexer reuses layer 0's picks: a stage cannot begin there
+    message = _refusal(model=model, layout=ParallelLayout(pipeline_model_parallel_size=2), pipeline_split=[1, 3])
+    assert "pipeline stage 1 would begin with layer 1, whose indexer is 'shared'" in message, message
+    check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # [0, 1], [2, 3] run
+
+
+def test_glm5_next_is_refused_naming_it():
+    pytest.importorskip("transformers.models.glm5_next")
+    from lightning_mhc.any_model import record_module_init
+
+    config = transformers.AutoConfig.for_model("glm5_next")
+    with record_module_init():
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    message = _refusal(model=model, layout=ParallelLayout())
+    assert message.startswith("plan='auto': Glm5NextForConditionalGeneration (model_type 'glm5_next') is not built "
+                              "in: GLM-5-next"), message
+
+
+def test_the_command_line_trains_it_on_tp2_pp2_as_one_process(saved, tmp_path):
+    """``lightning-mhc-train model=hf model.pretrained=DIR parallel=tp2pp2`` (its entry point on
+    forked ranks; synthetic tokens below the model's vocabulary of 64): 3 AdamW steps' losses
+    equal the same command on one process (1e-5)."""
+    from train_cli import run_train_on_ranks, train_losses
+
+    common = ("model=hf", f"model.pretrained={saved}", "data=synthetic", f"data.seq_length={SEQ}",
+              "trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.val_check_interval=3",
+              "trainer.limit_val_batches=1")
+    run_train_on_ranks(tmp_path, *common, "parallel=tp2pp2", "trainer.devices=4", "hydra.run.dir=tp2pp2")
+    run_train_on_ranks(tmp_path, *common, "hydra.run.dir=single")
+    split, single = (train_losses(tmp_path / run / "metrics.csv") for run in ("tp2pp2", "single"))
+    print(f"lightning-mhc-train TP 2 x PP 2 losses {split}; one process {single}")
+    assert split.keys() == single.keys() and len(single) == 3
+    torch.testing.assert_close(torch.tensor(list(split.values())), torch.tensor(list(single.values())), rtol=0,
+                               atol=1e-5)
