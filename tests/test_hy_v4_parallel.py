@@ -3,9 +3,9 @@ record): its own hyper-connections kept as they are (``hc_mult`` streams, none a
 between pipeline stages as DeepSeek-V4's), from ``save_pretrained`` files in several shards (its
 checkpoint's own tensor names), against the model in one process (fp32).
 
-A tiny HY-V4 (:func:`tiny_hy_v4_config`: a dense layer then three MoE layers with a shared expert
+A tiny HY-V4 (tests/v4_utils.py's ``tiny_hy_v4_config``: a dense layer then three MoE layers with a shared expert
 and a score-correction bias, every attention's indexer picking 4 of 16 keys, full and shared
-indexer layers in turn, every map moved off its init): on one process bit-exact; one spawned
+indexer layers in turn, the experts' clamp cutting, every map moved off its init): on one process bit-exact; one spawned
 4-rank group runs TP 2 x PP 2, PP 2 x EP 2 and TP 2 x EP 2 (step-0 logits within 1e-5 of one
 process) and 3 SGD steps through ``Trainer.fit`` on TP 2 x EP 2 (losses and weights within 1e-5).
 The command line trains it on TP 2 x PP 2. What is not built (CP, sequence parallelism, a stage
@@ -23,29 +23,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.hy_v4")
 
-from lightning_mhc import ConfigError  # noqa: E402
 from lightning_mhc.any_model import check_parallelize, parallelize  # noqa: E402
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 from test_deepseek_v4_parallel import (  # noqa: E402
     ROWS, SEQ, _fit, _pipeline_logits, _refusal, batch, meta_model, reference_logits)
-from v4_utils import V4_VOCAB, moved_from_init  # noqa: E402
-
-EXPERTS = 4
-
-
-def tiny_hy_v4_config():
-    """4 layers (dense, then MoE), 4 heads of multi-head latent attention, 4 streams; the
-    indexer's top 4 of the 16 keys, its layers full and shared in turn (so each of two pipeline
-    stages begins with a full one); 4 experts, 2 per token, and a shared expert; the experts'
-    clamp of their gate and up projections at 0.1, where it cuts (at its default of 10 it would not
-    at these sizes)."""
-    return transformers.HYV4Config(
-        vocab_size=V4_VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
-        num_attention_heads=4, n_routed_experts=EXPERTS, num_experts_per_tok=2, n_shared_experts=1,
-        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=4,
-        index_head_dim=16, index_n_heads=2, indexer_types=["full", "shared", "full", "shared"], hc_mult=4,
-        swiglu_limit=0.1, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+from v4_utils import moved_from_init, tiny_hy_v4_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -362,6 +362,7 @@ def refuse_native_streams(model: nn.Module) -> None:
 
 
 __all__ = ["Branch", "FAMILIES", "Family", "FamilyRecord", "FusedExperts", "HC_PLANS", "PLANS", "PipelineContract",
-           "NOT_BUILT_IN", "RECORDS", "check_family_layout", "check_family_stages", "family_of", "finish_family_chunks", "native_stream_count", "plan_family",
+           "NOT_BUILT_IN", "RECORDS", "check_family_layout", "check_family_stages", "family_of", "finish_family_chunks",
+           "native_stream_count", "plan_family",
            "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
            "supported_families"]
