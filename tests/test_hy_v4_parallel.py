@@ -18,27 +18,22 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.hy_v4")
 
-from lightning_mhc.any_model import check_parallelize, parallelize  # noqa: E402
+from lightning_mhc.any_model import check_parallelize  # noqa: E402
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 from test_deepseek_v4_parallel import (  # noqa: E402
-    ROWS, SEQ, _fit, _pipeline_logits, _refusal, batch, meta_model, reference_logits)
-from v4_utils import moved_from_init, tiny_hy_v4_config  # noqa: E402
+    _all_layouts, _refusal, check_against_one_process, check_command_line_against_one_process,
+    check_one_process_bit_for_bit, meta_model, save_moved)
+from v4_utils import tiny_hy_v4_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> pathlib.Path:
-    directory = tmp_path_factory.mktemp("hy_v4")
-    torch.manual_seed(0)
-    model = moved_from_init(transformers.AutoModelForCausalLM.from_config(tiny_hy_v4_config()))
-    model.save_pretrained(directory, max_shard_size="60KB")
-    assert len(list(directory.glob("*.safetensors"))) > 2
-    return directory
+    return save_moved(tmp_path_factory.mktemp("hy_v4"), tiny_hy_v4_config())
 
 
 LAYOUTS = {"tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
@@ -50,55 +45,13 @@ FIT = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
 experts' over their ranks."""
 
 
-def _all_layouts(rank: int, world: int, directory: str) -> dict:
-    directory = pathlib.Path(directory)
-    results = {"fit": _fit(directory, world, **FIT)}
-    results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build())
-                    for name, sizes in LAYOUTS.items()})
-    return results
-
-
 def test_one_process_is_the_model_bit_for_bit(saved):
-    model = parallelize(meta_model(saved), "auto", weights=saved)
-    assert not hasattr(model.chunks[0].model.layers[0], "hyper_connection_wiring")  # none of ours added
-    with torch.no_grad():
-        logits = model(input_ids=batch())
-    torch.testing.assert_close(logits, reference_logits(saved), rtol=0, atol=0)
+    check_one_process_bit_for_bit(saved)
 
 
 def test_layouts_equal_one_process(saved):
-    expected = reference_logits(saved)
-    results = spawn_ranks(_all_layouts, 4, str(saved), timeout_s=240, init_group=False)
-    for name, sizes in LAYOUTS.items():
-        dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1))
-        per_rank = ROWS // dp
-        found = [r[name][:2] for r in results if r[name][1] is not None]  # the last stage's ranks
-        assert sorted({d for d, _ in found}) == list(range(dp)), name
-        # under EP each rank holds its 2 of every MoE layer's 4 experts
-        ep = sizes.get("expert_model_parallel_size", 1)
-        assert all(r[name][2] == ({(2 * r[name][3], 2)} if ep > 1 else set()) for r in results), name
-        for dp_rank, logits in found:
-            torch.testing.assert_close(logits, expected[dp_rank * per_rank:(dp_rank + 1) * per_rank], rtol=0,
-                                       atol=1e-5, msg=name)
-
-    # the same 3 steps in one process, through the same Trainer.fit
-    reference = _fit(saved, 1)
-    print(f"Trainer.fit TP 2 x EP 2 losses {[r['fit']['losses'] for r in results]}; one process "
-          f"{reference['losses']}")
-    compared = 0
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["fit"]["losses"]), torch.tensor(reference["losses"]), rtol=0,
-                                   atol=1e-5)
-        for name, (start, value) in r["fit"]["params"].items():
-            expected_value = reference["params"][name][1]
-            if start is not None:
-                expected_value = expected_value[start:start + value.shape[0]]
-            torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5, msg=name)
-            compared += 1
-    start = {n: p for n, p in transformers.AutoModelForCausalLM.from_pretrained(saved).named_parameters()}
-    moved = max((reference["params"][n][1] - p.detach()).abs().max().item() for n, p in start.items()
-                if n in reference["params"])
-    assert compared and moved > 1e-3  # training moved the weights far beyond the tolerance
+    results = spawn_ranks(_all_layouts, 4, str(saved), FIT, LAYOUTS, timeout_s=240, init_group=False)
+    check_against_one_process(saved, results, LAYOUTS)
 
 
 def test_what_is_not_built_is_refused_in_one_line(saved):
@@ -137,15 +90,4 @@ def test_the_command_line_trains_it_on_tp2_pp2_as_one_process(saved, tmp_path):
     """``lightning-mhc-train model=hf model.pretrained=DIR parallel=tp2pp2`` (its entry point on
     forked ranks; synthetic tokens below the model's vocabulary of 64): 3 AdamW steps' losses
     equal the same command on one process (1e-5)."""
-    from train_cli import run_train_on_ranks, train_losses
-
-    common = ("model=hf", f"model.pretrained={saved}", "data=synthetic", f"data.seq_length={SEQ}",
-              "trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.val_check_interval=3",
-              "trainer.limit_val_batches=1")
-    run_train_on_ranks(tmp_path, *common, "parallel=tp2pp2", "trainer.devices=4", "hydra.run.dir=tp2pp2")
-    run_train_on_ranks(tmp_path, *common, "hydra.run.dir=single")
-    split, single = (train_losses(tmp_path / run / "metrics.csv") for run in ("tp2pp2", "single"))
-    print(f"lightning-mhc-train TP 2 x PP 2 losses {split}; one process {single}")
-    assert split.keys() == single.keys() and len(single) == 3
-    torch.testing.assert_close(torch.tensor(list(split.values())), torch.tensor(list(single.values())), rtol=0,
-                               atol=1e-5)
+    check_command_line_against_one_process(saved, tmp_path, "TP 2 x PP 2", "parallel=tp2pp2")
