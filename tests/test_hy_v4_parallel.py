@@ -9,7 +9,7 @@ indexer layers in turn, the experts' clamp cutting, every map moved off its init
 4-rank group runs TP 2 x PP 2, PP 2 x EP 2 and TP 2 x EP 2 (step-0 logits within 1e-5 of one
 process) and 3 SGD steps through ``Trainer.fit`` on TP 2 x EP 2 (losses and weights within 1e-5).
 The command line trains it on TP 2 x PP 2. What is not built (CP, sequence parallelism, a stage
-beginning with a shared-indexer layer, GLM-5-next) is refused in one line before anything is built.
+beginning with a shared-indexer layer, GLM-5-next and HY-V4-VL) is refused in one line before anything is built.
 The spawned group's helpers are DeepSeek-V4's (tests/test_deepseek_v4_parallel.py): they read the
 model from its directory.
 """
@@ -74,16 +74,18 @@ def test_what_is_not_built_is_refused_in_one_line(saved):
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # [0, 1], [2, 3] run
 
 
-def test_glm5_next_is_refused_naming_it():
-    pytest.importorskip("transformers.models.glm5_next")
+@pytest.mark.parametrize("model_type, model_class, family", [
+    ("glm5_next", "Glm5NextForConditionalGeneration", "GLM-5-next"),
+    ("hy_v4_vl", "HYV4VLForConditionalGeneration", "HY-V4-VL")])
+def test_the_multimodal_members_are_refused_naming_them(model_type, model_class, family):
+    pytest.importorskip(f"transformers.models.{model_type}")
     from lightning_mhc.any_model import record_module_init
 
-    config = transformers.AutoConfig.for_model("glm5_next")
     with record_module_init():
-        model = transformers.AutoModelForImageTextToText.from_config(config)
+        model = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model(model_type))
     message = _refusal(model=model, layout=ParallelLayout())
-    assert message.startswith("plan='auto': Glm5NextForConditionalGeneration (model_type 'glm5_next') is not built "
-                              "in: GLM-5-next"), message
+    assert message.startswith(f"plan='auto': {model_class} (model_type '{model_type}') is not built in: {family}: "), \
+        message
 
 
 def test_the_command_line_trains_it_on_tp2_pp2_as_one_process(saved, tmp_path):

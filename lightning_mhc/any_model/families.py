@@ -220,11 +220,13 @@ RECORDS: tuple[FamilyRecord, ...] = (
             experts=MOE_EXPERTS, context_parallel_refusal=hy_v4.NOT_UNDER_CP),
 )
 
-NOT_BUILT_IN: dict[str, str] = {
-    model_type: "GLM-5-next: its text decoder carries DeepSeek-V4's hyper-connections, but its layers mix linear "
-                "attention with DSA attention, its hc_head is a parameter-free mean and a vision tower comes first; "
-                "it has no record yet (DeepSeek-V4 and HY-V4 have)"
-    for model_type in ("glm5_next", "glm5_next_text")}
+_GLM5_NEXT = ("GLM-5-next: its text decoder carries DeepSeek-V4's hyper-connections, but its layers mix linear "
+              "attention with DSA attention, its hc_head is a parameter-free mean and a vision tower comes first; it "
+              "has no record yet (DeepSeek-V4 and HY-V4 have)")
+_HY_V4_VL = ("HY-V4-VL: HY-V4's decoder behind a vision tower, with multimodal rotary positions; it has no record yet "
+             "(the text-only HYV4ForCausalLM, model_type 'hy_v4', has)")
+NOT_BUILT_IN: dict[str, str] = {"glm5_next": _GLM5_NEXT, "glm5_next_text": _GLM5_NEXT, "hy_v4_vl": _HY_V4_VL,
+                                "hy_v4_vl_text": _HY_V4_VL}
 """Families that share a built-in family's design but are not built in, by ``model_type``: why
 not, named by ``plan='auto'`` in its refusal."""
 
