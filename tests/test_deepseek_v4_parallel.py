@@ -48,9 +48,14 @@ def meta_model(directory: pathlib.Path):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> pathlib.Path:
-    directory = tmp_path_factory.mktemp("deepseek_v4")
+    return save_moved(tmp_path_factory.mktemp("deepseek_v4"), tiny_v4_config())
+
+
+def save_moved(directory: pathlib.Path, config) -> pathlib.Path:
+    """A model of ``config``, its maps moved off their init, saved in ``directory`` in several
+    shards (shared by HY-V4's test)."""
     torch.manual_seed(0)
-    model = moved_from_init(transformers.AutoModelForCausalLM.from_config(tiny_v4_config()))
+    model = moved_from_init(transformers.AutoModelForCausalLM.from_config(config))
     model.save_pretrained(directory, max_shard_size="60KB")
     assert len(list(directory.glob("*.safetensors"))) > 2
     return directory
@@ -167,16 +172,27 @@ def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float =
     return dict(losses=losses.losses, params=params, biases=biases, batches=losses.batches)
 
 
-def _all_layouts(rank: int, world: int, directory: str, balanced: str) -> dict:
+def _all_layouts(rank: int, world: int, directory: str, fits: dict, layouts: dict, balanced: str | None = None
+                 ) -> dict:
+    """On each of the group's ranks: ``_fit`` on each of ``fits``, the router-balanced fit on
+    ``balanced``'s files where given, then each of ``layouts``' step-0 logits (shared by HY-V4's
+    test)."""
     directory = pathlib.Path(directory)
-    results = {f"fit {name}": _fit(directory, world, **sizes) for name, sizes in FITS.items()}
-    results["balanced"] = _fit(pathlib.Path(balanced), world, BIAS_RATE, **BALANCED)
+    results = {f"fit {name}": _fit(directory, world, **sizes) for name, sizes in fits.items()}
+    if balanced is not None:
+        results["balanced"] = _fit(pathlib.Path(balanced), world, BIAS_RATE, **BALANCED)
     results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build(), name.endswith("padded"))
-                    for name, sizes in LAYOUTS.items()})
+                    for name, sizes in layouts.items()})
     return results
 
 
 def test_one_process_is_the_model_bit_for_bit(saved):
+    check_one_process_bit_for_bit(saved)
+
+
+def check_one_process_bit_for_bit(saved: pathlib.Path) -> None:
+    """``parallelize`` on one process, from the files, gives transformers' logits to the bit, with
+    none of our hyper-connections added (shared by HY-V4's test)."""
     model = parallelize(meta_model(saved), "auto", weights=saved)
     assert not hasattr(model.chunks[0].model.layers[0], "hyper_connection_wiring")  # none of ours added
     with torch.no_grad():
@@ -197,10 +213,18 @@ def balanced(saved, tmp_path_factory) -> pathlib.Path:
 
 
 def test_layouts_equal_one_process(saved, balanced):
-    expected = {padded: reference_logits(saved, padded) for padded in (False, True)}
-    results = spawn_ranks(_all_layouts, 4, str(saved), str(balanced), timeout_s=300, init_group=False)
+    results = spawn_ranks(_all_layouts, 4, str(saved), FITS, LAYOUTS, str(balanced), timeout_s=300, init_group=False)
     _check_balanced(balanced, [r["balanced"] for r in results])
-    for name, sizes in LAYOUTS.items():
+    check_against_one_process(saved, results, LAYOUTS, FITS)
+
+
+def check_against_one_process(saved: pathlib.Path, results: list[dict], layouts: dict, fits: dict) -> None:
+    """The 4 ranks' ``_all_layouts`` results against the model in one process: each layout's
+    step-0 logits (1e-5; under EP each rank holding its 2 of every MoE layer's 4 experts; under CP
+    its chunks of the sequence), and each fit's losses and weights against the same ``Trainer.fit``
+    in one process (1e-5), after the weights moved far beyond that (shared by HY-V4's test)."""
+    expected = {padded: reference_logits(saved, padded) for padded in {name.endswith("padded") for name in layouts}}
+    for name, sizes in layouts.items():
         cp = sizes.get("context_parallel_size", 1)
         dp = 4 // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1) * cp)
         per_rank = ROWS // dp
@@ -221,7 +245,7 @@ def test_layouts_equal_one_process(saved, balanced):
     # the same 3 steps in one process, through the same Trainer.fit
     reference = _fit(saved, 1)
     compared = 0
-    for fit in FITS:
+    for fit in fits:
         print(f"Trainer.fit {fit} losses {[r['fit ' + fit]['losses'] for r in results]}; one process "
               f"{reference['losses']}")
         for r in results:
@@ -352,16 +376,24 @@ def test_the_command_line_trains_it_on_pp2_ep2_as_one_process(saved, tmp_path):
     """``lightning-mhc-train model=hf model.pretrained=DIR`` (its entry point on forked ranks) on
     PP 2 x EP 2 (DP 2; synthetic tokens below the model's vocabulary of 64): 3 AdamW steps' losses
     equal the same command on one process (1e-5)."""
+    check_command_line_against_one_process(saved, tmp_path, "PP 2 x EP 2", "parallel=pp2",
+                                           "parallel.expert_model_parallel_size=2")
+
+
+def check_command_line_against_one_process(saved: pathlib.Path, tmp_path: pathlib.Path, name: str,
+                                           *parallel: str) -> None:
+    """``lightning-mhc-train model=hf model.pretrained=saved`` with ``parallel`` on 4 ranks and on
+    one process: 3 AdamW steps' losses within 1e-5 (shared by HY-V4's test; ``name``: the layout's,
+    for the printed figures)."""
     from train_cli import run_train_on_ranks, train_losses
 
     common = ("model=hf", f"model.pretrained={saved}", "data=synthetic", f"data.seq_length={SEQ}",
               "trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.val_check_interval=3",
               "trainer.limit_val_batches=1")
-    run_train_on_ranks(tmp_path, *common, "parallel=pp2", "parallel.expert_model_parallel_size=2",
-                       "trainer.devices=4", "hydra.run.dir=pp2ep2")
+    run_train_on_ranks(tmp_path, *common, *parallel, "trainer.devices=4", "hydra.run.dir=split")
     run_train_on_ranks(tmp_path, *common, "hydra.run.dir=single")
-    split, single = (train_losses(tmp_path / run / "metrics.csv") for run in ("pp2ep2", "single"))
-    print(f"lightning-mhc-train PP 2 x EP 2 losses {split}; one process {single}")
+    split, single = (train_losses(tmp_path / run / "metrics.csv") for run in ("split", "single"))
+    print(f"lightning-mhc-train {name} losses {split}; one process {single}")
     assert split.keys() == single.keys() and len(single) == 3
     torch.testing.assert_close(torch.tensor(list(split.values())), torch.tensor(list(single.values())), rtol=0,
                                atol=1e-5)

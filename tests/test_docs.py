@@ -245,18 +245,18 @@ def _user_files(scratch: pathlib.Path, monkeypatch, text: str = "") -> None:
     scratch directory, holding this repository's documents as text), ``notes.txt`` (the 188-byte
     file of the transcript in docs/cli.md) and, for a command ``text`` that names it,
     ``$HOME/llama`` (a small Llama's ``save_pretrained`` directory with the sample tokenizer) or
-    ``$HOME/deepseek_v4`` (tests/v4_utils.py's tiny DeepSeek-V4, saved)."""
+    ``$HOME/deepseek_v4`` or ``$HOME/hy_v4`` (tests/v4_utils.py's tiny DeepSeek-V4 or HY-V4, saved)."""
     home = scratch / "home"
     if "$HOME/llama" in text:
         from lm_models import save_sample_llama
 
         save_sample_llama(home / "llama")
-    if "$HOME/deepseek_v4" in text:
-        from transformers import AutoModelForCausalLM
+    for name, config in (("deepseek_v4", "tiny_v4_config"), ("hy_v4", "tiny_hy_v4_config")):
+        if f"$HOME/{name}" in text:
+            import v4_utils
+            from transformers import AutoModelForCausalLM
 
-        from v4_utils import tiny_v4_config
-
-        AutoModelForCausalLM.from_config(tiny_v4_config()).save_pretrained(home / "deepseek_v4")
+            AutoModelForCausalLM.from_config(getattr(v4_utils, config)()).save_pretrained(home / name)
     (home / "corpus").mkdir(parents=True, exist_ok=True)
     (home / "corpus" / "docs.txt").write_text("\n".join(doc.read_text() for doc in DOCS))
     monkeypatch.setenv("HOME", str(home))

@@ -19,13 +19,14 @@ transformers = pytest.importorskip("transformers")
 from lightning_mhc import ConfigError  # noqa: E402
 from lightning_mhc.any_model import (  # noqa: E402
     HC_PLANS, PLANS, check_parallelize, check_plan, record_module_init, supported_families)
-from lightning_mhc.any_model import deepseek_v4, experts as experts_module, families, plan as plan_module  # noqa: E402
+from lightning_mhc.any_model import deepseek_v4, experts as experts_module, families, hy_v4  # noqa: E402
+from lightning_mhc.any_model import plan as plan_module  # noqa: E402
 from lightning_mhc.any_model.context_parallel import SUPPORTED_FAMILIES  # noqa: E402
 from lightning_mhc.any_model.experts import is_fused_experts  # noqa: E402
 from lightning_mhc.any_model.families import FAMILIES, RECORDS, FamilyRecord  # noqa: E402
 from lightning_mhc.any_model.pipeline import find_parts  # noqa: E402
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
-from v4_utils import tiny_v4_config  # noqa: E402
+from v4_utils import tiny_hy_v4_config, tiny_v4_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
@@ -53,6 +54,7 @@ CONFIGS = {
     "olmoe": lambda: transformers.OlmoeConfig(**{**COMMON, "num_key_value_heads": 4}, num_experts=4,
                                               num_experts_per_tok=2),
     "deepseek_v4": lambda: tiny_v4_config(layers=2),
+    "hy_v4": lambda: tiny_hy_v4_config(layers=2, indexer_types=["full", "full"]),  # each stage of two begins full
 }
 """A tiny config of each family, without a sliding window where it can go (so the CP claim is the
 record's, not the config's)."""
@@ -239,7 +241,7 @@ def table_row(record: FamilyRecord) -> str:
     contract = record.pipeline
     cp = "yes" if record.context_parallel else f"no: {record.context_parallel_refusal}"
     ep = f"`{record.experts.path}`" if record.experts is not None else "no: dense"
-    return (f"| `{record.model_type}` | `{_constant_name(record.tp, plan_module, experts_module, deepseek_v4)}` | {_branches(record)} "
+    return (f"| `{record.model_type}` | `{_constant_name(record.tp, plan_module, experts_module, deepseek_v4, hy_v4)}` | {_branches(record)} "
             f"| {cp} | {ep} | `{contract.blocks}`; `{contract.embedding}`; `{contract.final_norm}`; "
             f"`{contract.head}` |")
 

@@ -332,10 +332,10 @@ def test_the_checks_change_nothing_and_one_registry_holds_both_plans():
         assert len(parts.blocks) == 4 and all(hasattr(b, "hyper_connection_wiring") for b in parts.blocks)
     assert getattr(model, "hyper_connection_settings", None) is None
     assert {name for name, _ in model.named_modules()} == names
-    # 4 of them MoE (experts.py); DeepSeek-V4 carries streams of its own (no hyper-connection plan)
-    assert PLANS.keys() == FAMILIES.keys() and len(FAMILIES) == 17
+    # 4 of them MoE (experts.py); DeepSeek-V4 and HY-V4 carry streams of their own (no hyper-connection plan)
+    assert PLANS.keys() == FAMILIES.keys() and len(FAMILIES) == 18
     assert HC_PLANS.keys() == {name for name, family in FAMILIES.items() if family.native_streams is None}
-    assert FAMILIES.keys() - HC_PLANS.keys() == {"deepseek_v4"}
+    assert FAMILIES.keys() - HC_PLANS.keys() == {"deepseek_v4", "hy_v4"}
     for name, family in FAMILIES.items():
         assert resolve_plan(name) is family.tp is PLANS[name]
     assert resolve_plan("auto", model) is FAMILIES["llama"].tp

@@ -171,3 +171,24 @@ def moved_from_init(model, seed: int = 0):
             elif name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=g) * 0.1)
     return model
+
+
+HY_V4_EXPERTS = 4
+
+
+def tiny_hy_v4_config(layers: int = 4, **changes):
+    """A tiny HY-V4 (transformers' ``HYV4Config``): a dense layer then MoE layers, 4 heads of
+    multi-head latent attention, 4 streams; the indexer's top 4 keys, its layers full and shared in
+    turn (with 4 layers each of two pipeline stages begins with a full one); 4 experts, 2 per token,
+    and a shared expert; the experts' clamp of their gate and up projections at 0.1, where it cuts
+    (at its default of 10 it would not at these sizes)."""
+    from transformers import HYV4Config
+
+    return HYV4Config(**{
+        **dict(vocab_size=V4_VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+               num_hidden_layers=layers, num_attention_heads=4, n_routed_experts=HY_V4_EXPERTS,
+               num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+               qk_rope_head_dim=8, v_head_dim=8, index_topk=4, index_head_dim=16, index_n_heads=2,
+               indexer_types=["full" if i % 2 == 0 else "shared" for i in range(layers)], hc_mult=4,
+               swiglu_limit=0.1, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        **changes})

@@ -5,11 +5,9 @@ V4 carries hyper-connections of its own (``hc_mult`` streams, ``[B, S, n, D]`` b
 layers, collapsed by ``model.hc_head`` before the final norm): ``parallelize`` adds none
 (``FamilyRecord.native_streams``) and runs its own as they are.
 
-- :func:`carry_streams_flat`: every decoder layer takes and returns its streams flat,
-  ``[B, S, n*D]``, as every other family's blocks carry their hidden states, so the pipeline sends
-  and receives them like any activation (``ParallelModel.pipeline_tensor_shape`` is
-  ``n * hidden``), and ``hc_head`` (on the last stage, after the blocks) takes them flat too. The
-  views change no value: one process is bit-exact with the model as written.
+- :func:`~lightning_mhc.any_model.native_streams.carry_streams_flat` (shared with HY-V4): every
+  decoder layer takes and returns its streams flat, ``[B, S, n*D]``, so the pipeline sends and
+  receives them like any activation, and ``hc_head`` (on the last stage) takes them flat too.
 - :data:`DEEPSEEK_V4` and :func:`split_attention`: tensor parallelism beyond transformers' own plan
   (which keeps the attention whole): each TP rank its heads of the low-rank query (``q_b_proj`` by
   its outputs; ``q_a_proj`` and its norm, the low rank, whole), its heads' ``sinks``, its groups of
@@ -29,11 +27,11 @@ layers, collapsed by ``model.hc_head`` before the final norm): ``parallelize`` a
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_mhc.any_model.native_streams import carry_streams_flat  # noqa: F401  (moved there: shared with HY-V4)
 from lightning_mhc.any_model.plan import TPPlan
 from lightning_mhc.any_model.router_loss import RouterLossSpec
 from lightning_mhc.errors import ConfigError
@@ -75,31 +73,6 @@ def check_layout(model: nn.Module, layout: Any) -> None:
     if getattr(layout, "sequence_parallel", False):
         raise ConfigError(f"{name}: sequence_parallel=True is not built for it (its compressor and indexer read the "
                           "whole sequence); leave it off (TP, PP, EP and DP run).")
-
-
-def carry_streams_flat(chunk: nn.Module, block_path: str | None, streams: int) -> None:
-    """Each decoder layer of ``chunk`` (the modules of ``block_path``) and its ``hc_head`` (where
-    this chunk holds it) take their streams flat or not, and the layers return them flat: the
-    forwards are wrapped, so the pipeline's hooks around them (a stage's first layer taking the
-    received activations, its last one ending the stage) see ``[B, S, n*D]``."""
-    if block_path is None:
-        return
-    for layer in chunk.get_submodule(block_path).children():
-        layer.forward = _flat_streams(layer.forward, streams, flatten_output=True)
-    head = getattr(getattr(chunk, "model", None), "hc_head", None)
-    if isinstance(head, nn.Module) and hasattr(head, "hc_fn"):  # NotOnThisStage before the last stage
-        head.forward = _flat_streams(head.forward, streams, flatten_output=False)
-
-
-def _flat_streams(forward, streams: int, flatten_output: bool):
-    @functools.wraps(forward)
-    def run(hidden_states: Tensor, *args: Any, **kwargs: Any):
-        if hidden_states.dim() == 3:  # flat [B, S, n*D] (the layer before, or a previous stage's)
-            hidden_states = hidden_states.unflatten(-1, (streams, -1))
-        output = forward(hidden_states, *args, **kwargs)
-        return output.flatten(-2) if flatten_output else output
-
-    return run
 
 
 # ------------------------------------------------------------------ tensor parallelism beyond the plan

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mhc.distributed.expert_parallel import ExpertLayer, experts_on_their_ranks
@@ -60,10 +62,24 @@ hidden size), so the attention is not split by heads; the vocabulary and the hea
 # ------------------------------------------------------------------ the experts under EP
 def is_fused_experts(module: nn.Module) -> bool:
     """A Hugging Face sparse-MoE block's routed experts: ``gate_up_proj [E, 2I, H]``,
-    ``down_proj [E, H, I]`` and ``act_fn``."""
+    ``down_proj [E, H, I]`` and ``act_fn``, or a SwiGLU of their own (:func:`gated_activation`)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
-            and down.dim() == 3 and callable(getattr(module, "act_fn", None)))
+            and down.dim() == 3 and gated_activation(module) is not None)
+
+
+def gated_activation(experts: nn.Module) -> tuple[Callable[[Tensor], Tensor], float | None] | None:
+    """The experts' activation of the gate and the clamp of the gate (above) and the up projection
+    (both sides) before the product, as their ``_apply_gate`` does: DeepSeek-V4's ``act_fn`` and
+    ``limit``; GLM-5-next's (HY-V4's), written with SiLU inline, ``swiglu_limit``; the other
+    families' ``act_fn`` and no clamp. None: not a fused-experts module this knows."""
+    act_fn = getattr(experts, "act_fn", None)
+    limit = getattr(experts, "limit", getattr(experts, "swiglu_limit", None))
+    if callable(act_fn):
+        return act_fn, limit
+    if callable(getattr(experts, "_apply_gate", None)) and limit is not None:
+        return F.silu, limit
+    return None
 
 
 def check_experts(model: nn.Module, layout: ParallelLayout) -> None:
@@ -124,10 +140,9 @@ class ExpertParallelExperts(ExpertLayer):
         self.num_local_experts = self.num_experts // ep
         self.local_expert_start = ep_rank * self.num_local_experts
         self.ep_group = ep_group
-        self.act_fn = experts.act_fn
-        self.swiglu_limit = getattr(experts, "limit", None)
-        """DeepSeek-V4's clamp of the gate (above) and the up projection (both sides) before the
-        product, as its ``_apply_gate`` does; None for the families without one."""
+        self.act_fn, self.swiglu_limit = gated_activation(experts)
+        """The experts' activation, and their clamp of the gate and up projections (DeepSeek-V4's,
+        HY-V4's; None for the families without one)."""
         self.gate_up_proj = self._local(experts.gate_up_proj)
         self.down_proj = self._local(experts.down_proj)
 

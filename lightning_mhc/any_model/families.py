@@ -16,9 +16,10 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.any_model import deepseek_v4, deepseek_v4_context
+from lightning_mhc.any_model import deepseek_v4, deepseek_v4_context, hy_v4
 from lightning_mhc.any_model.experts import MIXTRAL, OLMOE, QWEN3_MOE
 from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
+from lightning_mhc.any_model.native_streams import carry_streams_flat
 from lightning_mhc.any_model.pipeline import ModelParts
 from lightning_mhc.any_model.router_loss import RouterLossSpec
 from lightning_mhc.layers.moe import SWITCH_LOAD_BALANCING
@@ -101,13 +102,16 @@ class FamilyRecord:
       attribute holding its number of streams (e.g. ``"hc_mult"``): ``hyper_connections=n`` is
       refused on it (its streams are the model's), and ``n * hidden`` crosses pipeline stages;
     - ``carry_streams``: for such a family, how a built chunk's blocks carry their streams
-      (``carry_streams(chunk, block_path, n)``, in the family's own module: DeepSeek-V4's carry
-      them flat, ``deepseek_v4.py``);
+      (``carry_streams(chunk, block_path, n)``: DeepSeek-V4's and HY-V4's carry them flat,
+      ``native_streams.py``);
     - ``tensor_parallel``: what the family's TP needs beyond its plan's styles, on each built chunk
       (``tensor_parallel(chunk, layout)``, in its own module: DeepSeek-V4's per-head sinks and
       grouped output projection, ``deepseek_v4.py``);
     - ``check_layout``: the family's own refusals of a layout (``check_layout(model, layout)``,
       one line, before anything is built), for what its module does not run on yet;
+    - ``check_stages``: the family's own refusals of a stage split (``check_stages(model, ranges)``,
+      the ``[start, end)`` blocks of each (virtual) stage; HY-V4's shared-indexer layers cannot
+      begin a stage);
     - ``context_parallel``: its attention is split over CP exactly (``context_parallel.py``), else
       ``context_parallel_refusal`` says why not;
     - ``context_parallel_attention``: a family whose attention the generic CP attention does not
@@ -130,6 +134,7 @@ class FamilyRecord:
     carry_streams: Callable[[nn.Module, str | None, int], None] | None = None
     tensor_parallel: Callable[[nn.Module, Any], None] | None = None
     check_layout: Callable[[nn.Module, Any], None] | None = None
+    check_stages: Callable[[nn.Module, list[tuple[int, int]]], None] | None = None
     context_parallel: bool = False
     context_parallel_refusal: str | None = NOT_CHECKED_UNDER_CP
     context_parallel_attention: Callable[[nn.Module, Any], None] | None = None
@@ -216,11 +221,24 @@ RECORDS: tuple[FamilyRecord, ...] = (
     # hyper-connections of its own (deepseek_v4.py): its streams carried as they are; its window and
     # compressed attention split over CP by its own pass (deepseek_v4_context.py)
     _family("deepseek_v4", deepseek_v4.DEEPSEEK_V4, None, native_streams="hc_mult",
-            carry_streams=deepseek_v4.carry_streams_flat, tensor_parallel=deepseek_v4.split_attention,
+            carry_streams=carry_streams_flat, tensor_parallel=deepseek_v4.split_attention,
             check_layout=deepseek_v4.check_layout, experts=MOE_EXPERTS, **CP_EXACT,
             context_parallel_attention=deepseek_v4_context.split_attention_over_context,
             router_loss=deepseek_v4.ROUTER_LOSS, router_bias=deepseek_v4.ROUTERS),
+    _family("hy_v4", hy_v4.HY_V4, None, native_streams="hc_mult", carry_streams=carry_streams_flat,
+            tensor_parallel=hy_v4.split_attention, check_layout=hy_v4.check_layout, check_stages=hy_v4.check_stages,
+            experts=MOE_EXPERTS, context_parallel_refusal=hy_v4.NOT_UNDER_CP),
 )
+
+_GLM5_NEXT = ("GLM-5-next: its text decoder carries DeepSeek-V4's hyper-connections, but its layers mix linear "
+              "attention with DSA attention, its hc_head is a parameter-free mean and a vision tower comes first; it "
+              "has no record yet (DeepSeek-V4 and HY-V4 have)")
+_HY_V4_VL = ("HY-V4-VL: HY-V4's decoder behind a vision tower, with multimodal rotary positions; it has no record yet "
+             "(the text-only HYV4ForCausalLM, model_type 'hy_v4', has)")
+NOT_BUILT_IN: dict[str, str] = {"glm5_next": _GLM5_NEXT, "glm5_next_text": _GLM5_NEXT, "hy_v4_vl": _HY_V4_VL,
+                                "hy_v4_vl_text": _HY_V4_VL}
+"""Families that share a built-in family's design but are not built in, by ``model_type``: why
+not, named by ``plan='auto'`` in its refusal."""
 
 FAMILIES: dict[str, FamilyRecord] = {record.model_type: record for record in RECORDS}
 """The built-in families by Hugging Face ``config.model_type``: the one place a family's
@@ -266,6 +284,9 @@ def resolve_plan(plan: str | TPPlan | Mapping[str, Style | str] | None, model: n
     ``model.config.model_type``), a :class:`TPPlan`, a plain ``{pattern: style}``, or None."""
     if plan == "auto":
         model_type = _model_type(model)
+        if model_type in NOT_BUILT_IN:
+            raise ConfigError(f"plan='auto': {type(model).__name__} (model_type {model_type!r}) is not built in: "
+                              f"{NOT_BUILT_IN[model_type]}.")
         if model_type not in FAMILIES:
             found = f"model_type {model_type!r}" if model_type else "no config.model_type"
             raise ConfigError(f"plan='auto': {type(model).__name__} has {found}, which has no built-in plan "
@@ -319,6 +340,14 @@ def check_family_layout(model: nn.Module, layout: Any) -> None:
         record.check_layout(model, layout)
 
 
+def check_family_stages(model: nn.Module, ranges: list[tuple[int, int]]) -> None:
+    """The family's own refusals of the stage split ``ranges`` (``FamilyRecord.check_stages``),
+    before anything is built."""
+    record = family_of(model)
+    if record is not None and record.check_stages is not None:
+        record.check_stages(model, ranges)
+
+
 def finish_family_chunks(model: nn.Module, chunks: list[nn.Module], block_path: str | None, layout: Any) -> None:
     """The family's own steps on its built chunks (before the weights are read into them): its TP
     beyond the plan's styles (``FamilyRecord.tensor_parallel``), for a family with streams of
@@ -348,6 +377,7 @@ def refuse_native_streams(model: nn.Module) -> None:
 
 
 __all__ = ["Branch", "FAMILIES", "Family", "FamilyRecord", "FusedExperts", "HC_PLANS", "PLANS", "PipelineContract",
-           "RECORDS", "check_family_layout", "family_of", "finish_family_chunks", "native_stream_count", "plan_family",
+           "NOT_BUILT_IN", "RECORDS", "check_family_layout", "check_family_stages", "family_of", "finish_family_chunks",
+           "native_stream_count", "plan_family",
            "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
            "supported_families"]

@@ -42,8 +42,8 @@ from lightning_mhc.distributed.layout import ParallelLayout, single_process_layo
 from lightning_mhc.any_model.adapters import fill_adapters, unwrap_peft_model
 from lightning_mhc.any_model.context_parallel import check_context_parallel, split_over_context
 from lightning_mhc.any_model.experts import check_experts
-from lightning_mhc.any_model.families import (FamilyRecord, check_family_layout, family_of, finish_family_chunks,
-                                             native_stream_count, plan_family, resolve_plan)
+from lightning_mhc.any_model.families import (FamilyRecord, check_family_layout, check_family_stages, family_of,
+                                             finish_family_chunks, native_stream_count, plan_family, resolve_plan)
 from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionPlan, HyperConnectionSettings, apply_hyper_connections, check_stream_count, hyper_connection_streams)
 from lightning_mhc.any_model.parallel_model import MaterializedReport, ParallelModel, stage_forward_kwargs
@@ -220,6 +220,7 @@ def plan_parallelize(model: nn.Module, settings: ParallelizeSettings) -> Planned
                          settings.pipeline_split, plan.after_blocks, settings.recompute.full)
     if by_record:
         family.check_parts(stages.parts, type(model).__name__)  # the contract against the split found
+    check_family_stages(model, stages.ranges)  # what the family's own blocks cannot begin a stage with
     check_selective(settings.recompute, plan)
     check_router_bias(settings.router_bias_update_rate, family_of(model), model)
     plan, vocab_parallel = output_plan(model, plan, stages.parts, layout.tensor_model_parallel_size,
