@@ -14,9 +14,24 @@ import os
 # workers and groups of up to 8 ranks on 2 cores, where more threads only contend (a 4-rank run
 # beside a busy process took 121 s with torch's default of one thread per core, 85 s with one)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+import getpass  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# The child processes' temporary folder: one of this process's own (one per worker), removed when
+# it ends (pytest_unconfigure). Every process that imports megatron-core imports wandb (an optional
+# import of megatron.core.inference), which makes two temporary folders (`tmp*wandb-media`,
+# `tmp*wandb-artifacts`) that only an exit handler removes: ranks that end in os._exit and the
+# processes the fault tests kill left them in /tmp on every run. What is shared between runs and
+# processes stays where it was: the port locks (lightning_mhc.testing.launch names them in the
+# environment) and Inductor's compiled kernels (its default folder, named before TMPDIR changes).
+SYSTEM_TMP = tempfile.gettempdir()  # this process keeps it (pytest's own tmp_path folders included)
+SUITE_TMP = tempfile.mkdtemp(prefix="lightning_mhc_tests_")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(SYSTEM_TMP, f"torchinductor_{getpass.getuser()}"))
+os.environ["TMPDIR"] = SUITE_TMP
 # data.blend=sample indexes the shipped corpus once into the user's cache: the suite's own folder
 # instead (one per worker, shared by its child processes), so no test writes into the real ~/.cache
-os.environ.setdefault("LIGHTNING_MHC_CACHE", __import__("tempfile").mkdtemp(prefix="lightning_mhc_cache_"))
+os.environ.setdefault("LIGHTNING_MHC_CACHE", os.path.join(SUITE_TMP, "lightning_mhc_cache"))
 
 import torch  # noqa: E402
 
@@ -49,6 +64,10 @@ LONGEST_FILES = ("test_benchmarks.py", "test_triton_kernels.py", "test_docs.py",
 def pytest_configure(config):
     if getattr(config.option, "dist", "no") == "loadfile":
         config.option.loadscopereorder = False  # xdist's own order (most tests first) would undo ours
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SUITE_TMP, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,9 @@
 once per extra device), or on ranks forked from the preloaded fork server (``run_on_ranks``)."""
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import pathlib
@@ -68,15 +70,37 @@ def run_as_main(cwd: str, argv: list[str], main) -> None:
             raise
 
 
-def run_module_on_a_rank(module: str, *args: str, cwd: pathlib.Path = SCRIPTS, timeout: float = 300) -> None:
-    """``python -m module *args`` (a command's ``main``) on one rank forked from the preloaded fork
-    server, for a command whose subject is what it writes, not how its process starts (which a
-    fresh interpreter's 7 s of imports would check again). A failure raises ``RankError``."""
-    spawn_ranks(_module_rank, 1, module, list(args), str(cwd), timeout_s=timeout, init_group=False)
+def run_module_on_a_rank(module: str, *args: str, cwd: pathlib.Path = SCRIPTS, timeout: float = 300,
+                         function: str = "main", program: str | None = None) -> str:
+    """``python -m module *args`` (a command's ``main``, or ``function``; ``program``: its
+    ``sys.argv[0]``, the module's name unless given, a console script's name for one) on one rank
+    forked from the preloaded fork server, for a command whose subject is what it writes or prints,
+    not how its process starts (which a fresh interpreter's 7 s of imports would check again).
+    Returns what it printed; a failure raises ``RankError``."""
+    (printed,) = spawn_ranks(_module_rank, 1, module, function, [program or module, *args], str(cwd),
+                             timeout_s=timeout, init_group=False)
+    return printed
 
 
-def _module_rank(rank: int, world_size: int, module: str, args: list[str], cwd: str) -> None:
-    run_as_main(cwd, [module, *args], importlib.import_module(module).main)
+def _module_rank(rank: int, world_size: int, module: str, function: str, argv: list[str], cwd: str) -> str:
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        run_as_main(cwd, argv, getattr(importlib.import_module(module), function))
+    return printed.getvalue()
+
+
+def run_source_on_a_rank(source: str, cwd: pathlib.Path, timeout: float = 300) -> str:
+    """Python ``source`` run as ``python -c source`` runs it, in ``cwd``, on one rank forked from the
+    preloaded fork server (for a documented block whose subject is what it computes); returns what
+    it printed, a failure raises ``RankError``."""
+    (printed,) = spawn_ranks(_source_rank, 1, source, str(cwd), timeout_s=timeout, init_group=False)
+    return printed
+
+
+def _source_rank(rank: int, world_size: int, source: str, cwd: str) -> str:
+    os.chdir(cwd)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        exec(compile(source, "<string>", "exec"), {"__name__": "__main__"})
+    return printed.getvalue()
 
 
 def _script_rank(rank: int, world_size: int, path: str, args: list[str], cwd: str) -> None:

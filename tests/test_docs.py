@@ -46,6 +46,7 @@ import tomllib
 
 import pytest
 
+from script_runs import run_module_on_a_rank, run_source_on_a_rank
 from subprocess_env import child_env
 from train_cli import check_before_launch
 
@@ -720,14 +721,25 @@ def _run_entry_point(name: str, args: list[str], cwd: pathlib.Path, timeout: flo
                           timeout=timeout, env=child_env())
 
 
+def _entry_point_on_a_rank(name: str, args: list[str], cwd: pathlib.Path) -> str:
+    """A console script's function (``[project.scripts]``) on a rank forked from the preloaded fork
+    server, for the commands whose subject is what they compute, write and print; returns what it
+    printed. How a console script starts is checked apart: ``test_command_as_written`` (the entry
+    points import and parse their arguments) and ``test_wheel.py`` (the installed command)."""
+    module, _, function = ENTRY_POINTS[name].partition(":")
+    return run_module_on_a_rank(module, *args, cwd=cwd, function=function, program=name)
+
+
 @pytest.mark.slow
 def test_checkpoint_commands_end_to_end(tmp_path, monkeypatch, capsys):
-    """The smoke run for real; then every command that names a run's checkpoint, with its."""
+    """The smoke run for real; then every command that names a run's checkpoint, with its. Each
+    line is first checked as the CLI checks it before launch, then run on a forked rank."""
     smoke = [c for c in COMMANDS if c.text.split("#")[0].strip() == SMOKE]
     assert smoke, f"the documents no longer hold {SMOKE!r}"
     run_overrides = tuple(shlex.split(SMOKE)[1:])
-    proc = _run_entry_point("lightning-mhc-train", list(run_overrides), tmp_path)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    status, err = check_before_launch(list(run_overrides), tmp_path, monkeypatch, capsys)
+    assert status == 0, err
+    _entry_point_on_a_rank("lightning-mhc-train", list(run_overrides), tmp_path)
     (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
     checkpoint = json.loads((run_dir / "summary.json").read_text())["last_checkpoint"]
     checkpoint = pathlib.Path(checkpoint)
@@ -743,11 +755,9 @@ def test_checkpoint_commands_end_to_end(tmp_path, monkeypatch, capsys):
             status, err = check_before_launch(argv[1:], tmp_path, monkeypatch, capsys)
             assert status == 0, f"{command.id}: {err}"
             if "mode=validate" in argv:  # and evaluating it for real
-                proc = _run_entry_point("lightning-mhc-train", argv[1:], tmp_path)
-                assert proc.returncode == 0, proc.stderr[-5000:]
+                _entry_point_on_a_rank("lightning-mhc-train", argv[1:], tmp_path)
         elif _kind(command) == "lightning-mhc-export":
-            proc = _run_entry_point("lightning-mhc-export", argv[1:], tmp_path)
-            assert proc.returncode == 0, proc.stderr[-5000:]
+            _entry_point_on_a_rank("lightning-mhc-export", argv[1:], tmp_path)
             out = tmp_path / argv[2]
             assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
             exported = True
@@ -756,19 +766,17 @@ def test_checkpoint_commands_end_to_end(tmp_path, monkeypatch, capsys):
     assert exported
 
     for command in [c for c in COMMANDS if _kind(c) == "lightning-mhc-generate"]:
-        proc = _run_entry_point("lightning-mhc-generate", command.argv[1:], tmp_path)
-        assert proc.returncode == 0, proc.stderr[-5000:]
+        printed = _entry_point_on_a_rank("lightning-mhc-generate", command.argv[1:], tmp_path)
         prompt = dict(a.split("=", 1) for a in command.argv[1:])["prompt"]
-        assert proc.stdout.startswith(prompt), proc.stdout[:200]
+        assert printed.startswith(prompt), printed[:200]
 
     loads = [b for b in python_blocks() if any("load_from_checkpoint(" in line for line in b.lines)]
     assert loads, "the documents no longer load a checkpoint in one process"
     for block in loads:
         source = PLACEHOLDER_CHECKPOINT.sub(str(checkpoint), "\n".join(block.lines))
         source += "\nprint(type(module).__name__, sum(p.numel() for p in module.parameters()))"
-        proc = subprocess.run([sys.executable, "-c", source], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=300, env=child_env())
-        assert proc.returncode == 0 and proc.stdout.startswith("MHCGPTModule"), proc.stderr[-5000:]
+        printed = run_source_on_a_rank(source, tmp_path)
+        assert printed.startswith("MHCGPTModule"), printed[:200]
 
 
 @pytest.mark.slow

@@ -28,8 +28,10 @@ class RankError(RuntimeError):
     """A rank raised; the message holds its traceback."""
 
 
-PORT_LOCKS = os.path.join(tempfile.gettempdir(), "lightning_mhc_ports")
-"""One lock file per port a process of this machine holds for a group's store (``free_port``)."""
+PORT_LOCKS = os.environ.setdefault("LIGHTNING_MHC_PORT_LOCKS", os.path.join(tempfile.gettempdir(), "lightning_mhc_ports"))
+"""One lock file per port a process of this machine holds for a group's store (``free_port``).
+Named in the environment, so that a child process whose temporary folder is another one (the test
+suite gives its children a folder of their own) draws ports from the same locks."""
 
 _held_ports: dict[int, int] = {}
 """Port -> the descriptor of its lock file, for the ports this process holds."""
