@@ -4,5 +4,6 @@ make; no model built, no process group started)."""
 from lightning_mhc.planning.memory import RankBytes, StageCount, parse_bytes, plan_gpt, stage_counts
 from lightning_mhc.planning.activations import plan_activations
 from lightning_mhc.planning.schedule import bubble
+from lightning_mhc.planning.traffic import StageTraffic, plan_traffic
 
-__all__ = ["RankBytes", "StageCount", "bubble", "parse_bytes", "plan_activations", "plan_gpt", "stage_counts"]
+__all__ = ["RankBytes", "StageCount", "bubble", "parse_bytes", "plan_activations", "plan_gpt", "plan_traffic", "StageTraffic", "stage_counts"]
