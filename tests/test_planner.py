@@ -93,6 +93,10 @@ def test_plan_starts_no_process_group(tmp_path, monkeypatch, capsys):
     rows = plan(["model=small", "parallel=tp2pp2", "trainer.devices=4"])
     assert dist.is_initialized() == initialized
     assert rows[0]["sizes"]["tensor"] == 2 and "most loaded rank" in capsys.readouterr().out
+    # plan.json's traffic_bytes: per dimension, the most a stage's rank sends (TP and PP here)
+    sent = rows[0]["traffic_bytes"]
+    assert sent == {d: max(s["traffic_bytes"][d] for s in rows[0]["stages"]) for d in sent}
+    assert sent["tensor"] > 0 and sent["pipeline"] > 0 and sent["data"] == sent["context"] == sent["expert"] == 0
 
 
 # ------------------------------------------------------------------ the console door
@@ -129,6 +133,9 @@ def test_plan_cli_enumerates_layouts_that_fit(tmp_path):
     assert all(r["total_bytes"] <= parse_bytes(memory) for r in rest)
     assert [r["total_bytes"] for r in rest] == sorted(r["total_bytes"] for r in rest)
     assert all(r["sizes"]["world_size"] == 8 for r in rest)
+    # traffic per dimension, or the one line saying why not (MoE under TP is not counted yet)
+    assert all((r["traffic_bytes"] is None) == (r["traffic_not_counted"] is not None) for r in layouts)
+    assert any(r["traffic_bytes"] and r["traffic_bytes"]["expert"] > 0 for r in rest)
     assert "fit" in run.stdout and "why:" in run.stdout
     # a layout the memory drops: the single-rank one holds every parameter
     assert layouts[0]["total_bytes"] > parse_bytes(memory)
