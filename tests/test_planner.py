@@ -164,3 +164,41 @@ def test_plan_cli_refuses_through_python_m(tmp_path):
     assert run.returncode == 2, (run.stdout, run.stderr)
     lines = [line for line in run.stderr.splitlines() if line.startswith(PLAN_REFUSES)]
     assert len(lines) == 1 and "model" in lines[0], run.stderr
+
+
+# ------------------------------------------------------------------ before launch
+def test_train_prints_the_plan_on_cpu(tmp_path, monkeypatch, capsys):
+    """``lightning-mhc-train`` on the CPU: the planner's figure for the run, one line, not enforced."""
+    from train_cli import check_before_launch
+
+    status, err = check_before_launch(["model=small", "parallel=tp2pp2", "trainer.devices=4"], tmp_path, monkeypatch,
+                                      capsys)
+    lines = [line for line in err.splitlines() if line.startswith("lightning-mhc-train: plan:")]
+    assert status == 0 and len(lines) == 1 and "largest term" in lines[0] and "not enforced" in lines[0], err
+
+
+def test_train_refuses_a_layout_over_the_free_gpu_memory(tmp_path, monkeypatch, capsys):
+    """On a GPU (its free memory faked through the probe): a layout predicted over it is refused in one
+    line naming the largest term and the best layout of the same 4 devices that fits; with room
+    enough it passes."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mhc.cli import preflight
+    from lightning_mhc.cli.plan import describe, fitting_layouts, largest_term, layout_row
+    from train_cli import check_before_launch
+
+    argv = ["model=small", "trainer.devices=4", "data.global_batch_size=16"]  # DP 4: each rank holds the whole model
+    with initialize_config_dir(config_dir=preflight.CONF_DIR, version_base="1.3", job_name="test"):
+        cfg = preflight.to_train_config(compose(config_name="config", overrides=argv))
+    asked = layout_row(cfg, cfg.layout, cfg.num_microbatches)
+    best = fitting_layouts(cfg, 4, asked["total_bytes"])[0]
+    assert best["total_bytes"] < asked["total_bytes"]
+    free = (best["total_bytes"] + asked["total_bytes"]) // 2
+    monkeypatch.setattr(preflight, "free_device_memory", lambda cfg: free)
+    status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, err
+    term = largest_term(asked)[0]
+    assert "does not fit" in lines[0] and f"largest term {term}" in lines[0] and describe(best) in lines[0], err
+    monkeypatch.setattr(preflight, "free_device_memory", lambda cfg: asked["total_bytes"])
+    assert check_before_launch(argv, tmp_path, monkeypatch, capsys) == (0, "")

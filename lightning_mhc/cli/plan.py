@@ -123,6 +123,30 @@ def _candidates(cfg, devices: int):
                     continue  # the model does not divide into it (heads, layers, vocabulary, experts)
 
 
+def fitting_layouts(cfg, devices: int, memory: int) -> list[dict[str, Any]]:
+    """The layouts of ``devices`` whose most loaded rank fits ``memory`` bytes, best first: most
+    headroom, then the smaller bubble, then the fewest bytes sent."""
+    fitting = [r for r in _candidates(cfg, devices) if r["total_bytes"] <= memory]
+    fitting.sort(key=lambda r: (r["total_bytes"], r["bubble"], _sent(r)))
+    return fitting
+
+
+TERMS = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes")
+
+
+def largest_term(row: dict[str, Any]) -> tuple[str, int]:
+    """The most loaded rank's largest term: ``(name, bytes)``."""
+    return max(((t, row[t] or 0) for t in TERMS), key=lambda pair: pair[1])
+
+
+def describe(row: dict[str, Any]) -> str:
+    """A layout in the words of the config: ``parallel.tensor_model_parallel_size=2 ...``."""
+    s = row["sizes"]
+    return (f"TP {s['tensor']} x PP {s['pipeline']} x DP {s['data']}" + (f" x CP {s['context']}" if s["context"] > 1
+                                                                         else "")
+            + (f", EP {s['expert']}" if s["expert"] > 1 else ""))
+
+
 def _sent(row: dict[str, Any]) -> float:
     """The bytes a rank sends per step over every dimension (not counted: last)."""
     return sum(row["traffic_bytes"].values()) if row["traffic_bytes"] is not None else float("inf")
@@ -173,9 +197,7 @@ def plan(argv: list[str]) -> list[dict[str, Any]]:
     _print_layout(asked)
     if enumerate_:
         devices = devices or cfg.world_size
-        fitting = [r for r in _candidates(cfg, devices) if r["total_bytes"] <= memory]
-        # most headroom first, then the smaller bubble, then the fewest bytes sent
-        fitting.sort(key=lambda r: (r["total_bytes"], r["bubble"], _sent(r)))
+        fitting = fitting_layouts(cfg, devices, memory)
         print(f"\n{len(fitting)} layouts of {devices} devices fit {_gb(memory)}; the best {min(top, len(fitting))}:")
         for row in fitting[:top]:
             print()
