@@ -47,6 +47,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES as BUCKET_BYTES
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.moe_mlp import is_moe_layer
 from lightning_mhc.planning.shapes import chunk_tensors
@@ -54,9 +55,6 @@ from lightning_mhc.recompute.policy import DEFAULT_MODULES, RecomputePolicy
 
 DIMENSIONS = ("tensor", "context", "expert", "pipeline", "data")
 FP32, INT32, INT64 = 4, 4, 8
-BUCKET_BYTES = 25 * 2**20
-"""The runtime's gradient bucket size (``grads.DEFAULT_BUCKET_BYTES``; not imported: a plan does not
-load torch.distributed)."""
 REPLAYS_LAYER = "full"
 """The policy whose backward replays each layer's whole forward, collectives included (megatron's
 reentrant checkpoint). ``selective`` replays the MLP under torch's non-reentrant checkpoint, which
