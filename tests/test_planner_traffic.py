@@ -64,22 +64,12 @@ def _measure(rank, world):
     import torch.distributed as dist
 
     from lightning_mhc.distributed.layout import destroy_parallel
-    from lightning_mhc.lightning.modules.gpt import MHCGPTModule
-    from lightning_mhc.recompute.policy import attach_recompute
-    from lightning_mhc.strategies.runtime import ParallelRuntime
-    from lightning_mhc.strategies.settings import ParallelSettings
     from lightning_mhc.testing.collectives import CollectiveCounter
+    from lightning_mhc.testing.runtime import gpt_on_runtime
 
     out = []
     for name, (*_, m, zero1, _moe, policy) in GRID.items():
-        asked = _asked(world, name)
-        runtime = ParallelRuntime(ParallelSettings(layout=asked, num_microbatches=m, use_distributed_optimizer=zero1))
-        runtime.layout, runtime.device = asked.build(), torch.device("cpu")
-        module = MHCGPTModule(_model(name), recompute_policy=policy)
-        module.handed_layout = runtime.layout
-        torch.manual_seed(0)
-        module.configure_model()
-        attach_recompute(module)
+        runtime, module = gpt_on_runtime(_asked(world, name), m, _model(name), policy, use_distributed_optimizer=zero1)
         optimizer = torch.optim.AdamW(module.parameters())
         runtime.take_over_optimizers(module, [optimizer])
         torch.manual_seed(1 + rank)
@@ -92,7 +82,6 @@ def _measure(rank, world):
             runtime.finish_step()
         out.append((runtime.layout.pipeline_model_parallel_rank,
                     tuple(dist.get_process_group_ranks(runtime.layout.ep_group)), dict(counted.bytes)))
-        runtime.stop() if hasattr(runtime, "stop") else None
         destroy_parallel()
     return out
 
