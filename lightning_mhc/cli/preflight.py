@@ -93,7 +93,10 @@ def check_fits(cfg: TrainConfig) -> str | None:
         return None
     from lightning_mhc.cli.plan import describe, fitting_layouts, largest_term, layout_row
 
-    row = layout_row(cfg, cfg.layout, cfg.num_microbatches)
+    try:
+        row = layout_row(cfg, cfg.layout, cfg.num_microbatches)
+    except ConfigError as error:  # the config is valid (checked first): what the planner cannot plan yet
+        return f"lightning-mhc-train: plan: not planned ({' '.join(str(error).split())})."
     term, size = largest_term(row)
     total = row["total_bytes"]
     free = free_device_memory(cfg)
