@@ -93,6 +93,10 @@ def test_plan_starts_no_process_group(tmp_path, monkeypatch, capsys):
     rows = plan(["model=small", "parallel=tp2pp2", "trainer.devices=4"])
     assert dist.is_initialized() == initialized
     assert rows[0]["sizes"]["tensor"] == 2 and "most loaded rank" in capsys.readouterr().out
+    # plan.json's traffic_bytes: per dimension, the most a stage's rank sends (TP and PP here)
+    sent = rows[0]["traffic_bytes"]
+    assert sent == {d: max(s["traffic_bytes"][d] for s in rows[0]["stages"]) for d in sent}
+    assert sent["tensor"] > 0 and sent["pipeline"] > 0 and sent["data"] == sent["context"] == sent["expert"] == 0
 
 
 # ------------------------------------------------------------------ the console door
@@ -129,6 +133,9 @@ def test_plan_cli_enumerates_layouts_that_fit(tmp_path):
     assert all(r["total_bytes"] <= parse_bytes(memory) for r in rest)
     assert [r["total_bytes"] for r in rest] == sorted(r["total_bytes"] for r in rest)
     assert all(r["sizes"]["world_size"] == 8 for r in rest)
+    # traffic per dimension, or the one line saying why not (MoE under TP is not counted yet)
+    assert all((r["traffic_bytes"] is None) == (r["traffic_not_counted"] is not None) for r in layouts)
+    assert any(r["traffic_bytes"] and r["traffic_bytes"]["expert"] > 0 for r in rest)
     assert "fit" in run.stdout and "why:" in run.stdout
     # a layout the memory drops: the single-rank one holds every parameter
     assert layouts[0]["total_bytes"] > parse_bytes(memory)
@@ -157,3 +164,41 @@ def test_plan_cli_refuses_through_python_m(tmp_path):
     assert run.returncode == 2, (run.stdout, run.stderr)
     lines = [line for line in run.stderr.splitlines() if line.startswith(PLAN_REFUSES)]
     assert len(lines) == 1 and "model" in lines[0], run.stderr
+
+
+# ------------------------------------------------------------------ before launch
+def test_train_prints_the_plan_on_cpu(tmp_path, monkeypatch, capsys):
+    """``lightning-mhc-train`` on the CPU: the planner's figure for the run, one line, not enforced."""
+    from train_cli import check_before_launch
+
+    status, err = check_before_launch(["model=small", "parallel=tp2pp2", "trainer.devices=4"], tmp_path, monkeypatch,
+                                      capsys)
+    lines = [line for line in err.splitlines() if line.startswith("lightning-mhc-train: plan:")]
+    assert status == 0 and len(lines) == 1 and "largest term" in lines[0] and "not enforced" in lines[0], err
+
+
+def test_train_refuses_a_layout_over_the_free_gpu_memory(tmp_path, monkeypatch, capsys):
+    """On a GPU (its free memory faked through the probe): a layout predicted over it is refused in one
+    line naming the largest term and the best layout of the same 4 devices that fits; with room
+    enough it passes."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mhc.cli import preflight
+    from lightning_mhc.cli.plan import describe, fitting_layouts, largest_term, layout_row
+    from train_cli import check_before_launch
+
+    argv = ["model=small", "trainer.devices=4", "data.global_batch_size=16"]  # DP 4: each rank holds the whole model
+    with initialize_config_dir(config_dir=preflight.CONF_DIR, version_base="1.3", job_name="test"):
+        cfg = preflight.to_train_config(compose(config_name="config", overrides=argv))
+    asked = layout_row(cfg, cfg.layout, cfg.num_microbatches)
+    best = fitting_layouts(cfg, 4, asked["total_bytes"])[0]
+    assert best["total_bytes"] < asked["total_bytes"]
+    free = (best["total_bytes"] + asked["total_bytes"]) // 2
+    monkeypatch.setattr(preflight, "free_device_memory", lambda cfg: free)
+    status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, err
+    term = largest_term(asked)[0]
+    assert "does not fit" in lines[0] and f"largest term {term}" in lines[0] and describe(best) in lines[0], err
+    monkeypatch.setattr(preflight, "free_device_memory", lambda cfg: asked["total_bytes"])
+    assert check_before_launch(argv, tmp_path, monkeypatch, capsys) == (0, "")

@@ -40,21 +40,12 @@ def _asked(world, layout):
 def _measure(rank, world):
     """Per case: the runtime's ``activation_bytes`` of one training step (max over ranks)."""
     from lightning_mhc.distributed.layout import destroy_parallel
-    from lightning_mhc.lightning.modules.gpt import MHCGPTModule
-    from lightning_mhc.recompute.policy import attach_recompute
-    from lightning_mhc.strategies.runtime import ParallelRuntime
-    from lightning_mhc.strategies.settings import ParallelSettings
+    from lightning_mhc.testing.runtime import gpt_on_runtime
 
     out = []
     for streams, policy, name in GRID:
         asked, m = _asked(world, name), LAYOUTS[name][4]
-        runtime = ParallelRuntime(ParallelSettings(layout=asked, num_microbatches=m, measure_activation_memory=True))
-        runtime.layout, runtime.device = asked.build(), torch.device("cpu")
-        module = MHCGPTModule(_model(streams), recompute_policy=policy)
-        module.handed_layout = runtime.layout
-        torch.manual_seed(0)
-        module.configure_model()
-        attach_recompute(module)
+        runtime, module = gpt_on_runtime(asked, m, _model(streams), policy, measure_activation_memory=True)
         tokens = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH * m, SEQ + 1))
         batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(MICRO_BATCH * m, SEQ))
         runtime.run_schedule(module, batch, forward_only=False, accumulate=1, where="planner grid")

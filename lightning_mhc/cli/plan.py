@@ -8,9 +8,8 @@ layout, before launch, with the overrides and config groups of ``lightning-mhc-t
 The counts are the planner's (``lightning_mhc.planning``): parameters, gradients and AdamW state per
 rank of each pipeline stage, counted from the config (no model built, no process group started), and
 the retained activations at the schedule's peak for the run's recompute policy (where the count covers
-the model: not yet CP or MoE layers, which plan the model states alone and say so). Traffic is not
-counted yet (docs/planning.md). The
-pipeline bubble is the schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
+the model: not yet CP or MoE layers, which plan the model states alone and say so), and the bytes each
+rank sends per step by dimension (``planning.traffic``; docs/planning.md). The pipeline bubble is the schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
 ``lightning-mhc-plan: invalid configuration: ...``, exit status 2.
 """
 from __future__ import annotations
@@ -52,7 +51,7 @@ def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
     """One layout's entry of ``plan.json``: its sizes, the most loaded rank's bytes, each stage's."""
     from lightning_mhc.errors import ConfigError
     from lightning_mhc.model.config import with_parallel_layout
-    from lightning_mhc.planning import bubble, plan_activations, plan_gpt
+    from lightning_mhc.planning import bubble, plan_activations, plan_gpt, plan_traffic
 
     param_bytes = 2 if cfg.trainer.precision == "bf16-true" else 4
     config = cfg.transformer_config()
@@ -65,6 +64,14 @@ def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
         not_counted = None
     except ConfigError as error:  # what the activation count does not cover: the model states alone
         activations, not_counted = [0] * len(stages), str(error)
+    try:  # the bytes each rank sends per step, by dimension
+        traffic = [t.per_dimension() for t in plan_traffic(
+            with_parallel_layout(config, layout), layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
+            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes,
+            param_bytes=param_bytes, distributed_optimizer=cfg.optim.use_distributed_optimizer)]
+        traffic_not_counted = None
+    except ConfigError as error:
+        traffic, traffic_not_counted = [None] * len(stages), str(error)
     totals = [s.total + a for s, a in zip(stages, activations)]
     top = stages[max(range(len(stages)), key=totals.__getitem__)]
     p = layout.pipeline_model_parallel_size
@@ -77,10 +84,19 @@ def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
         optimizer_bytes=top.optimizer_bytes,
         activation_bytes=None if not_counted else activations[top.stage], activations_not_counted=not_counted,
         total_bytes=totals[top.stage],
+        traffic_bytes=_most_sent(traffic), traffic_not_counted=traffic_not_counted,
         bubble=bubble(p, layout.num_virtual_stages // p, num_microbatches),
         stages=[dict(stage=s.stage, parameter_bytes=s.parameter_bytes, gradient_bytes=s.gradient_bytes,
                      optimizer_bytes=s.optimizer_bytes, activation_bytes=None if not_counted else a,
-                     total_bytes=total) for s, a, total in zip(stages, activations, totals)])
+                     total_bytes=total, traffic_bytes=sent)
+                for s, a, total, sent in zip(stages, activations, totals, traffic)])
+
+
+def _most_sent(traffic: list[dict[str, int] | None]) -> dict[str, int] | None:
+    """Per dimension, the most any stage's rank sends in a step (None: not counted)."""
+    if traffic[0] is None:
+        return None
+    return {d: max(t[d] for t in traffic) for d in traffic[0]}
 
 
 def _candidates(cfg, devices: int):
@@ -107,7 +123,36 @@ def _candidates(cfg, devices: int):
                     continue  # the model does not divide into it (heads, layers, vocabulary, experts)
 
 
-def _gb(n: int) -> str:
+def fitting_layouts(cfg, devices: int, memory: int) -> list[dict[str, Any]]:
+    """The layouts of ``devices`` whose most loaded rank fits ``memory`` bytes, best first: most
+    headroom, then the smaller bubble, then the fewest bytes sent."""
+    fitting = [r for r in _candidates(cfg, devices) if r["total_bytes"] <= memory]
+    fitting.sort(key=lambda r: (r["total_bytes"], r["bubble"], _sent(r)))
+    return fitting
+
+
+TERMS = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes")
+
+
+def largest_term(row: dict[str, Any]) -> tuple[str, int]:
+    """The most loaded rank's largest term: ``(name, bytes)``."""
+    return max(((t, row[t] or 0) for t in TERMS), key=lambda pair: pair[1])
+
+
+def describe(row: dict[str, Any]) -> str:
+    """A layout in the words of the config: ``parallel.tensor_model_parallel_size=2 ...``."""
+    s = row["sizes"]
+    return (f"TP {s['tensor']} x PP {s['pipeline']} x DP {s['data']}" + (f" x CP {s['context']}" if s["context"] > 1
+                                                                         else "")
+            + (f", EP {s['expert']}" if s["expert"] > 1 else ""))
+
+
+def _sent(row: dict[str, Any]) -> float:
+    """The bytes a rank sends per step over every dimension (not counted: last)."""
+    return sum(row["traffic_bytes"].values()) if row["traffic_bytes"] is not None else float("inf")
+
+
+def _gb(n: int | float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e7 else f"{n:,} B"
 
 
@@ -124,6 +169,9 @@ def _print_layout(row: dict[str, Any]) -> None:
     what = (f"model states only: {row['activations_not_counted']}" if row["activations_not_counted"]
             else "model states and retained activations")
     print(f"most loaded rank: stage {row['most_loaded_stage']}, {_gb(row['total_bytes'])} ({what})")
+    sent = row["traffic_bytes"]
+    print("sent per rank and step: " + (", ".join(f"{d} {_gb(b)}" for d, b in sent.items() if b) or "nothing"
+                                        if sent is not None else f"not counted: {row['traffic_not_counted']}"))
 
 
 def plan(argv: list[str]) -> list[dict[str, Any]]:
@@ -149,15 +197,13 @@ def plan(argv: list[str]) -> list[dict[str, Any]]:
     _print_layout(asked)
     if enumerate_:
         devices = devices or cfg.world_size
-        fitting = [r for r in _candidates(cfg, devices) if r["total_bytes"] <= memory]
-        # most headroom first, then the smaller bubble, then fewer model-parallel ranks (less traffic)
-        fitting.sort(key=lambda r: (r["total_bytes"], r["bubble"], r["sizes"]["tensor"] * r["sizes"]["pipeline"]))
+        fitting = fitting_layouts(cfg, devices, memory)
         print(f"\n{len(fitting)} layouts of {devices} devices fit {_gb(memory)}; the best {min(top, len(fitting))}:")
         for row in fitting[:top]:
             print()
             _print_layout(row)
             print(f"why: {_gb(memory - row['total_bytes'])} headroom, bubble {row['bubble']:.3f}, "
-                  f"{row['sizes']['tensor'] * row['sizes']['pipeline']} model-parallel ranks")
+                  f"{_gb(_sent(row))} sent per rank and step")
         rows += fitting
     if "json" in options:
         with open(options["json"], "w") as f:

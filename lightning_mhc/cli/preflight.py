@@ -73,6 +73,47 @@ def check_machine(cfg: TrainConfig) -> None:
             )
 
 
+def free_device_memory(cfg: TrainConfig) -> int | None:
+    """The free bytes of the emptiest-to-be GPU this run uses (the least free over the visible
+    devices it takes), or None when it runs on the CPU (where the planner's figure is printed, not
+    enforced)."""
+    if _device_type(cfg.trainer.accelerator) != "cuda":
+        return None
+    import torch
+
+    return min(torch.cuda.mem_get_info(i)[0] for i in range(min(cfg.trainer.devices, torch.cuda.device_count())))
+
+
+def check_fits(cfg: TrainConfig) -> str | None:
+    """The planner's verdict on this run's layout before launch. On a GPU a layout whose most loaded
+    rank is predicted over the device's free memory is refused (ConfigError: the largest term and a
+    layout of the same devices that fits); on the CPU the prediction is returned as a line to print.
+    Hugging Face models are not planned yet: nothing is said."""
+    if cfg.model.is_hf:
+        return None
+    from lightning_mhc.cli.plan import describe, fitting_layouts, largest_term, layout_row
+
+    try:
+        row = layout_row(cfg, cfg.layout, cfg.num_microbatches)
+    except ConfigError as error:  # the config is valid (checked first): what the planner cannot plan yet
+        return f"lightning-mhc-train: plan: not planned ({' '.join(str(error).split())})."
+    term, size = largest_term(row)
+    total = row["total_bytes"]
+    free = free_device_memory(cfg)
+    said = (f"the planner predicts {total / 1e9:.3f} GB on the most loaded rank (stage {row['most_loaded_stage']}; "
+            f"largest term {term} {size / 1e9:.3f} GB)")
+    if free is None:
+        return f"lightning-mhc-train: plan: {said}; on the CPU this is not enforced."
+    if total <= free:
+        return None
+    fits = fitting_layouts(cfg, cfg.world_size, free)
+    fix = (f"a layout of the same {cfg.world_size} devices that fits: {describe(fits[0])} "
+           f"({fits[0]['total_bytes'] / 1e9:.3f} GB)" if fits else
+           f"no layout of {cfg.world_size} devices fits: use more devices, a recompute policy or a smaller batch")
+    raise ConfigError(f"{describe(row)} does not fit: {said}, over the {free / 1e9:.3f} GB free on the GPU; {fix} "
+                      "(lightning-mhc-plan lists them).")
+
+
 def _device_type(accelerator: str) -> str:
     """The torch device type a ``trainer.accelerator`` runs on (``auto``: CUDA when there is one)."""
     if accelerator == "auto":
@@ -167,7 +208,7 @@ def check_command_line(argv: list[str]) -> None:
         return
     overrides = list(args.overrides)
     multirun = args.multirun or "hydra.mode=MULTIRUN" in overrides
-    problems = []
+    problems, planned = [], []
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="train"):
         try:
             jobs = _sweep_jobs(overrides) if multirun else [overrides]
@@ -175,7 +216,7 @@ def check_command_line(argv: list[str]) -> None:
             jobs, problems = [], [hydra_error_message(error, overrides)]
         shared = set.intersection(*(set(job) for job in jobs)) if len(jobs) > 1 else set()
         for number, job in enumerate(jobs):
-            message = _check_job(args.config_name or "config", job)
+            message = _check_job(args.config_name or "config", job, planned)
             if message is not None:
                 swept = [o for o in filter_overrides(job) if o not in shared]  # what tells the jobs apart
                 problems.append(f"job {number} ({' '.join(swept) or 'no overrides'}): {message}" if multirun else message)
@@ -184,6 +225,8 @@ def check_command_line(argv: list[str]) -> None:
             problems.append(f"{len(problems)} of the sweep's {len(jobs)} jobs are invalid; no job was started.")
         say_invalid(*problems)
         sys.exit(2)
+    for line in planned:  # the planner's figures, once every job is valid
+        print(line, file=sys.stderr, flush=True)
     checked = True
 
 
@@ -198,8 +241,9 @@ def _sweep_jobs(overrides: list[str]) -> list[list[str]]:
     return [list(job) for batch in batches for job in batch]
 
 
-def _check_job(config_name: str, overrides: list[str]) -> str | None:
-    """The problem of one run's overrides, or None."""
+def _check_job(config_name: str, overrides: list[str], planned: list[str]) -> str | None:
+    """The problem of one run's overrides, or None (the planner's line for it, on the CPU, added to
+    ``planned``)."""
     from hydra import compose
     from hydra.errors import HydraException
 
@@ -212,6 +256,9 @@ def _check_job(config_name: str, overrides: list[str]) -> str | None:
         check_machine(train_cfg)
         if train_cfg.ckpt_path not in (None, "last"):  # 'last' needs the run directory: checked in the run
             resolve_ckpt_path(train_cfg, Path.cwd())
+        line = check_fits(train_cfg)
+        if line is not None:
+            planned.append(line)
     except (ConfigError, OmegaConfBaseException, ValueError) as error:
         return str(error)
     return None

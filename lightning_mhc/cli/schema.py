@@ -489,8 +489,7 @@ class OptimConfig:
     (MHCParallelStrategy(use_distributed_optimizer=...))."""
 
     def __post_init__(self) -> None:
-        from lightning_mhc.distributed.optimizer import check_shardable
-        from lightning_mhc.lightning.modules.base import OPTIMIZERS
+        from lightning_mhc.distributed.optimizer import OPTIMIZERS, check_shardable
 
         _one_of("optim.name", self.name, tuple(OPTIMIZERS))
         if self.use_distributed_optimizer:
@@ -574,8 +573,7 @@ class TrainConfig:
         else:
             self.recompute_policy.check_model(self.model.enable_hyper_connections)
         if self.trainer.precision == "bf16-true" and not self.optim.use_distributed_optimizer:
-            from lightning_mhc.distributed.optimizer import BF16_WEIGHTS, check_shardable
-            from lightning_mhc.lightning.modules.base import OPTIMIZERS
+            from lightning_mhc.distributed.optimizer import BF16_WEIGHTS, OPTIMIZERS, check_shardable
 
             check_shardable(OPTIMIZERS[self.optim.name], f"trainer.precision=bf16-mixed (optim.name={self.optim.name})",
                             f"trainer.precision=bf16-true: {BF16_WEIGHTS}")

@@ -60,6 +60,10 @@ from lightning_mhc.distributed.grads import (
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.errors import ConfigError
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
+"""The optimizers of :meth:`PipelinedLMModule.warmup_cosine_optimizer` (``optimizer=...``), kept here
+(beside the check of which ones shard) so that validating a config does not import Lightning."""
+
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
                torch.optim.ASGD, torch.optim.Rprop)

@@ -16,14 +16,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mhc.distributed.layout import ParallelLayout, single_process_layout
+from lightning_mhc.distributed.optimizer import OPTIMIZERS  # noqa: F401  (the modules import it from here)
 from lightning_mhc.errors import ConfigError, term
 from lightning_mhc.lightning.modules.throughput import ThroughputMeter
 from lightning_mhc.model.divergence import StreamDivergenceMonitor
 from lightning_mhc.model.flops import device_peak_flops
 from lightning_mhc.recompute.policy import RecomputePolicy
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
-"""The optimizers of :meth:`PipelinedLMModule.warmup_cosine_optimizer` (``optimizer=...``)."""
 
 
 class PipelinedLMModule(pl.LightningModule):

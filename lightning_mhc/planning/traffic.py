@@ -1,0 +1,234 @@
+"""The bytes each rank sends in one training step, per parallel dimension and collective, counted
+from the config by arithmetic (as ``shapes`` counts the parameters): what the runtime's modules,
+schedule and gradient reduction hand to torch.distributed for the layout.
+
+The convention (one for every collective, the one ``lightning_mhc.testing.collectives`` counts in a
+real run): a rank's *payload*, the bytes of the tensor(s) it hands in as its contribution, whatever
+algorithm the backend runs:
+
+- all-reduce: its tensor ``S`` (a ring moves ``2 (p - 1) / p S`` of it on the wire);
+- all-gather: its own shard (a ring moves ``(p - 1)`` shards);
+- reduce-scatter: its whole input, ``p`` shards (a ring moves ``(p - 1) / p`` of it);
+- all-to-all: its whole input, the share it keeps included (so the count does not depend on the
+  routing; a rank keeps ``1 / p`` of balanced tokens);
+- send: the tensor (a receive sends nothing); broadcast: the tensor, on the source rank only;
+- nothing over a group of one rank.
+
+Per micro-batch, with ``T`` tokens on a rank (``micro_batch_size x seq_length / CP``), hidden size
+``h``, ``n`` residual streams, activations of ``e`` bytes:
+
+- TP (> 1): the embedding's all-reduce ``T h e``; per sub-layer (attention, MLP) without sequence
+  parallelism an all-reduce ``T h e`` forward (the row-parallel output) and one backward (the
+  column-parallel input's gradient); with it an all-gather ``T h e / tp`` and a reduce-scatter
+  ``T h e`` forward (and the embedding's scatter gathered back in backward), two all-gathers (the gradient, the input again for the weight's gradient) and a
+  reduce-scatter backward; the output layer likewise (backward only without SP); the vocabulary-
+  parallel loss's three all-reduces of ``T`` fp32 values; ``full`` recompute replays each layer's
+  forward collectives, ``selective`` under SP the MLP input's all-gather (``REPLAYS_LAYER``). After
+  the step, with SP, the TP sum of the gradients of the decoder's TP-replicated parameters.
+- PP (> 1): each chunk sends its output stream ``T n h e (/ tp with SP)`` forward unless it is the
+  model's last, and its input's gradient backward unless it is the first; the tied embedding's
+  gradient summed between the first and the last stage; the loss broadcast from the last stage.
+- DP (x CP, > 1): the gradients all-reduced (the experts' over the expert-data ranks), the loss
+  all-reduced on the last stage; ZeRO-1 (or bf16 weights): per bucket of the runtime's (25 MiB of
+  parameters, the tied embedding alone, padded to a multiple of the ranks) a reduce-scatter of the
+  fp32 gradients and an all-gather of this rank's range of the updated weights, plus one int32 flag
+  per parameter tensor all-reduced (which got a gradient).
+- CP (> 1): per layer the stacked K and V all-gathered forward (``2 T g d e / tp``) and their
+  gradient reduce-scattered backward (``cp`` times that); the loss's token count all-reduced.
+- EP (> 1): per MoE layer the token counts (``E`` int64) and, forward and backward, the dispatch
+  (``T k h e``) and the combine (the tokens this rank's experts received: ``T k h e`` when the
+  router balances them, which the mean over an EP group's ranks is exactly).
+
+What is not counted yet is refused in one line (:func:`check_traffic_plan`).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES as BUCKET_BYTES
+from lightning_mhc.errors import ConfigError
+from lightning_mhc.model.moe_mlp import is_moe_layer
+from lightning_mhc.planning.shapes import chunk_tensors
+from lightning_mhc.recompute.policy import DEFAULT_MODULES, RecomputePolicy
+
+DIMENSIONS = ("tensor", "context", "expert", "pipeline", "data")
+FP32, INT32, INT64 = 4, 4, 8
+REPLAYS_LAYER = "full"
+"""The policy whose backward replays each layer's whole forward, collectives included (megatron's
+reentrant checkpoint). ``selective`` replays the MLP under torch's non-reentrant checkpoint, which
+stops once the tensors backward needs are back: under SP the fc1 input's all-gather, not the fc2
+output's reduce-scatter (without SP nothing the MLP sends); ``layernorm`` and the hyper-connections
+(``mhc_block``) recompute without communicating."""
+
+
+@dataclass(frozen=True)
+class StageTraffic:
+    """The payload bytes one rank of a pipeline stage sends in a step, by ``(dimension, op)``."""
+
+    stage: int
+    bytes: dict[tuple[str, str], int]
+
+    def per_dimension(self) -> dict[str, int]:
+        return {d: sum(b for (dim, _), b in self.bytes.items() if dim == d) for d in DIMENSIONS}
+
+
+def check_traffic_plan(config: Any, layout: Any, policy: Any, distributed_optimizer: bool) -> None:
+    """What the traffic count does not cover yet, refused in one line."""
+    tp, sp = layout.tensor_model_parallel_size, layout.sequence_parallel
+    moe = bool(getattr(config, "num_moe_experts", None))
+    missing = [what for what, yes in (
+        ("MoE layers under TP", moe and tp > 1),
+        ("the selective policy's replay of MoE layers", moe and policy.name == "selective"),
+        ("ZeRO-1 with sequence parallelism", distributed_optimizer and sp and tp > 1),
+        ("ZeRO-1 with a tied embedding across stages", distributed_optimizer
+         and layout.pipeline_model_parallel_size > 1 and config.share_embeddings_and_output_weights),
+        ("learned position embeddings across stages", layout.pipeline_model_parallel_size > 1
+         and config.position_embedding_type == "learned_absolute"),
+        ("recompute_modules other than the policy's default", policy.modules is not None
+         and tuple(policy.modules) != DEFAULT_MODULES.get(policy.name)),
+    ) if yes]
+    if missing:
+        raise ConfigError(f"the planner's traffic count does not cover {', '.join(missing)} yet.")
+
+
+def _buckets(numels: list[tuple[int, bool]], bucket_elements: int) -> list[int]:
+    """The elements of each of the runtime's buckets (``grads.buckets``) over ``(numel, alone)`` in
+    the order the runtime fills them."""
+    out: list[int] = []
+    size, first_alone = 0, False
+    for numel, alone in numels:
+        if size and (alone or first_alone or size + numel > bucket_elements):
+            out.append(size)
+            size = 0
+        if not size:
+            first_alone = alone
+        size += numel
+    if size:
+        out.append(size)
+    return out
+
+
+def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micro_batch_size: int,
+                 num_microbatches: int, element_bytes: int = FP32, param_bytes: int = FP32,
+                 distributed_optimizer: bool = False, first_stage_layers: int | None = None,
+                 last_stage_layers: int | None = None) -> list[StageTraffic]:
+    """Each pipeline stage's :class:`StageTraffic` for one rank of it. ``config``: the model config
+    with the asked layout's padded vocabulary (``with_parallel_layout``)."""
+    from lightning_mhc.model.stages import partition_layers
+
+    policy = RecomputePolicy.of(policy)
+    check_traffic_plan(config, layout, policy, distributed_optimizer)
+    tp, sp, cp = layout.tensor_model_parallel_size, layout.sequence_parallel and layout.tensor_model_parallel_size > 1, \
+        layout.context_parallel_size
+    ep, p = layout.expert_model_parallel_size, layout.pipeline_model_parallel_size
+    v, m, e = layout.num_virtual_stages // p, num_microbatches, element_bytes
+    dp_cp = layout.data_parallel_size * cp
+    expert_dp = dp_cp // ep
+    h = config.hidden_size
+    n = config.num_residual_streams if config.enable_hyper_connections else 1
+    t = micro_batch_size * seq_length // cp
+    activation = t * h * e                     # one sub-layer's output, all tokens of the rank
+    shard = activation // tp if sp else activation
+    full = policy.name == REPLAYS_LAYER
+    takes_over = distributed_optimizer or param_bytes != FP32  # the runtime's DistributedOptimizer
+    grad_bytes = FP32 if takes_over else param_bytes
+    ranges = partition_layers(config.num_layers, p * v, first_stage_layers, last_stage_layers)
+    out = []
+    for stage in range(p):
+        sent: Counter = Counter()
+
+        def tensor_sublayer(forwards: int, regathered: bool = False) -> None:
+            """A TP sub-layer: ``forwards`` forward passes (2 when the layer is recomputed), one backward
+            (and, ``regathered``, the input's all-gather replayed by the selective MLP recompute)."""
+            if sp:
+                sent["tensor", "all_gather"] += (forwards + 2 + regathered) * shard
+                sent["tensor", "reduce_scatter"] += (forwards + 1) * activation
+            else:
+                sent["tensor", "all_reduce"] += (forwards + 1) * activation
+
+        dense_tensors: list[tuple[int, bool]] = []
+        expert_tensors: list[tuple[int, bool]] = []
+        partial_over_tp = 0  # elements of the decoder's TP-replicated parameters (SP: summed over TP)
+        for c in range(v):
+            virtual = c * p + stage
+            first, last = virtual == 0, virtual == p * v - 1
+            layers = range(ranges[virtual][0] + 1, ranges[virtual][1] + 1)
+            for _ in range(m):  # every micro-batch passes every chunk of the stage once each way
+                if tp > 1:
+                    if first:  # the embedding's sum (then under SP its scatter, gathered back in backward)
+                        sent["tensor", "all_reduce"] += activation
+                        if sp:
+                            sent["tensor", "all_gather"] += shard
+                    for number in layers:
+                        tensor_sublayer(1 + full)
+                        tensor_sublayer(1 + full, regathered=policy.name == "selective")
+                    if last:  # the output layer (column-parallel; its forward gathers only under SP)
+                        if sp:
+                            sent["tensor", "all_gather"] += 2 * shard
+                            sent["tensor", "reduce_scatter"] += activation
+                        else:
+                            sent["tensor", "all_reduce"] += activation
+                        sent["tensor", "all_reduce"] += 3 * t * FP32  # the loss's max, sum and target logit
+                if cp > 1:
+                    groups = (config.num_query_groups or config.num_attention_heads) // tp
+                    kv = 2 * t * groups * config.kv_channels * e
+                    sent["context", "all_gather"] += len(layers) * (1 + full) * kv
+                    sent["context", "reduce_scatter"] += len(layers) * cp * kv
+                    if last:
+                        sent["context", "all_reduce"] += FP32  # the loss mask's token count
+                if ep > 1:
+                    routed = t * config.moe_router_topk * h * e
+                    for number in layers:
+                        if is_moe_layer(config, number):
+                            sent["expert", "all_to_all"] += (1 + full) * (config.num_moe_experts * INT64 + 2 * routed) \
+                                + 2 * routed
+                if p > 1:
+                    stream = t * n * h * e // (tp if sp else 1)
+                    if not last:
+                        sent["pipeline", "send"] += stream
+                    if not first:
+                        sent["pipeline", "send"] += stream
+            tensors = list(chunk_tensors(config, ranges[virtual], first, last))
+            tied = config.share_embeddings_and_output_weights
+            for tensor in reversed(tensors):  # the runtime's buckets fill from the last parameter
+                numel = tensor.numel // tp if tensor.tensor_parallel else tensor.numel
+                if tensor.expert:
+                    expert_tensors.append((numel // ep, False))
+                    continue
+                alone = tied and tensor.name in ("embedding.word_embeddings.weight", "output_layer.weight")
+                dense_tensors.append((numel, alone))
+                if sp and tensor.name.startswith("decoder.") and not tensor.tensor_parallel:
+                    partial_over_tp += numel
+                if p > 1 and alone:
+                    sent["pipeline", "all_reduce"] += numel * grad_bytes  # the tied embedding's two copies
+            if takes_over:  # a bucket never spans chunks: each chunk's own, as the runtime makes them
+                for tensors_, group in ((dense_tensors, dp_cp), (expert_tensors, expert_dp)):
+                    for bucket in _buckets(tensors_, BUCKET_BYTES // param_bytes):
+                        if group == 1:
+                            continue
+                        parts = group if distributed_optimizer else 1
+                        if parts > 1:
+                            padded = -(-bucket // parts)
+                            sent["data", "reduce_scatter"] += padded * parts * FP32
+                            sent["data", "all_gather"] += padded * param_bytes
+                        else:
+                            sent["data", "all_reduce"] += bucket * FP32
+                    if group > 1 and tensors_:
+                        sent["data", "all_reduce"] += len(tensors_) * INT32  # which got a gradient
+                dense_tensors, expert_tensors = [], []
+        if not takes_over:
+            if dp_cp > 1:
+                sent["data", "all_reduce"] += sum(k for k, _ in dense_tensors) * grad_bytes
+            if expert_dp > 1 and expert_tensors:
+                sent["data", "all_reduce"] += sum(k for k, _ in expert_tensors) * grad_bytes
+        if partial_over_tp:
+            sent["tensor", "all_reduce"] += partial_over_tp * grad_bytes
+        if stage == p - 1:  # the step's loss: averaged over DP x CP, then sent to every stage
+            if dp_cp > 1:
+                sent["data", "all_reduce"] += FP32
+            if p > 1:
+                sent["pipeline", "broadcast"] += FP32
+        out.append(StageTraffic(stage, {k: b for k, b in sent.items() if b}))
+    return out

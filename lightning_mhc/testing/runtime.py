@@ -1,0 +1,26 @@
+"""The mHC GPT on a :class:`ParallelRuntime` in a rank of a spawned group, as the strategy sets it up
+(without Lightning's Trainer): for the tests that run the runtime's schedule on it and measure."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def gpt_on_runtime(layout: Any, num_microbatches: int, model: dict[str, Any], policy: str = "none",
+                   **settings: Any) -> tuple[Any, Any]:
+    """``(runtime, module)``: ``layout`` built over the group, the module's stage made on it (seeded),
+    its recompute policy attached; ``settings``: more :class:`ParallelSettings` fields."""
+    from lightning_mhc.lightning.modules.gpt import MHCGPTModule
+    from lightning_mhc.recompute.policy import attach_recompute
+    from lightning_mhc.strategies.runtime import ParallelRuntime
+    from lightning_mhc.strategies.settings import ParallelSettings
+
+    runtime = ParallelRuntime(ParallelSettings(layout=layout, num_microbatches=num_microbatches, **settings))
+    runtime.layout, runtime.device = layout.build(), torch.device("cpu")
+    module = MHCGPTModule(model, recompute_policy=policy)
+    module.handed_layout = runtime.layout
+    torch.manual_seed(0)
+    module.configure_model()
+    attach_recompute(module)
+    return runtime, module

@@ -1,0 +1,126 @@
+"""The planner's traffic per step against a counter of the bytes each collective moved in a real run
+(``lightning_mhc.testing.collectives``: torch.distributed's collectives and p2p ops wrapped in the
+ranks, the payload read off each call's tensors): one spawned group of 4 ranks runs every layout of
+the grid through the runtime's schedule, gradient reduction and optimizer step; every rank's bytes
+per (dimension, collective) equal the planner's for its stage, exactly (EP's all-to-all: the mean
+over each expert group, since the combine carries the tokens the router sent to the rank)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_mhc.testing.launch import spawn_ranks
+
+MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=192, vocab_size=200,
+             max_sequence_length=32, enable_hyper_connections=True, num_residual_streams=4)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+SEQ, MICRO_BATCH = 32, 2
+# name: (TP, SP, PP, chunks per stage, CP, EP, micro-batches, ZeRO-1, MoE, recompute policy) on 4 ranks (DP the rest)
+GRID = {
+    "tp2": (2, False, 1, 1, 1, 1, 1, False, False, "none"),
+    "pp2": (1, False, 2, 1, 1, 1, 4, False, False, "none"),
+    "pp2v2": (1, False, 2, 2, 1, 1, 4, False, False, "mhc_block"),
+    "tp2pp2sp": (2, True, 2, 1, 1, 1, 4, False, False, "none"),
+    "tp2sp_selective": (2, True, 1, 1, 1, 1, 2, False, False, "selective"),
+    "cp2": (1, False, 1, 1, 2, 1, 1, False, False, "full"),
+    "ep2": (1, False, 1, 1, 1, 2, 1, False, True, "none"),
+    "zero1": (1, False, 1, 1, 1, 1, 1, True, False, "none"),
+}
+
+OVERRIDES = {"zero1": dict(num_layers=3)}
+"""ZeRO-1 on 3 layers: its dense bucket (beside the embedding's) does not divide by the 4 ranks, so
+the padding of each reduce-scatter and all-gather is checked too."""
+
+
+def _asked(world, name):
+    from lightning_mhc.distributed.layout import ParallelLayout
+
+    tp, sp, pp, vp, cp, ep, *_ = GRID[name]
+    return ParallelLayout(tensor_model_parallel_size=tp, sequence_parallel=sp, pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp,
+                          expert_model_parallel_size=ep, world_size=world)
+
+
+def _model(name):
+    return dict(MODEL, **(MOE if GRID[name][8] else {}), **OVERRIDES.get(name, {}))
+
+
+def _dimension_of(layout):
+    """Which parallel dimension a call is, by its process group (the expert-data ranks' reduction is
+    DP's; the tied embedding's, PP's; a send or receive is PP's)."""
+    named = {}
+    for dimension, group in (("tensor", layout.tp_group), ("context", layout.cp_group), ("expert", layout.ep_group),
+                             ("pipeline", layout.pp_group), ("pipeline", layout.embedding_group),
+                             ("data", layout.dp_cp_group), ("data", layout.dp_group),
+                             ("data", layout.expert_dp_group)):
+        if group is not None:
+            named.setdefault(id(group), dimension)
+    return lambda group, op: "pipeline" if op in ("send", "recv") else named.get(id(group))
+
+
+def _measure(rank, world):
+    """Per case: this rank's stage, its expert group's ranks, and the payload bytes it sent by
+    (dimension, op) over one training step (schedule, gradient reduction, optimizer step)."""
+    import torch.distributed as dist
+
+    from lightning_mhc.distributed.layout import destroy_parallel
+    from lightning_mhc.testing.collectives import CollectiveCounter
+    from lightning_mhc.testing.runtime import gpt_on_runtime
+
+    out = []
+    for name, (*_, m, zero1, _moe, policy) in GRID.items():
+        runtime, module = gpt_on_runtime(_asked(world, name), m, _model(name), policy, use_distributed_optimizer=zero1)
+        optimizer = torch.optim.AdamW(module.parameters())
+        runtime.take_over_optimizers(module, [optimizer])
+        torch.manual_seed(1 + rank)
+        tokens = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH * m, SEQ + 1))
+        batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(MICRO_BATCH * m, SEQ))
+        with CollectiveCounter(_dimension_of(runtime.layout)) as counted:
+            runtime.run_schedule(module, batch, forward_only=False, accumulate=1, where="traffic grid")
+            runtime.reduce_gradients(module)
+            optimizer.step()
+            runtime.finish_step()
+        out.append((runtime.layout.pipeline_model_parallel_rank,
+                    tuple(dist.get_process_group_ranks(runtime.layout.ep_group)), dict(counted.bytes)))
+        destroy_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return spawn_ranks(_measure, 4, timeout_s=600)
+
+
+def planned(name):
+    from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
+    from lightning_mhc.planning import plan_traffic
+
+    *_, m, zero1, _moe, policy = GRID[name]
+    layout = _asked(4, name)
+    config = with_parallel_layout(MHCTransformerConfig(**_model(name)), layout)
+    return plan_traffic(config, layout, policy, seq_length=SEQ, micro_batch_size=MICRO_BATCH, num_microbatches=m,
+                        distributed_optimizer=zero1)
+
+
+def test_traffic_per_rank_exact(measured):
+    """Every rank of every case: the bytes it sent per (dimension, collective) are the planner's for its
+    stage; EP's all-to-all, which follows the routing, is the planner's on average over each expert group."""
+    misses = []
+    for i, name in enumerate(GRID):
+        stages = planned(name)
+        groups: dict[tuple, list[int]] = {}
+        for rank, rows in enumerate(measured):
+            stage, experts, got = rows[i]
+            got = {key: sent for key, sent in got.items() if sent}  # receives, a broadcast's other ranks
+            want = dict(stages[stage].bytes)
+            routed = want.pop(("expert", "all_to_all"), None)
+            groups.setdefault(experts, []).append(got.pop(("expert", "all_to_all"), 0))
+            if got != want:
+                misses.append((name, rank, sorted(got.items()), sorted(want.items())))
+            if routed is not None:
+                want[("expert", "all_to_all")] = routed
+        routed = stages[0].bytes.get(("expert", "all_to_all"), 0)
+        for experts, sent in groups.items():
+            if sum(sent) != routed * len(sent):
+                misses.append((name, experts, sent, routed))
+    assert not misses, misses
