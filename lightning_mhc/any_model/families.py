@@ -113,7 +113,10 @@ class FamilyRecord:
     - ``experts``: its fused experts, split over EP (``experts.py``); None: a dense family;
     - ``router_loss``: a MoE family's own router loss (its routers, the rule that combines their
       statistics over layers, stages and the sequence's ranks, and the config attribute of its
-      coefficient: ``router_loss.py``); None: no router loss.
+      coefficient: ``router_loss.py``); None: no router loss;
+    - ``transformers``: for a family newer than the ``hf`` extra's lower bound, the transformers
+      version its model is run with here: a transformers without the model is refused naming it
+      (:func:`check_transformers_ships`); None: every transformers the extra allows ships it.
     """
 
     model_type: str
@@ -128,6 +131,7 @@ class FamilyRecord:
     context_parallel_refusal: str | None = NOT_CHECKED_UNDER_CP
     experts: FusedExperts | None = None
     router_loss: RouterLossSpec | None = None
+    transformers: str | None = None
 
     def __post_init__(self) -> None:
         # a record is the family's one statement of a capability: no claim made two ways at once
@@ -209,7 +213,7 @@ RECORDS: tuple[FamilyRecord, ...] = (
     _family("deepseek_v4", deepseek_v4.DEEPSEEK_V4, None, native_streams="hc_mult",
             carry_streams=deepseek_v4.carry_streams_flat, tensor_parallel=deepseek_v4.split_attention,
             check_layout=deepseek_v4.check_layout, experts=MOE_EXPERTS,
-            context_parallel_refusal=deepseek_v4.NOT_UNDER_CP),
+            context_parallel_refusal=deepseek_v4.NOT_UNDER_CP, transformers=deepseek_v4.TRANSFORMERS),
 )
 
 FAMILIES: dict[str, FamilyRecord] = {record.model_type: record for record in RECORDS}
@@ -294,6 +298,21 @@ def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: 
     return record.hyper_connection_plan(getattr(model, "config", None))
 
 
+def check_transformers_ships(model_type: str | None) -> None:
+    """A built-in family's model that the installed transformers does not ship (an older one than
+    its record's ``transformers``): refused in one line naming the version, before transformers'
+    own error (which names no version) is reached."""
+    record = FAMILIES.get(model_type)
+    if record is None or record.transformers is None:
+        return
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"model_type {model_type!r} is not in transformers {transformers.__version__}: its family runs "
+                          f"on transformers>={record.transformers}; pip install 'transformers>={record.transformers}'.")
+
+
 def native_stream_count(model: nn.Module) -> int:
     """The residual streams ``model``'s family carries itself (1 for a family without)."""
     record = family_of(model)
@@ -335,6 +354,6 @@ def refuse_native_streams(model: nn.Module) -> None:
 
 
 __all__ = ["Branch", "FAMILIES", "Family", "FamilyRecord", "FusedExperts", "HC_PLANS", "PLANS", "PipelineContract",
-           "RECORDS", "check_family_layout", "family_of", "finish_family_chunks", "native_stream_count", "plan_family",
+           "RECORDS", "check_family_layout", "check_transformers_ships", "family_of", "finish_family_chunks", "native_stream_count", "plan_family",
            "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
            "supported_families"]
