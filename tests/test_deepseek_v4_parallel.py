@@ -5,10 +5,14 @@ tensor each), against the model in one process (fp32).
 
 A tiny V4 (tests/v4_utils.py: compressed sparse and heavily compressed attention, a sliding-window
 layer, a hash-routed layer with ``tid2eid`` spreading tokens over the experts, every map moved off
-its init): on one process bit-exact; one spawned 4-rank group runs PP 2 (DP 2), the streams
-crossing the stages flat, ``hc_head`` and the final norm and head on the last stage: step-0 logits
-within 1e-5. What is not built yet (TP, EP, CP on V4) and ``hyper_connections=n`` are refused in one
-line before anything is built.
+its init): on one process bit-exact. One spawned 4-rank group runs every distributed case
+(``_all_layouts``): step-0 logits on PP 2, TP 2, TP 2 x PP 2, PP 2 x EP 2 and TP 2 x EP 2 within
+1e-5; ``Trainer.fit`` on TP 2 x EP 2, on TP 2 x DP 2 with ZeRO-1 and on TP 2 x PP 2 (its step-2
+checkpoint continued on PP 2 x EP 2, then read in one process, exported and read back by
+``from_pretrained``, greedy ``generate``), losses and weights within 1e-5 of one process; the TP
+attention's registration gone with the run. Refused in one line before anything is built or
+launched: what is not built for V4, layouts that do not divide its heads, groups or experts,
+``hyper_connections=n``, a transformers without the model.
 """
 from __future__ import annotations
 
