@@ -5,13 +5,17 @@ tensor each), against the model in one process (fp32).
 
 A tiny V4 (tests/v4_utils.py: compressed sparse and heavily compressed attention, a sliding-window
 layer, a hash-routed layer with ``tid2eid`` spreading tokens over the experts, every map moved off
-its init): on one process bit-exact; one spawned 4-rank group runs PP 2 (DP 2), the streams
-crossing the stages flat, ``hc_head`` and the final norm and head on the last stage: step-0 logits
-within 1e-5; the same group runs TP, EP and CP (``any_model/deepseek_v4_context.py``: CP 2, TP 2 x
-CP 2, PP 2 x CP 2, a left-padded batch) and trains through ``Trainer.fit`` (TP 2 x EP 2, TP 2 x CP 2,
-CP 2 x EP 2; and PP 2 x EP 2 with the router's own loss and the auxiliary-free bias update, against
-transformers' model trained by hand) against one process. What is not built yet and
-``hyper_connections=n`` are refused in one line before anything is built.
+its init): on one process bit-exact. One spawned 4-rank group runs every distributed case
+(``_all_layouts``): step-0 logits on PP 2, TP 2, TP 2 x PP 2, PP 2 x EP 2, TP 2 x EP 2 and under
+context parallelism (``any_model/deepseek_v4_context.py``: CP 2, TP 2 x CP 2, PP 2 x CP 2, a
+left-padded batch) within 1e-5; ``Trainer.fit`` on TP 2 x EP 2, TP 2 x CP 2, CP 2 x EP 2, on TP 2 x
+DP 2 with ZeRO-1 and on TP 2 x PP 2 (its step-2 checkpoint continued on PP 2 x EP 2, then read in
+one process, exported and read back by ``from_pretrained``, greedy ``generate``), losses and
+weights within 1e-5 of one process; PP 2 x EP 2 with the router's own loss and the auxiliary-free
+bias update against transformers' model trained by hand; the TP attention's registration gone
+with the run. Refused in one line before anything is built or launched: what is not built for V4,
+layouts that do not divide its heads, groups or experts, ``hyper_connections=n``, a transformers
+without the model.
 """
 from __future__ import annotations
 
@@ -119,20 +123,32 @@ FITS = {"tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=
 """The layouts trained through ``Trainer.fit``: the shared K/V head's gradient summed over TP, the
 experts' over their ranks; under CP the gathered K/V's and compressor inputs' gradients
 reduce-scattered back to their ranks, the loss each rank's part of the mean."""
-FIT_STEPS, FIT_ROWS, FIT_LR = 3, 4, 0.05
+ZERO = dict(tensor_model_parallel_size=2, use_distributed_optimizer=True)
+"""ZeRO-1 (DP 2): each DP rank steps its shard of the momentum and weights (the experts' too,
+whole on every rank here) and gathers the rest."""
+SAVED_ON, RESUMED_ON = (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+                        dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2))
+"""Save and go on: TP 2 x PP 2 saves its step ``SAVE_AT`` (``ModelCheckpoint``, which calls
+``trainer.save_checkpoint``), continued from it on PP 2 x EP 2 (DP 2) and saved again by
+``trainer.save_checkpoint``, then read in one process."""
+FIT_STEPS, FIT_ROWS, FIT_LR, SAVE_AT = 3, 4, 0.05, 2
 BALANCED = dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2)
 """The layout the router's own loss and the auxiliary-free bias update train on (DP 2): the
 routers' statistics cross the stages, the counts the DP ranks."""
 AUX_COEF, BIAS_RATE = 0.5, 0.02
 
 
-def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float = 0.0, **sizes) -> dict:
-    """``FIT_STEPS`` SGD steps of ``HFCausalLMModule`` (the CLI's ``model=hf``) through
-    ``Trainer.fit`` on ``MHCParallelStrategy(**sizes)``: each step's loss, this rank's
-    parameters by their whole-model names (gathered over TP; experts: ``(start, block)``), its
-    routers' score-correction biases, and the batches it trained on (with its DP rank)."""
+def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float = 0.0, resume: str | None = None,
+         save_at: str | None = None, save: str | None = None, keep_model: bool = False, **sizes) -> dict:
+    """``FIT_STEPS`` SGD steps (momentum 0.9) of ``HFCausalLMModule`` (the CLI's ``model=hf``)
+    through ``Trainer.fit`` on ``MHCParallelStrategy(**sizes)`` (from the checkpoint ``resume``;
+    saving ``save_at/step=2.ckpt`` at step ``SAVE_AT`` as a run checkpointing as it goes, and
+    ``trainer.save_checkpoint(save)`` at the end): each step's loss, this rank's parameters by
+    their whole-model names (gathered over TP; experts: ``(start, block)``), its routers'
+    score-correction biases, and the batches it trained on (with its DP rank); ``keep_model``: the
+    trained model and the module's hyperparameters too (one process)."""
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.utils.data import DataLoader
 
     from lightning_mhc import MHCParallelStrategy
@@ -154,13 +170,17 @@ def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float =
     module = HFCausalLMModule(str(directory), pretrained=True, optimizer="sgd", lr=FIT_LR, weight_decay=0.0,
                               min_lr_ratio=1.0, router_bias_update_rate=router_bias_update_rate)
     losses = Losses()
+    callbacks = [losses] + ([ModelCheckpoint(dirpath=save_at, filename="{step}", save_top_k=-1,
+                                             every_n_train_steps=SAVE_AT)] if save_at else [])
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=MHCParallelStrategy(**sizes),
-                         max_steps=FIT_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[losses])
+                         max_steps=FIT_STEPS, logger=False, enable_checkpointing=save_at is not None,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     dp = (devices // sizes.get("tensor_model_parallel_size", 1) // sizes.get("pipeline_model_parallel_size", 1)
           // sizes.get("context_parallel_size", 1))
     data = SyntheticTokens(FIT_ROWS * FIT_STEPS, SEQ, vocab_size=V4_VOCAB, seed=3)
-    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=FIT_ROWS // dp))
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=FIT_ROWS // dp), ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
     params = {}
     for name, param in module.model.named_parameters():
         experts = next((m for m in module.model.modules() if type(m).__name__ == "ExpertParallelExperts"
@@ -169,18 +189,30 @@ def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float =
         params[module.model.global_parameter_name(name)] = (experts.local_expert_start if experts else None, value)
     biases = {module.model.global_parameter_name(name): buffer.clone()
               for name, buffer in module.model.named_buffers() if name.endswith("e_score_correction_bias")}
-    return dict(losses=losses.losses, params=params, biases=biases, batches=losses.batches)
+    kept = dict(model=module.model.chunks[0].eval(), hparams=dict(module.hparams)) if keep_model else {}
+    return dict(losses=losses.losses, params=params, biases=biases, batches=losses.batches, **kept)
 
 
-def _all_layouts(rank: int, world: int, directory: str, fits: dict, layouts: dict, balanced: str | None = None
-                 ) -> dict:
+def _all_layouts(rank: int, world: int, directory: str, fits: dict, layouts: dict, balanced: str | None = None,
+                 checkpoints: str | None = None) -> dict:
     """On each of the group's ranks: ``_fit`` on each of ``fits``, the router-balanced fit on
-    ``balanced``'s files where given, then each of ``layouts``' step-0 logits (shared by HY-V4's
-    test)."""
+    ``balanced``'s files where given, ZeRO-1 and save-and-go-on into ``checkpoints`` where given,
+    then each of ``layouts``' step-0 logits (shared by HY-V4's test)."""
+    from transformers import AttentionInterface
+
     directory = pathlib.Path(directory)
+    registered = set(AttentionInterface._global_mapping)
     results = {f"fit {name}": _fit(directory, world, **sizes) for name, sizes in fits.items()}
+    # what the runs registered in transformers' attention registry went with their teardown
+    results["fit_left_registered"] = sorted(set(AttentionInterface._global_mapping) - registered)
     if balanced is not None:
         results["balanced"] = _fit(pathlib.Path(balanced), world, BIAS_RATE, **BALANCED)
+    if checkpoints is not None:
+        checkpoints = pathlib.Path(checkpoints)
+        results["zero"] = _fit(directory, world, **ZERO)
+        results["saved"] = _fit(directory, world, save_at=str(checkpoints / "tp2pp2"), **SAVED_ON)
+        results["resumed"] = _fit(directory, world, resume=str(checkpoints / "tp2pp2" / f"step={SAVE_AT}.ckpt"),
+                                  save=str(checkpoints / "pp2ep2.ckpt"), **RESUMED_ON)
     results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build(), name.endswith("padded"))
                     for name, sizes in layouts.items()})
     return results
@@ -212,13 +244,47 @@ def balanced(saved, tmp_path_factory) -> pathlib.Path:
     return directory
 
 
-def test_layouts_equal_one_process(saved, balanced):
-    results = spawn_ranks(_all_layouts, 4, str(saved), FITS, LAYOUTS, str(balanced), timeout_s=300, init_group=False)
+@pytest.fixture(scope="module")
+def group(saved, balanced, tmp_path_factory) -> tuple[list[dict], pathlib.Path]:
+    """One spawned group of 4 ranks running every distributed case of this file (``_all_layouts``),
+    and where its checkpoints are."""
+    checkpoints = tmp_path_factory.mktemp("v4_checkpoints")
+    return spawn_ranks(_all_layouts, 4, str(saved), FITS, LAYOUTS, str(balanced), str(checkpoints), timeout_s=420,
+                       init_group=False), checkpoints
+
+
+@pytest.fixture(scope="module")
+def one_process(saved) -> dict:
+    """The same ``FIT_STEPS`` steps in one process, through the same ``Trainer.fit``."""
+    return _fit(saved, 1, keep_model=True)
+
+
+def _check_fit(case: str, ranks: list[dict], reference: dict, steps: slice = slice(None)) -> None:
+    """Each rank's losses (``steps`` of the reference's) and every parameter it holds equal one
+    process (1e-5); every parameter of the model is held by some rank."""
+    compared = set()
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"][steps]), rtol=0,
+                                   atol=1e-5, msg=case)
+        for name, (start, value) in r["params"].items():
+            expected_value = reference["params"][name][1]
+            if start is not None:
+                expected_value = expected_value[start:start + value.shape[0]]
+            torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5, msg=f"{case}: {name}")
+            compared.add(name)
+    assert compared == set(reference["params"]), (case, set(reference["params"]) - compared)
+
+
+def test_layouts_equal_one_process(saved, balanced, group, one_process):
+    results, _ = group
     _check_balanced(balanced, [r["balanced"] for r in results])
-    check_against_one_process(saved, results, LAYOUTS, FITS)
+    check_against_one_process(saved, results, LAYOUTS, FITS, one_process)
+    # the TP attention's registration in transformers went with the runs' teardown (ProcessState)
+    assert all(r["fit_left_registered"] == [] for r in results), [r["fit_left_registered"] for r in results]
 
 
-def check_against_one_process(saved: pathlib.Path, results: list[dict], layouts: dict, fits: dict) -> None:
+def check_against_one_process(saved: pathlib.Path, results: list[dict], layouts: dict, fits: dict,
+                              reference: dict | None = None) -> None:
     """The 4 ranks' ``_all_layouts`` results against the model in one process: each layout's
     step-0 logits (1e-5; under EP each rank holding its 2 of every MoE layer's 4 experts; under CP
     its chunks of the sequence), and each fit's losses and weights against the same ``Trainer.fit``
@@ -243,24 +309,15 @@ def check_against_one_process(saved: pathlib.Path, results: list[dict], layouts:
             torch.testing.assert_close(logits, rows, rtol=0, atol=1e-5, msg=name)
 
     # the same 3 steps in one process, through the same Trainer.fit
-    reference = _fit(saved, 1)
-    compared = 0
+    reference = reference or _fit(saved, 1)
     for fit in fits:
         print(f"Trainer.fit {fit} losses {[r['fit ' + fit]['losses'] for r in results]}; one process "
               f"{reference['losses']}")
-        for r in results:
-            torch.testing.assert_close(torch.tensor(r[f"fit {fit}"]["losses"]), torch.tensor(reference["losses"]),
-                                       rtol=0, atol=1e-5, msg=fit)
-            for name, (start, value) in r[f"fit {fit}"]["params"].items():
-                expected_value = reference["params"][name][1]
-                if start is not None:
-                    expected_value = expected_value[start:start + value.shape[0]]
-                torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5, msg=f"{fit} {name}")
-                compared += 1
+        _check_fit(fit, [r[f"fit {fit}"] for r in results], reference)
     start = {n: p for n, p in transformers.AutoModelForCausalLM.from_pretrained(saved).named_parameters()}
     moved = max((reference["params"][n][1] - p.detach()).abs().max().item() for n, p in start.items()
                 if n in reference["params"])
-    assert compared and moved > 1e-3  # training moved the weights far beyond the tolerance
+    assert moved > 1e-3  # training moved the weights far beyond the tolerance
 
 
 def _check_balanced(directory: pathlib.Path, results: list[dict]) -> None:
@@ -328,6 +385,82 @@ def _check_balanced(directory: pathlib.Path, results: list[dict]) -> None:
     assert compared and all(r["biases"] for r in results)
 
 
+def test_the_distributed_optimizer_trains_it_as_one_process(group, one_process):
+    """ZeRO-1 (``use_distributed_optimizer``) on TP 2 x DP 2 through ``Trainer.fit``: the losses and
+    every weight of one process (1e-5)."""
+    results, _ = group
+    print(f"Trainer.fit TP 2 x DP 2 with ZeRO-1 losses {[r['zero']['losses'] for r in results]}")
+    _check_fit("TP 2 x DP 2, ZeRO-1", [r["zero"] for r in results], one_process)
+
+
+def test_a_checkpoint_goes_on_on_another_layout_and_exports_for_from_pretrained(saved, group, one_process, tmp_path):
+    """Save and go on: ``trainer.save_checkpoint`` at step 2 on TP 2 x PP 2, continued on PP 2 x EP 2
+    (another TP, PP and EP: resharded) to step 3 and saved again: its losses are the uninterrupted
+    run's; that checkpoint read into the whole model in one process (``load_checkpoint``) holds the
+    one-process run's weights and buffers (``tid2eid``, the score-correction biases); exported by
+    ``lightning-mhc-export`` and read back by ``DeepseekV4ForCausalLM.from_pretrained``: its logits
+    (1e-5), its tensors in the trained dtypes (the hyper-connections fp32, and kept so by
+    transformers when the rest is read in bf16), and greedy ``generate`` on it the one-process
+    trained model's tokens."""
+    from safetensors import safe_open
+
+    from lightning_mhc.any_model import load_checkpoint
+    from lightning_mhc.lightning.modules.hf import HFCausalLMModule
+    from script_runs import run_module_on_a_rank
+
+    results, checkpoints = group
+    # TP 2 x PP 2 as one process, its checkpoint of step 2 continued on PP 2 x EP 2
+    _check_fit("TP 2 x PP 2", [r["saved"] for r in results], one_process)
+    print(f"TP 2 x PP 2 losses {results[0]['saved']['losses']}; PP 2 x EP 2 from its step {SAVE_AT}: "
+          f"{[r['resumed']['losses'] for r in results]}; one process {one_process['losses']}")
+    _check_fit("PP 2 x EP 2 from TP 2 x PP 2's checkpoint", [r["resumed"] for r in results], one_process,
+               steps=slice(SAVE_AT, None))
+
+    trained = one_process["model"]
+    expected = {name: t.detach() for name, t in trained.state_dict().items()}
+    whole = load_checkpoint(HFCausalLMModule.whole_model(one_process["hparams"]), checkpoints / "pp2ep2.ckpt").eval()
+    state = whole.state_dict()
+    assert state.keys() == expected.keys() and any(n.endswith("tid2eid") for n in state)
+    state_diff = max((t.double() - expected[n].double()).abs().max().item() for n, t in state.items())
+    export = tmp_path / "export"
+    run_module_on_a_rank("lightning_mhc.cli.export", str(checkpoints / "pp2ep2.ckpt"), str(export))
+    exported = transformers.DeepseekV4ForCausalLM.from_pretrained(export).eval()
+    tokens = batch()
+    with torch.no_grad():
+        logits = exported(input_ids=tokens).logits
+        checkpoint_diff = (logits - whole(input_ids=tokens).logits).abs().max().item()
+        trained_diff = (logits - trained(input_ids=tokens).logits).abs().max().item()
+    print(f"PP 2 x EP 2's checkpoint in one process: max |state diff| from the one-process run {state_diff:.3g}; "
+          f"exported and read by from_pretrained: max |logit diff| {checkpoint_diff:.3g} from the checkpoint's "
+          f"model, {trained_diff:.3g} from the one-process trained model")
+    assert state_diff <= 1e-5 and checkpoint_diff <= 1e-5 and trained_diff <= 1e-5
+
+    # the exported tensors in the trained model's dtypes; transformers keeps the hyper-connections
+    # fp32 (_keep_in_fp32_modules_strict) when the model is read in bf16
+    def dtypes(directory: pathlib.Path) -> dict[str, str]:
+        found = {}
+        for file in directory.glob("*.safetensors"):
+            with safe_open(file, "pt") as handle:
+                found.update({key: handle.get_slice(key).get_dtype() for key in handle.keys()})
+        return found
+
+    written = dtypes(export)  # the names and dtypes of the pretrained files (fp32; the int64 tid2eid)
+    assert written == dtypes(saved) and written["model.hc_head.hc_fn"] == "F32", written
+    half = transformers.DeepseekV4ForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
+    kept = {n: p.dtype for n, p in half.named_parameters() if "hc_" in n or "_hc." in n}
+    assert kept and set(kept.values()) == {torch.float32}, kept
+    assert half.model.embed_tokens.weight.dtype == torch.bfloat16
+
+    # greedy generation (transformers' cache) on the export: the one-process trained model's tokens
+    prompt = tokens[:2, :6]
+    mask = torch.ones_like(prompt)
+    generated = exported.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    reference = trained.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    print(f"greedy generate on the export {generated[:, 6:].tolist()}, on the one-process trained model "
+          f"{reference[:, 6:].tolist()}")
+    assert generated.shape == (2, 16) and torch.equal(generated, reference)
+
+
 def _refusal(**kwargs) -> str:
     with pytest.raises(ConfigError) as raised:
         check_parallelize(kwargs.pop("model"), "auto", **kwargs)
@@ -352,7 +485,9 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     message = _refusal(model=model, layout=ParallelLayout(expert_model_parallel_size=3))  # 4 experts
     assert "4 experts, which do not split evenly over 3 ranks" in message, message
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=4))  # 4 heads, 2 groups
-    assert "o_groups" in message, message
+    assert "o_groups=2 cannot be divided by tensor_model_parallel_size=4" in message, message
+    message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=8))
+    assert "num_heads=4 cannot be divided by tensor_model_parallel_size=8" in message, message
     message = _refusal(model=model, layout=ParallelLayout(), recompute="mhc_block")
     assert message.startswith("recompute='mhc_block' on the model's own hyper-connections (4 streams"), message
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # PP runs
@@ -397,3 +532,37 @@ def check_command_line_against_one_process(saved: pathlib.Path, tmp_path: pathli
     assert split.keys() == single.keys() and len(single) == 3
     torch.testing.assert_close(torch.tensor(list(split.values())), torch.tensor(list(single.values())), rtol=0,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["parallel.tensor_model_parallel_size=8", "trainer.devices=8"],
+     r"num_heads=4 cannot be divided by parallel.tensor_model_parallel_size=8"),
+    (["parallel.tensor_model_parallel_size=4", "trainer.devices=4"],
+     r"o_groups=2 cannot be divided by parallel.tensor_model_parallel_size=4"),
+    (["parallel.expert_model_parallel_size=3", "trainer.devices=3", "data.global_batch_size=6"],
+     r"parallel.expert_model_parallel_size=3: model.layers.0.mlp.experts has 4 experts, which do not split evenly"),
+    (["model.hyper_connections=4"], r"DeepseekV4ForCausalLM \(model_type 'deepseek_v4'\) carries its own \(hc_mult=4 "
+                                    r"streams\), which run as the model's: leave hyper_connections unset"),
+    (["no deepseek_v4 in transformers"], r"model_type 'deepseek_v4' is not in transformers [0-9.]+: its family runs on "
+                                         r"transformers>=5.24; pip install 'transformers>=5.24'"),
+])
+def test_the_command_line_refuses_what_does_not_fit_it_before_launch(saved, extra, message, tmp_path, monkeypatch,
+                                                                    capsys):
+    """``lightning-mhc-train model=hf model.pretrained=DIR`` refuses, in one line before any process
+    starts (its check before launch): a TP size that does not divide the heads or the output
+    groups, an EP size that does not divide the experts, streams added to V4's own, and a
+    transformers without the model (``deepseek_v4`` taken out of its registry here)."""
+    import re
+
+    from train_cli import check_before_launch
+
+    if extra == ["no deepseek_v4 in transformers"]:
+        from transformers import CONFIG_MAPPING
+
+        monkeypatch.delitem(CONFIG_MAPPING._mapping, "deepseek_v4")
+        extra = []
+    argv = ["model=hf", f"model.pretrained={saved}", "data=synthetic", f"data.seq_length={SEQ}", *extra]
+    status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err), err
+    assert not (tmp_path / "outputs").exists()

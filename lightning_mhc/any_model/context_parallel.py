@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_mhc.distributed.context_parallel import context_parallel_attention
 from lightning_mhc.distributed.layout import ParallelLayout
-from lightning_mhc.distributed.process_state import current_process_state
+from lightning_mhc.distributed.process_state import register_for_the_run
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model.families import FAMILIES, NOT_CHECKED_UNDER_CP, context_parallel_families
 from lightning_mhc.layers import sequence
@@ -145,13 +145,9 @@ def _register(group, unless_registered: bool = False) -> str:
 
     # re-registered each time: a rebuilt layout's group of the same ranks replaces the old one; the
     # run holding the process takes them out again at its teardown
-    state = current_process_state()
     for registry, function in ((AttentionInterface, functools.partial(_attention, group=group)),
                                (AttentionMaskInterface, _padding_mask)):
-        if state is None:
-            registry.register(name, function)
-        else:
-            state.register(registry._global_mapping, name, function)
+        register_for_the_run(registry._global_mapping, name, function)
     return name
 
 

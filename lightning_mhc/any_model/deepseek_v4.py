@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from lightning_mhc.any_model.native_streams import carry_streams_flat  # noqa: F401  (moved there: shared with HY-V4)
 from lightning_mhc.any_model.plan import TPPlan
 from lightning_mhc.any_model.router_loss import RouterLossSpec
+from lightning_mhc.distributed.process_state import register_for_the_run
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.layers.moe import SWITCH_LOAD_BALANCING
 
@@ -65,6 +66,10 @@ ROUTER_LOSS = RouterLossSpec(ROUTERS, SWITCH_LOAD_BALANCING, router_types=("Deep
 """Its own auxiliary loss, where the config asks for it (``output_router_logits``): Switch's, over
 its top-k routers only, as transformers records their logits (the hash routers' are not)."""
 
+TRANSFORMERS = "5.24"
+"""The transformers version ``DeepseekV4ForCausalLM`` is run with here (the record's
+``transformers``; the ``hf`` extra allows older ones, without the model)."""
+
 
 def check_layout(model: nn.Module, layout: Any) -> None:
     """Refuse, before anything is built, what V4 does not run on yet: sequence parallelism (its
@@ -81,6 +86,16 @@ SHARED_KV_ATTENTION = "lightning_mhc_deepseek_v4_shared_kv"
 (read from the attention's own copy of the config, so the model's masks are built as before)."""
 
 
+def _register_shared_kv_attention(*_: Any) -> None:
+    """:func:`shared_kv_attention` in transformers' registry, for the run holding the process (its
+    teardown takes it out: ``register_for_the_run``); checked before each attention's forward, as
+    the split model may go on in a later run."""
+    from transformers import AttentionInterface
+
+    if AttentionInterface._global_mapping.get(SHARED_KV_ATTENTION) is not shared_kv_attention:
+        register_for_the_run(AttentionInterface._global_mapping, SHARED_KV_ATTENTION, shared_kv_attention)
+
+
 def split_attention(chunk: nn.Module, layout: Any) -> None:
     """What the plan's styles cannot express, on each built attention of ``chunk`` under TP: its
     ``sinks`` and its ``o_a_proj`` blocks cut to the rank's heads and groups (dim 0, as a column
@@ -89,11 +104,9 @@ def split_attention(chunk: nn.Module, layout: Any) -> None:
     tp = layout.tensor_model_parallel_size
     if tp == 1:
         return
-    from transformers import AttentionInterface
-
     from lightning_mhc.any_model.tensor_parallel import split_parameter
 
-    AttentionInterface.register(SHARED_KV_ATTENTION, shared_kv_attention)
+    _register_shared_kv_attention()
     for module in chunk.modules():
         if not (hasattr(module, "sinks") and hasattr(module, "o_a_proj")):
             continue
@@ -105,6 +118,7 @@ def split_attention(chunk: nn.Module, layout: Any) -> None:
         module.config = copy.copy(module.config)  # (its own already: the plan divided its o_groups)
         module.config._attn_implementation = SHARED_KV_ATTENTION
         module.shared_kv_group = layout.tp_group
+        module.register_forward_pre_hook(_register_shared_kv_attention)
 
 
 def shared_kv_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):

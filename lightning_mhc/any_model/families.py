@@ -124,6 +124,9 @@ class FamilyRecord:
       coefficient: ``router_loss.py``); None: no router loss;
     - ``router_bias``: the routers (fnmatch on module names) whose score-correction bias
       auxiliary-free balancing moves (``router_bias.py``); None: the family has none.
+    - ``transformers``: for a family newer than the ``hf`` extra's lower bound, the transformers
+      version its model is run with here: a transformers without the model is refused naming it
+      (:func:`check_transformers_ships`); None: every transformers the extra allows ships it.
     """
 
     model_type: str
@@ -141,6 +144,7 @@ class FamilyRecord:
     experts: FusedExperts | None = None
     router_loss: RouterLossSpec | None = None
     router_bias: str | None = None
+    transformers: str | None = None
 
     def __post_init__(self) -> None:
         # a record is the family's one statement of a capability: no claim made two ways at once
@@ -224,10 +228,12 @@ RECORDS: tuple[FamilyRecord, ...] = (
             carry_streams=carry_streams_flat, tensor_parallel=deepseek_v4.split_attention,
             check_layout=deepseek_v4.check_layout, experts=MOE_EXPERTS, **CP_EXACT,
             context_parallel_attention=deepseek_v4_context.split_attention_over_context,
-            router_loss=deepseek_v4.ROUTER_LOSS, router_bias=deepseek_v4.ROUTERS),
+            router_loss=deepseek_v4.ROUTER_LOSS, router_bias=deepseek_v4.ROUTERS,
+            transformers=deepseek_v4.TRANSFORMERS),
     _family("hy_v4", hy_v4.HY_V4, None, native_streams="hc_mult", carry_streams=carry_streams_flat,
             tensor_parallel=hy_v4.split_attention, check_layout=hy_v4.check_layout, check_stages=hy_v4.check_stages,
-            experts=MOE_EXPERTS, context_parallel_refusal=hy_v4.NOT_UNDER_CP),
+            experts=MOE_EXPERTS, context_parallel_refusal=hy_v4.NOT_UNDER_CP,
+            transformers=deepseek_v4.TRANSFORMERS),
 )
 
 _GLM5_NEXT = ("GLM-5-next: its text decoder carries DeepSeek-V4's hyper-connections, but its layers mix linear "
@@ -325,6 +331,21 @@ def resolve_hc_plan(plan: str | HyperConnectionPlan | Mapping[str, Any], model: 
     return record.hyper_connection_plan(getattr(model, "config", None))
 
 
+def check_transformers_ships(model_type: str | None) -> None:
+    """A built-in family's model that the installed transformers does not ship (an older one than
+    its record's ``transformers``): refused in one line naming the version, before transformers'
+    own error (which names no version) is reached."""
+    record = FAMILIES.get(model_type)
+    if record is None or record.transformers is None:
+        return
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"model_type {model_type!r} is not in transformers {transformers.__version__}: its family runs "
+                          f"on transformers>={record.transformers}; pip install 'transformers>={record.transformers}'.")
+
+
 def native_stream_count(model: nn.Module) -> int:
     """The residual streams ``model``'s family carries itself (1 for a family without)."""
     record = family_of(model)
@@ -377,7 +398,7 @@ def refuse_native_streams(model: nn.Module) -> None:
 
 
 __all__ = ["Branch", "FAMILIES", "Family", "FamilyRecord", "FusedExperts", "HC_PLANS", "PLANS", "PipelineContract",
-           "NOT_BUILT_IN", "RECORDS", "check_family_layout", "check_family_stages", "family_of", "finish_family_chunks",
-           "native_stream_count", "plan_family",
+           "NOT_BUILT_IN", "RECORDS", "check_family_layout", "check_family_stages", "check_transformers_ships",
+           "family_of", "finish_family_chunks", "native_stream_count", "plan_family",
            "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
            "supported_families"]

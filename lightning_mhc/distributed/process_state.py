@@ -35,6 +35,18 @@ def current_process_state() -> "ProcessState | None":
     return _CURRENT
 
 
+def register_for_the_run(mapping: dict, key: Any, value: Any) -> None:
+    """``mapping[key] = value`` in a registry global to the process (transformers' attention
+    functions): taken out again at the teardown of the run holding the process
+    (:meth:`ProcessState.register`); outside a run (a model split by hand) left in place, as the
+    registry's own ``register`` leaves it."""
+    state = current_process_state()
+    if state is None:
+        mapping[key] = value
+    else:
+        state.register(mapping, key, value)
+
+
 class ProcessState:
     """The undo of each change a run made to its process, released once at teardown."""
 

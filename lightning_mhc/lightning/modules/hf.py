@@ -12,6 +12,7 @@ and these settings, so ``HFCausalLMModule.whole_model(hparams)`` rebuilds the mo
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import nn
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.lightning.modules.base import OPTIMIZERS
 from lightning_mhc.lightning.modules.parallel_lm import ParallelLMModule
+from lightning_mhc.any_model.families import check_transformers_ships
 from lightning_mhc.any_model.hyper_connections import HyperConnectionSettings, add_hyper_connections
 from lightning_mhc.any_model.record import record_module_init
 
@@ -35,6 +37,7 @@ def hf_config(model_dir: str | Path):
     directory = path.parent if path.name == "config.json" else path
     if not (directory / "config.json").is_file():
         raise ConfigError(f"{model_dir}: no config.json there (a directory written by save_pretrained holds one).")
+    check_transformers_ships(json.loads((directory / "config.json").read_text()).get("model_type"))
     return AutoConfig.from_pretrained(directory)
 
 
