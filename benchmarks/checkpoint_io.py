@@ -32,8 +32,9 @@ SEQ = 256
 def small_config() -> dict:
     import yaml
 
-    conf = pathlib.Path(__file__).resolve().parents[1] / "conf" / "model" / "small.yaml"
-    return yaml.safe_load(conf.read_text())
+    from lightning_mhc.cli.config_store import CONF_DIR
+
+    return yaml.safe_load((CONF_DIR / "model" / "small.yaml").read_text())
 
 
 def worker(args) -> None:
