@@ -34,7 +34,8 @@ def small_config() -> dict:
 
     from lightning_mhc.cli.config_store import CONF_DIR
 
-    return yaml.safe_load((CONF_DIR / "model" / "small.yaml").read_text())
+    config = yaml.safe_load((CONF_DIR / "model" / "small.yaml").read_text())
+    return {**config, "vocab_size": config["vocab_size"] or 256}  # null there: the data's (SyntheticTokens: 256)
 
 
 def worker(args) -> None:
