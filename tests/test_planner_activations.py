@@ -40,7 +40,7 @@ def _asked(world, layout):
 def _measure(rank, world):
     """Per case: the runtime's ``activation_bytes`` of one training step (max over ranks)."""
     from lightning_mhc.distributed.layout import destroy_parallel
-    from lightning_mhc.testing.runtime import gpt_on_runtime
+    from planner_runtime import gpt_on_runtime
 
     out = []
     for streams, policy, name in GRID:

@@ -65,7 +65,7 @@ def _measure(rank, world):
 
     from lightning_mhc.distributed.layout import destroy_parallel
     from lightning_mhc.testing.collectives import CollectiveCounter
-    from lightning_mhc.testing.runtime import gpt_on_runtime
+    from planner_runtime import gpt_on_runtime
 
     out = []
     for name, (*_, m, zero1, _moe, policy) in GRID.items():
