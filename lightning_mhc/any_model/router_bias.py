@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_mhc.any_model.router_loss import in_backward
+from lightning_mhc.any_model.router_loss import count_chosen, in_backward
 from lightning_mhc.distributed.expert_parallel import ExpertLayer
 from lightning_mhc.errors import ConfigError, term
 
@@ -67,11 +67,7 @@ class RouterBias(ExpertLayer):
         """A router's forward: ``(logits, weights, indices)``; its chosen experts counted."""
         if in_backward() or not torch.is_grad_enabled():
             return
-        chosen = output[2].reshape(-1).detach().long()
-        counts = torch.zeros(getattr(module, BIAS).numel(), dtype=torch.long, device=chosen.device)
-        counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # not bincount: no read back to the host
-        name = self._names[id(module)]
-        self._counts[name] = counts if name not in self._counts else self._counts[name] + counts
+        count_chosen(self._counts, self._names[id(module)], output[2], getattr(module, BIAS).numel())
 
     def _token_groups(self) -> list[Any]:
         """The groups whose ranks route different tokens through the same routers."""

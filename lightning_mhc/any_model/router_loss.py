@@ -64,6 +64,16 @@ class RouterLossSpec:
     family's hash routers, left out of its loss); empty: every module it names."""
 
 
+def count_chosen(counts: dict[str, Tensor], name: str, chosen: Tensor, num_experts: int) -> None:
+    """Add the experts a router named ``name`` chose (``chosen``, any shape) to ``counts[name]``
+    (tokens per expert, long). scatter_add, not bincount: bincount reads the largest index back to
+    the host (a sync per router)."""
+    chosen = chosen.reshape(-1).detach().long()
+    added = torch.zeros(num_experts, dtype=torch.long, device=chosen.device).scatter_add_(
+        0, chosen, torch.ones_like(chosen))
+    counts[name] = added if name not in counts else counts[name] + added
+
+
 def in_backward() -> bool:
     """A forward re-run inside backward (recompute): its routers are not counted again."""
     return torch._C._current_graph_task_id() != -1
@@ -181,12 +191,7 @@ class RouterLoss:
         if in_backward() or not isinstance(output, tuple) or len(output) < 3:
             return None
         if self._counting:
-            name = self._router_names[id(module)]
-            chosen = output[2].reshape(-1).detach()
-            # scatter_add, not bincount: bincount reads the largest index back to the host (a sync per router)
-            counts = torch.zeros(self.num_experts, dtype=torch.long, device=chosen.device).scatter_add_(
-                0, chosen.long(), torch.ones_like(chosen, dtype=torch.long))
-            self._step_counts[name] = counts if name not in self._step_counts else self._step_counts[name] + counts
+            count_chosen(self._step_counts, self._router_names[id(module)], output[2], self.num_experts)
         record = self._current
         if record is None:
             return None
