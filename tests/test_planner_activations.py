@@ -21,12 +21,14 @@ GRID = [(1, "none", "pp4"), (1, "none", "tp2"), (1, "selective", "pp2v2"), (1, "
         (1, "full", "pp2"), (1, "full", "single"),
         (4, "none", "pp2v2"), (4, "none", "tp2sp"), (4, "selective", "pp2"), (4, "selective", "tp2"),
         (4, "mhc_block", "pp4"), (4, "mhc_block", "tp2sp"), (4, "mhc_block", "pp2v2"), (4, "mhc_block", "single"),
-        (4, "full", "pp2v2"), (4, "full", "tp2sp")]
+        (4, "full", "pp2v2"), (4, "full", "tp2sp"),
+        # a gated MLP (SwiGLU) where the MLP's tensors are kept: its wider fc1 output and the product
+        (1, "none", "tp2", "swiglu"), (4, "mhc_block", "pp2", "swiglu"), (4, "none", "tp2sp", "swiglu")]
 TOLERANCE = 0.05
 
 
-def _model(streams):
-    return dict(MODEL, enable_hyper_connections=streams > 1, num_residual_streams=streams)
+def _model(streams, activation="gelu"):
+    return dict(MODEL, enable_hyper_connections=streams > 1, num_residual_streams=streams, activation=activation)
 
 
 def _asked(world, layout):
@@ -43,9 +45,10 @@ def _measure(rank, world):
     from planner_runtime import gpt_on_runtime
 
     out = []
-    for streams, policy, name in GRID:
+    for streams, policy, name, *activation in GRID:
         asked, m = _asked(world, name), LAYOUTS[name][4]
-        runtime, module = gpt_on_runtime(asked, m, _model(streams), policy, measure_activation_memory=True)
+        runtime, module = gpt_on_runtime(asked, m, _model(streams, *activation), policy,
+                                         measure_activation_memory=True)
         tokens = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH * m, SEQ + 1))
         batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(MICRO_BATCH * m, SEQ))
         runtime.run_schedule(module, batch, forward_only=False, accumulate=1, where="planner grid")
@@ -59,12 +62,13 @@ def measured():
     return spawn_ranks(_measure, 4, timeout_s=600)[0]
 
 
-def planned(streams, policy, name):
-    from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
+def planned(streams, policy, name, *activation):
+    from lightning_mhc.model.config import with_parallel_layout
+    from lightning_mhc.model.config_dict import model_config_from_dict
     from lightning_mhc.planning import plan_activations
 
     layout = _asked(4, name)
-    config = with_parallel_layout(MHCTransformerConfig(**_model(streams)), layout)
+    config = with_parallel_layout(model_config_from_dict(_model(streams, *activation)), layout)
     stages = plan_activations(config, layout, policy, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
                               num_microbatches=LAYOUTS[name][4])
     return max(bytes_ for bytes_, _ in stages)
@@ -84,10 +88,11 @@ def test_activation_plan_refuses_what_it_does_not_count():
     """CP and MoE layers are not counted yet: one line, not a wrong figure."""
     from lightning_mhc.distributed.layout import ParallelLayout
     from lightning_mhc.errors import ConfigError
-    from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
+    from lightning_mhc.model.config import with_parallel_layout
+    from lightning_mhc.model.config_dict import model_config_from_dict
     from lightning_mhc.planning import plan_activations
 
     layout = ParallelLayout(context_parallel_size=2, world_size=2)
-    config = with_parallel_layout(MHCTransformerConfig(**_model(4)), layout)
+    config = with_parallel_layout(model_config_from_dict(_model(4)), layout)
     with pytest.raises(ConfigError, match="does not cover context parallelism"):
         plan_activations(config, layout, "none", seq_length=SEQ, micro_batch_size=MICRO_BATCH, num_microbatches=1)

@@ -12,7 +12,9 @@ with ``T = s b`` tokens of a micro-batch, ``e`` bytes an element, ``n`` streams 
   (``2 T a d / tp``), the scores, their softmax and its input (``3 b (a / tp) s^2``), the fused QKV
   output (``T d (a + 2g) / tp``) and the context (``T a d / tp``);
 - ``none``: two norms' statistics (``2 T``), eight ``T h`` tensors (norm inputs and outputs, the
-  residual adds), the MLP's two ``T F / tp``; with streams, per sub-layer the stream twice
+  residual adds), the MLP's two ``T F / tp`` (a gated unit's four: ``linear_fc1``'s ``2F`` wide
+  output, whose halves the activation and the product keep as views, the activation's output and
+  the product); with streams, per sub-layer the stream twice
   (``2 T n h``) and the mappings (``T (1 + 2n + n^2 + (n^2 + 2n))``);
 - ``selective`` (norms and MLP recomputed): four ``T h``, the attention, the streams' terms;
 - ``mhc_block``: two ``T h``, the attention, the MLP; the hyper-connections recomputed, so only
@@ -20,8 +22,8 @@ with ``T = s b`` tokens of a micro-batch, ``e`` bytes an element, ``n`` streams 
 - ``full``: each layer's input stream ``T n h``.
 
 Checked against the runtime's measurement (``measure_activation_memory``, the CLI's
-``activation_bytes``) in tests/test_planner_activations.py. Not covered: CP, MoE layers, gated
-MLPs, bf16 (refused by :func:`check_activation_plan`).
+``activation_bytes``) in tests/test_planner_activations.py. Not covered: CP, MoE layers (refused by
+:func:`check_activation_plan`); bf16 is counted as fp32 with 2-byte elements, unchecked.
 """
 from __future__ import annotations
 
@@ -49,7 +51,6 @@ def check_activation_plan(config: Any, layout: Any, policy: RecomputePolicy) -> 
     missing = [what for what, yes in (
         ("context parallelism", layout.context_parallel_size > 1),
         ("MoE layers", bool(getattr(config, "num_moe_experts", None))),
-        ("gated MLPs", config.gated_linear_unit),
         ("recompute_modules other than the policy's default", policy.modules is not None
          and tuple(policy.modules) != DEFAULT_MODULES.get(policy.name)),
     ) if yes]
@@ -73,11 +74,12 @@ def layer_bytes(config: Any, policy: str, tp: int, sp: bool, seq: int, mbs: int,
     if config.enable_hyper_connections and policy != "mhc_block":
         mappings = 1 + 2 * n + n * n + (n * n + 2 * n)
         streams = e * 2 * t * (2 * n * c + mappings) // spd
+    mlp = e * (4 if config.gated_linear_unit else 2) * t * f // tp  # kept where the MLP is not recomputed
     if policy == "none":
-        return attention + streams + e * (2 * t + 8 * t * c) // spd + e * 2 * t * f // tp
+        return attention + streams + e * (2 * t + 8 * t * c) // spd + mlp
     if policy == "selective":
         return attention + streams + e * 4 * t * c // spd
-    return attention + e * 2 * t * c // spd + e * 2 * t * f // tp  # mhc_block
+    return attention + e * 2 * t * c // spd + mlp  # mhc_block
 
 
 def chunk_bytes(config: Any, policy: str, layer_num: int | None, tp: int, sp: bool, seq: int, mbs: int, e: int,
