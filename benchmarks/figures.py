@@ -1,5 +1,6 @@
-"""The README's headline figures and docs/benchmarks.md's tables of the benchmarks it cites, written
-from the result files those benchmarks wrote, never by hand.
+"""The README's headline figures and docs/benchmarks.md's tables of the benchmarks it cites, and
+docs/planning.md's tables of the planner's answers at scale, written from the result files those
+benchmarks wrote, never by hand.
 
     python benchmarks/figures.py              # both rewritten from docs/benchmarks/NAME.json
     python benchmarks/figures.py --collect    # first copy each cited benchmark's newest result
@@ -7,8 +8,9 @@ from the result files those benchmarks wrote, never by hand.
     python benchmarks/figures.py --check      # exit 1 if either is not what the files say
 
 The cited benchmarks (``CITED``) are run with the commands docs/benchmarks.md gives; each result
-file carries where and on what commit it was taken (``measured``), and the headline says so.
-``tests/test_figures.py`` holds the README and the tables to these files.
+file carries where and on what commit it was taken (``measured``), and the headline says so. The
+planned ones (``PLANNED``) come from the planner, not a measurement: tests/test_planning_at_scale.py
+holds their file to a fresh plan. ``tests/test_figures.py`` holds the pages to these files.
 """
 from __future__ import annotations
 
@@ -26,13 +28,16 @@ END = "<!-- /figures -->"
 CITED = ("recompute_memory", "mhc_overhead", "mhc_sublayer", "pipeline_schedule", "checkpoint_io",
          "distributed_optimizer", "byom_vs_model_parallel")
 """The benchmarks whose result files the headline reads, as ``benchmarks/NAME.py`` writes them."""
+PLANNED = ("planning_at_scale",)
+"""Result files of the planner's answers (``benchmarks/NAME.py`` plans, measures nothing): their pages'
+tables are written from them, the headline does not cite them."""
 
 
 def load(directory: pathlib.Path = KEPT) -> dict[str, dict]:
     """Each cited benchmark's result file in ``directory``; one that is missing or was taken
     without its provenance is refused in one line."""
     results = {}
-    for name in CITED:
+    for name in CITED + PLANNED:
         path = directory / f"{name}.json"
         if not path.is_file():
             raise SystemExit(f"figures: {path} is missing: run python benchmarks/{name}.py, then --collect")
@@ -112,6 +117,7 @@ GPU = ("- GPU: none yet (no GPU has been lent to this project). `make gpu-check`
 
 def headline(results: dict[str, dict]) -> str:
     """The README's headline list from the cited result files."""
+    results = {name: results[name] for name in CITED}
     dates = sorted({r["measured"]["date"] for r in results.values()})
     commits = sorted({r["measured"]["commit"] for r in results.values()})
     cpus = sorted({r["measured"]["cpus"] for r in results.values()})
@@ -218,6 +224,90 @@ def distributed_optimizer_peak_table(results: dict[str, dict]) -> str:
     return _table(["", "AdamW", "distributed", "ratio"], ["---", "---:", "---:", "---:"], rows)
 
 
+# ------------------------------------------------------------------ docs/planning.md's answers at scale
+def _layout(row: dict) -> str:
+    s = row["sizes"]
+    parts = [f"TP {s['tensor']}" + (" (SP)" if s["sequence_parallel"] else ""),
+             f"PP {s['pipeline']}" + (f" (v {s['virtual']})" if s["virtual"] > 1 else "")]
+    parts += [f"CP {s['context']}"] if s["context"] > 1 else []
+    return " x ".join(parts + [f"DP {s['data']}"]) + f", m {s['microbatches']}"
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
+def _states(row: dict) -> int:
+    return row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
+
+
+def _commands(*commands: str) -> str:
+    return "\n".join(["```bash", *commands, "```"])
+
+
+def planning_llama3_70b(results: dict[str, dict]) -> str:
+    r = results["planning_at_scale"]
+    rows, commands = [], []
+    for policy in ("none", "selective", "mhc_block", "full"):
+        q = r["questions"][f"llama3_70b_{policy}"]
+        commands.append(q["command"])
+        for rank, row in enumerate(q["fitting"][:3]) if q["fitting"] else [(None, q["asked"])]:
+            rows.append([f"`{policy}`" if rank in (0, None) else "",
+                         str(q["fitting_count"]) if rank in (0, None) else "",
+                         _layout(row) + ("" if rank is not None else " (asked; does not fit)"),
+                         f"**{_gb(row['total_bytes'])}**", _gb(_states(row)), _gb(row["activation_bytes"]),
+                         f"{row['bubble']:.3f}"])
+    table = _table(["policy", f"layouts of 64 that fit {r['device_memory']}", "layout (best first)",
+                    "most loaded rank GB", "model states GB", "activations GB", "bubble"],
+                   ["---", "---:", "---", "---:", "---:", "---:", "---:"], rows)
+    return table + "\n\n" + _commands(*commands)
+
+
+def planning_streams(results: dict[str, dict]) -> str:
+    r = results["planning_at_scale"]
+    policies = ("none", "selective", "mhc_block", "full")
+    cell = {(row["policy"], row["streams"]): row for row in r["streams"]}
+    rows = []
+    for n in sorted({row["streams"] for row in r["streams"]}):
+        rows.append([str(n), *(f"{_gb(cell[p, n]['total_bytes'])} ({_gb(cell[p, n]['activation_bytes'])})"
+                               if (p, n) in cell else "- (needs streams)" for p in policies)])
+    table = _table(["n", *(f"`{p}`" for p in policies)], ["---:"] * 5, rows)
+    return table + "\n\n" + _commands(cell["full", 4]["command"])
+
+
+RECIPES = (("megatron_bridge", "Megatron-Bridge `llama3_70b` pretrain (TP 4, PP 4, v 5, CP 2, SP; `selective`)"),
+           ("megatron_bridge_cp1", "the same without CP (its DP 4)"),
+           ("torchtitan", "torchtitan `llama3_70b.toml` (TP 8, FSDP 8 -> our ZeRO-1; `full`)"))
+
+
+def planning_recipes(results: dict[str, dict]) -> str:
+    r = results["planning_at_scale"]
+    memory = float(r["device_memory"].removesuffix("GB")) * 1e9
+    rows, commands = [], []
+    for name, label in RECIPES:
+        for n in (1, 4):
+            q = r["questions"][f"{name}_n{n}"]
+            row = q["asked"]
+            commands.append(q["command"])
+            verdict = ("model states fit; activations not counted (CP)" if row["activations_not_counted"]
+                       else "fits" if row["total_bytes"] <= memory else "does not fit")
+            rows.append([label if n == 1 else "", str(n), _layout(row), _gb(_states(row)), _gb(row["activation_bytes"]),
+                         f"**{_gb(row['total_bytes'])}**", verdict])
+    table = _table(["published layout, in our model's form", "n", "layout", "model states GB", "activations GB",
+                    "most loaded rank GB", f"on {r['device_memory']}"],
+                   ["---", "---:", "---", "---:", "---:", "---:", "---"], rows)
+    return table + "\n\n" + _commands(*commands)
+
+
+def planning_gpt_125m(results: dict[str, dict]) -> str:
+    q = results["planning_at_scale"]["questions"]["gpt_125m"]
+    rows = [[_layout(row), f"{_gb(row['total_bytes'])}", _gb(_states(row)), _gb(row["activation_bytes"]),
+             f"{row['bubble']:.3f}", _gb(row["sent_bytes"])] for row in q["fitting"]]
+    table = _table(["layout (best first)", "most loaded rank GB", "model states GB", "activations GB", "bubble",
+                    "sent per rank and step GB"], ["---", "---:", "---:", "---:", "---:", "---:"], rows)
+    return (f"{q['fitting_count']} layouts of 8 fit.\n\n" + table + "\n\n" + _commands(q["command"]))
+
+
 BLOCKS = {
     "README.md": {"headline": headline},
     "docs/benchmarks.md": {"recompute_memory": recompute_table, "mhc_overhead": overhead_table,
@@ -225,6 +315,8 @@ BLOCKS = {
                            "pipeline_memory": pipeline_memory_table, "checkpoint_io": checkpoint_table,
                            "distributed_optimizer": distributed_optimizer_table,
                            "distributed_optimizer_peak": distributed_optimizer_peak_table},
+    "docs/planning.md": {"planning_llama3_70b": planning_llama3_70b, "planning_streams": planning_streams,
+                         "planning_recipes": planning_recipes, "planning_gpt_125m": planning_gpt_125m},
 }
 """Each file's blocks (between ``MARKER`` and ``END``) and what writes them."""
 
@@ -249,7 +341,7 @@ def rewritten(text: str, writers: dict, results: dict[str, dict]) -> str:
 
 def collect(results: pathlib.Path = ROOT / "benchmarks" / "results") -> None:
     """Copy each cited benchmark's result file (and its plot, where it wrote one) into docs/benchmarks/."""
-    for name in CITED:
+    for name in CITED + PLANNED:
         for suffix in (".json", ".png"):
             source = results / f"{name}{suffix}"
             if source.is_file():

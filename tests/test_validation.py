@@ -91,7 +91,7 @@ def test_bad_input_is_refused_before_launch(tmp_path, monkeypatch, capsys):
                                 "model.num_layers?)"),
         (["model.num_layers=abc"], "model.num_layers=abc: Value 'abc' of type 'str' could not be converted to "
                                    "Integer; model.num_layers takes an integer"),
-        (["model=huge"], "model=huge: the model group has no option 'huge'. Choose one of gpt_125m, gpt_moe_tiny, hf, small, tiny"),
+        (["model=huge"], "model=huge: the model group has no option 'huge'. Choose one of gpt_125m, gpt_moe_tiny, hf, llama3_70b, small, tiny"),
         (["model.mhc_init_gating_factor=-1"], "model.mhc_init_gating_factor=-1.0: the initial value of the gating "
                                               "scalars"),
         (["trainer=gpu", "trainer.precision=16-mixed"], "trainer.precision=16-mixed with trainer.accelerator=gpu: the "

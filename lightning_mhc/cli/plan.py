@@ -101,7 +101,8 @@ def _most_sent(traffic: list[dict[str, int] | None]) -> dict[str, int] | None:
 
 def _candidates(cfg, devices: int):
     """Every TP x PP x DP (x EP) layout of ``devices`` the model divides into, with its micro-batches:
-    the global batch is kept, the micro-batch size too."""
+    the global batch is kept, the micro-batch size too, and sequence parallelism where the asked
+    layout has it (on every layout with TP > 1: at scale it decides what fits)."""
     from lightning_mhc.distributed.layout import ParallelLayout
     from lightning_mhc.errors import ConfigError
 
@@ -117,7 +118,8 @@ def _candidates(cfg, devices: int):
                     continue
                 try:
                     layout = ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                            expert_model_parallel_size=ep, world_size=devices)
+                                            expert_model_parallel_size=ep, world_size=devices,
+                                            sequence_parallel=cfg.layout.sequence_parallel and tp > 1)
                     yield layout_row(cfg, layout, d.global_batch_size // (d.micro_batch_size * dp))
                 except ConfigError:
                     continue  # the model does not divide into it (heads, layers, vocabulary, experts)
