@@ -118,7 +118,12 @@ def _plot(result: dict, path: pathlib.Path) -> None:
         ax.plot([r["streams"] for r in rows], [r["total_bytes"] / 1e9 for r in rows], marker="o", label=policy)
     ax.axhline(80, color="gray", linestyle="--", linewidth=0.8)
     ax.text(1, 84, "80 GB", color="gray", fontsize=8)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_yticks([20, 40, 80, 160, 320])
     ax.set_xscale("log", base=2)
     ax.set_xticks(STREAMS, [str(n) for n in STREAMS])
     ax.set_xlabel("residual streams n")
