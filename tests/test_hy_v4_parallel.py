@@ -12,7 +12,7 @@ picks and the causal and padding masks cross the chunk borders) with step-0 logi
 one process; 3 SGD steps through ``Trainer.fit`` on TP 2 x EP 2, TP 2 x CP 2, TP 2 x DP 2 with ZeRO-1
 and TP 2 x PP 2 (its step-2 checkpoint continued on PP 2 x EP 2, then read in one process,
 exported and read back by ``HYV4ForCausalLM.from_pretrained``, greedy ``generate``), losses and
-weights within 1e-5. The command line trains it on TP 2 x PP 2. What is not built (sequence
+weights within 1e-5. The command line trains it on TP 2 x CP 2 (the documented command). What is not built (sequence
 parallelism, a stage beginning with a shared-indexer layer, GLM-5-next and HY-V4-VL, a key/value
 cache under CP) is refused in one line.
 The spawned group's helpers are DeepSeek-V4's (tests/test_deepseek_v4_parallel.py): they read the
@@ -23,11 +23,14 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.hy_v4")
 
+from lightning_mhc import ConfigError  # noqa: E402
 from lightning_mhc.any_model import check_parallelize  # noqa: E402
+from lightning_mhc.any_model.hy_v4_context import context_parallel_attention_forward  # noqa: E402
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 from test_deepseek_v4_parallel import (  # noqa: E402
@@ -118,6 +121,11 @@ def test_what_is_not_built_is_refused_in_one_line(saved):
     assert "pipeline stage 1 would begin with layer 1, whose indexer is 'shared'" in message, message
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # [0, 1], [2, 3] run
     check_parallelize(model, "auto", layout=ParallelLayout(context_parallel_size=2))  # CP too (its own attention)
+    # under CP its attention refuses a key/value cache (generation), before it reads anything else
+    with pytest.raises(ConfigError) as raised:
+        context_parallel_attention_forward(None, None, torch.zeros(1, 4, 32), None, None, cache=object())
+    assert str(raised.value) == ("HY-V4 under context parallelism: a key/value cache (generation) is not split over "
+                                 "the sequence; generate with context_parallel_size=1."), raised.value
 
 
 @pytest.mark.parametrize("model_type, model_class, family", [
@@ -134,8 +142,8 @@ def test_the_multimodal_members_are_refused_naming_them(model_type, model_class,
         message
 
 
-def test_the_command_line_trains_it_on_tp2_pp2_as_one_process(saved, tmp_path):
-    """``lightning-mhc-train model=hf model.pretrained=DIR parallel=tp2pp2`` (its entry point on
-    forked ranks; synthetic tokens below the model's vocabulary of 64): 3 AdamW steps' losses
-    equal the same command on one process (1e-5)."""
-    check_command_line_against_one_process(saved, tmp_path, "TP 2 x PP 2", "parallel=tp2pp2")
+def test_the_command_line_trains_it_on_tp2_cp2_as_one_process(saved, tmp_path):
+    """``lightning-mhc-train model=hf model.pretrained=DIR parallel=tp2cp2`` (docs/native_mhc.md's
+    worked command, on its entry point on forked ranks; synthetic tokens below the model's
+    vocabulary of 64): 3 AdamW steps' losses equal the same command on one process (1e-5)."""
+    check_command_line_against_one_process(saved, tmp_path, "TP 2 x CP 2", "parallel=tp2cp2")
