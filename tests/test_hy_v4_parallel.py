@@ -34,8 +34,8 @@ from lightning_mhc.any_model.hy_v4_context import context_parallel_attention_for
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 from test_deepseek_v4_parallel import (  # noqa: E402
-    _all_layouts, _check_fit, _fit, _refusal, check_against_one_process, check_checkpoint_and_export,
-    check_command_line_against_one_process, check_one_process_bit_for_bit, meta_model, save_moved)
+    _all_layouts, _fit, _refusal, check_against_one_process, check_checkpoint_and_export,
+    check_command_line_against_one_process, check_one_process_bit_for_bit, check_zero_one, meta_model, save_moved)
 from v4_utils import tiny_hy_v4_config  # noqa: E402
 
 
@@ -87,11 +87,7 @@ def test_layouts_equal_one_process(saved, group, one_process):
 
 
 def test_the_distributed_optimizer_trains_it_as_one_process(group, one_process):
-    """ZeRO-1 (``use_distributed_optimizer``) on TP 2 x DP 2 through ``Trainer.fit``: the losses and
-    every weight of one process (1e-5)."""
-    results, _ = group
-    print(f"Trainer.fit TP 2 x DP 2 with ZeRO-1 losses {[r['zero']['losses'] for r in results]}")
-    _check_fit("TP 2 x DP 2, ZeRO-1", [r["zero"] for r in results], one_process)
+    check_zero_one(group[0], one_process)
 
 
 def test_a_checkpoint_goes_on_on_another_layout_and_exports_for_from_pretrained(saved, group, one_process, tmp_path):

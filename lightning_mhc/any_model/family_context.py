@@ -48,8 +48,8 @@ def check_split_call(family: str, cache: Any, kwargs: dict[str, Any], attention_
         raise ConfigError(f"{family} under context parallelism: a key/value cache (generation) is not split over the "
                           "sequence; generate with context_parallel_size=1.")
     if attention_mask is not None and attention_mask.dim() != 2:
-        raise ConfigError(f"{family} under context parallelism: got a {attention_mask.dim()}-D attention mask; only the "
-                          "[batch, seq] padding mask of the whole sequence is split over CP.")
+        raise ConfigError(f"{family} under context parallelism: got a {attention_mask.dim()}-D attention mask; only "
+                          "the [batch, seq] padding mask of the whole sequence is split over CP.")
 
 
 def key_mask(query_positions: Tensor, seq_len: int, padding: Tensor | None, dtype: torch.dtype,
