@@ -7,7 +7,7 @@ A tiny HY-V4 (tests/v4_utils.py's ``tiny_hy_v4_config``: a dense layer then thre
 and a score-correction bias, every attention's indexer picking 4 of 16 keys, full and shared
 indexer layers in turn, the experts' clamp cutting, every map moved off its init): on one process bit-exact; one spawned
 4-rank group (``group``) runs TP 2 x PP 2, PP 2 x EP 2, TP 2 x EP 2 and under context parallelism
-(``any_model/hy_v4_context.py``: CP 2, TP 2 x CP 2, CP 2 with a left-padded batch; the indexer's
+(``any_model/hy_v4_context.py``: CP 2, TP 2 x CP 2, PP 2 x CP 2, CP 2 with a left-padded batch; the indexer's
 picks and the causal and padding masks cross the chunk borders) with step-0 logits within 1e-5 of
 one process; 3 SGD steps through ``Trainer.fit`` on TP 2 x EP 2, TP 2 x CP 2, TP 2 x DP 2 with ZeRO-1
 and TP 2 x PP 2 (its step-2 checkpoint continued on PP 2 x EP 2, then read in one process,
@@ -48,6 +48,7 @@ LAYOUTS = {"tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_
            "pp2ep2": dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
            "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
            "cp2": dict(context_parallel_size=2), "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2),
+           "pp2cp2": dict(pipeline_model_parallel_size=2, context_parallel_size=2),
            "cp2 padded": dict(context_parallel_size=2)}
 """The layouts of the 4 ranks (DP fills the rest); "padded": the batch left-padded (DeepSeek-V4's
 test's ``PADS``: up to 7 pad tokens, past the first chunk border). Under CP 2 each sequence of 16
