@@ -386,9 +386,12 @@ def _check_balanced(directory: pathlib.Path, results: list[dict]) -> None:
 
 
 def test_the_distributed_optimizer_trains_it_as_one_process(group, one_process):
-    """ZeRO-1 (``use_distributed_optimizer``) on TP 2 x DP 2 through ``Trainer.fit``: the losses and
-    every weight of one process (1e-5)."""
-    results, _ = group
+    check_zero_one(group[0], one_process)
+
+
+def check_zero_one(results: list[dict], one_process: dict) -> None:
+    """ZeRO-1 (``use_distributed_optimizer``) on TP 2 x DP 2 through ``Trainer.fit`` (``_all_layouts``'
+    ``"zero"``): the losses and every weight of one process (1e-5; shared by HY-V4's test)."""
     print(f"Trainer.fit TP 2 x DP 2 with ZeRO-1 losses {[r['zero']['losses'] for r in results]}")
     _check_fit("TP 2 x DP 2, ZeRO-1", [r["zero"] for r in results], one_process)
 
@@ -402,13 +405,25 @@ def test_a_checkpoint_goes_on_on_another_layout_and_exports_for_from_pretrained(
     (1e-5), its tensors in the trained dtypes (the hyper-connections fp32, and kept so by
     transformers when the rest is read in bf16), and greedy ``generate`` on it the one-process
     trained model's tokens."""
+    results, checkpoints = group
+    check_checkpoint_and_export(saved, results, checkpoints, one_process, tmp_path, transformers.DeepseekV4ForCausalLM,
+                                "tid2eid", "model.hc_head.hc_fn")
+
+
+def check_checkpoint_and_export(saved: pathlib.Path, results: list[dict], checkpoints: pathlib.Path,
+                                one_process: dict, tmp_path: pathlib.Path, model_class, buffer: str,
+                                head_in_files: str) -> None:
+    """The save-and-go-on fits of ``_all_layouts`` (``checkpoints`` given) against ``one_process``,
+    the last checkpoint read in one process, exported and read back by ``model_class.from_pretrained``,
+    greedy ``generate`` on it (the test above; shared by HY-V4's test). ``buffer``: the name ending
+    of a buffer the checkpoint must carry (the model's own state beside its parameters);
+    ``head_in_files``: the file name of ``hc_head``'s projection, written fp32."""
     from safetensors import safe_open
 
     from lightning_mhc.any_model import load_checkpoint
     from lightning_mhc.lightning.modules.hf import HFCausalLMModule
     from script_runs import run_module_on_a_rank
 
-    results, checkpoints = group
     # TP 2 x PP 2 as one process, its checkpoint of step 2 continued on PP 2 x EP 2
     _check_fit("TP 2 x PP 2", [r["saved"] for r in results], one_process)
     print(f"TP 2 x PP 2 losses {results[0]['saved']['losses']}; PP 2 x EP 2 from its step {SAVE_AT}: "
@@ -420,11 +435,11 @@ def test_a_checkpoint_goes_on_on_another_layout_and_exports_for_from_pretrained(
     expected = {name: t.detach() for name, t in trained.state_dict().items()}
     whole = load_checkpoint(HFCausalLMModule.whole_model(one_process["hparams"]), checkpoints / "pp2ep2.ckpt").eval()
     state = whole.state_dict()
-    assert state.keys() == expected.keys() and any(n.endswith("tid2eid") for n in state)
+    assert state.keys() == expected.keys() and any(n.endswith(buffer) for n in state)
     state_diff = max((t.double() - expected[n].double()).abs().max().item() for n, t in state.items())
     export = tmp_path / "export"
     run_module_on_a_rank("lightning_mhc.cli.export", str(checkpoints / "pp2ep2.ckpt"), str(export))
-    exported = transformers.DeepseekV4ForCausalLM.from_pretrained(export).eval()
+    exported = model_class.from_pretrained(export).eval()
     tokens = batch()
     with torch.no_grad():
         logits = exported(input_ids=tokens).logits
@@ -444,9 +459,9 @@ def test_a_checkpoint_goes_on_on_another_layout_and_exports_for_from_pretrained(
                 found.update({key: handle.get_slice(key).get_dtype() for key in handle.keys()})
         return found
 
-    written = dtypes(export)  # the names and dtypes of the pretrained files (fp32; the int64 tid2eid)
-    assert written == dtypes(saved) and written["model.hc_head.hc_fn"] == "F32", written
-    half = transformers.DeepseekV4ForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
+    written = dtypes(export)  # the names and dtypes of the pretrained files (fp32; V4's int64 tid2eid)
+    assert written == dtypes(saved) and written[head_in_files] == "F32", written
+    half = model_class.from_pretrained(export, dtype=torch.bfloat16)
     kept = {n: p.dtype for n, p in half.named_parameters() if "hc_" in n or "_hc." in n}
     assert kept and set(kept.values()) == {torch.float32}, kept
     assert half.model.embed_tokens.weight.dtype == torch.bfloat16

@@ -6,10 +6,15 @@ checkpoint's own tensor names), against the model in one process (fp32).
 A tiny HY-V4 (tests/v4_utils.py's ``tiny_hy_v4_config``: a dense layer then three MoE layers with a shared expert
 and a score-correction bias, every attention's indexer picking 4 of 16 keys, full and shared
 indexer layers in turn, the experts' clamp cutting, every map moved off its init): on one process bit-exact; one spawned
-4-rank group runs TP 2 x PP 2, PP 2 x EP 2 and TP 2 x EP 2 (step-0 logits within 1e-5 of one
-process) and 3 SGD steps through ``Trainer.fit`` on TP 2 x EP 2 (losses and weights within 1e-5).
-The command line trains it on TP 2 x PP 2. What is not built (CP, sequence parallelism, a stage
-beginning with a shared-indexer layer, GLM-5-next and HY-V4-VL) is refused in one line before anything is built.
+4-rank group (``group``) runs TP 2 x PP 2, PP 2 x EP 2, TP 2 x EP 2 and under context parallelism
+(``any_model/hy_v4_context.py``: CP 2, TP 2 x CP 2, PP 2 x CP 2, CP 2 with a left-padded batch; the indexer's
+picks and the causal and padding masks cross the chunk borders) with step-0 logits within 1e-5 of
+one process; 3 SGD steps through ``Trainer.fit`` on TP 2 x EP 2, TP 2 x CP 2, TP 2 x DP 2 with ZeRO-1
+and TP 2 x PP 2 (its step-2 checkpoint continued on PP 2 x EP 2, then read in one process,
+exported and read back by ``HYV4ForCausalLM.from_pretrained``, greedy ``generate``), losses and
+weights within 1e-5. The command line trains it on TP 2 x CP 2 (the documented command). What is not built (sequence
+parallelism, a stage beginning with a shared-indexer layer, GLM-5-next and HY-V4-VL, a key/value
+cache under CP) is refused in one line.
 The spawned group's helpers are DeepSeek-V4's (tests/test_deepseek_v4_parallel.py): they read the
 model from its directory.
 """
@@ -18,16 +23,19 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.hy_v4")
 
+from lightning_mhc import ConfigError  # noqa: E402
 from lightning_mhc.any_model import check_parallelize  # noqa: E402
+from lightning_mhc.any_model.hy_v4_context import context_parallel_attention_forward  # noqa: E402
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 from test_deepseek_v4_parallel import (  # noqa: E402
-    _all_layouts, _refusal, check_against_one_process, check_command_line_against_one_process,
-    check_one_process_bit_for_bit, meta_model, save_moved)
+    _all_layouts, _fit, _refusal, check_against_one_process, check_checkpoint_and_export,
+    check_command_line_against_one_process, check_one_process_bit_for_bit, check_zero_one, meta_model, save_moved)
 from v4_utils import tiny_hy_v4_config  # noqa: E402
 
 
@@ -38,20 +46,59 @@ def saved(tmp_path_factory) -> pathlib.Path:
 
 LAYOUTS = {"tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
            "pp2ep2": dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
-           "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)}
-"""The layouts of the 4 ranks (DP fills the rest)."""
-FIT = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
-"""The layout trained through ``Trainer.fit`` (DP 2): the rotary key's gradient summed over TP, the
-experts' over their ranks."""
+           "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+           "cp2": dict(context_parallel_size=2), "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2),
+           "pp2cp2": dict(pipeline_model_parallel_size=2, context_parallel_size=2),
+           "cp2 padded": dict(context_parallel_size=2)}
+"""The layouts of the 4 ranks (DP fills the rest); "padded": the batch left-padded (DeepSeek-V4's
+test's ``PADS``: up to 7 pad tokens, past the first chunk border). Under CP 2 each sequence of 16
+tokens is cut into 4 chunks of 4: a query's causal keys and the indexer's 4 picks among them lie
+in other chunks, on the other rank."""
+FITS = {"tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+        "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2)}
+"""The layouts trained through ``Trainer.fit``: the rotary key's gradient summed over TP, the
+experts' over their ranks; under CP the gathered latent's gradient reduce-scattered back to its
+ranks, the loss each rank's part of the mean. (The group also trains ZeRO-1 on TP 2 x DP 2 and
+TP 2 x PP 2 saved at step 2, continued on PP 2 x EP 2: DeepSeek-V4's test's ``ZERO``,
+``SAVED_ON`` and ``RESUMED_ON``.)"""
+
+
+@pytest.fixture(scope="module")
+def group(saved, tmp_path_factory) -> tuple[list[dict], pathlib.Path]:
+    """One spawned group of 4 ranks running every distributed case of this file (``_all_layouts``),
+    and where its checkpoints are."""
+    checkpoints = tmp_path_factory.mktemp("hy_v4_checkpoints")
+    return spawn_ranks(_all_layouts, 4, str(saved), FITS, LAYOUTS, None, str(checkpoints), timeout_s=420,
+                       init_group=False), checkpoints
+
+
+@pytest.fixture(scope="module")
+def one_process(saved) -> dict:
+    """The same 3 steps in one process, through the same ``Trainer.fit``."""
+    return _fit(saved, 1, keep_model=True)
 
 
 def test_one_process_is_the_model_bit_for_bit(saved):
     check_one_process_bit_for_bit(saved)
 
 
-def test_layouts_equal_one_process(saved):
-    results = spawn_ranks(_all_layouts, 4, str(saved), {"tp2ep2": FIT}, LAYOUTS, timeout_s=240, init_group=False)
-    check_against_one_process(saved, results, LAYOUTS, {"tp2ep2": FIT})
+def test_layouts_equal_one_process(saved, group, one_process):
+    results, _ = group
+    check_against_one_process(saved, results, LAYOUTS, FITS, one_process)
+
+
+def test_the_distributed_optimizer_trains_it_as_one_process(group, one_process):
+    check_zero_one(group[0], one_process)
+
+
+def test_a_checkpoint_goes_on_on_another_layout_and_exports_for_from_pretrained(saved, group, one_process, tmp_path):
+    """Save and go on (TP 2 x PP 2 at step 2, continued on PP 2 x EP 2), read in one process with
+    its score-correction biases, exported by ``lightning-mhc-export`` and read back by
+    ``HYV4ForCausalLM.from_pretrained`` (logits 1e-5, the hyper-connections kept fp32 in bf16),
+    greedy ``generate`` on it the one-process trained model's tokens (DeepSeek-V4's check)."""
+    results, checkpoints = group
+    check_checkpoint_and_export(saved, results, checkpoints, one_process, tmp_path, transformers.HYV4ForCausalLM,
+                                "e_score_correction_bias", "model.hc_pre.hc_head.hc_head_fn")
 
 
 def test_what_is_not_built_is_refused_in_one_line(saved):
@@ -64,14 +111,18 @@ def test_what_is_not_built_is_refused_in_one_line(saved):
     assert "4 experts, which do not split evenly over 3 ranks" in message, message
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=8))  # 4 heads
     assert "self_attn.num_heads=4 cannot be divided by tensor_model_parallel_size=8" in message, message
-    message = _refusal(model=model, layout=ParallelLayout(context_parallel_size=2))
-    assert "(model_type 'hy_v4')" in message and "top-k keys over the whole sequence" in message, message
     message = _refusal(model=model, layout=ParallelLayout(), recompute="mhc_block")
     assert message.startswith("recompute='mhc_block' on the model's own hyper-connections (4 streams"), message
     # layer 1's indexer reuses layer 0's picks: a stage cannot begin there
     message = _refusal(model=model, layout=ParallelLayout(pipeline_model_parallel_size=2), pipeline_split=[1, 3])
     assert "pipeline stage 1 would begin with layer 1, whose indexer is 'shared'" in message, message
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # [0, 1], [2, 3] run
+    check_parallelize(model, "auto", layout=ParallelLayout(context_parallel_size=2))  # CP too (its own attention)
+    # under CP its attention refuses a key/value cache (generation), before it reads anything else
+    with pytest.raises(ConfigError) as raised:
+        context_parallel_attention_forward(None, None, torch.zeros(1, 4, 32), None, None, cache=object())
+    assert str(raised.value) == ("HY-V4 under context parallelism: a key/value cache (generation) is not split over "
+                                 "the sequence; generate with context_parallel_size=1."), raised.value
 
 
 @pytest.mark.parametrize("model_type, model_class, family", [
@@ -88,8 +139,10 @@ def test_the_multimodal_members_are_refused_naming_them(model_type, model_class,
         message
 
 
-def test_the_command_line_trains_it_on_tp2_pp2_as_one_process(saved, tmp_path):
-    """``lightning-mhc-train model=hf model.pretrained=DIR parallel=tp2pp2`` (its entry point on
-    forked ranks; synthetic tokens below the model's vocabulary of 64): 3 AdamW steps' losses
-    equal the same command on one process (1e-5)."""
-    check_command_line_against_one_process(saved, tmp_path, "TP 2 x PP 2", "parallel=tp2pp2")
+def test_the_command_line_trains_it_on_tp2_cp2_as_one_process(saved, tmp_path):
+    """``lightning-mhc-train model=hf model.pretrained=DIR parallel=cp2 parallel.tensor_model_parallel_size=2``
+    (TP 2 without sequence parallelism, which ``parallel=tp2cp2`` turns on; docs/native_mhc.md's
+    worked command, on its entry point on forked ranks; synthetic tokens below the model's
+    vocabulary of 64): 3 AdamW steps' losses equal the same command on one process (1e-5)."""
+    check_command_line_against_one_process(saved, tmp_path, "TP 2 x CP 2", "parallel=cp2",
+                                           "parallel.tensor_model_parallel_size=2")

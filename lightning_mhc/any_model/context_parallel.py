@@ -23,7 +23,8 @@ are those of the un-split sequence), and each attention all-gathers K/V over the
 Attention the all-gather cannot reproduce exactly is refused before anything is built: sliding
 windows, logit softcapping, attention sinks, and any family not checked under CP, except where the
 family's record splits its own attention (``FamilyRecord.context_parallel_attention``:
-DeepSeek-V4's window and compressed attention, ``deepseek_v4_context.py``).
+DeepSeek-V4's window and compressed attention, ``deepseek_v4_context.py``; HY-V4's latent attention
+and indexer, ``hy_v4_context.py``).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ SUPPORTED_FAMILIES = context_parallel_families()
 """The ``model_type``s split over CP (the records that claim it, ``families.py``): RoPE on explicit
 position ids, causal attention through the registry, nothing but a padding mask beside the causal
 one (Llama; Mistral, Qwen2 and Qwen3 without a sliding window), or the family's own CP attention
-(DeepSeek-V4)."""
+(DeepSeek-V4, HY-V4)."""
 
 SPLIT_INPUTS = ("input_ids", "inputs_embeds")
 """The model's inputs cut into this rank's chunks (sequence on dim 1)."""

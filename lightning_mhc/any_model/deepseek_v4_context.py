@@ -20,10 +20,10 @@ attention's forward with :func:`context_parallel_attention_forward`, which follo
   every query with its causal threshold), so no window is cut by a chunk border. Each rank keeps
   its own queries' rows of the compressor's per-query bias (causality and the indexer's picks).
 - **The mask** over the gathered keys is the sliding window's at the global positions (key ``j``
-  seen by query ``p`` iff ``0 <= p − j < sliding_window``) and the batch's padding mask (kept
-  whole on every rank by the CP mask function), as transformers' eager mask builds it (0 and the
-  dtype's minimum), the compressor's bias after it; the attention itself is the model's (the
-  sinks; under TP the shared K/V head's gradient summed over TP, ``deepseek_v4.shared_kv_attention``).
+  seen by query ``p`` iff ``0 <= p − j < sliding_window``) and the batch's padding mask
+  (``family_context.key_mask``, shared with HY-V4's), the compressor's bias after it; the
+  attention itself is the model's (the sinks; under TP the shared K/V head's gradient summed over
+  TP, ``deepseek_v4.shared_kv_attention``).
 
 What this costs: every rank computes the compressed entries (and the indexer's scores) of the
 whole sequence, ``cp`` times the one-process work of the compressor, and keeps the gathered input
@@ -32,14 +32,13 @@ projections, the hyper-connections and the experts are split ``1/cp``.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_mhc.any_model.family_context import check_split_call, key_mask, replace_attention_forward
 from lightning_mhc.distributed.context_parallel import gather_sequence
-from lightning_mhc.errors import ConfigError
 from lightning_mhc.layers.sequence import SequenceSplit
 
 
@@ -51,27 +50,7 @@ def is_v4_attention(module: nn.Module) -> bool:
 def split_attention_over_context(chunk: nn.Module, layout: Any) -> None:
     """The family's CP pass on a built ``chunk`` (CP > 1): each V4 attention runs
     :func:`context_parallel_attention_forward` over ``layout``'s CP group."""
-    split = SequenceSplit.of(layout)
-    if split is None:
-        return
-    for module in chunk.modules():
-        if is_v4_attention(module):
-            module.forward = functools.partial(context_parallel_attention_forward, module, split)
-
-
-def window_mask(query_positions: Tensor, seq_len: int, window: int, padding: Tensor | None,
-                dtype: torch.dtype) -> Tensor:
-    """``[b, 1, q, seq_len]`` additive mask of queries at ``query_positions`` (``[b, q]``, global)
-    over the whole sequence's keys: causal within ``window`` tokens and the key ``padding``
-    (``[b, seq_len]``, True or 1 = a token), 0 where seen and ``dtype``'s minimum elsewhere
-    (transformers' eager sliding-window mask)."""
-    keys = torch.arange(seq_len, device=query_positions.device)
-    distance = query_positions[..., None] - keys
-    seen = (distance >= 0) & (distance < window)
-    if padding is not None:
-        seen = seen & padding.bool()[:, None, :]
-    zero = torch.zeros((), dtype=dtype, device=seen.device)
-    return torch.where(seen, zero, torch.finfo(dtype).min)[:, None]
+    replace_attention_forward(chunk, layout, is_v4_attention, context_parallel_attention_forward)
 
 
 def context_parallel_attention_forward(module: nn.Module, split: SequenceSplit, hidden_states: Tensor,
@@ -83,12 +62,7 @@ def context_parallel_attention_forward(module: nn.Module, split: SequenceSplit, 
 
     from lightning_mhc.any_model.deepseek_v4 import shared_kv_attention
 
-    if cache is not None or kwargs.get("past_key_values") is not None:
-        raise ConfigError("DeepSeek-V4 under context parallelism: a key/value cache (generation) is not split over "
-                          "the sequence; generate with context_parallel_size=1.")
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ConfigError(f"DeepSeek-V4 under context parallelism: got a {attention_mask.dim()}-D attention mask; "
-                          "only the [batch, seq] padding mask of the whole sequence is split over CP.")
+    check_split_call("DeepSeek-V4", cache, kwargs, attention_mask)
     group = split.group
     batch, local_len = hidden_states.shape[:2]
     seq_len = local_len * split.size
@@ -103,8 +77,8 @@ def context_parallel_attention_forward(module: nn.Module, split: SequenceSplit, 
     kv = module.kv_norm(module.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
     kv = gather_sequence(apply_rotary_pos_emb(kv, cos, sin), group, dim=2)  # [b, 1, s, head_dim], global order
 
-    mask = window_mask(position_ids.expand(batch, -1), seq_len, module.sliding_window, attention_mask,
-                       hidden_states.dtype)
+    mask = key_mask(position_ids.expand(batch, -1), seq_len, attention_mask, hidden_states.dtype,
+                    window=module.sliding_window)
     if module.compressor is not None:
         whole = gather_sequence(hidden_states, group, dim=1)
         # the indexer scores every query's low-rank query against the compressed keys (CSA only)
@@ -128,4 +102,4 @@ def context_parallel_attention_forward(module: nn.Module, split: SequenceSplit, 
     return module.o_b_proj(grouped), attn_weights
 
 
-__all__ = ["context_parallel_attention_forward", "is_v4_attention", "split_attention_over_context", "window_mask"]
+__all__ = ["context_parallel_attention_forward", "is_v4_attention", "split_attention_over_context"]

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.any_model import deepseek_v4, deepseek_v4_context, hy_v4
+from lightning_mhc.any_model import deepseek_v4, deepseek_v4_context, hy_v4, hy_v4_context
 from lightning_mhc.any_model.experts import MIXTRAL, OLMOE, QWEN3_MOE
 from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
 from lightning_mhc.any_model.native_streams import carry_streams_flat
@@ -117,7 +117,7 @@ class FamilyRecord:
     - ``context_parallel_attention``: a family whose attention the generic CP attention does not
       compute (windows, compressed entries) splits it itself, on each built chunk under CP
       (``context_parallel_attention(chunk, layout)``, in its own module: DeepSeek-V4's,
-      ``deepseek_v4_context.py``);
+      ``deepseek_v4_context.py``, HY-V4's, ``hy_v4_context.py``);
     - ``experts``: its fused experts, split over EP (``experts.py``); None: a dense family;
     - ``router_loss``: a MoE family's own router loss (its routers, the rule that combines their
       statistics over layers, stages and the sequence's ranks, and the config attribute of its
@@ -230,9 +230,11 @@ RECORDS: tuple[FamilyRecord, ...] = (
             context_parallel_attention=deepseek_v4_context.split_attention_over_context,
             router_loss=deepseek_v4.ROUTER_LOSS, router_bias=deepseek_v4.ROUTERS,
             transformers=deepseek_v4.TRANSFORMERS),
+    # HY-V4 (hy_v4.py): the same streams; its latent attention and indexer split over CP by its own
+    # pass (hy_v4_context.py)
     _family("hy_v4", hy_v4.HY_V4, None, native_streams="hc_mult", carry_streams=carry_streams_flat,
             tensor_parallel=hy_v4.split_attention, check_layout=hy_v4.check_layout, check_stages=hy_v4.check_stages,
-            experts=MOE_EXPERTS, context_parallel_refusal=hy_v4.NOT_UNDER_CP,
+            experts=MOE_EXPERTS, **CP_EXACT, context_parallel_attention=hy_v4_context.split_attention_over_context,
             transformers=deepseek_v4.TRANSFORMERS),
 )
 

@@ -24,6 +24,8 @@ streams cross pipeline stages as V4's (``native_streams.carry_streams_flat``); t
 - :func:`check_stages`: a layer whose indexer is ``"shared"`` reuses the top-k picks of the full
   indexer layer before it, which a pipeline stage does not receive: no stage may begin with one.
 - :func:`check_layout`: sequence parallelism refused (the indexer reads the whole sequence).
+- Context parallelism: the attention and its indexer split over the sequence by the record's own
+  pass (``hy_v4_context.py``).
 """
 from __future__ import annotations
 
@@ -58,10 +60,6 @@ HY_V4 = TPPlan(
 """Hugging Face ``HYV4ForCausalLM`` over TP (the module docstring; :func:`split_attention` does
 what a style cannot)."""
 
-NOT_UNDER_CP = "its indexer picks each query's top-k keys over the whole sequence, not split over it yet"
-"""The record's ``context_parallel_refusal``."""
-
-
 def _name(model: nn.Module) -> str:
     return f"{type(model).__name__} (model_type 'hy_v4')"
 
@@ -70,7 +68,7 @@ def check_layout(model: nn.Module, layout: Any) -> None:
     """Refuse, before anything is built, what HY-V4 does not run on yet: sequence parallelism."""
     if getattr(layout, "sequence_parallel", False):
         raise ConfigError(f"{_name(model)}: sequence_parallel=True is not built for it (its indexer reads the whole "
-                          "sequence); leave it off (TP, PP, EP and DP run).")
+                          "sequence); leave it off (TP, PP, EP, CP and DP run).")
 
 
 def check_stages(model: nn.Module, ranges: list[tuple[int, int]]) -> None:
