@@ -117,12 +117,19 @@ Under CP 2 each sequence of ``SEQ`` tokens is cut into 4 chunks of 4: the slidin
 HCA windows (8) and CSA's overlapping pairs of windows (2 x 4) cross the chunk borders."""
 
 
+BLOCK_RECOMPUTE = dict(name="mhc_block", layer_num=2)
+"""``mhc_block`` on V4's own hyper-connections, one recompute group per pipeline stage of 2 layers
+(the second layer's input streams are the first's checkpointed, freed output)."""
 FITS = {"tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
         "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2),
-        "cp2ep2": dict(context_parallel_size=2, expert_model_parallel_size=2)}
+        "cp2ep2": dict(context_parallel_size=2, expert_model_parallel_size=2),
+        "tp2pp2 mhc_block": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                 recompute=BLOCK_RECOMPUTE, measure_activation_memory=True)}
 """The layouts trained through ``Trainer.fit``: the shared K/V head's gradient summed over TP, the
 experts' over their ranks; under CP the gathered K/V's and compressor inputs' gradients
-reduce-scattered back to their ranks, the loss each rank's part of the mean."""
+reduce-scattered back to their ranks, the loss each rank's part of the mean; TP 2 x PP 2 with the
+block recompute of its hyper-connections (:data:`BLOCK_RECOMPUTE`), its retained activation
+bytes measured, as those of the same layout without it (``SAVED_ON``'s run)."""
 ZERO = dict(tensor_model_parallel_size=2, use_distributed_optimizer=True)
 """ZeRO-1 (DP 2): each DP rank steps its shard of the momentum and weights (the experts' too,
 whole on every rank here) and gathers the rest."""
@@ -139,19 +146,22 @@ AUX_COEF, BIAS_RATE = 0.5, 0.02
 
 
 def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float = 0.0, resume: str | None = None,
-         save_at: str | None = None, save: str | None = None, keep_model: bool = False, **sizes) -> dict:
+         save_at: str | None = None, save: str | None = None, keep_model: bool = False, recompute=None,
+         **sizes) -> dict:
     """``FIT_STEPS`` SGD steps (momentum 0.9) of ``HFCausalLMModule`` (the CLI's ``model=hf``)
     through ``Trainer.fit`` on ``MHCParallelStrategy(**sizes)`` (from the checkpoint ``resume``;
     saving ``save_at/step=2.ckpt`` at step ``SAVE_AT`` as a run checkpointing as it goes, and
-    ``trainer.save_checkpoint(save)`` at the end): each step's loss, this rank's parameters by
-    their whole-model names (gathered over TP; experts: ``(start, block)``), its routers'
-    score-correction biases, and the batches it trained on (with its DP rank); ``keep_model``: the
-    trained model and the module's hyperparameters too (one process)."""
+    ``trainer.save_checkpoint(save)`` at the end; ``recompute``: the policy an
+    ``MHCRecomputeCallback`` selects): each step's loss, this rank's parameters by their
+    whole-model names (gathered over TP; experts: ``(start, block)``), its routers'
+    score-correction biases, the batches it trained on (with its DP rank) and the strategy's
+    ``activation_bytes`` (None unless ``measure_activation_memory``); ``keep_model``: the trained
+    model and the module's hyperparameters too (one process)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from lightning_mhc import MHCParallelStrategy
+    from lightning_mhc import MHCParallelStrategy, MHCRecomputeCallback
     from lightning_mhc.data.sources import SyntheticTokens
     from lightning_mhc.lightning.modules.hf import HFCausalLMModule
     from lightning_mhc.testing.tensor_parallel import gather_tensor_parallel
@@ -172,6 +182,7 @@ def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float =
     losses = Losses()
     callbacks = [losses] + ([ModelCheckpoint(dirpath=save_at, filename="{step}", save_top_k=-1,
                                              every_n_train_steps=SAVE_AT)] if save_at else [])
+    callbacks += [MHCRecomputeCallback(recompute)] if recompute is not None else []
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=MHCParallelStrategy(**sizes),
                          max_steps=FIT_STEPS, logger=False, enable_checkpointing=save_at is not None,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
@@ -190,7 +201,8 @@ def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float =
     biases = {module.model.global_parameter_name(name): buffer.clone()
               for name, buffer in module.model.named_buffers() if name.endswith("e_score_correction_bias")}
     kept = dict(model=module.model.chunks[0].eval(), hparams=dict(module.hparams)) if keep_model else {}
-    return dict(losses=losses.losses, params=params, biases=biases, batches=losses.batches, **kept)
+    return dict(losses=losses.losses, params=params, biases=biases, batches=losses.batches,
+                activation_bytes=trainer.strategy.activation_bytes, **kept)
 
 
 def _all_layouts(rank: int, world: int, directory: str, fits: dict, layouts: dict, balanced: str | None = None,
@@ -210,7 +222,8 @@ def _all_layouts(rank: int, world: int, directory: str, fits: dict, layouts: dic
     if checkpoints is not None:
         checkpoints = pathlib.Path(checkpoints)
         results["zero"] = _fit(directory, world, **ZERO)
-        results["saved"] = _fit(directory, world, save_at=str(checkpoints / "tp2pp2"), **SAVED_ON)
+        results["saved"] = _fit(directory, world, save_at=str(checkpoints / "tp2pp2"), measure_activation_memory=True,
+                                **SAVED_ON)
         results["resumed"] = _fit(directory, world, resume=str(checkpoints / "tp2pp2" / f"step={SAVE_AT}.ckpt"),
                                   save=str(checkpoints / "pp2ep2.ckpt"), **RESUMED_ON)
     results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build(), name.endswith("padded"))
@@ -230,6 +243,47 @@ def check_one_process_bit_for_bit(saved: pathlib.Path) -> None:
     with torch.no_grad():
         logits = model(input_ids=batch())
     torch.testing.assert_close(logits, reference_logits(saved), rtol=0, atol=0)
+
+
+def test_block_recompute_of_its_hyper_connections_in_one_process(saved):
+    check_block_recompute_in_one_process(saved, at_most=0.6)
+
+
+def check_block_recompute_in_one_process(saved: pathlib.Path, at_most: float) -> None:
+    """``parallelize(..., recompute="mhc_block")`` in one process, with the paper's groups (one
+    layer each here) and with 2 layers a group: the logits bit for bit, every parameter's gradient
+    within 1e-5 of its largest (the same operations; only the order in which the streams'
+    gradient contributions are summed differs: inside a checkpoint first); the bytes the forward
+    keeps for backward (``ActivationMemoryMeter``, deterministic) at most ``at_most`` of the run
+    without; an evaluation forward the model's own (shared by HY-V4's test)."""
+    from lightning_mhc.recompute import ActivationMemoryMeter, RecomputePolicy
+
+    tokens = batch()[:2]
+
+    def run(policy):
+        model = parallelize(meta_model(saved), "auto", weights=saved, recompute=policy).train()
+        with ActivationMemoryMeter(model) as meter:
+            logits = model(input_ids=tokens)
+        (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            evaluated = model.eval()(input_ids=tokens)
+        return logits.detach(), grads, meter.result.retained_bytes, evaluated
+
+    plain = run("none")
+    largest = max(g.abs().max().item() for g in plain[1].values())
+    for policy in (RecomputePolicy("mhc_block"), RecomputePolicy("mhc_block", layer_num=2)):
+        logits, grads, retained, evaluated = run(policy)
+        assert torch.equal(logits, plain[0]) and torch.equal(evaluated, plain[3]), policy
+        assert grads.keys() == plain[1].keys(), policy
+        worst = max((grads[n] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * largest)
+                    for n, g in plain[1].items())
+        print(f"{type(meta_model(saved)).__name__} mhc_block (layer_num {policy.layer_num}) in one process: retained "
+              f"{retained:,d} B against {plain[2]:,d} B without ({retained / plain[2]:.2f}x); gradients within "
+              f"{worst:.2g} of their largest")
+        assert worst < 1e-5, (policy, worst)
+        assert retained <= at_most * plain[2], (policy, retained, plain[2])
+        assert run(policy)[2] == retained  # deterministic
 
 
 @pytest.fixture(scope="module")
@@ -488,8 +542,7 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     assert "o_groups=2 cannot be divided by tensor_model_parallel_size=4" in message, message
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=8))
     assert "num_heads=4 cannot be divided by tensor_model_parallel_size=8" in message, message
-    message = _refusal(model=model, layout=ParallelLayout(), recompute="mhc_block")
-    assert message.startswith("recompute='mhc_block' on the model's own hyper-connections (4 streams"), message
+    check_parallelize(model, "auto", layout=ParallelLayout(), recompute="mhc_block")  # on its own hyper-connections
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # PP runs
     check_parallelize(model, "auto", layout=ParallelLayout(context_parallel_size=2))  # CP too (its own attention)
 

@@ -7,7 +7,9 @@ A tiny HY-V4 (tests/v4_utils.py's ``tiny_hy_v4_config``: a dense layer then thre
 and a score-correction bias, every attention's indexer picking 4 of 16 keys, full and shared
 indexer layers in turn, the experts' clamp cutting, every map moved off its init): on one process bit-exact; one spawned
 4-rank group runs TP 2 x PP 2, PP 2 x EP 2 and TP 2 x EP 2 (step-0 logits within 1e-5 of one
-process) and 3 SGD steps through ``Trainer.fit`` on TP 2 x EP 2 (losses and weights within 1e-5).
+process) and 3 SGD steps through ``Trainer.fit`` on TP 2 x EP 2 and, with the block recompute of its
+hyper-connections (``mhc_block``), on TP 2 x PP 2 (losses and weights within 1e-5); in one process
+``mhc_block`` gives the same logits and gradients (1e-5) keeping fewer bytes.
 The command line trains it on TP 2 x PP 2. What is not built (CP, sequence parallelism, a stage
 beginning with a shared-indexer layer, GLM-5-next and HY-V4-VL) is refused in one line before anything is built.
 The spawned group's helpers are DeepSeek-V4's (tests/test_deepseek_v4_parallel.py): they read the
@@ -26,8 +28,8 @@ from lightning_mhc.any_model import check_parallelize  # noqa: E402
 from lightning_mhc.distributed.layout import ParallelLayout  # noqa: E402
 from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
 from test_deepseek_v4_parallel import (  # noqa: E402
-    _all_layouts, _refusal, check_against_one_process, check_command_line_against_one_process,
-    check_one_process_bit_for_bit, meta_model, save_moved)
+    BLOCK_RECOMPUTE, _all_layouts, _refusal, check_against_one_process, check_block_recompute_in_one_process,
+    check_command_line_against_one_process, check_one_process_bit_for_bit, meta_model, save_moved)
 from v4_utils import tiny_hy_v4_config  # noqa: E402
 
 
@@ -40,18 +42,25 @@ LAYOUTS = {"tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_
            "pp2ep2": dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
            "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)}
 """The layouts of the 4 ranks (DP fills the rest)."""
-FIT = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
-"""The layout trained through ``Trainer.fit`` (DP 2): the rotary key's gradient summed over TP, the
-experts' over their ranks."""
+FITS = {"tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+        "tp2pp2 mhc_block": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                 recompute=BLOCK_RECOMPUTE)}
+"""The layouts trained through ``Trainer.fit`` (DP 2): the rotary key's gradient summed over TP, the
+experts' over their ranks; TP 2 x PP 2 with the block recompute of its hyper-connections (a group
+of 2 layers per stage)."""
 
 
 def test_one_process_is_the_model_bit_for_bit(saved):
     check_one_process_bit_for_bit(saved)
 
 
+def test_block_recompute_of_its_hyper_connections_in_one_process(saved):
+    check_block_recompute_in_one_process(saved, at_most=0.75)
+
+
 def test_layouts_equal_one_process(saved):
-    results = spawn_ranks(_all_layouts, 4, str(saved), {"tp2ep2": FIT}, LAYOUTS, timeout_s=240, init_group=False)
-    check_against_one_process(saved, results, LAYOUTS, {"tp2ep2": FIT})
+    results = spawn_ranks(_all_layouts, 4, str(saved), FITS, LAYOUTS, timeout_s=240, init_group=False)
+    check_against_one_process(saved, results, LAYOUTS, FITS)
 
 
 def test_what_is_not_built_is_refused_in_one_line(saved):
@@ -66,8 +75,7 @@ def test_what_is_not_built_is_refused_in_one_line(saved):
     assert "self_attn.num_heads=4 cannot be divided by tensor_model_parallel_size=8" in message, message
     message = _refusal(model=model, layout=ParallelLayout(context_parallel_size=2))
     assert "(model_type 'hy_v4')" in message and "top-k keys over the whole sequence" in message, message
-    message = _refusal(model=model, layout=ParallelLayout(), recompute="mhc_block")
-    assert message.startswith("recompute='mhc_block' on the model's own hyper-connections (4 streams"), message
+    check_parallelize(model, "auto", layout=ParallelLayout(), recompute="mhc_block")  # on its own hyper-connections
     # layer 1's indexer reuses layer 0's picks: a stage cannot begin there
     message = _refusal(model=model, layout=ParallelLayout(pipeline_model_parallel_size=2), pipeline_split=[1, 3])
     assert "pipeline stage 1 would begin with layer 1, whose indexer is 'shared'" in message, message
