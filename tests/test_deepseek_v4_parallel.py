@@ -575,11 +575,13 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
 
 def test_the_command_line_refuses_a_sequence_cp_does_not_split_before_launch(saved, tmp_path, monkeypatch, capsys):
     """CP 2 cuts the sequence into 4 chunks: 18 tokens are refused in one line before launch (the
-    compressed windows need nothing more: the compressors run on the gathered sequence)."""
+    compressed windows need nothing more: the compressors run on the gathered sequence). The block
+    recompute of its own hyper-connections is accepted (no ``model.hyper_connections`` needed)."""
     from train_cli import check_before_launch
 
     command = ["model=hf", f"model.pretrained={saved}", "data=synthetic", "parallel=cp2", "trainer.devices=2"]
-    status, err = check_before_launch([*command, "data.seq_length=16"], tmp_path, monkeypatch, capsys)
+    status, err = check_before_launch([*command, "data.seq_length=16", "recompute=mhc_block"], tmp_path, monkeypatch,
+                                      capsys)
     assert status == 0, err
     status, err = check_before_launch([*command, "data.seq_length=18"], tmp_path, monkeypatch, capsys)
     assert status == 2 and len(err.strip().splitlines()) == 1, err
