@@ -245,19 +245,29 @@ def check_one_process_bit_for_bit(saved: pathlib.Path) -> None:
     torch.testing.assert_close(logits, reference_logits(saved), rtol=0, atol=0)
 
 
-def test_block_recompute_of_its_hyper_connections_in_one_process(saved):
-    check_block_recompute_in_one_process(saved, at_most=0.6)
+def test_block_recompute_of_its_hyper_connections_in_one_process(saved, monkeypatch):
+    check_block_recompute_in_one_process(saved, at_most=0.6, monkeypatch=monkeypatch)
 
 
-def check_block_recompute_in_one_process(saved: pathlib.Path, at_most: float) -> None:
+def check_block_recompute_in_one_process(saved: pathlib.Path, at_most: float, monkeypatch) -> None:
     """``parallelize(..., recompute="mhc_block")`` in one process, with the paper's groups (one
-    layer each here) and with 2 layers a group: the logits bit for bit, every parameter's gradient
-    within 1e-5 of its largest (the same operations; only the order in which the streams'
-    gradient contributions are summed differs: inside a checkpoint first); the bytes the forward
-    keeps for backward (``ActivationMemoryMeter``, deterministic) at most ``at_most`` of the run
-    without; an evaluation forward the model's own (shared by HY-V4's test)."""
-    from lightning_mhc.recompute import ActivationMemoryMeter, RecomputePolicy
+    layer each of the 4 here) and with 2 layers a group: one recompute hook per group (the last
+    group's first), each layer's hyper-connections with their norms and its mixes the checkpoints
+    (the group's last mix kept); the logits bit for bit, every parameter's gradient within 1e-5
+    of its largest (the same operations; only the order in which the streams' gradient
+    contributions are summed differs: inside a checkpoint first); the bytes the forward keeps for
+    backward (``ActivationMemoryMeter``, deterministic) at most ``at_most`` of the run without; an
+    evaluation forward the model's own (shared by HY-V4's test)."""
+    from lightning_mhc.recompute import ActivationMemoryMeter, MHCBlockRecomputeManager, RecomputePolicy
 
+    recomputes = []
+    original = MHCBlockRecomputeManager._unified_recompute_hook
+
+    def counted(self, grad):
+        recomputes.append(self)
+        return original(self, grad)
+
+    monkeypatch.setattr(MHCBlockRecomputeManager, "_unified_recompute_hook", counted)
     tokens = batch()[:2]
 
     def run(policy):
@@ -271,9 +281,18 @@ def check_block_recompute_in_one_process(saved: pathlib.Path, at_most: float) ->
         return logits.detach(), grads, meter.result.retained_bytes, evaluated
 
     plain = run("none")
+    assert not recomputes
     largest = max(g.abs().max().item() for g in plain[1].values())
+    groups = {None: [(3, 3), (2, 2), (1, 1), (0, 0)], 2: [(2, 3), (0, 1)]}
     for policy in (RecomputePolicy("mhc_block"), RecomputePolicy("mhc_block", layer_num=2)):
+        recomputes.clear()
         logits, grads, retained, evaluated = run(policy)
+        assert [m.name for m in recomputes] == [f"model.layers.{i}..model.layers.{j}"
+                                                for i, j in groups[policy.layer_num]], policy
+        first, last = groups[policy.layer_num][-1]
+        assert [e.name for e in recomputes[-1].last_plan] == [
+            f"model.layers.{i}.{name}" for i in range(first, last + 1)
+            for name in ("attn_hc+norm", "attn_hc mix", "ffn_hc+norm", "ffn_hc mix")][:-1], policy
         assert torch.equal(logits, plain[0]) and torch.equal(evaluated, plain[3]), policy
         assert grads.keys() == plain[1].keys(), policy
         worst = max((grads[n] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * largest)

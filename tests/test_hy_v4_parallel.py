@@ -54,8 +54,8 @@ def test_one_process_is_the_model_bit_for_bit(saved):
     check_one_process_bit_for_bit(saved)
 
 
-def test_block_recompute_of_its_hyper_connections_in_one_process(saved):
-    check_block_recompute_in_one_process(saved, at_most=0.75)
+def test_block_recompute_of_its_hyper_connections_in_one_process(saved, monkeypatch):
+    check_block_recompute_in_one_process(saved, at_most=0.75, monkeypatch=monkeypatch)
 
 
 def test_layouts_equal_one_process(saved):

@@ -195,7 +195,7 @@ def parallelize(
         load_weights(model_parallel, weights, layout)
     log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
              layout.pipeline_model_parallel_rank, model_parallel.report)
-    apply_recompute(split.chunks, settings.recompute, planned.plan, streams)
+    apply_recompute(split.chunks, settings.recompute, planned.plan, streams, parts.block_path if parts else None)
     return model_parallel
 
 

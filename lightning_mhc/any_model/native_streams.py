@@ -57,11 +57,11 @@ def recompute_hyper_connections(chunk: nn.Module, block_path: str | None, layer_
     :func:`carry_streams_flat`, which then wraps this forward (the streams arrive ``[B, S, n, D]``)."""
     if block_path is None:
         return
-    for layer in chunk.get_submodule(block_path).children():
-        layer.forward = _under_block_recompute(layer, layer.forward, layer_forward)
+    for name, layer in chunk.get_submodule(block_path).named_children():
+        layer.forward = _under_block_recompute(layer, layer.forward, layer_forward, f"{block_path}.{name}")
 
 
-def _under_block_recompute(layer: nn.Module, forward, layer_forward):
+def _under_block_recompute(layer: nn.Module, forward, layer_forward, name: str):
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any):
         group = layer.__dict__.get("recompute_group")
@@ -69,7 +69,7 @@ def _under_block_recompute(layer: nn.Module, forward, layer_forward):
         if manager is None:  # evaluation, no grad, or no group: the layer as written
             return forward(*args, **kwargs)
         last = layer.__dict__.get("is_last_layer_in_block", False)
-        output = layer_forward(layer, HyperConnectionCheckpoints(manager, f"layer {layer.layer_idx}", last),
+        output = layer_forward(layer, HyperConnectionCheckpoints(manager, name, last),
                                *args, **kwargs)
         if last:  # the group's last output, kept: every checkpoint of the group recomputed from its hook
             group.finish(output[0] if isinstance(output, tuple) else output)

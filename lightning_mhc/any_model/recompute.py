@@ -63,11 +63,13 @@ def check_selective(policy: RecomputePolicy, plan: TPPlan) -> None:
                           "(e.g. ['*.mlp']) or use a plan with a selective list.")
 
 
-def apply_recompute(chunks: list[StageChunk], policy: RecomputePolicy, plan: TPPlan, streams: int = 1) -> None:
+def apply_recompute(chunks: list[StageChunk], policy: RecomputePolicy, plan: TPPlan, streams: int = 1,
+                    block_path: str | None = None) -> None:
     """The recompute pass: ``policy`` on this rank's built chunks: ``selective``, the modules the
     plan's ``selective`` patterns name; ``full``, every block; the mHC block recompute, groups of
     blocks within each stage (their sizes from the ``streams`` the blocks carry, ours or the
-    family's own: the blocks then checkpoint their hyper-connections into their group)."""
+    family's own: the blocks then checkpoint their hyper-connections into their group; named by
+    their first and last block, ``block_path.i..block_path.j``)."""
     seen: set[int] = set()  # a part every stage runs is in each chunk's builds: checkpointed once
     for chunk in chunks:
         for name, module, _ in chunk.builds if policy.selective else ():
@@ -80,9 +82,9 @@ def apply_recompute(chunks: list[StageChunk], policy: RecomputePolicy, plan: TPP
             for block in local:
                 _checkpointed(block)
         if policy.block and local:
-            index = {id(block): i for i, block in chunk.blocks.items()}
+            name = {id(block): f"{block_path}.{i}" for i, block in chunk.blocks.items()}
             attach_block_recompute(local, policy.block_ranges(streams, len(local)),
-                                   lambda first, last: f"blocks {index[id(first)]}..{index[id(last)]}")
+                                   lambda first, last: f"{name[id(first)]}..{name[id(last)]}")
 
 
 def _checkpointed(module: nn.Module) -> None:
