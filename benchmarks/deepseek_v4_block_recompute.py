@@ -15,16 +15,14 @@ the time is the median of the steps after the first. Writes JSON (default
 """
 from __future__ import annotations
 
-import argparse
 import os
-import pathlib
 import statistics
 import tempfile
 import time
 
 import lightning_mhc  # noqa: F401  (before megatron: quiets its Transformer Engine notice)
-from _harness import RESULTS, write_json
-from deepseek_v4_context_parallel import VOCAB, v4_config
+from _harness import write_json
+from deepseek_v4_context_parallel import VOCAB, sequence_arguments, v4_config
 
 STEPS = 4
 POLICIES = ("none", "mhc_block")
@@ -63,10 +61,7 @@ def _fit(directory: str, policy: str, seq: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "deepseek_v4_block_recompute.json")
-    args = parser.parse_args()
+    args = sequence_arguments(__doc__, "deepseek_v4_block_recompute", 1024)
 
     with tempfile.TemporaryDirectory() as directory:
         config = v4_config(args.seq)
