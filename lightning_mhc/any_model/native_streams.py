@@ -1,5 +1,6 @@
 """The families that carry hyper-connections of their own (``FamilyRecord.native_streams``:
-DeepSeek-V4, HY-V4): how their decoder layers' streams cross pipeline stages.
+DeepSeek-V4, HY-V4): how their decoder layers' streams cross pipeline stages, and how their
+layers run under the block recompute.
 
 Their layers take and return ``[B, S, n, D]`` (``n`` = the config's ``hc_mult``), and a learned
 ``model.hc_head`` collapses the streams before the final norm. :func:`carry_streams_flat` makes
@@ -8,6 +9,10 @@ hidden states, so the pipeline sends and receives them like any activation
 (``ParallelModel.pipeline_tensor_shape`` is ``n * hidden``), and ``hc_head`` (on the last stage,
 after the blocks) takes them flat too. The views change no value: one process is bit-exact with the
 model as written.
+
+Under ``recompute="mhc_block"`` :func:`recompute_hyper_connections` gives each layer the family's
+forward with its own hyper-connections checkpointed into the layer's recompute group
+(:class:`HyperConnectionCheckpoints`; the forwards are ``FamilyRecord.block_recompute``).
 """
 from __future__ import annotations
 
