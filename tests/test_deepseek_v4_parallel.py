@@ -588,6 +588,13 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=8))
     assert "num_heads=4 cannot be divided by tensor_model_parallel_size=8" in message, message
     check_parallelize(model, "auto", layout=ParallelLayout(), recompute="mhc_block")  # on its own hyper-connections
+    # a family with streams of its own whose record builds no block recompute of them is refused
+    from lightning_mhc.any_model.recompute import check_recompute
+    from lightning_mhc.recompute import RecomputePolicy
+
+    with pytest.raises(ConfigError, match=r"^recompute='mhc_block' on the model's own hyper-connections \(4 streams "
+                                          r"of its family's design\) is not built for its family yet"):
+        check_recompute(RecomputePolicy("mhc_block"), False, native_streams=4, native_block_recompute=False)
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # PP runs
     check_parallelize(model, "auto", layout=ParallelLayout(context_parallel_size=2))  # CP too (its own attention)
 

@@ -90,9 +90,10 @@ def recomputed_layer(layer: nn.Module, checkpoints: HyperConnectionCheckpoints, 
                      input_ids: Tensor | None = None, **kwargs: Any) -> Tensor:
     """``DeepseekV4DecoderLayer.forward`` (transformers 5.24) operation for operation, with each
     hyper-connection and its branch's norm one checkpoint and each mix another
-    (``checkpoints``): bit for bit the layer's forward and gradients, its streams' activations
-    (the normalised streams, Sinkhorn's iterates, the streams between the sub-layers) recomputed
-    in backward instead of kept."""
+    (``checkpoints``): the layer's forward bit for bit, its gradients up to the order in which a
+    stream's gradient contributions are summed (inside a checkpoint first), its streams'
+    activations (the normalised streams, Sinkhorn's iterates, the streams between the sub-layers)
+    recomputed in backward instead of kept."""
     dtype = hidden_states.dtype
     post, comb, normed = checkpoints.entry("attn_hc", layer.attn_hc, layer.input_layernorm, hidden_states)
     attn_output, _ = layer.self_attn(normed, **kwargs)

@@ -100,9 +100,10 @@ def recomputed_layer(layer: nn.Module, checkpoints: HyperConnectionCheckpoints, 
                      prev_topk_indices: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """``HYV4DecoderLayer.forward`` (transformers 5.24) operation for operation, with each
     hyper-connection and its branch's norm one checkpoint and each residual add
-    (``post ⊗ F + x``, no stream mixing) another (``checkpoints``): the layer's forward and
-    gradients, its streams' activations recomputed in backward instead of kept. Returns the
-    streams and the attention's top-k picks, as the layer does."""
+    (``post ⊗ F + x``, no stream mixing) another (``checkpoints``): the layer's forward bit for
+    bit, its gradients up to the order in which a stream's gradient contributions are summed, its
+    streams' activations recomputed in backward instead of kept. Returns the streams and the
+    attention's top-k picks, as the layer does."""
     dtype = hidden_states.dtype
     post, normed = checkpoints.entry("attn_hc", layer.attn_hc, layer.input_layernorm, hidden_states)
     attn_output, _, topk_indices = layer.self_attn(
