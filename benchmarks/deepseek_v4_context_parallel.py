@@ -70,11 +70,17 @@ def _run(rank: int, world: int, directory: str, seq: int) -> list[dict]:
             for cp in (1, 2, 4)]
 
 
+def sequence_arguments(doc: str, name: str, seq: int) -> argparse.Namespace:
+    """``--seq`` (default ``seq``) and ``--out`` (default ``benchmarks/results/NAME.json``), as the
+    V4 benchmarks on this model take them."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / f"{name}.json")
+    return parser.parse_args()
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "deepseek_v4_context_parallel.json")
-    args = parser.parse_args()
+    args = sequence_arguments(__doc__, "deepseek_v4_context_parallel", 2048)
 
     from lightning_mhc.testing.launch import spawn_ranks
 

@@ -188,6 +188,87 @@ def test_a_tiny_deepseek_v4_on_our_ops_gives_transformers_logits_and_gradients(i
         assert rel_err(our_grads[name], grads[name], scale) < 1e-5, name
 
 
+# ------------------------------------------------------------------ HY-V4: its hyper head is V4's
+def _hy_v4_head(sharp: bool, seed: int):
+    """transformers' ``HYV4HyperHead`` (hidden 32, 4 streams), its parameters drawn as
+    :func:`v4_utils.v4_modules` draws V4's head's."""
+    from transformers.models.hy_v4.modeling_hy_v4 import HYV4HyperHead
+
+    from v4_utils import tiny_hy_v4_config
+
+    head = HYV4HyperHead(tiny_hy_v4_config())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.hc_fn.copy_(torch.randn(head.hc_fn.shape, generator=g) * (1 / 128 ** 0.5 if sharp else 0.02))
+        head.hc_base.copy_(torch.randn(head.hc_base.shape, generator=g) * (5.0 if sharp else 0.5))
+        head.hc_scale.fill_(25.0 if sharp else 1.0)
+    return head
+
+
+def _head_results(head, x, upstream) -> list[torch.Tensor]:
+    """The head's output and the gradients of the streams and of its parameters."""
+    leaf = x.clone().requires_grad_(True)
+    loss = (head(leaf) * upstream).sum()
+    return [head(leaf).detach(), *torch.autograd.grad(loss, [leaf, head.hc_fn, head.hc_base, head.hc_scale])]
+
+
+@pytest.mark.parametrize("implementation", ("fused", "reference"))  # compile: V4's head's test compiles this op
+@pytest.mark.parametrize("sharp", [False, True])
+def test_hy_v4s_hyper_head_on_our_ops_equals_transformers(implementation, sharp):
+    """HY-V4's ``hc_head`` is V4's head (``sigmoid(s (x̂ hc_fn^T) + hc_base) + eps``, the streams
+    summed with those weights), its norm's factor applied after the projection instead of before
+    (the same function, rounded otherwise): ``use_our_ops`` runs it on our kernels
+    (:func:`role_of` finds it a hyper head). Forward and every gradient against transformers'
+    module in fp64, held to the V4 ops' bound; at init scale within 1e-6 of its fp32 result."""
+    from v4_utils import float_is_identity
+
+    worst = {}
+    for seed in range(4 if sharp else 1):
+        head = _hy_v4_head(sharp, seed)
+        g = torch.Generator().manual_seed(seed + 10)
+        x, upstream = torch.randn(1, 48, 4, 32, generator=g), torch.randn(1, 48, 32, generator=g)
+        with float_is_identity():
+            exact = _head_results(copy.deepcopy(head).double(), x.double(), upstream.double())
+        theirs = _head_results(head, x, upstream)
+        ours = _head_results(use_our_ops(copy.deepcopy(head), implementation), x, upstream)
+        for name, o, t, e in zip(("out", "dx", "d hc_fn", "d hc_base", "d hc_scale"), ours, theirs, exact):
+            previous = worst.get(name, (0.0, 0.0, 0.0))
+            worst[name] = (max(previous[0], error(o, e)), max(previous[1], error(t, e)), max(previous[2], error(o, t)))
+    for name, (ours_error, theirs_error, apart) in worst.items():
+        assert ours_error <= ERROR_FACTOR * theirs_error + ERROR_FLOOR, (name, ours_error, theirs_error)
+        assert sharp or apart <= 1e-6, (name, apart)
+
+
+def test_use_our_ops_on_hy_v4_runs_its_head_and_leaves_its_connections():
+    """On a whole ``HYV4ForCausalLM``, ``use_our_ops`` swaps ``hc_head`` only: its ``attn_hc`` /
+    ``ffn_hc`` (no stream mixing, ``post = magnitude sigmoid + eps``) are not V4's connection
+    (:func:`role_of` finds none) and run as transformers wrote them. Logits and every gradient
+    as transformers' (1e-6, 1e-5)."""
+    from transformers import HYV4ForCausalLM
+
+    from v4_utils import moved_from_init, tiny_hy_v4_config
+
+    torch.manual_seed(0)
+    model = moved_from_init(HYV4ForCausalLM(tiny_hy_v4_config()))
+    ours = use_our_ops(copy.deepcopy(model), "fused")
+    swapped = [name for name, m in ours.named_modules() if getattr(type(m), "our_ops_role", None)]
+    assert swapped == ["model.hc_head"], swapped
+    assert list(ours.state_dict()) == list(model.state_dict())
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    results = []
+    for m in (model, ours):
+        m(ids, labels=ids).loss.backward()
+        with torch.no_grad():
+            logits = m(ids).logits
+        results.append((logits, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (logits, grads), (our_logits, our_grads) = results
+    assert rel_err(our_logits, logits) < 1e-6
+    assert grads.keys() == our_grads.keys()
+    largest = max(g.abs().max().item() for g in grads.values())
+    for name in grads:
+        assert rel_err(our_grads[name], grads[name], max(grads[name].abs().max().item(), 1e-3 * largest)) < 1e-5, name
+
+
 def test_v4_sublayers_under_block_recompute_are_bit_identical():
     """The mHC block recompute manager with V4's ops: two sub-layers, each its hyper-connection and
     the branch's norm one checkpoint and its ``post ⊗ F + comb^T x`` another (the last one the

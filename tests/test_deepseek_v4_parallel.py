@@ -117,12 +117,19 @@ Under CP 2 each sequence of ``SEQ`` tokens is cut into 4 chunks of 4: the slidin
 HCA windows (8) and CSA's overlapping pairs of windows (2 x 4) cross the chunk borders."""
 
 
+BLOCK_RECOMPUTE = dict(name="mhc_block", layer_num=2)
+"""``mhc_block`` on V4's own hyper-connections, one recompute group per pipeline stage of 2 layers
+(the second layer's input streams are the first's checkpointed, freed output)."""
 FITS = {"tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
         "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2),
-        "cp2ep2": dict(context_parallel_size=2, expert_model_parallel_size=2)}
+        "cp2ep2": dict(context_parallel_size=2, expert_model_parallel_size=2),
+        "tp2pp2 mhc_block": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                 recompute=BLOCK_RECOMPUTE, measure_activation_memory=True)}
 """The layouts trained through ``Trainer.fit``: the shared K/V head's gradient summed over TP, the
 experts' over their ranks; under CP the gathered K/V's and compressor inputs' gradients
-reduce-scattered back to their ranks, the loss each rank's part of the mean."""
+reduce-scattered back to their ranks, the loss each rank's part of the mean; TP 2 x PP 2 with the
+block recompute of its hyper-connections (:data:`BLOCK_RECOMPUTE`), its retained activation
+bytes measured, as those of the same layout without it (``SAVED_ON``'s run)."""
 ZERO = dict(tensor_model_parallel_size=2, use_distributed_optimizer=True)
 """ZeRO-1 (DP 2): each DP rank steps its shard of the momentum and weights (the experts' too,
 whole on every rank here) and gathers the rest."""
@@ -139,19 +146,22 @@ AUX_COEF, BIAS_RATE = 0.5, 0.02
 
 
 def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float = 0.0, resume: str | None = None,
-         save_at: str | None = None, save: str | None = None, keep_model: bool = False, **sizes) -> dict:
+         save_at: str | None = None, save: str | None = None, keep_model: bool = False, recompute=None,
+         **sizes) -> dict:
     """``FIT_STEPS`` SGD steps (momentum 0.9) of ``HFCausalLMModule`` (the CLI's ``model=hf``)
     through ``Trainer.fit`` on ``MHCParallelStrategy(**sizes)`` (from the checkpoint ``resume``;
     saving ``save_at/step=2.ckpt`` at step ``SAVE_AT`` as a run checkpointing as it goes, and
-    ``trainer.save_checkpoint(save)`` at the end): each step's loss, this rank's parameters by
-    their whole-model names (gathered over TP; experts: ``(start, block)``), its routers'
-    score-correction biases, and the batches it trained on (with its DP rank); ``keep_model``: the
-    trained model and the module's hyperparameters too (one process)."""
+    ``trainer.save_checkpoint(save)`` at the end; ``recompute``: the policy an
+    ``MHCRecomputeCallback`` selects): each step's loss, this rank's parameters by their
+    whole-model names (gathered over TP; experts: ``(start, block)``), its routers'
+    score-correction biases, the batches it trained on (with its DP rank) and the strategy's
+    ``activation_bytes`` (None unless ``measure_activation_memory``); ``keep_model``: the trained
+    model and the module's hyperparameters too (one process)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from lightning_mhc import MHCParallelStrategy
+    from lightning_mhc import MHCParallelStrategy, MHCRecomputeCallback
     from lightning_mhc.data.sources import SyntheticTokens
     from lightning_mhc.lightning.modules.hf import HFCausalLMModule
     from lightning_mhc.testing.tensor_parallel import gather_tensor_parallel
@@ -172,6 +182,7 @@ def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float =
     losses = Losses()
     callbacks = [losses] + ([ModelCheckpoint(dirpath=save_at, filename="{step}", save_top_k=-1,
                                              every_n_train_steps=SAVE_AT)] if save_at else [])
+    callbacks += [MHCRecomputeCallback(recompute)] if recompute is not None else []
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=MHCParallelStrategy(**sizes),
                          max_steps=FIT_STEPS, logger=False, enable_checkpointing=save_at is not None,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
@@ -190,7 +201,8 @@ def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float =
     biases = {module.model.global_parameter_name(name): buffer.clone()
               for name, buffer in module.model.named_buffers() if name.endswith("e_score_correction_bias")}
     kept = dict(model=module.model.chunks[0].eval(), hparams=dict(module.hparams)) if keep_model else {}
-    return dict(losses=losses.losses, params=params, biases=biases, batches=losses.batches, **kept)
+    return dict(losses=losses.losses, params=params, biases=biases, batches=losses.batches,
+                activation_bytes=trainer.strategy.activation_bytes, **kept)
 
 
 def _all_layouts(rank: int, world: int, directory: str, fits: dict, layouts: dict, balanced: str | None = None,
@@ -210,7 +222,8 @@ def _all_layouts(rank: int, world: int, directory: str, fits: dict, layouts: dic
     if checkpoints is not None:
         checkpoints = pathlib.Path(checkpoints)
         results["zero"] = _fit(directory, world, **ZERO)
-        results["saved"] = _fit(directory, world, save_at=str(checkpoints / "tp2pp2"), **SAVED_ON)
+        results["saved"] = _fit(directory, world, save_at=str(checkpoints / "tp2pp2"), measure_activation_memory=True,
+                                **SAVED_ON)
         results["resumed"] = _fit(directory, world, resume=str(checkpoints / "tp2pp2" / f"step={SAVE_AT}.ckpt"),
                                   save=str(checkpoints / "pp2ep2.ckpt"), **RESUMED_ON)
     results.update({name: _pipeline_logits(directory, ParallelLayout(**sizes).build(), name.endswith("padded"))
@@ -230,6 +243,66 @@ def check_one_process_bit_for_bit(saved: pathlib.Path) -> None:
     with torch.no_grad():
         logits = model(input_ids=batch())
     torch.testing.assert_close(logits, reference_logits(saved), rtol=0, atol=0)
+
+
+def test_block_recompute_of_its_hyper_connections_in_one_process(saved, monkeypatch):
+    check_block_recompute_in_one_process(saved, at_most=0.6, monkeypatch=monkeypatch)
+
+
+def check_block_recompute_in_one_process(saved: pathlib.Path, at_most: float, monkeypatch) -> None:
+    """``parallelize(..., recompute="mhc_block")`` in one process, with the paper's groups (one
+    layer each of the 4 here) and with 2 layers a group: one recompute hook per group (the last
+    group's first), each layer's hyper-connections with their norms and its mixes the checkpoints
+    (the group's last mix kept); the logits bit for bit, every parameter's gradient within 1e-5
+    of its largest (the same operations; only the order in which the streams' gradient
+    contributions are summed differs: inside a checkpoint first); the bytes the forward keeps for
+    backward (``ActivationMemoryMeter``, deterministic) at most ``at_most`` of the run without; an
+    evaluation forward the model's own (shared by HY-V4's test)."""
+    from lightning_mhc.recompute import ActivationMemoryMeter, MHCBlockRecomputeManager, RecomputePolicy
+
+    recomputes = []
+    original = MHCBlockRecomputeManager._unified_recompute_hook
+
+    def counted(self, grad):
+        recomputes.append(self)
+        return original(self, grad)
+
+    monkeypatch.setattr(MHCBlockRecomputeManager, "_unified_recompute_hook", counted)
+    tokens = batch()[:2]
+
+    def run(policy):
+        model = parallelize(meta_model(saved), "auto", weights=saved, recompute=policy).train()
+        with ActivationMemoryMeter(model) as meter:
+            logits = model(input_ids=tokens)
+        (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            evaluated = model.eval()(input_ids=tokens)
+        return logits.detach(), grads, meter.result.retained_bytes, evaluated
+
+    plain = run("none")
+    assert not recomputes
+    largest = max(g.abs().max().item() for g in plain[1].values())
+    groups = {None: [(3, 3), (2, 2), (1, 1), (0, 0)], 2: [(2, 3), (0, 1)]}
+    for policy in (RecomputePolicy("mhc_block"), RecomputePolicy("mhc_block", layer_num=2)):
+        recomputes.clear()
+        logits, grads, retained, evaluated = run(policy)
+        assert [m.name for m in recomputes] == [f"model.layers.{i}..model.layers.{j}"
+                                                for i, j in groups[policy.layer_num]], policy
+        first, last = groups[policy.layer_num][-1]
+        assert [e.name for e in recomputes[-1].last_plan] == [
+            f"model.layers.{i}.{name}" for i in range(first, last + 1)
+            for name in ("attn_hc+norm", "attn_hc mix", "ffn_hc+norm", "ffn_hc mix")][:-1], policy
+        assert torch.equal(logits, plain[0]) and torch.equal(evaluated, plain[3]), policy
+        assert grads.keys() == plain[1].keys(), policy
+        worst = max((grads[n] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * largest)
+                    for n, g in plain[1].items())
+        print(f"{type(meta_model(saved)).__name__} mhc_block (layer_num {policy.layer_num}) in one process: retained "
+              f"{retained:,d} B against {plain[2]:,d} B without ({retained / plain[2]:.2f}x); gradients within "
+              f"{worst:.2g} of their largest")
+        assert worst < 1e-5, (policy, worst)
+        assert retained <= at_most * plain[2], (policy, retained, plain[2])
+        assert run(policy)[2] == retained  # deterministic
 
 
 @pytest.fixture(scope="module")
@@ -396,6 +469,32 @@ def check_zero_one(results: list[dict], one_process: dict) -> None:
     _check_fit("TP 2 x DP 2, ZeRO-1", [r["zero"] for r in results], one_process)
 
 
+def test_block_recompute_trains_as_the_same_layout_without_it_keeping_fewer_bytes(group):
+    """``mhc_block`` on V4's own hyper-connections through ``Trainer.fit`` on TP 2 x PP 2 (its
+    ``attn_hc`` / ``ffn_hc`` with their norms and their mixes recomputed from one hook per stage):
+    the losses and every weight of the same layout trained without it (``SAVED_ON``'s run; 1e-6,
+    and one process's within 1e-5: ``test_layouts_equal_one_process``), and the bytes the first step's forward
+    keeps for backward (the strategy's ``activation_bytes``, max over ranks: deterministic) at most
+    ``BLOCK_RECOMPUTE_BYTES`` of that run's."""
+    results, _ = group
+    recomputed, plain = [r["fit tp2pp2 mhc_block"] for r in results], [r["saved"] for r in results]
+    loss_diff = max(abs(a - b) for r, p in zip(recomputed, plain) for a, b in zip(r["losses"], p["losses"]))
+    weight_diff = max((r["params"][n][1] - value).abs().max().item() for r, p in zip(recomputed, plain)
+                      for n, (_, value) in p["params"].items())
+    kept, without = recomputed[0]["activation_bytes"], plain[0]["activation_bytes"]
+    print(f"Trainer.fit TP 2 x PP 2 with mhc_block on V4's hyper-connections: activation_bytes {kept:,d} B against "
+          f"{without:,d} B without ({kept / without:.2f}x); max |loss diff| {loss_diff:.3g}, max |weight diff| "
+          f"{weight_diff:.3g} from the run without")
+    assert all(r["params"].keys() == p["params"].keys() for r, p in zip(recomputed, plain))
+    assert loss_diff <= 1e-6 and weight_diff <= 1e-6  # the same operations, gradients summed in another order
+    assert {r["activation_bytes"] for r in recomputed + plain} == {kept, without}  # max over the ranks: one figure
+    assert kept <= BLOCK_RECOMPUTE_BYTES * without, (kept, without)
+
+
+BLOCK_RECOMPUTE_BYTES = 0.5
+"""Measured: 0.46x (495,400 B against 1,083,176 B; the tiny V4, 4 streams, 5 Sinkhorn iterations)."""
+
+
 def test_a_checkpoint_goes_on_on_another_layout_and_exports_for_from_pretrained(saved, group, one_process, tmp_path):
     """Save and go on: ``trainer.save_checkpoint`` at step 2 on TP 2 x PP 2, continued on PP 2 x EP 2
     (another TP, PP and EP: resharded) to step 3 and saved again: its losses are the uninterrupted
@@ -503,19 +602,27 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     assert "o_groups=2 cannot be divided by tensor_model_parallel_size=4" in message, message
     message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=8))
     assert "num_heads=4 cannot be divided by tensor_model_parallel_size=8" in message, message
-    message = _refusal(model=model, layout=ParallelLayout(), recompute="mhc_block")
-    assert message.startswith("recompute='mhc_block' on the model's own hyper-connections (4 streams"), message
+    check_parallelize(model, "auto", layout=ParallelLayout(), recompute="mhc_block")  # on its own hyper-connections
+    # a family with streams of its own whose record builds no block recompute of them is refused
+    from lightning_mhc.any_model.recompute import check_recompute
+    from lightning_mhc.recompute import RecomputePolicy
+
+    with pytest.raises(ConfigError, match=r"^recompute='mhc_block' on the model's own hyper-connections \(4 streams "
+                                          r"of its family's design\) is not built for its family yet"):
+        check_recompute(RecomputePolicy("mhc_block"), False, native_streams=4, native_block_recompute=False)
     check_parallelize(model, "auto", layout=ParallelLayout(pipeline_model_parallel_size=2))  # PP runs
     check_parallelize(model, "auto", layout=ParallelLayout(context_parallel_size=2))  # CP too (its own attention)
 
 
 def test_the_command_line_refuses_a_sequence_cp_does_not_split_before_launch(saved, tmp_path, monkeypatch, capsys):
     """CP 2 cuts the sequence into 4 chunks: 18 tokens are refused in one line before launch (the
-    compressed windows need nothing more: the compressors run on the gathered sequence)."""
+    compressed windows need nothing more: the compressors run on the gathered sequence). The block
+    recompute of its own hyper-connections is accepted (no ``model.hyper_connections`` needed)."""
     from train_cli import check_before_launch
 
     command = ["model=hf", f"model.pretrained={saved}", "data=synthetic", "parallel=cp2", "trainer.devices=2"]
-    status, err = check_before_launch([*command, "data.seq_length=16"], tmp_path, monkeypatch, capsys)
+    status, err = check_before_launch([*command, "data.seq_length=16", "recompute=mhc_block"], tmp_path, monkeypatch,
+                                      capsys)
     assert status == 0, err
     status, err = check_before_launch([*command, "data.seq_length=18"], tmp_path, monkeypatch, capsys)
     assert status == 2 and len(err.strip().splitlines()) == 1, err

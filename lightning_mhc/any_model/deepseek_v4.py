@@ -21,6 +21,9 @@ layers, collapsed by ``model.hc_head`` before the final norm): ``parallelize`` a
   hash router's ``tid2eid`` table and the score-correction bias with them (buffers of the blocks).
   Its own auxiliary loss where the config asks for it (:data:`ROUTER_LOSS`, ``router_loss.py``), and
   the bias moved by auxiliary-free balancing where ``parallelize`` is asked to (``router_bias.py``).
+- :func:`recomputed_layer`: a decoder layer under ``recompute="mhc_block"`` (its ``attn_hc`` and
+  ``ffn_hc`` with their branches' norms, and its two mixes, checkpointed into the layer's recompute
+  group: ``native_streams.HyperConnectionCheckpoints``), the same operations as transformers' forward.
 - :func:`check_layout`: the layouts not built for V4 yet, refused in one line before anything is
   built.
 """
@@ -29,8 +32,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from lightning_mhc.any_model.native_streams import HyperConnectionCheckpoints
 from lightning_mhc.any_model.native_streams import carry_streams_flat  # noqa: F401  (moved there: shared with HY-V4)
 from lightning_mhc.any_model.plan import TPPlan
 from lightning_mhc.any_model.router_loss import RouterLossSpec
@@ -78,6 +83,30 @@ def check_layout(model: nn.Module, layout: Any) -> None:
     if getattr(layout, "sequence_parallel", False):
         raise ConfigError(f"{name}: sequence_parallel=True is not built for it (its compressor and indexer read the "
                           "whole sequence); leave it off (TP, PP, EP and DP run).")
+
+
+# ------------------------------------------------------------------ block recompute of its hyper-connections
+def recomputed_layer(layer: nn.Module, checkpoints: HyperConnectionCheckpoints, hidden_states: Tensor,
+                     input_ids: Tensor | None = None, **kwargs: Any) -> Tensor:
+    """``DeepseekV4DecoderLayer.forward`` (transformers 5.24) operation for operation, with each
+    hyper-connection and its branch's norm one checkpoint and each mix another
+    (``checkpoints``): the layer's forward bit for bit, its gradients up to the order in which a
+    stream's gradient contributions are summed (inside a checkpoint first), its streams'
+    activations (the normalised streams, Sinkhorn's iterates, the streams between the sub-layers)
+    recomputed in backward instead of kept."""
+    dtype = hidden_states.dtype
+    post, comb, normed = checkpoints.entry("attn_hc", layer.attn_hc, layer.input_layernorm, hidden_states)
+    attn_output, _ = layer.self_attn(normed, **kwargs)
+    hidden_states = checkpoints.mix("attn_hc", _mix, hidden_states, post, comb, attn_output, dtype)
+    post, comb, normed = checkpoints.entry("ffn_hc", layer.ffn_hc, layer.post_attention_layernorm, hidden_states)
+    mlp_output = layer.mlp(normed, input_ids=input_ids)
+    return checkpoints.mix("ffn_hc", _mix, hidden_states, post, comb, mlp_output, dtype, last_of_layer=True)
+
+
+def _mix(streams: Tensor, post: Tensor, comb: Tensor, output: Tensor, dtype: torch.dtype) -> Tensor:
+    """V4's ``post ⊗ F + comb^T x``, as its decoder layer writes it (``dtype``: the layer input's)."""
+    return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                                streams)
 
 
 # ------------------------------------------------------------------ tensor parallelism beyond the plan

@@ -19,7 +19,7 @@ from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model import deepseek_v4, deepseek_v4_context, hy_v4, hy_v4_context
 from lightning_mhc.any_model.experts import MIXTRAL, OLMOE, QWEN3_MOE
 from lightning_mhc.any_model.hc_plan import Branch, HyperConnectionPlan, plan_from_mapping
-from lightning_mhc.any_model.native_streams import carry_streams_flat
+from lightning_mhc.any_model.native_streams import carry_streams_flat, recompute_hyper_connections
 from lightning_mhc.any_model.pipeline import ModelParts
 from lightning_mhc.any_model.router_loss import RouterLossSpec
 from lightning_mhc.layers.moe import SWITCH_LOAD_BALANCING
@@ -104,6 +104,10 @@ class FamilyRecord:
     - ``carry_streams``: for such a family, how a built chunk's blocks carry their streams
       (``carry_streams(chunk, block_path, n)``: DeepSeek-V4's and HY-V4's carry them flat,
       ``native_streams.py``);
+    - ``block_recompute``: for such a family, its decoder layer's forward under
+      ``recompute="mhc_block"`` (``block_recompute(layer, checkpoints, *args, **kwargs)``, its
+      hyper-connections checkpointed through ``native_streams.HyperConnectionCheckpoints``); None:
+      ``mhc_block`` is refused on it;
     - ``tensor_parallel``: what the family's TP needs beyond its plan's styles, on each built chunk
       (``tensor_parallel(chunk, layout)``, in its own module: DeepSeek-V4's per-head sinks and
       grouped output projection, ``deepseek_v4.py``);
@@ -135,6 +139,7 @@ class FamilyRecord:
     hyper_connections: HyperConnectionPlan | Callable[[Any], HyperConnectionPlan] | None = None
     native_streams: str | None = None
     carry_streams: Callable[[nn.Module, str | None, int], None] | None = None
+    block_recompute: Callable[..., Any] | None = None
     tensor_parallel: Callable[[nn.Module, Any], None] | None = None
     check_layout: Callable[[nn.Module, Any], None] | None = None
     check_stages: Callable[[nn.Module, list[tuple[int, int]]], None] | None = None
@@ -154,6 +159,9 @@ class FamilyRecord:
         if (self.native_streams is None) != (self.carry_streams is None):
             raise ConfigError(f"family {self.model_type!r}: a family with streams of its own says how its blocks carry "
                               "them (native_streams and carry_streams together)")
+        if self.block_recompute is not None and self.native_streams is None:
+            raise ConfigError(f"family {self.model_type!r}: block_recompute is the forward of a family's own "
+                              "hyper-connections; it has none (native_streams)")
         if self.context_parallel == (self.context_parallel_refusal is not None):
             raise ConfigError(f"family {self.model_type!r}: give a CP refusal reason exactly when CP is not claimed")
 
@@ -225,7 +233,8 @@ RECORDS: tuple[FamilyRecord, ...] = (
     # hyper-connections of its own (deepseek_v4.py): its streams carried as they are; its window and
     # compressed attention split over CP by its own pass (deepseek_v4_context.py)
     _family("deepseek_v4", deepseek_v4.DEEPSEEK_V4, None, native_streams="hc_mult",
-            carry_streams=carry_streams_flat, tensor_parallel=deepseek_v4.split_attention,
+            carry_streams=carry_streams_flat, block_recompute=deepseek_v4.recomputed_layer,
+            tensor_parallel=deepseek_v4.split_attention,
             check_layout=deepseek_v4.check_layout, experts=MOE_EXPERTS, **CP_EXACT,
             context_parallel_attention=deepseek_v4_context.split_attention_over_context,
             router_loss=deepseek_v4.ROUTER_LOSS, router_bias=deepseek_v4.ROUTERS,
@@ -233,6 +242,7 @@ RECORDS: tuple[FamilyRecord, ...] = (
     # HY-V4 (hy_v4.py): the same streams; its latent attention and indexer split over CP by its own
     # pass (hy_v4_context.py)
     _family("hy_v4", hy_v4.HY_V4, None, native_streams="hc_mult", carry_streams=carry_streams_flat,
+            block_recompute=hy_v4.recomputed_layer,
             tensor_parallel=hy_v4.split_attention, check_layout=hy_v4.check_layout, check_stages=hy_v4.check_stages,
             experts=MOE_EXPERTS, **CP_EXACT, context_parallel_attention=hy_v4_context.split_attention_over_context,
             transformers=deepseek_v4.TRANSFORMERS),
@@ -356,6 +366,13 @@ def native_stream_count(model: nn.Module) -> int:
     return int(getattr(model.config, record.native_streams))
 
 
+def recomputes_own_streams(model: nn.Module) -> bool:
+    """Whether ``recompute="mhc_block"`` runs on the hyper-connections ``model``'s family carries
+    itself (``FamilyRecord.block_recompute``)."""
+    record = family_of(model)
+    return record is not None and record.block_recompute is not None
+
+
 def check_family_layout(model: nn.Module, layout: Any) -> None:
     """The family's own refusals of ``layout`` (``FamilyRecord.check_layout``), before anything is built."""
     record = family_of(model)
@@ -371,17 +388,22 @@ def check_family_stages(model: nn.Module, ranges: list[tuple[int, int]]) -> None
         record.check_stages(model, ranges)
 
 
-def finish_family_chunks(model: nn.Module, chunks: list[nn.Module], block_path: str | None, layout: Any) -> None:
+def finish_family_chunks(model: nn.Module, chunks: list[nn.Module], block_path: str | None, layout: Any,
+                         block_recompute: bool = False) -> None:
     """The family's own steps on its built chunks (before the weights are read into them): its TP
     beyond the plan's styles (``FamilyRecord.tensor_parallel``), for a family with streams of
-    its own how its blocks carry them (``FamilyRecord.carry_streams``), and under CP its own split
-    of its attention (``FamilyRecord.context_parallel_attention``)."""
+    its own its layers' forward under ``mhc_block`` where ``block_recompute`` asks for it
+    (``FamilyRecord.block_recompute``, ``native_streams.recompute_hyper_connections``) and how
+    its blocks carry the streams (``FamilyRecord.carry_streams``, around that forward), and under
+    CP its own split of its attention (``FamilyRecord.context_parallel_attention``)."""
     record = family_of(model)
     if record is None:
         return
     for chunk in chunks:
         if record.tensor_parallel is not None:
             record.tensor_parallel(chunk, layout)
+        if block_recompute and record.block_recompute is not None:
+            recompute_hyper_connections(chunk, block_path, record.block_recompute)
         if record.carry_streams is not None:
             record.carry_streams(chunk, block_path, native_stream_count(model))
         if record.context_parallel_attention is not None and layout.context_parallel_size > 1:
@@ -402,5 +424,5 @@ def refuse_native_streams(model: nn.Module) -> None:
 __all__ = ["Branch", "FAMILIES", "Family", "FamilyRecord", "FusedExperts", "HC_PLANS", "PLANS", "PipelineContract",
            "NOT_BUILT_IN", "RECORDS", "check_family_layout", "check_family_stages", "check_transformers_ships",
            "family_of", "finish_family_chunks", "native_stream_count", "plan_family",
-           "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
+           "recomputes_own_streams", "refuse_native_streams", "resolve_hc_plan", "resolve_plan",
            "supported_families"]

@@ -23,6 +23,10 @@ streams cross pipeline stages as V4's (``native_streams.carry_streams_flat``); t
   score-correction bias, stay whole on every rank that routes.
 - :func:`check_stages`: a layer whose indexer is ``"shared"`` reuses the top-k picks of the full
   indexer layer before it, which a pipeline stage does not receive: no stage may begin with one.
+- :func:`recomputed_layer`: a decoder layer under ``recompute="mhc_block"`` (its ``attn_hc`` and
+  ``ffn_hc`` with their branches' norms, and its two residual adds, checkpointed into the layer's
+  recompute group: ``native_streams.HyperConnectionCheckpoints``), the same operations as
+  transformers' forward.
 - :func:`check_layout`: sequence parallelism refused (the indexer reads the whole sequence).
 - Context parallelism: the attention and its indexer split over the sequence by the record's own
   pass (``hy_v4_context.py``).
@@ -32,8 +36,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from lightning_mhc.any_model.native_streams import HyperConnectionCheckpoints
 from lightning_mhc.any_model.plan import TPPlan
 from lightning_mhc.errors import ConfigError
 
@@ -83,6 +89,33 @@ def check_stages(model: nn.Module, ranges: list[tuple[int, int]]) -> None:
                 f"{_name(model)}: pipeline stage {stage} would begin with layer {start}, whose indexer is 'shared' "
                 "(it reuses the previous layer's top-k picks, which do not cross stages); begin each stage with a "
                 f"full-indexer layer ({full}) through pipeline_split.")
+
+
+# ------------------------------------------------------------------ block recompute of its hyper-connections
+def recomputed_layer(layer: nn.Module, checkpoints: HyperConnectionCheckpoints, hidden_states: Tensor,
+                     attention_mask: Tensor | None = None, position_ids: Tensor | None = None, cache: Any = None,
+                     use_cache: bool | None = False, position_embeddings: tuple[Tensor, Tensor] | None = None,
+                     prev_topk_indices: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``HYV4DecoderLayer.forward`` (transformers 5.24) operation for operation, with each
+    hyper-connection and its branch's norm one checkpoint and each residual add
+    (``post ⊗ F + x``, no stream mixing) another (``checkpoints``): the layer's forward bit for
+    bit, its gradients up to the order in which a stream's gradient contributions are summed, its
+    streams' activations recomputed in backward instead of kept. Returns the streams and the
+    attention's top-k picks, as the layer does."""
+    dtype = hidden_states.dtype
+    post, normed = checkpoints.entry("attn_hc", layer.attn_hc, layer.input_layernorm, hidden_states)
+    attn_output, _, topk_indices = layer.self_attn(
+        hidden_states=normed, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+        use_cache=use_cache, position_embeddings=position_embeddings, prev_topk_indices=prev_topk_indices, **kwargs)
+    hidden_states = checkpoints.mix("attn_hc", _add, hidden_states, post, attn_output, dtype)
+    post, normed = checkpoints.entry("ffn_hc", layer.ffn_hc, layer.post_attention_layernorm, hidden_states)
+    mlp_output = layer.mlp(normed)
+    return checkpoints.mix("ffn_hc", _add, hidden_states, post, mlp_output, dtype, last_of_layer=True), topk_indices
+
+
+def _add(streams: Tensor, post: Tensor, output: Tensor, dtype: torch.dtype) -> Tensor:
+    """HY-V4's ``post ⊗ F + x`` in fp32, as its decoder layer writes it (``dtype``: the layer input's)."""
+    return (post.float().unsqueeze(-1) * output.float().unsqueeze(-2) + streams.float()).to(dtype)
 
 
 # ------------------------------------------------------------------ tensor parallelism beyond the plan

@@ -43,7 +43,8 @@ from lightning_mhc.any_model.adapters import fill_adapters, unwrap_peft_model
 from lightning_mhc.any_model.context_parallel import check_context_parallel, split_over_context
 from lightning_mhc.any_model.experts import check_experts
 from lightning_mhc.any_model.families import (FamilyRecord, check_family_layout, check_family_stages, family_of,
-                                             finish_family_chunks, native_stream_count, plan_family, resolve_plan)
+                                             finish_family_chunks, native_stream_count, plan_family,
+                                             recomputes_own_streams, resolve_plan)
 from lightning_mhc.any_model.hyper_connections import (
     HyperConnectionPlan, HyperConnectionSettings, apply_hyper_connections, check_stream_count, hyper_connection_streams)
 from lightning_mhc.any_model.parallel_model import MaterializedReport, ParallelModel, stage_forward_kwargs
@@ -179,7 +180,8 @@ def parallelize(
     apply_tensor_parallel(split.chunks, materializer, planned.plan, layout, model)
     modules = [chunk.module for chunk in split.chunks]
     parts = planned.stages.parts
-    finish_family_chunks(model, modules, parts.block_path if parts else None, layout)  # the family's own pass
+    finish_family_chunks(model, modules, parts.block_path if parts else None, layout,  # the family's own pass
+                         block_recompute=settings.recompute.block)
     report = MaterializedReport(_unique_numel(nn.ModuleList(modules)), whole_parameters, tp,
                                 layout.pipeline_model_parallel_size)
     model_parallel = ParallelModel(modules, layout.num_virtual_stages, split.hidden_size,
@@ -193,7 +195,7 @@ def parallelize(
         load_weights(model_parallel, weights, layout)
     log.info("rank %d (tp %d, pp %d): %s", _global_rank(), layout.tensor_model_parallel_rank,
              layout.pipeline_model_parallel_rank, model_parallel.report)
-    apply_recompute(split.chunks, settings.recompute, planned.plan)
+    apply_recompute(split.chunks, settings.recompute, planned.plan, streams, parts.block_path if parts else None)
     return model_parallel
 
 
@@ -210,7 +212,8 @@ def plan_parallelize(model: nn.Module, settings: ParallelizeSettings) -> Planned
         plan = dataclasses.replace(plan, selective=tuple(settings.recompute_modules))
     family = plan_family(settings.plan, model)
     streams = apply_hyper_connections(model, settings.hyper_connections, settings.hyper_connection_plan, settings.seed)
-    check_recompute(settings.recompute, hyper_connections=streams > 1, native_streams=native_stream_count(model))
+    check_recompute(settings.recompute, hyper_connections=streams > 1, native_streams=native_stream_count(model),
+                    native_block_recompute=recomputes_own_streams(model))
     layout = settings.layout
     check_family_layout(model, layout)  # what the family's own modules do not run on yet
     check_plan(model, plan, layout.tensor_model_parallel_size)

@@ -1,5 +1,6 @@
 """The families that carry hyper-connections of their own (``FamilyRecord.native_streams``:
-DeepSeek-V4, HY-V4): how their decoder layers' streams cross pipeline stages.
+DeepSeek-V4, HY-V4): how their decoder layers' streams cross pipeline stages, and how their
+layers run under the block recompute.
 
 Their layers take and return ``[B, S, n, D]`` (``n`` = the config's ``hc_mult``), and a learned
 ``model.hc_head`` collapses the streams before the final norm. :func:`carry_streams_flat` makes
@@ -8,6 +9,10 @@ hidden states, so the pipeline sends and receives them like any activation
 (``ParallelModel.pipeline_tensor_shape`` is ``n * hidden``), and ``hc_head`` (on the last stage,
 after the blocks) takes them flat too. The views change no value: one process is bit-exact with the
 model as written.
+
+Under ``recompute="mhc_block"`` :func:`recompute_hyper_connections` gives each layer the family's
+forward with its own hyper-connections checkpointed into the layer's recompute group
+(:class:`HyperConnectionCheckpoints`; the forwards are ``FamilyRecord.block_recompute``).
 """
 from __future__ import annotations
 
@@ -45,3 +50,63 @@ def _flat_streams(forward, streams: int, flatten_output: bool):
         return output.flatten(-2)
 
     return run
+
+
+# ------------------------------------------------------------------ block recompute of their own connections
+def recompute_hyper_connections(chunk: nn.Module, block_path: str | None, layer_forward) -> None:
+    """``mhc_block`` on the family's own hyper-connections: each decoder layer of ``chunk`` runs
+    ``layer_forward(layer, checkpoints, *args, **kwargs)`` (the family's forward of a layer, its
+    hyper-connections through :class:`HyperConnectionCheckpoints`) whenever its recompute group
+    (``lightning_mhc.recompute.groups``, attached by the recompute pass) has a manager, i.e. in a
+    training forward with grad; otherwise the layer's own forward, as written. Runs before
+    :func:`carry_streams_flat`, which then wraps this forward (the streams arrive ``[B, S, n, D]``)."""
+    if block_path is None:
+        return
+    for name, layer in chunk.get_submodule(block_path).named_children():
+        layer.forward = _under_block_recompute(layer, layer.forward, layer_forward, f"{block_path}.{name}")
+
+
+def _under_block_recompute(layer: nn.Module, forward, layer_forward, name: str):
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any):
+        group = layer.__dict__.get("recompute_group")
+        manager = group.manager if group is not None else None
+        if manager is None:  # evaluation, no grad, or no group: the layer as written
+            return forward(*args, **kwargs)
+        last = layer.__dict__.get("is_last_layer_in_block", False)
+        output = layer_forward(layer, HyperConnectionCheckpoints(manager, name, last),
+                               *args, **kwargs)
+        if last:  # the group's last output, kept: every checkpoint of the group recomputed from its hook
+            group.finish(output[0] if isinstance(output, tuple) else output)
+        return output
+
+    return run
+
+
+class HyperConnectionCheckpoints:
+    """One layer's checkpoints in its recompute group's ``MHCBlockRecomputeManager``, as the block
+    recompute makes them for the hyper-connections we add (``hyper_connections.py``): per
+    sub-layer the hyper-connection with the branch's norm one checkpoint (:meth:`entry`) and the
+    mix of the streams with the branch's output another (:meth:`mix`), except the group's last
+    mix, the manager's hook tensor. Their outputs are freed after the group's forward and
+    recomputed, in forward order, from one hook when the group's output gradient arrives; the
+    attention and the MLP keep their own activations (they saved the freed tensors, refilled in
+    place before their backward)."""
+
+    def __init__(self, manager, name: str, last_in_group: bool) -> None:
+        self.manager, self.name, self.last_in_group = manager, name, last_in_group
+
+    def entry(self, branch: str, hyper_connection: nn.Module, norm: nn.Module, streams: Tensor) -> tuple:
+        """``(*maps, norm(collapsed))`` of ``hyper_connection(streams) = (*maps, collapsed)``."""
+        def run(s: Tensor) -> tuple:
+            *maps, collapsed = hyper_connection(s)
+            return (*maps, norm(collapsed))
+
+        return self.manager.checkpoint(run, streams, name=f"{self.name}.{branch}+norm")
+
+    def mix(self, branch: str, function, *args: Any, last_of_layer: bool = False) -> Tensor:
+        """``function(*args)``, the streams after the branch: checkpointed unless it is the group's
+        last output."""
+        if last_of_layer and self.last_in_group:
+            return function(*args)
+        return self.manager.checkpoint(function, *args, name=f"{self.name}.{branch} mix")

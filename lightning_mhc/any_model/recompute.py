@@ -30,17 +30,19 @@ PARALLELIZE_LABELS = {
 splits has hyper-connections or not, whichever way they were added)."""
 
 
-def check_recompute(policy: RecomputePolicy, hyper_connections: bool | None = None, native_streams: int = 1) -> None:
+def check_recompute(policy: RecomputePolicy, hyper_connections: bool | None = None, native_streams: int = 1,
+                    native_block_recompute: bool = False) -> None:
     """What ``parallelize`` runs of a recompute policy: no named ``modules`` (it checkpoints the
     modules its plan or ``recompute_modules`` name by pattern), and the block recompute only for a
     model with hyper-connections (``hyper_connections``; None: not known yet, checked when the
-    model is split) that we added: on a family's own (``native_streams`` > 1, DeepSeek-V4's) it is
-    not built yet, and said so rather than "needs hyper-connections". Its errors name
+    model is split): ours, or a family's own (``native_streams`` > 1) where its record builds the
+    block recompute of them (``native_block_recompute``: DeepSeek-V4's); on another family's own it
+    is said to be not built, rather than "needs hyper-connections". Its errors name
     ``parallelize``'s arguments (``PARALLELIZE_LABELS``)."""
-    if policy.block and native_streams > 1:
+    if policy.block and native_streams > 1 and not native_block_recompute:
         raise ConfigError(f"recompute='mhc_block' on the model's own hyper-connections ({native_streams} streams of "
-                          "its family's design) is not built yet: use recompute='full' (or 'selective' with "
-                          "recompute_modules) for the memory.")
+                          "its family's design) is not built for its family yet: use recompute='full' (or "
+                          "'selective' with recompute_modules) for the memory.")
     try:
         if policy.modules is not None and not (policy.block and policy.modules == ("layernorm",)):
             raise ConfigError(term("policy", policy.name), " with ", term("recompute_modules", list(policy.modules)),
@@ -48,7 +50,7 @@ def check_recompute(policy: RecomputePolicy, hyper_connections: bool | None = No
                               "pattern, parallelize(recompute_modules=[patterns]) (default: the plan's selective "
                               "list).")
         if hyper_connections is not None:
-            policy.check_model(hyper_connections, model_field="hyper_connections")
+            policy.check_model(hyper_connections or native_streams > 1, model_field="hyper_connections")
     except ConfigError as error:
         raise error.relabel(PARALLELIZE_LABELS) from None
 
@@ -61,10 +63,13 @@ def check_selective(policy: RecomputePolicy, plan: TPPlan) -> None:
                           "(e.g. ['*.mlp']) or use a plan with a selective list.")
 
 
-def apply_recompute(chunks: list[StageChunk], policy: RecomputePolicy, plan: TPPlan) -> None:
+def apply_recompute(chunks: list[StageChunk], policy: RecomputePolicy, plan: TPPlan, streams: int = 1,
+                    block_path: str | None = None) -> None:
     """The recompute pass: ``policy`` on this rank's built chunks: ``selective``, the modules the
     plan's ``selective`` patterns name; ``full``, every block; the mHC block recompute, groups of
-    blocks within each stage."""
+    blocks within each stage (their sizes from the ``streams`` the blocks carry, ours or the
+    family's own: the blocks then checkpoint their hyper-connections into their group; named by
+    their first and last block, ``block_path.i..block_path.j``)."""
     seen: set[int] = set()  # a part every stage runs is in each chunk's builds: checkpointed once
     for chunk in chunks:
         for name, module, _ in chunk.builds if policy.selective else ():
@@ -77,8 +82,9 @@ def apply_recompute(chunks: list[StageChunk], policy: RecomputePolicy, plan: TPP
             for block in local:
                 _checkpointed(block)
         if policy.block and local:
-            attach_block_recompute(local, policy.block_ranges(local[0].hyper_connection_wiring.n, len(local)),
-                                   _recompute_group_name)
+            name = {id(block): f"{block_path}.{i}" for i, block in chunk.blocks.items()}
+            attach_block_recompute(local, policy.block_ranges(streams, len(local)),
+                                   lambda first, last: f"{name[id(first)]}..{name[id(last)]}")
 
 
 def _checkpointed(module: nn.Module) -> None:
@@ -91,8 +97,3 @@ def _checkpointed(module: nn.Module) -> None:
         return forward(*args, **kwargs)
 
     module.forward = run
-
-
-def _recompute_group_name(first: nn.Module, last: nn.Module) -> str:
-    return f"{first.hyper_connection_wiring.name}..{last.hyper_connection_wiring.name}"
-

@@ -567,10 +567,7 @@ class TrainConfig:
                               "(or ckpt_path=last with hydra.run.dir=<the run>).")
         self.recompute_policy = self.recompute.to_policy()
         """The run's recompute policy, checked (handed to ``MHCRecomputeCallback``)."""
-        if self.model.is_hf:
-            self.recompute_policy.check_model(self.model.hyper_connection_settings.enabled,
-                                              model_field="hyper_connections")
-        else:
+        if not self.model.is_hf:  # model=hf: against its own streams too, once its config is read (_check_hf_model)
             self.recompute_policy.check_model(self.model.enable_hyper_connections)
         if self.trainer.precision == "bf16-true" and not self.optim.use_distributed_optimizer:
             from lightning_mhc.distributed.optimizer import BF16_WEIGHTS, OPTIMIZERS, check_shardable
@@ -656,6 +653,7 @@ class TrainConfig:
         split, the pretrained files' tensors), on the model recorded on the meta device: nothing is
         allocated."""
         from lightning_mhc.lightning.modules.hf import hf_config, recorded_hf_model
+        from lightning_mhc.any_model.families import native_stream_count
         from lightning_mhc.any_model.model import check_parallelize
         from lightning_mhc.any_model.weights import check_weights
 
@@ -673,6 +671,9 @@ class TrainConfig:
                 raise ConfigError(f"data.seq_length={d.seq_length} exceeds its max_position_embeddings={positions}; "
                                   "shorten the sequences.")
             model = recorded_hf_model(m.hf_dir)
+            # hyper-connections added, or the family's own (whether mhc_block runs on those: check_parallelize)
+            self.recompute_policy.check_model(m.hyper_connection_settings.enabled or native_stream_count(model) > 1,
+                                              model_field="hyper_connections")
             _check_built_in_plan(model, m.plan)
             check_parallelize(model, m.plan, layout=self.layout, recompute=self.recompute_policy,
                               hyper_connections=m.hyper_connection_settings,

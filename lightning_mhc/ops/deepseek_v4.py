@@ -15,8 +15,10 @@ read in place and gets its gradient in place (no copy that could drift, the same
   whose forward is the above (``isinstance``, class name, parameters and state-dict names kept;
   copies and pickles rebuild it); decoder layers also mix on the kernels.
 
-The modules are recognised by their attributes and class names, so this room imports no
-transformers. ``implementation`` is ``mhc_implementation``'s (``lightning_mhc.ops``).
+The modules are recognised by their attributes, so this room imports no transformers. HY-V4's
+``hc_head`` (``HYV4HyperHead``) is V4's head with the norm's factor applied after the projection
+(the same function): it is found and run as one; HY-V4's ``attn_hc`` / ``ffn_hc`` are another
+connection (no ``comb``, ``post = magnitude sigmoid + eps``) and are left as they are. ``implementation`` is ``mhc_implementation``'s (``lightning_mhc.ops``).
 """
 from __future__ import annotations
 
