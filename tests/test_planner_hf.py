@@ -93,3 +93,62 @@ def test_hf_model_state_bytes_per_rank_exact(measured):
             want = planned[stage]
             got = (params, grads, optim)
             assert got == (want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes), (CASES[i], rank, got, want)
+
+
+# ------------------------------------------------------------------ the console door and before launch
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A config-only directory (no weights: the planner reads none)."""
+    directory = tmp_path_factory.mktemp("llama_config")
+    _config("llama").save_pretrained(directory)
+    return directory
+
+
+def _hf_args(directory, *extra):
+    return ["model=hf", f"model.config={directory}", "model.hyper_connections=4", "data=synthetic", *extra]
+
+
+def test_plan_cli_plans_a_hugging_face_model(llama_dir, tmp_path, monkeypatch, capsys):
+    """``lightning-mhc-plan model=hf model.config=DIR``: every stage's model states are the planner's
+    (checked against the runtime above), with the line saying activations and traffic are not counted."""
+    from lightning_mhc.cli.plan import plan
+    from lightning_mhc.planning import plan_hf
+
+    monkeypatch.chdir(tmp_path)
+    rows = plan(_hf_args(llama_dir, "parallel=tp2pp2", "trainer.devices=4"))
+    asked = rows[0]
+    want = plan_hf(_recorded("llama"), _layout(2, 2, 1, 1), hyper_connections=4)
+    assert [(s["parameter_bytes"], s["gradient_bytes"], s["optimizer_bytes"]) for s in asked["stages"]] == \
+        [(w.parameter_bytes, w.gradient_bytes, w.optimizer_bytes) for w in want]
+    assert asked["activation_bytes"] is None and "not counted" in asked["activations_not_counted"]
+    assert asked["total_bytes"] == max(w.total for w in want)
+    out = capsys.readouterr().out
+    assert "model states only" in out and "most loaded rank" in out
+
+
+def test_train_plans_and_refuses_a_hugging_face_layout(llama_dir, tmp_path, monkeypatch, capsys):
+    """``lightning-mhc-train model=hf``: on the CPU the planner's figure is one line, not enforced; on a
+    GPU (free memory faked) a layout predicted over it is refused in one line naming a layout of the
+    same devices that fits; with room enough it passes."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mhc.cli import preflight
+    from lightning_mhc.cli.plan import describe, fitting_layouts, layout_row
+    from train_cli import check_before_launch
+
+    argv = _hf_args(llama_dir, "trainer.devices=4", "data.global_batch_size=8")  # DP 4: the whole model per rank
+    status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
+    lines = [line for line in err.splitlines() if line.startswith("lightning-mhc-train: plan:")]
+    assert status == 0 and len(lines) == 1 and "model states alone" in lines[0] and "not enforced" in lines[0], err
+    monkeypatch.chdir(tmp_path)
+    with initialize_config_dir(config_dir=preflight.CONF_DIR, version_base="1.3", job_name="test"):
+        cfg = preflight.to_train_config(compose(config_name="config", overrides=argv))
+    asked = layout_row(cfg, cfg.layout, cfg.num_microbatches)
+    best = fitting_layouts(cfg, 4, asked["total_bytes"])[0]
+    assert best["total_bytes"] < asked["total_bytes"]
+    monkeypatch.setattr(preflight, "free_device_memory", lambda cfg: (best["total_bytes"] + asked["total_bytes"]) // 2)
+    status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and "does not fit" in lines[0] and describe(best) in lines[0], err
+    monkeypatch.setattr(preflight, "free_device_memory", lambda cfg: asked["total_bytes"])
+    assert check_before_launch(argv, tmp_path, monkeypatch, capsys) == (0, "")
