@@ -6,7 +6,8 @@ layout, before launch, with the overrides and config groups of ``lightning-mhc-t
     lightning-mhc-plan ... plan.json=plan.json                               # {"layouts": [...]}, asked first
 
 The counts are the planner's (``lightning_mhc.planning``): parameters, gradients and AdamW state per
-rank of each pipeline stage, counted from the config (no model built, no process group started), and
+rank of each pipeline stage, counted from the config (the mHC GPT's by arithmetic; a Hugging Face model's
+(``model=hf``) from its config.json on the meta device, no weights read; no process group started), and
 the retained activations at the schedule's peak for the run's recompute policy (where the count covers
 the model: not yet CP or MoE layers, which plan the model states alone and say so), and the bytes each
 rank sends per step by dimension (``planning.traffic``; docs/planning.md). The pipeline bubble is the schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,

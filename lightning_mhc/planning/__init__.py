@@ -1,7 +1,8 @@
 """Planning a layout before launch: each rank's parameter, gradient and optimizer bytes for a layout
 of the mHC GPT, counted from its config by arithmetic (``shapes``: the tensors the runtime's modules
 make; no model built, no process group started), the retained activations (``activations``) and
-the bytes each rank sends per step (``traffic``)."""
+the bytes each rank sends per step (``traffic``); a Hugging Face model's model states (``hf``:
+counted by ``parallelize``'s own passes on the meta device)."""
 from lightning_mhc.planning.memory import RankBytes, StageCount, parse_bytes, plan_gpt, rank_bytes, stage_counts
 from lightning_mhc.planning.hf import hf_stage_counts, plan_hf
 from lightning_mhc.planning.activations import plan_activations
