@@ -462,11 +462,11 @@ def _check_module(command, scratch, monkeypatch, capsys):
 
 def _check_plan(command, tmp_path, monkeypatch, capsys):
     """``lightning-mhc-plan``: run as written (its entry point in this process; it counts from
-    the config, no model built) and succeed."""
+    the config, no weights read) and succeed; ``$HOME`` expanded as the shell would."""
     from lightning_mhc.cli.plan import main
 
     monkeypatch.chdir(tmp_path)
-    main(command.argv[1:])
+    main(_substitute(command.argv[1:], tmp_path))
 
 
 CHECKS = {"train": _check_train, "lightning-mhc-plan": _check_plan, "script": _check_script, "lightning-mhc-export": _check_export,

@@ -326,7 +326,7 @@ def apply_tensor_parallel(chunks: list[StageChunk], materializer: Materializer, 
     run on this rank's part of the sequence: it is scattered before the first stage's first block
     and gathered after the last stage's last (the embeddings, masks and positions before, and the
     final norm and head after, see the whole sequence)."""
-    build = _module_builder(materializer, plan, layout, root)
+    build = module_builder(materializer, plan, layout, root)
     for chunk in chunks:
         for name, module, block in chunk.builds:
             build(name, module, block)
@@ -340,7 +340,7 @@ def apply_tensor_parallel(chunks: list[StageChunk], materializer: Materializer, 
             chunk.blocks[max(chunk.blocks)].register_forward_hook(_gather_hidden)
 
 
-def _module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout,
+def module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout,
                     root: nn.Module | None = None) -> Callable[..., nn.Module]:
     """``build(name, module, block=False)``: materialise ``module`` under its whole-model ``name``
     and apply the plan to it and its submodules (TP styles, divided attributes, random regions);

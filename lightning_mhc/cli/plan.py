@@ -6,7 +6,8 @@ layout, before launch, with the overrides and config groups of ``lightning-mhc-t
     lightning-mhc-plan ... plan.json=plan.json                               # {"layouts": [...]}, asked first
 
 The counts are the planner's (``lightning_mhc.planning``): parameters, gradients and AdamW state per
-rank of each pipeline stage, counted from the config (no model built, no process group started), and
+rank of each pipeline stage, counted from the config (the mHC GPT's by arithmetic; a Hugging Face model's
+(``model=hf``) from its config.json on the meta device, no weights read; no process group started), and
 the retained activations at the schedule's peak for the run's recompute policy (where the count covers
 the model: not yet CP or MoE layers, which plan the model states alone and say so), and the bytes each
 rank sends per step by dimension (``planning.traffic``; docs/planning.md). The pipeline bubble is the schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
@@ -47,31 +48,21 @@ def _positive_int(key: str, value: str) -> int:
     return int(value)
 
 
+HF_ACTIVATIONS_NOT_COUNTED = ("a Hugging Face model's activations are not counted yet (its modules' own forwards "
+                              "keep what they keep)")
+HF_TRAFFIC_NOT_COUNTED = "a Hugging Face model's traffic is not counted yet"
+
+
 def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
     """One layout's entry of ``plan.json``: its sizes, the most loaded rank's bytes, each stage's."""
-    from lightning_mhc.errors import ConfigError
-    from lightning_mhc.model.config import with_parallel_layout
-    from lightning_mhc.planning import bubble, plan_activations, plan_gpt, plan_traffic
+    from lightning_mhc.planning import bubble
 
     param_bytes = 2 if cfg.trainer.precision == "bf16-true" else 4
-    config = cfg.transformer_config()
-    stages = plan_gpt(config, layout, param_bytes=param_bytes,
-                      distributed_optimizer=cfg.optim.use_distributed_optimizer)
-    try:  # activations in the parameters' dtype (checked against runs in fp32)
-        activations = [a for a, _ in plan_activations(
-            with_parallel_layout(config, layout), layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
-            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes)]
-        not_counted = None
-    except ConfigError as error:  # what the activation count does not cover: the model states alone
-        activations, not_counted = [0] * len(stages), str(error)
-    try:  # the bytes each rank sends per step, by dimension
-        traffic = [t.per_dimension() for t in plan_traffic(
-            with_parallel_layout(config, layout), layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
-            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes,
-            param_bytes=param_bytes, distributed_optimizer=cfg.optim.use_distributed_optimizer)]
-        traffic_not_counted = None
-    except ConfigError as error:
-        traffic, traffic_not_counted = [None] * len(stages), str(error)
+    if cfg.model.is_hf:
+        stages, activations, not_counted, traffic, traffic_not_counted = _hf_terms(cfg, layout, param_bytes)
+    else:
+        stages, activations, not_counted, traffic, traffic_not_counted = _gpt_terms(cfg, layout, num_microbatches,
+                                                                                    param_bytes)
     totals = [s.total + a for s, a in zip(stages, activations)]
     top = stages[max(range(len(stages)), key=totals.__getitem__)]
     p = layout.pipeline_model_parallel_size
@@ -90,6 +81,50 @@ def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
                      optimizer_bytes=s.optimizer_bytes, activation_bytes=None if not_counted else a,
                      total_bytes=total, traffic_bytes=sent)
                 for s, a, total, sent in zip(stages, activations, totals, traffic)])
+
+
+def _gpt_terms(cfg, layout, num_microbatches: int, param_bytes: int):
+    """The mHC GPT's stages (model states), activations and traffic per stage, with why either is not counted."""
+    from lightning_mhc.errors import ConfigError
+    from lightning_mhc.model.config import with_parallel_layout
+    from lightning_mhc.planning import plan_activations, plan_gpt, plan_traffic
+
+    config = cfg.transformer_config()
+    stages = plan_gpt(config, layout, param_bytes=param_bytes,
+                      distributed_optimizer=cfg.optim.use_distributed_optimizer)
+    try:  # activations in the parameters' dtype (checked against runs in fp32)
+        activations = [a for a, _ in plan_activations(
+            with_parallel_layout(config, layout), layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
+            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes)]
+        not_counted = None
+    except ConfigError as error:  # what the activation count does not cover: the model states alone
+        activations, not_counted = [0] * len(stages), str(error)
+    try:  # the bytes each rank sends per step, by dimension
+        traffic = [t.per_dimension() for t in plan_traffic(
+            with_parallel_layout(config, layout), layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
+            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes,
+            param_bytes=param_bytes, distributed_optimizer=cfg.optim.use_distributed_optimizer)]
+        traffic_not_counted = None
+    except ConfigError as error:
+        traffic, traffic_not_counted = [None] * len(stages), str(error)
+    return stages, activations, not_counted, traffic, traffic_not_counted
+
+
+def _hf_terms(cfg, layout, param_bytes: int):
+    """A Hugging Face model's stages (model states, from its config.json on the meta device: no weights
+    read); its activations and traffic are not counted yet."""
+    from lightning_mhc.errors import ConfigError
+    from lightning_mhc.lightning.modules.hf import recorded_hf_model
+    from lightning_mhc.planning import plan_hf
+
+    m = cfg.model
+    try:
+        stages = plan_hf(recorded_hf_model(m.hf_dir), layout, param_bytes=param_bytes,
+                         distributed_optimizer=cfg.optim.use_distributed_optimizer, plan=m.plan,
+                         hyper_connections=m.hyper_connection_settings, recompute=cfg.recompute_policy)
+    except ConfigError as error:
+        raise error.within(m.hf_key) from None
+    return stages, [0] * len(stages), HF_ACTIVATIONS_NOT_COUNTED, [None] * len(stages), HF_TRAFFIC_NOT_COUNTED
 
 
 def _most_sent(traffic: list[dict[str, int] | None]) -> dict[str, int] | None:
@@ -112,7 +147,8 @@ def _candidates(cfg, devices: int):
             if devices % (tp * pp):
                 continue
             dp = devices // (tp * pp)
-            experts = cfg.model.num_moe_experts or 0
+            # a Hugging Face model's experts are in its config.json: an EP its experts refuse is skipped below
+            experts = dp if cfg.model.is_hf else cfg.model.num_moe_experts or 0
             for ep in ([e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0] if experts else [1]):
                 if d.global_batch_size % (d.micro_batch_size * dp):
                     continue
@@ -191,9 +227,6 @@ def plan(argv: list[str]) -> list[dict[str, Any]]:
         top = _positive_int("top", options.get("top", "3"))
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="plan"):
         cfg = to_train_config(compose(config_name="config", overrides=overrides))
-    if cfg.model.is_hf:
-        raise ConfigError("model=hf: the planner counts the mHC GPT (model=tiny|small|gpt_125m|gpt_moe_tiny ...) "
-                          "so far; Hugging Face families are not planned yet.")
     asked = layout_row(cfg, cfg.layout, cfg.num_microbatches)
     rows = [asked]
     _print_layout(asked)
@@ -204,8 +237,8 @@ def plan(argv: list[str]) -> list[dict[str, Any]]:
         for row in fitting[:top]:
             print()
             _print_layout(row)
-            print(f"why: {_gb(memory - row['total_bytes'])} headroom, bubble {row['bubble']:.3f}, "
-                  f"{_gb(_sent(row))} sent per rank and step")
+            sent = "traffic not counted" if row["traffic_bytes"] is None else f"{_gb(_sent(row))} sent per rank and step"
+            print(f"why: {_gb(memory - row['total_bytes'])} headroom, bubble {row['bubble']:.3f}, {sent}")
         rows += fitting
     if "json" in options:
         with open(options["json"], "w") as f:

@@ -100,7 +100,15 @@ def _shard(numel: int, parts: int) -> int:
 def plan_gpt(config: MHCTransformerConfig, layout: ParallelLayout, *, param_bytes: int = FP32,
              distributed_optimizer: bool = False, first_stage_layers: int | None = None,
              last_stage_layers: int | None = None) -> list[RankBytes]:
-    """Each stage's per-rank bytes.
+    """Each stage's per-rank bytes of the mHC GPT (:func:`rank_bytes` of :func:`stage_counts`)."""
+    return rank_bytes(stage_counts(config, layout, first_stage_layers, last_stage_layers), layout,
+                      param_bytes=param_bytes, distributed_optimizer=distributed_optimizer)
+
+
+def rank_bytes(counts: list[StageCount], layout: ParallelLayout, *, param_bytes: int = FP32,
+               distributed_optimizer: bool = False) -> list[RankBytes]:
+    """Each stage's per-rank bytes from its element counts (the mHC GPT's or a Hugging Face
+    model's: the runtime keeps both in the same buffers and optimizer).
 
     Parameters at ``param_bytes`` each (4: fp32 and bf16-mixed; 2: bf16-true). Gradients: the
     runtime accumulates in fp32 ``main_grad`` buffers when it shards or holds bf16 weights, else
@@ -111,7 +119,7 @@ def plan_gpt(config: MHCTransformerConfig, layout: ParallelLayout, *, param_byte
     dp_cp = layout.data_parallel_size * layout.context_parallel_size
     expert_dp = dp_cp // layout.expert_model_parallel_size
     out = []
-    for count in stage_counts(config, layout, first_stage_layers, last_stage_layers):
+    for count in counts:
         params = count.total * param_bytes
         fp32_grads = distributed_optimizer or param_bytes != FP32
         grads = count.total * (FP32 if fp32_grads else param_bytes)

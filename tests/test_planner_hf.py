@@ -1,0 +1,154 @@
+"""The planner's per-rank model-state bytes of Hugging Face models (``planning.hf``: counted from the
+config on the meta device) against the models ``parallelize`` builds on 4 spawned ranks (one group,
+every case in it): dense families with and without added hyper-connections, a sparse-MoE family
+under EP, DeepSeek-V4 with its own streams; TP, PP, TP x PP, a virtual pipeline, EP."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_mhc.testing.launch import spawn_ranks  # noqa: E402
+
+_COMMON = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, max_position_embeddings=64, pad_token_id=None,
+               bos_token_id=0, eos_token_id=1)
+
+
+def _config(family: str):
+    """Tiny configs with what changes a tensor's shape or presence: grouped queries, a tied head
+    (Llama), the attention's biases (Qwen2), routed experts (Mixtral), DeepSeek-V4's streams,
+    sinks, grouped output projection and hash-routed first layer."""
+    t = transformers
+    if family == "llama":
+        return t.LlamaConfig(**_COMMON, num_key_value_heads=2, intermediate_size=48, num_hidden_layers=4,
+                             tie_word_embeddings=True)
+    if family == "qwen2":
+        return t.Qwen2Config(**_COMMON, num_key_value_heads=2, intermediate_size=40, num_hidden_layers=2)
+    if family == "mixtral":
+        return t.MixtralConfig(**_COMMON, num_key_value_heads=2, intermediate_size=16, num_hidden_layers=2,
+                               num_local_experts=4, num_experts_per_tok=2)
+    from v4_utils import tiny_v4_config
+
+    return tiny_v4_config()
+
+
+# (family, added streams, TP, PP, VP, EP): each divides the 4 ranks (DP fills the rest)
+CASES = [("llama", 4, 2, 1, 1, 1), ("llama", 4, 1, 2, 2, 1), ("llama", 4, 2, 2, 1, 1), ("llama", None, 1, 1, 1, 1),
+         ("qwen2", None, 2, 2, 1, 1), ("qwen2", 2, 2, 1, 1, 1),
+         ("mixtral", None, 1, 1, 1, 2), ("mixtral", 4, 2, 1, 1, 2), ("mixtral", None, 1, 2, 1, 2),
+         ("deepseek_v4", None, 2, 1, 1, 1), ("deepseek_v4", None, 1, 2, 1, 2), ("deepseek_v4", None, 2, 2, 1, 1)]
+CASES = [c for c in CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
+
+
+def _recorded(family: str):
+    from lightning_mhc.any_model import record_module_init
+
+    with record_module_init():
+        return transformers.AutoModelForCausalLM.from_config(_config(family), dtype="float32")
+
+
+def _layout(tp, pp, vp, ep):
+    from lightning_mhc.distributed.layout import ParallelLayout
+
+    return ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep, world_size=4)
+
+
+def _measure(rank, world):
+    """Per case: this rank's stage, and its parameter, gradient and AdamW state bytes after one step."""
+    from lightning_mhc.any_model import parallelize
+    from lightning_mhc.distributed.layout import destroy_parallel
+    from lightning_mhc.distributed.optimizer import optimizer_state_bytes
+
+    out = []
+    for family, streams, tp, pp, vp, ep in CASES:
+        layout = _layout(tp, pp, vp, ep).build()
+        model = parallelize(_recorded(family), "auto", layout=layout, hyper_connections=streams)
+        params = list(model.parameters())
+        trained = [p for p in params if p.requires_grad]
+        for p in trained:
+            p.grad = torch.zeros_like(p)
+        optim = torch.optim.AdamW(trained)
+        optim.step()
+        out.append((layout.pipeline_model_parallel_rank, sum(p.numel() * p.element_size() for p in params),
+                    sum(p.grad.numel() * p.grad.element_size() for p in trained), optimizer_state_bytes(optim)))
+        destroy_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return spawn_ranks(_measure, 4, timeout_s=600)
+
+
+def test_hf_model_state_bytes_per_rank_exact(measured):
+    """Parameter, gradient and AdamW bytes of every rank equal the planner's for its stage."""
+    from lightning_mhc.planning import plan_hf
+
+    for i, (family, streams, tp, pp, vp, ep) in enumerate(CASES):
+        planned = plan_hf(_recorded(family), _layout(tp, pp, vp, ep), hyper_connections=streams)
+        for rank, rows in enumerate(measured):
+            stage, params, grads, optim = rows[i]
+            want = planned[stage]
+            got = (params, grads, optim)
+            assert got == (want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes), (CASES[i], rank, got, want)
+
+
+# ------------------------------------------------------------------ the console door and before launch
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A config-only directory (no weights: the planner reads none)."""
+    directory = tmp_path_factory.mktemp("llama_config")
+    _config("llama").save_pretrained(directory)
+    return directory
+
+
+def _hf_args(directory, *extra):
+    return ["model=hf", f"model.config={directory}", "model.hyper_connections=4", "data=synthetic", *extra]
+
+
+def test_plan_cli_plans_a_hugging_face_model(llama_dir, tmp_path, monkeypatch, capsys):
+    """``lightning-mhc-plan model=hf model.config=DIR``: every stage's model states are the planner's
+    (checked against the runtime above), with the line saying activations and traffic are not counted."""
+    from lightning_mhc.cli.plan import plan
+    from lightning_mhc.planning import plan_hf
+
+    monkeypatch.chdir(tmp_path)
+    rows = plan(_hf_args(llama_dir, "parallel=tp2pp2", "trainer.devices=4"))
+    asked = rows[0]
+    want = plan_hf(_recorded("llama"), _layout(2, 2, 1, 1), hyper_connections=4)
+    assert [(s["parameter_bytes"], s["gradient_bytes"], s["optimizer_bytes"]) for s in asked["stages"]] == \
+        [(w.parameter_bytes, w.gradient_bytes, w.optimizer_bytes) for w in want]
+    assert asked["activation_bytes"] is None and "not counted" in asked["activations_not_counted"]
+    assert asked["total_bytes"] == max(w.total for w in want)
+    out = capsys.readouterr().out
+    assert "model states only" in out and "most loaded rank" in out
+
+
+def test_train_plans_and_refuses_a_hugging_face_layout(llama_dir, tmp_path, monkeypatch, capsys):
+    """``lightning-mhc-train model=hf``: on the CPU the planner's figure is one line, not enforced; on a
+    GPU (free memory faked) a layout predicted over it is refused in one line naming a layout of the
+    same devices that fits; with room enough it passes."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mhc.cli import preflight
+    from lightning_mhc.cli.plan import describe, fitting_layouts, layout_row
+    from train_cli import check_before_launch
+
+    argv = _hf_args(llama_dir, "trainer.devices=4", "data.global_batch_size=8")  # DP 4: the whole model per rank
+    status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
+    lines = [line for line in err.splitlines() if line.startswith("lightning-mhc-train: plan:")]
+    assert status == 0 and len(lines) == 1 and "model states alone" in lines[0] and "not enforced" in lines[0], err
+    monkeypatch.chdir(tmp_path)
+    with initialize_config_dir(config_dir=preflight.CONF_DIR, version_base="1.3", job_name="test"):
+        cfg = preflight.to_train_config(compose(config_name="config", overrides=argv))
+    asked = layout_row(cfg, cfg.layout, cfg.num_microbatches)
+    best = fitting_layouts(cfg, 4, asked["total_bytes"])[0]
+    assert best["total_bytes"] < asked["total_bytes"]
+    monkeypatch.setattr(preflight, "free_device_memory", lambda cfg: (best["total_bytes"] + asked["total_bytes"]) // 2)
+    status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and "does not fit" in lines[0] and describe(best) in lines[0], err
+    monkeypatch.setattr(preflight, "free_device_memory", lambda cfg: asked["total_bytes"])
+    assert check_before_launch(argv, tmp_path, monkeypatch, capsys) == (0, "")
