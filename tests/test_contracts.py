@@ -1,12 +1,15 @@
 """The contracts between rooms as types: each parameter's placement over the ranks is one record
-(``ParameterPlacement``) that ``distributed/placement.py`` alone reads and writes. A source scan
-holds every other file of the package to it (as test_rooms does for imports); the record reads
-what megatron-core's layers write, round-trips through ``copy`` and ``pickle``, and stays with its
-parameter through a pipeline split. One process, no group."""
+(``ParameterPlacement``) that ``distributed/placement.py`` alone reads and writes, and the roles one
+room gives a module for another to read are one record (``ModuleRoles``) that ``roles.py`` alone
+reads and writes. A source scan holds every other file of the package to them (as test_rooms does
+for imports); the placement reads what megatron-core's layers write, both records round-trip
+through ``copy`` and ``pickle`` and stay with their parameter or module through a pipeline split.
+One process, no group."""
 from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import pathlib
 import pickle
 import sys
@@ -15,10 +18,12 @@ import pytest
 import torch
 
 from lightning_mhc.distributed.placement import REPLICATED, ParameterPlacement, mark_replicated, place, placement_of
+from lightning_mhc.roles import NO_ROLES, ModuleRoles, assign_roles, roles_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_mhc"
 PLACEMENT_MODULE = PACKAGE / "distributed" / "placement.py"
+ROLES_MODULE = PACKAGE / "roles.py"
 
 PARAMETER_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce",
                         "partial_over_tp", "shared_embedding", "sequence_parallel")
@@ -27,6 +32,10 @@ module names them."""
 NOT_RECORD_FIELDS = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce")
 """Of those, the ones no record field shares a name with: reading one as ``x.name`` is reading the
 attribute itself."""
+MODULE_ROLES = ("recompute_group", "is_last_layer_in_block", "hyper_connection_observer", "tensor_parallel_placement",
+                "adapters_placed", "initialises_itself")
+"""The names modules' roles were kept under as attributes before the record: only ``roles.py``
+(which keeps the record whole) may touch a module's own attribute of that name."""
 SETTINGS_OBJECTS = ("layout", "config", "cfg", "settings")
 """Objects whose own fields share a name with an attribute (``layout.sequence_parallel``)."""
 
@@ -35,7 +44,7 @@ def _object_text(node: ast.AST) -> str:
     return ast.unparse(node).lower()
 
 
-def attribute_uses(source: str, label: str, names=PARAMETER_ATTRIBUTES) -> list[str]:
+def attribute_uses(source: str, label: str, names=PARAMETER_ATTRIBUTES, not_fields=NOT_RECORD_FIELDS) -> list[str]:
     """Where ``path`` reads or writes a placement attribute itself: ``getattr``/``hasattr``/
     ``setattr``/``delattr`` or ``.get``/``[...]`` with the name as a string (not on a settings object),
     ``x.name = ...`` on anything but ``self`` (a class's own field), and ``x.name`` read where no
@@ -62,7 +71,7 @@ def attribute_uses(source: str, label: str, names=PARAMETER_ATTRIBUTES) -> list[
             owner = _object_text(node.value)
             if isinstance(node.ctx, ast.Store) and owner != "self":
                 found.append(f"{where}: {ast.unparse(node)} = ...")
-            elif isinstance(node.ctx, ast.Load) and node.attr in NOT_RECORD_FIELDS \
+            elif isinstance(node.ctx, ast.Load) and node.attr in not_fields \
                     and not any(word in owner for word in SETTINGS_OBJECTS):
                 found.append(f"{where}: {ast.unparse(node)}")
     return found
@@ -73,6 +82,14 @@ def test_only_the_placement_module_names_the_placement_attributes():
     found = [use for path in files for use in attribute_uses(path.read_text(), str(path.relative_to(ROOT)))]
     assert not found, "read or write a parameter's placement through distributed/placement.py " \
                       "(placement_of, place):\n" + "\n".join(found)
+
+
+def test_only_the_roles_module_keeps_a_modules_roles():
+    files = [p for p in sorted(PACKAGE.rglob("*.py")) if p != ROLES_MODULE]
+    found = [use for path in files
+             for use in attribute_uses(path.read_text(), str(path.relative_to(ROOT)), MODULE_ROLES, ())]
+    assert not found, "read or write a module's roles through lightning_mhc/roles.py (roles_of, assign_roles):\n" \
+                      + "\n".join(found)
 
 
 
@@ -87,6 +104,15 @@ def test_only_the_placement_module_names_the_placement_attributes():
 def test_the_scan_finds_a_direct_use(line):
     """What the scan is for: each way of touching an attribute directly is caught."""
     assert len(attribute_uses(line, "probe")) == 1
+
+
+@pytest.mark.parametrize("line", [
+    'block.hyper_connection_observer = f',
+    'g = block.__dict__.get("recompute_group")',
+    'x = getattr(base, "tensor_parallel_placement", None)',
+])
+def test_the_scan_finds_a_role_kept_as_an_attribute(line):
+    assert len(attribute_uses(line, "probe", MODULE_ROLES, ())) == 1
 
 
 def test_settings_fields_of_the_same_name_are_not_placements():
@@ -161,9 +187,10 @@ def test_mark_replicated_marks_only_what_no_builder_placed():
     assert placement_of(model[1].weight) == ParameterPlacement(placed=True, partial_over_tp=True)
 
 
-def test_placements_stay_with_their_parameters_through_a_pipeline_split():
+def test_placements_and_roles_stay_with_their_owners_through_a_pipeline_split():
     """``split_stages`` cuts a recorded model into this rank's chunks: each chunk's parameters are
-    the whole model's, with the placement each had (the TP pass after it reads them there)."""
+    the whole model's, with the placement each had, and its modules keep their roles (the passes
+    after it read them there)."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(ROOT / "tests" / "scripts"))
     from lm_models import gpt2
@@ -178,6 +205,10 @@ def test_placements_stay_with_their_parameters_through_a_pipeline_split():
         given = {}
         for index, param in enumerate(model.parameters()):
             given[id(param)] = place(param, PLACEMENTS[index % len(PLACEMENTS)])
+        roles = {}
+        for index, module in enumerate(model.modules()):
+            roles[id(module)] = assign_roles(module, last_in_recompute_group=index % 2 == 0,
+                                             initialises_itself=index % 3 == 0)
         layout = ParallelLayout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                                 pipeline_model_parallel_rank=rank)
         split = split_stages(model, plan_stages(model, layout, None, None, (), False), layout, None, 1)
@@ -185,3 +216,38 @@ def test_placements_stay_with_their_parameters_through_a_pipeline_split():
         assert len(split.chunks) == 2 and params
         for param in params:
             assert placement_of(param) == given[id(param)]
+        for chunk in split.chunks:
+            kept = [m for m in chunk.module.modules() if id(m) in roles]  # skeletons and stubs: the split's
+            assert all(roles_of(m) == roles[id(m)] for m in kept)
+            assert set(map(id, chunk.blocks.values())) <= set(map(id, kept))
+
+
+# ---------------------------------------------------------------- module roles
+def _observe(name, streams):  # module level: a copy or pickle of a module refers to it by name
+    return None
+
+
+def test_roles_given_are_the_ones_read_and_copies_keep_them():
+    layer = torch.nn.Linear(2, 2)
+    assert roles_of(layer) == NO_ROLES
+    roles = assign_roles(layer, last_in_recompute_group=True, hyper_connection_observer=_observe)
+    assert roles == ModuleRoles(last_in_recompute_group=True, hyper_connection_observer=_observe)
+    assign_roles(layer, initialises_itself=True)  # the others kept
+    expected = dataclasses.replace(roles, initialises_itself=True)
+    assert roles_of(layer) == expected
+    assert roles_of(copy.deepcopy(layer)) == expected
+    assert roles_of(pickle.loads(pickle.dumps(layer))) == expected
+    assert dict(layer.named_children()) == {} and "module_roles" not in dict(layer.state_dict())
+    assert roles_of(torch.nn.Linear(2, 2)) == NO_ROLES  # given to one module, not to its class
+
+
+def test_recompute_groups_are_given_and_taken_back_as_roles():
+    from lightning_mhc.recompute.groups import attach_block_recompute, detach_block_recompute
+
+    layers = [torch.nn.Linear(2, 2) for _ in range(5)]
+    handles = attach_block_recompute(layers, [(0, 2), (2, 5)], lambda first, last: "g")
+    groups = [roles_of(layer).recompute_group for layer in layers]
+    assert groups[0] is groups[1] and groups[2] is groups[3] is groups[4] and groups[1] is not groups[2]
+    assert [roles_of(layer).last_in_recompute_group for layer in layers] == [False, True, False, False, True]
+    detach_block_recompute(layers, handles)
+    assert all(roles_of(layer) == NO_ROLES for layer in layers)

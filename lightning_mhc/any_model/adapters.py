@@ -36,6 +36,7 @@ from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model.plan import Column, Row, base_of, is_lora_layer
 from lightning_mhc.any_model.record import seeded
 from lightning_mhc.any_model.placement import Placement, shard
+from lightning_mhc.roles import assign_roles, roles_of
 
 def is_modules_to_save(module: nn.Module) -> bool:
     """PEFT's ``ModulesToSaveWrapper``: a trained copy of a module beside the frozen original."""
@@ -108,7 +109,7 @@ def _whole_adapters(layer: nn.Module, adapter: str, name: str, seed: int, config
 def fill_adapters(module: nn.Module, name: str, seed: int, root: nn.Module) -> None:
     """Give the adapters of ``module``'s LoRA layers (on the meta device: PEFT injected them into a
     recorded model) their whole tensors, drawn by name, before the rest is materialised; the model's
-    own init function leaves them (``initialises_itself``)."""
+    own init function leaves them (their role ``initialises_itself``)."""
     for layer_name, layer in lora_layers(module, name):
         for adapter in layer.lora_A:
             a, b = layer.lora_A[adapter], layer.lora_B[adapter]
@@ -119,7 +120,8 @@ def fill_adapters(module: nn.Module, name: str, seed: int, root: nn.Module) -> N
             whole = _whole_adapters(layer, adapter, layer_name, seed, config, a.weight.shape[1], b.weight.shape[0])
             for key, tensor in whole.items():
                 _set(layer, key, tensor.to(layer.lora_A[adapter].weight.dtype))
-            a.initialises_itself = b.initialises_itself = True
+            assign_roles(a, initialises_itself=True)
+            assign_roles(b, initialises_itself=True)
 
 
 def _set(layer: nn.Module, key: str, tensor: torch.Tensor, placement: ParameterPlacement | None = None
@@ -137,10 +139,10 @@ def _set(layer: nn.Module, key: str, tensor: torch.Tensor, placement: ParameterP
 def place_lora(layer_name: str, layer: nn.Module, layout: ParallelLayout, config_root: nn.Module) -> None:
     """Cut ``layer``'s whole adapters as its base was cut (see the module docstring), hook them to
     the base's mappings and mark their gradients' reduction. Once per layer."""
-    if getattr(layer, "adapters_placed", False):
+    if roles_of(layer).adapters_placed:
         return
     base = base_of(layer)
-    placement: Placement | None = getattr(base, "tensor_parallel_placement", None)
+    placement: Placement | None = roles_of(base).tensor_parallel_placement
     tp, tp_rank = layout.tensor_model_parallel_size, layout.tensor_model_parallel_rank
     for adapter in layer.lora_A:
         _refuse_unsupported(layer_name, layer, adapter, _config(config_root, adapter),
@@ -172,7 +174,7 @@ def place_lora(layer_name: str, layer: nn.Module, layout: ParallelLayout, config
                     place(p, sequence_parallel=True)
             if placement.reduce is not None:
                 a.register_forward_hook(lambda _m, _a, out, f=placement.reduce: f(out))
-    layer.adapters_placed = True
+    assign_roles(layer, adapters_placed=True)
 
 
 def place_injected_adapters(model: nn.Module, layout: ParallelLayout, seed: int, global_name) -> list[str]:
@@ -184,10 +186,10 @@ def place_injected_adapters(model: nn.Module, layout: ParallelLayout, seed: int,
     placed = []
     tp = layout.tensor_model_parallel_size
     for layer_name, layer in lora_layers(model):
-        if getattr(layer, "adapters_placed", False):
+        if roles_of(layer).adapters_placed:
             continue
         base = base_of(layer)
-        placement = getattr(base, "tensor_parallel_placement", None)
+        placement = roles_of(base).tensor_parallel_placement
         whole_name = global_name(layer_name + ".base_layer.weight").removesuffix(".base_layer.weight")
         for adapter in layer.lora_A:
             a, b = layer.lora_A[adapter], layer.lora_B[adapter]

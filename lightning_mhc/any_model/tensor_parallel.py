@@ -50,6 +50,7 @@ from lightning_mhc.any_model.plan import (
 from lightning_mhc.recompute.rng import rng_fork
 from lightning_mhc.distributed.placement import mark_replicated, place, placement_of
 from lightning_mhc.any_model.experts import shard_experts
+from lightning_mhc.roles import assign_roles
 from lightning_mhc.any_model.hyper_connections import wire_sequence_parallel
 
 if TYPE_CHECKING:
@@ -114,8 +115,8 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
             module.register_forward_pre_hook(lambda _m, args: (input_map(args[0]), *args[1:]))
         if output_map is not None:
             module.register_forward_hook(lambda _m, _a, out: output_map(out))
-        module.tensor_parallel_placement = Placement(style, sequence_parallel, input_map=input_map,
-                                                     output_map=output_map)
+        assign_roles(module, tensor_parallel_placement=Placement(style, sequence_parallel, input_map=input_map,
+                                                                 output_map=output_map))
     elif isinstance(style, Row):
         _split(module, "weight", in_dim, 1, layout, replace)
         setattr(module, in_attr, getattr(module, in_attr) // tp)
@@ -123,7 +124,7 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
         if tp > 1:  # the bias is added once, after the partial products are summed
             module.forward = types.MethodType(functools.partial(_row_forward, reduce=reduce, transposed=in_dim == 0),
                                               module)
-        module.tensor_parallel_placement = Placement(style, sequence_parallel, reduce=reduce)
+        assign_roles(module, tensor_parallel_placement=Placement(style, sequence_parallel, reduce=reduce))
 
 
 
