@@ -34,7 +34,8 @@ def _model(args: argparse.Namespace, layout, hyper_connections: bool):
     """``(step, expert parameter bytes, expert optimizer-state bytes)`` of a fresh MoE GPT."""
     import torch
 
-    from lightning_mhc.distributed.grads import finalize_model_grads, is_expert_parameter
+    from lightning_mhc.distributed.grads import finalize_model_grads
+    from lightning_mhc.distributed.placement import placement_of
     from lightning_mhc.model import MHCTransformerConfig
     from lightning_mhc.model.config import with_parallel_layout
     from lightning_mhc.distributed.expert_parallel import set_aux_loss_scale, update_expert_biases
@@ -64,7 +65,7 @@ def _model(args: argparse.Namespace, layout, hyper_connections: bool):
         update_expert_biases(model)
 
     step()  # AdamW's state exists after its first step
-    experts = [p for p in model.parameters() if is_expert_parameter(p)]
+    experts = [p for p in model.parameters() if placement_of(p).expert]
     state = _nbytes(t for p in experts for t in optimizer.state[p].values()
                     if isinstance(t, torch.Tensor) and t.dim() > 0)
     return step, _nbytes(experts), state

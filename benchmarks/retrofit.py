@@ -134,6 +134,7 @@ def continue_variants(args, train: torch.Tensor, validation: torch.Tensor, saved
     from lightning_mhc import add_hyper_connections
     from lightning_mhc.model.divergence import StreamDivergenceMonitor
     from lightning_mhc.any_model.hyper_connections import hyper_connection_blocks
+    from lightning_mhc.roles import assign_roles
 
     runs = {}
     for label, gate in VARIANTS:
@@ -165,7 +166,7 @@ def continue_variants(args, train: torch.Tensor, validation: torch.Tensor, saved
         if blocks:
             monitor = StreamDivergenceMonitor(STREAMS)
             for block in blocks:
-                block.hyper_connection_observer = monitor.observe
+                assign_roles(block, hyper_connection_observer=monitor.observe)
             monitor.armed = True
             with torch.no_grad():
                 run["model"].eval()

@@ -305,12 +305,13 @@ def test_stream_divergence_and_its_monitor():
     assert monitor.take() == {"a": 0.0} and not monitor.armed
 
     from lightning_mhc.any_model.hyper_connections import hyper_connection_blocks
+    from lightning_mhc.roles import assign_roles
 
     torch.manual_seed(0)
     model = add_hyper_connections(llama(), 4)
     monitor = StreamDivergenceMonitor(4)
     for block in hyper_connection_blocks(model):
-        block.hyper_connection_observer = monitor.observe
+        assign_roles(block, hyper_connection_observer=monitor.observe)
     monitor.armed = True
     model(input_ids=torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2)))
     assert monitor.take() == {f"model.layers.{i}": 0.0 for i in range(len(model.model.layers))}

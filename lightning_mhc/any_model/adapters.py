@@ -31,14 +31,12 @@ import torch
 from torch import nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.placement import ParameterPlacement, place, placement_of
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.any_model.plan import Column, Row, base_of, is_lora_layer
 from lightning_mhc.any_model.record import seeded
 from lightning_mhc.any_model.placement import Placement, shard
-
-PLACEMENT_MARKS = ("tensor_model_parallel", "partial_over_tp", "sequence_parallel")
-"""The attributes a parameter's gradient reduction reads (``distributed/grads.py``)."""
-
+from lightning_mhc.roles import assign_roles, roles_of
 
 def is_modules_to_save(module: nn.Module) -> bool:
     """PEFT's ``ModulesToSaveWrapper``: a trained copy of a module beside the frozen original."""
@@ -111,7 +109,7 @@ def _whole_adapters(layer: nn.Module, adapter: str, name: str, seed: int, config
 def fill_adapters(module: nn.Module, name: str, seed: int, root: nn.Module) -> None:
     """Give the adapters of ``module``'s LoRA layers (on the meta device: PEFT injected them into a
     recorded model) their whole tensors, drawn by name, before the rest is materialised; the model's
-    own init function leaves them (``initialises_itself``)."""
+    own init function leaves them (their role ``initialises_itself``)."""
     for layer_name, layer in lora_layers(module, name):
         for adapter in layer.lora_A:
             a, b = layer.lora_A[adapter], layer.lora_B[adapter]
@@ -122,16 +120,18 @@ def fill_adapters(module: nn.Module, name: str, seed: int, root: nn.Module) -> N
             whole = _whole_adapters(layer, adapter, layer_name, seed, config, a.weight.shape[1], b.weight.shape[0])
             for key, tensor in whole.items():
                 _set(layer, key, tensor.to(layer.lora_A[adapter].weight.dtype))
-            a.initialises_itself = b.initialises_itself = True
+            assign_roles(a, initialises_itself=True)
+            assign_roles(b, initialises_itself=True)
 
 
-def _set(layer: nn.Module, key: str, tensor: torch.Tensor, **marks: Any) -> nn.Parameter:
+def _set(layer: nn.Module, key: str, tensor: torch.Tensor, placement: ParameterPlacement | None = None
+         ) -> nn.Parameter:
     path, _, attr = key.rpartition(".")
     owner = layer.get_submodule(path)
     old = owner._parameters[attr]
     param = nn.Parameter(tensor.contiguous(), requires_grad=old.requires_grad)
-    for mark, value in marks.items():
-        setattr(param, mark, value)
+    if placement is not None:
+        place(param, placement)
     owner._parameters[attr] = param
     return param
 
@@ -139,58 +139,57 @@ def _set(layer: nn.Module, key: str, tensor: torch.Tensor, **marks: Any) -> nn.P
 def place_lora(layer_name: str, layer: nn.Module, layout: ParallelLayout, config_root: nn.Module) -> None:
     """Cut ``layer``'s whole adapters as its base was cut (see the module docstring), hook them to
     the base's mappings and mark their gradients' reduction. Once per layer."""
-    if getattr(layer, "adapters_placed", False):
+    if roles_of(layer).adapters_placed:
         return
     base = base_of(layer)
-    placement: Placement | None = getattr(base, "tensor_parallel_placement", None)
+    placement: Placement | None = roles_of(base).tensor_parallel_placement
     tp, tp_rank = layout.tensor_model_parallel_size, layout.tensor_model_parallel_rank
     for adapter in layer.lora_A:
         _refuse_unsupported(layer_name, layer, adapter, _config(config_root, adapter),
                             split=placement is not None and tp > 1)
         a, b = layer.lora_A[adapter], layer.lora_B[adapter]
         if placement is None:  # whole, as its base: the same reduction as the base's weight
-            marks = {m: getattr(base.weight, m) for m in PLACEMENT_MARKS if hasattr(base.weight, m)}
-            marks["tensor_model_parallel"] = False
+            of_base = placement_of(base.weight)
             for p in (*a.parameters(), *b.parameters()):
-                for mark, value in marks.items():
-                    setattr(p, mark, value)
+                place(p, placed=True, split_dim=None, partial_over_tp=of_base.partial_over_tp,
+                      sequence_parallel=of_base.sequence_parallel)
             continue
         if isinstance(placement.style, Column):
             stride = placement.style.stride
             for key in ("weight", "bias"):
                 if getattr(b, key, None) is not None:
                     _set(b, key, shard(getattr(b, key).detach(), 0, stride, tp, tp_rank),
-                         tensor_model_parallel=True, partition_dim=0, partition_stride=stride)
-            _set(a, "weight", a.weight.detach(), tensor_model_parallel=False, partial_over_tp=True)
+                         ParameterPlacement(placed=True, split_dim=0, stride=stride))
+            _set(a, "weight", a.weight.detach(), ParameterPlacement(placed=True, partial_over_tp=True))
             if placement.input_map is not None:
                 a.register_forward_pre_hook(lambda _m, args, f=placement.input_map: (f(args[0]), *args[1:]))
             if placement.output_map is not None:
                 b.register_forward_hook(lambda _m, _a, out, f=placement.output_map: f(out))
         elif isinstance(placement.style, Row):
             _set(a, "weight", shard(a.weight.detach(), 1, 1, tp, tp_rank),
-                 tensor_model_parallel=True, partition_dim=1, partition_stride=1)
+                 ParameterPlacement(placed=True, split_dim=1, stride=1))
             for p in b.parameters():
-                p.tensor_model_parallel = False
+                place(p, placed=True, split_dim=None)
                 if placement.sequence_parallel:  # B runs on this rank's part of the sequence
-                    p.sequence_parallel = True
+                    place(p, sequence_parallel=True)
             if placement.reduce is not None:
                 a.register_forward_hook(lambda _m, _a, out, f=placement.reduce: f(out))
-    layer.adapters_placed = True
+    assign_roles(layer, adapters_placed=True)
 
 
 def place_injected_adapters(model: nn.Module, layout: ParallelLayout, seed: int, global_name) -> list[str]:
     """PEFT's adapters injected into ``model`` (a :class:`ParallelModel`) after it was split:
     each LoRA layer's adapters drawn again whole from ``seed`` by their whole-model names
     (``global_name``) and placed (:func:`place_lora`); each ``modules_to_save`` copy given its
-    original's gradient marks (its ``deepcopy`` drops a parameter's attributes). Returns the
+    original's placement (its ``deepcopy`` drops a parameter's placement). Returns the
     names of the layers placed."""
     placed = []
     tp = layout.tensor_model_parallel_size
     for layer_name, layer in lora_layers(model):
-        if getattr(layer, "adapters_placed", False):
+        if roles_of(layer).adapters_placed:
             continue
         base = base_of(layer)
-        placement = getattr(base, "tensor_parallel_placement", None)
+        placement = roles_of(base).tensor_parallel_placement
         whole_name = global_name(layer_name + ".base_layer.weight").removesuffix(".base_layer.weight")
         for adapter in layer.lora_A:
             a, b = layer.lora_A[adapter], layer.lora_B[adapter]
@@ -209,7 +208,6 @@ def place_injected_adapters(model: nn.Module, layout: ParallelLayout, seed: int,
         originals = dict(wrapper.original_module.named_parameters())
         for copy_ in wrapper.modules_to_save.values():
             for name, p in copy_.named_parameters():
-                for mark in PLACEMENT_MARKS + ("partition_dim", "partition_stride", "allreduce"):
-                    if name in originals and hasattr(originals[name], mark) and not hasattr(p, mark):
-                        setattr(p, mark, getattr(originals[name], mark))
+                if name in originals and placement_of(p) == ParameterPlacement():
+                    place(p, placement_of(originals[name]))
     return placed

@@ -7,8 +7,8 @@ routed experts as one module (``mlp.experts``) holding fused tensors ``gate_up_p
 and ``down_proj`` ``[E, H, I]`` and ``act_fn``, called as ``experts(tokens, top_k_index,
 top_k_weights)``; Qwen2-MoE adds a shared expert with its sigmoid gate beside them. Under EP only
 that experts module changes: :func:`shard_experts` replaces it by :class:`ExpertParallelExperts`,
-which keeps the experts ``[r E / EP, (r + 1) E / EP)`` of EP rank ``r`` (marked ``allreduce =
-False``: their gradients are reduced over the expert-data-parallel ranks, as the project GPT's
+which keeps the experts ``[r E / EP, (r + 1) E / EP)`` of EP rank ``r`` (placed as experts,
+``ParameterPlacement.expert``: their gradients are reduced over the expert-data-parallel ranks, as the project GPT's
 experts) and sends each (token, expert) pair to its expert's rank and back with
 ``distributed.expert_parallel``'s all-to-all. The router, the shared expert and its gate stay the
 model's own, replicated, so the routing (the same top-k and weights) and what is added around the
@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from lightning_mhc.distributed.expert_parallel import ExpertLayer, experts_on_their_ranks
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.placement import place
 from lightning_mhc.errors import ConfigError, key, term
 from lightning_mhc.any_model.plan import LLAMA, QWEN3, TPPlan
 from lightning_mhc.layers.moe import combine_pairs, grouped_matmul, token_expert_pairs
@@ -151,7 +152,7 @@ class ExpertParallelExperts(ExpertLayer):
                              .clone(), requires_grad=whole.requires_grad)
         # megatron's marker of an expert parameter: its gradient is reduced over the ranks holding
         # the same experts (expert-DP), and checkpoints store it as this EP rank's block of dim 0
-        local.allreduce = False
+        place(local, expert=True)
         return local
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:

@@ -74,6 +74,7 @@ from lightning_mhc.any_model.record import record_module_init
 from lightning_mhc.recompute.groups import RecomputeGroup
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput
+from lightning_mhc.roles import assign_roles, roles_of
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,10 @@ class _BlockCall:
     def __init__(self, block: nn.Module) -> None:
         self.block = block
         self.wiring: _BlockWiring = block.hyper_connection_wiring
-        # set by lightning_mhc.recompute.groups.attach_block_recompute (parallelize's mhc_block)
-        self.group: RecomputeGroup | None = block.__dict__.get("recompute_group")
-        self.last_in_group: bool = block.__dict__.get("is_last_layer_in_block", False)
+        roles = roles_of(block)  # given by lightning_mhc.recompute.groups.attach_block_recompute (mhc_block)
+        self.group: RecomputeGroup | None = roles.recompute_group
+        self.last_in_group: bool = roles.last_in_recompute_group
+        self.observer = roles.hyper_connection_observer
         self.manager: MHCBlockRecomputeManager | None = self.group.manager if self.group is not None else None
         self.current: Tensor | None = None
         self.block_input: Tensor | None = None
@@ -430,7 +432,7 @@ def _make_hyper_connections(block: nn.Module, name: str, plan: HyperConnectionPl
     with record_module_init() if meta else contextlib.nullcontext():
         modules = nn.ModuleList(HyperConnectionModule(config, init.child(str(i))) for i in range(len(plan.branches)))
     for module in modules:
-        module.initialises_itself = True  # by name: a model's own init function must not redraw them
+        assign_roles(module, initialises_itself=True)  # by name: a model's own init function must not redraw them
     return modules if meta else modules.to(next(block.parameters()).device)
 
 
@@ -485,9 +487,8 @@ def _block_output(call: _BlockCall, output: Any):
         raise RuntimeError(f"{wiring.name} ran {call.ran} of the {len(wiring.plan.branches)} branches of its "
                            "hyper-connection plan: each branch's entry and exit must run once per forward")
     result = call.current
-    observer = call.block.__dict__.get("hyper_connection_observer")
-    if observer is not None:  # a StreamDivergenceMonitor's: the streams before the last block's mean
-        observer(wiring.name, result)
+    if call.observer is not None:  # a StreamDivergenceMonitor's: the streams before the last block's mean
+        call.observer(wiring.name, result)
     if call.group is not None and call.last_in_group:
         call.group.finish(result)
     if wiring.last:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.placement import place
 from lightning_mhc.any_model.adapters import place_injected_adapters
 from lightning_mhc.any_model.context_parallel import SequenceSplit
 from lightning_mhc.any_model.families import family_of
@@ -200,7 +201,7 @@ class ParallelModel(nn.Module):
         for meta_id in split.tied_across_stages:
             held = materializer.real.get(meta_id)
             if held is not None and any(p is held for p in self.parameters()):
-                held.shared_embedding = True
+                place(held, shared_embedding=True)
 
     def attach_router_loss(self, model: nn.Module, layout: ParallelLayout) -> None:
         """The family's own router loss (``Family.router_loss``) where the model's config asks for it:

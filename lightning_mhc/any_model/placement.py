@@ -30,8 +30,8 @@ def shard(tensor: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> to
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """How :func:`apply_style` split a linear layer, kept on it (``tensor_parallel_placement``)
-    for what runs beside it on the same input, as a LoRA adapter does (``adapters.py``):
+    """How :func:`apply_style` split a linear layer, kept as its role ``tensor_parallel_placement``
+    (``lightning_mhc.roles``) for what runs beside it on the same input, as a LoRA adapter does (``adapters.py``):
     ``input_map``, what a column layer does to its input first (the copy into the TP region, or
     the sequence's all-gather; None: nothing); ``output_map``, to its output (the all-gather of a
     gathered output); ``reduce``, how a row layer sums its partial products over TP (all-reduce,

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.layers.init import stable_seed
+from lightning_mhc.roles import roles_of
 
 InitFn = Callable[[nn.Module], None]
 
@@ -213,7 +214,7 @@ class Materializer:
             self._fill(drawn_name(sub_name), sub)
         if self.init_fn is not None:
             for sub_name, sub in post_order(module, name):
-                if self._only_loaded(sub) or getattr(sub, "initialises_itself", False):
+                if self._only_loaded(sub) or roles_of(sub).initialises_itself:
                     continue  # (a module whose constructor draws its tensors by name: hyper-connections)
                 with seeded(self.seed, drawn_name(sub_name) + "#init"), self._holding_only_own(sub):
                     self.init_fn(sub)

@@ -4,9 +4,9 @@ Each split module keeps its class, its parameter names and its weight's orientat
 ``Conv1D`` weight stays ``[in, out]``); only its tensors become this rank's slices, its size
 attributes shrink, and its forward gains megatron-core's tensor-parallel mappings
 (``copy_to`` / ``reduce_from_tensor_model_parallel_region``; an all-gather of our own for a
-gathered output) over the layout's TP group. The slices carry megatron's ``tensor_model_parallel`` / ``partition_dim`` /
-``partition_stride`` attributes, which gradient reduction, the global gradient norm and the
-reshardable checkpoints read, as they do for the mHC GPT's megatron layers.
+gathered output) over the layout's TP group. The slices are placed as split (``ParameterPlacement``, kept in megatron's own
+attributes), which gradient reduction, the global gradient norm and the reshardable checkpoints
+read, as they do for the mHC GPT's megatron layers.
 
 Why megatron's mappings and attributes rather than DTensor: the rest of the runtime (the 1F1B
 schedule, DP reduction, clipping, checkpoints) speaks them, they run on gloo and NCCL alike, and
@@ -48,8 +48,9 @@ from lightning_mhc.any_model.placement import Placement, shard
 from lightning_mhc.any_model.plan import (
     Column, Replicate, ReplicateOnSplit, Row, Style, TPPlan, VocabEmbedding, base_of, linear_dims)
 from lightning_mhc.recompute.rng import rng_fork
-from lightning_mhc.distributed.grads import mark_replicated
+from lightning_mhc.distributed.placement import mark_replicated, place, placement_of
 from lightning_mhc.any_model.experts import shard_experts
+from lightning_mhc.roles import assign_roles
 from lightning_mhc.any_model.hyper_connections import wire_sequence_parallel
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
 def _sharded_parameter(param: torch.Tensor, dim: int, stride: int, layout: ParallelLayout) -> nn.Parameter:
     tp, rank = layout.tensor_model_parallel_size, layout.tensor_model_parallel_rank
     local = nn.Parameter(shard(param.detach(), dim, stride, tp, rank), requires_grad=param.requires_grad)
-    local.tensor_model_parallel, local.partition_dim, local.partition_stride = True, dim, stride
+    place(local, placed=True, split_dim=dim, stride=stride)
     return local
 
 
@@ -81,7 +82,7 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
         return
     if isinstance(style, ReplicateOnSplit):  # its gradients are summed over TP (``grads.is_partial_over_tp``)
         for param in module.parameters():
-            param.partial_over_tp = True
+            place(param, partial_over_tp=True)
         return
     if isinstance(style, VocabEmbedding):
         _split(module, "weight", 0, 1, layout, replace)
@@ -114,8 +115,8 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
             module.register_forward_pre_hook(lambda _m, args: (input_map(args[0]), *args[1:]))
         if output_map is not None:
             module.register_forward_hook(lambda _m, _a, out: output_map(out))
-        module.tensor_parallel_placement = Placement(style, sequence_parallel, input_map=input_map,
-                                                     output_map=output_map)
+        assign_roles(module, tensor_parallel_placement=Placement(style, sequence_parallel, input_map=input_map,
+                                                                 output_map=output_map))
     elif isinstance(style, Row):
         _split(module, "weight", in_dim, 1, layout, replace)
         setattr(module, in_attr, getattr(module, in_attr) // tp)
@@ -123,7 +124,7 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
         if tp > 1:  # the bias is added once, after the partial products are summed
             module.forward = types.MethodType(functools.partial(_row_forward, reduce=reduce, transposed=in_dim == 0),
                                               module)
-        module.tensor_parallel_placement = Placement(style, sequence_parallel, reduce=reduce)
+        assign_roles(module, tensor_parallel_placement=Placement(style, sequence_parallel, reduce=reduce))
 
 
 
@@ -155,10 +156,11 @@ def split_parameter(module: nn.Module, attr: str, dim: int, layout: ParallelLayo
 
 def _split(module: nn.Module, attr: str, dim: int, stride: int, layout: ParallelLayout, replace) -> None:
     whole = module._parameters[attr]
-    if getattr(whole, "tensor_model_parallel", False):  # a tied tensor another holder split already
-        if (whole.partition_dim, whole.partition_stride) != (dim, stride):
+    placed = placement_of(whole)
+    if placed.split:  # a tied tensor another holder split already
+        if (placed.split_dim, placed.stride) != (dim, stride):
             raise ValueError(f"{type(module).__name__}.{attr} is tied to a tensor split along dim "
-                             f"{whole.partition_dim}, not {dim}: give both holders matching styles")
+                             f"{placed.split_dim}, not {dim}: give both holders matching styles")
         return
     module._parameters[attr] = replace(whole, _sharded_parameter(whole, dim, stride, layout))
 

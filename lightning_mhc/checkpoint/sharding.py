@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from lightning_mhc.distributed.grads import is_expert_parameter
+from lightning_mhc.distributed.placement import placement_of
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.distributed.optimizer import MAIN_PARAM
 
@@ -70,12 +70,13 @@ EXPERTS = Placement(0, 1, "ep")
 
 
 def tp_placement(tensor: Tensor) -> Placement:
-    """Megatron's tensor-parallel attributes of a parameter, as a :class:`Placement`; an expert
+    """A parameter's TP split (its ``ParameterPlacement``), as a :class:`Placement`; an expert
     tensor's split over EP."""
-    if is_expert_parameter(tensor):
+    placement = placement_of(tensor)
+    if placement.expert:
         return EXPERTS
-    if getattr(tensor, "tensor_model_parallel", False):
-        return Placement(int(tensor.partition_dim), int(getattr(tensor, "partition_stride", 1)))
+    if placement.split:
+        return Placement(placement.split_dim, placement.stride)
     return REPLICATED
 
 

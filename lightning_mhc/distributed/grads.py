@@ -12,7 +12,7 @@ tied embedding/output-layer gradients between the first and last stage, and
 the gradient norm over TP, PP and DP with each replicated parameter counted
 once. Every function takes the :class:`ParallelLayout`.
 
-Under expert parallelism an expert's parameters (megatron's marker ``param.allreduce = False``)
+Under expert parallelism an expert's parameters (``ParameterPlacement.expert``, ``placement.py``)
 live on the ranks of one EP rank only: their gradients are reduced over the expert-data-parallel
 group (:func:`reduction_group`, the one place a parameter's group is chosen) but divided by the
 whole data-parallel size like every other gradient, since each already sums the tokens its EP
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.placement import placement_of
 from lightning_mhc.errors import ConfigError
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -52,17 +53,12 @@ def buckets(grads: list[torch.Tensor], bucket_bytes: int,
         yield bucket
 
 
-def is_expert_parameter(param: torch.nn.Parameter) -> bool:
-    """An MoE expert's parameter: megatron's marker ``allreduce = False`` (only the ranks holding
-    the same experts share it)."""
-    return getattr(param, "allreduce", True) is False
-
-
 def by_reduction_group(params: Iterable[torch.nn.Parameter], layout: ParallelLayout
                        ) -> list[tuple[object, list[torch.nn.Parameter]]]:
     """``params`` split into (group, its parameters in order): the dense ones, then the experts'."""
     params = list(params)
-    split = [[p for p in params if not is_expert_parameter(p)], [p for p in params if is_expert_parameter(p)]]
+    expert = [placement_of(p).expert for p in params]
+    split = [[p for p, e in zip(params, expert) if not e], [p for p, e in zip(params, expert) if e]]
     return [(reduction_group(part[0], layout), part) for part in split if part]
 
 
@@ -89,41 +85,24 @@ def _parameters(models: torch.nn.Module | Iterable[torch.nn.Module]) -> list[tor
     return [p for model in models for p in model.parameters()]
 
 
-def mark_replicated(module: torch.nn.Module) -> None:
-    """Mark the parameters a model builder made whole on every TP rank (those it did not split)
-    with megatron's ``tensor_model_parallel = False``, as megatron's layers mark theirs: the
-    strategy then knows every parameter's placement (:func:`reduction_group`). Run by the
-    builders (the GPT, ``parallelize``) on what they built, never on what was added afterwards."""
-    for param in module.parameters():
-        if not hasattr(param, "tensor_model_parallel"):
-            param.tensor_model_parallel = False
-
-
-def has_known_placement(param: torch.nn.Parameter) -> bool:
-    """Whether a builder split or marked ``param`` (``tensor_model_parallel`` set, True or False;
-    :func:`mark_replicated`), so that its gradient's reduction is known: over DP x CP, and over
-    TP where it is a partial sum (:func:`is_partial_over_tp`)."""
-    return hasattr(param, "tensor_model_parallel")
-
-
 def reduction_group(param: torch.nn.Parameter, layout: ParallelLayout, name: str | None = None):
     """The one place that says over which ranks a parameter's gradient is reduced: the ranks that
     hold a replica of it. What TP does not split is replicated over DP x CP (``dp_cp_group``); an
-    expert's parameters (megatron's marker ``param.allreduce = False``) over the expert-data-parallel
+    expert's parameters (``ParameterPlacement.expert``) over the expert-data-parallel
     ranks only (``expert_dp_group``). The sum is divided by DP (:func:`gradient_divisor`)
     in either case: the CP ranks' losses are parts of one sample's loss (each rank's loss is its
     tokens' sum over the sample's whole token count), so their gradients add up, not average.
 
-    Under TP a trainable parameter no builder placed (:func:`has_known_placement`: one added to a
+    Under TP a trainable parameter no builder placed (``ParameterPlacement.placed``: one added to a
     split model afterwards) is refused: whether its TP copies are one tensor or slices, and whether
     their gradients are whole or parts, is unknown, and each TP rank would train its own."""
-    if layout.tensor_model_parallel_size > 1 and param.requires_grad and not has_known_placement(param):
+    if layout.tensor_model_parallel_size > 1 and param.requires_grad and not placement_of(param).placed:
         raise ConfigError(
             f"{name or 'a parameter'} is trainable but its placement over the "
             f"{layout.tensor_model_parallel_size} tensor-parallel ranks is unknown (it was not built by "
             "parallelize or the model's parallel layers, nor placed as a PEFT LoRA adapter), so each TP rank "
             "would train its own copy: create it before parallelize(), or freeze it (requires_grad=False).")
-    return layout.expert_dp_group if is_expert_parameter(param) else layout.dp_cp_group
+    return layout.expert_dp_group if placement_of(param).expert else layout.dp_cp_group
 
 
 def check_placements(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], layout: ParallelLayout) -> None:
@@ -165,10 +144,10 @@ def is_partial_over_tp(param: torch.nn.Parameter, layout: ParallelLayout) -> boo
     gradient is a partial sum over the TP ranks: a norm on this rank's part of the sequence
     (megatron marks it ``sequence_parallel``; with SP on), or a module the plan runs on this
     rank's heads (``partial_over_tp``: a per-head norm, ``parallelize``'s ``ReplicateOnSplit``)."""
-    if getattr(param, "tensor_model_parallel", False):
+    placement = placement_of(param)
+    if placement.split:
         return False
-    return bool(getattr(param, "partial_over_tp", False)) or (
-        layout.sequence_parallel and bool(getattr(param, "sequence_parallel", False)))
+    return placement.partial_over_tp or (layout.sequence_parallel and placement.sequence_parallel)
 
 
 def sum_partial_grads_over_tp(pairs: Iterable[tuple[torch.nn.Parameter, torch.Tensor | None]],
@@ -190,7 +169,7 @@ def sum_embedding_grads(grads: list[torch.Tensor], layout: ParallelLayout) -> No
 
 def allreduce_embedding_grads(params: Iterable[torch.nn.Parameter], layout: ParallelLayout) -> None:
     """:func:`sum_embedding_grads` on the parameters' own gradients (zeros where a stage has none)."""
-    shared = [p for p in params if getattr(p, "shared_embedding", False)]
+    shared = [p for p in params if placement_of(p).shared_embedding]
     if layout.pipeline_model_parallel_size == 1 or layout.embedding_group is None or not shared:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shared]
@@ -216,9 +195,10 @@ def finalize_model_grads(models: torch.nn.Module | Iterable[torch.nn.Module], la
 
 def _counted_once(param: torch.nn.Parameter, layout: ParallelLayout) -> bool:
     """Replicated across TP: count on TP rank 0 only; the last stage's tied copy: not at all."""
-    if not getattr(param, "tensor_model_parallel", False) and layout.tensor_model_parallel_rank > 0:
+    placement = placement_of(param)
+    if not placement.split and layout.tensor_model_parallel_rank > 0:
         return False
-    if getattr(param, "shared_embedding", False) and not layout.is_first_stage:
+    if placement.shared_embedding and not layout.is_first_stage:
         return False
     return True
 
@@ -235,7 +215,7 @@ def norm_of(grads: Iterable[tuple[torch.nn.Parameter, torch.Tensor]], layout: Pa
     dense, experts = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
     for param, grad in grads:
         if _counted_once(param, layout):
-            (experts if is_expert_parameter(param) else dense).add_(grad.detach().float().pow(2).sum())
+            (experts if placement_of(param).expert else dense).add_(grad.detach().float().pow(2).sum())
     if group is not None and layout.expert_model_parallel_size > 1:
         dist.all_reduce(experts, group=layout.ep_group)
     square = dense + experts

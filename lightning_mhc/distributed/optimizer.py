@@ -51,13 +51,13 @@ from lightning_mhc.distributed.grads import (
     DEFAULT_BUCKET_BYTES,
     buckets,
     by_reduction_group,
-    is_expert_parameter,
     norm_of,
     scale_to_norm_,
     sum_embedding_grads,
     sum_partial_grads_over_tp,
 )
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.placement import placement_of
 from lightning_mhc.errors import ConfigError
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
@@ -249,7 +249,7 @@ class DistributedOptimizer:
             for group, group_params in by_reduction_group(
                 [p for p in reversed(list(chunk.parameters())) if p.requires_grad], layout)
             for params in buckets(group_params, bucket_bytes,
-                                  alone=lambda p: bool(getattr(p, "shared_embedding", False)))
+                                  alone=lambda p: placement_of(p).shared_embedding)
         ]
         self.pieces: dict[int, Piece] = {}
         """This rank's piece of each parameter it holds one of, by ``id(parameter)``."""
@@ -283,7 +283,7 @@ class DistributedOptimizer:
         for piece in self.pieces.values():
             piece.main.grad = piece.bucket.grad[piece.shard_range]
         sum_partial_grads_over_tp([(pc.param, pc.main.grad) for pc in self.pieces.values()], self.layout)
-        shared = [pc.main.grad for pc in self.pieces.values() if getattr(pc.param, "shared_embedding", False)]
+        shared = [pc.main.grad for pc in self.pieces.values() if placement_of(pc.param).shared_embedding]
         sum_embedding_grads(shared, self.layout)
         unused = self._without_gradients()
         for pc in self.pieces.values():
@@ -295,7 +295,7 @@ class DistributedOptimizer:
         small all-reduce of the buckets' flags per group): reduced as zeros, but not to be stepped."""
         unused: set[int] = set()
         for expert in (False, True):  # the dense buckets' group, then the experts'
-            chosen = [b for b in self.buckets if is_expert_parameter(b.params[0]) == expert]
+            chosen = [b for b in self.buckets if placement_of(b.params[0]).expert == expert]
             if not chosen:
                 continue
             got = torch.tensor([g for bucket in chosen for g in bucket.got_gradients], dtype=torch.int32)

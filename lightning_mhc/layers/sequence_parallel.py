@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
+from lightning_mhc.distributed.placement import place, placement_of
 from lightning_mhc.errors import ConfigError
 
 
@@ -102,8 +103,8 @@ def scatter_to_sequence_parallel_region(x: Tensor) -> Tensor:
 
 def mark_sequence_parallel_parameters(module: torch.nn.Module) -> None:
     """Mark the parameters replicated across TP that act on the sequence-parallel region
-    (norms, hyper-connections, row-parallel biases) with megatron's ``sequence_parallel``
-    attribute: their gradients are partial sums over TP, reduced by the runtime."""
+    (norms, hyper-connections, row-parallel biases) ``sequence_parallel`` (their
+    ``ParameterPlacement``): their gradients are partial sums over TP, reduced by the runtime."""
     for p in module.parameters():
-        if not getattr(p, "tensor_model_parallel", False):
-            p.sequence_parallel = True
+        if not placement_of(p).split:
+            place(p, sequence_parallel=True)

@@ -31,7 +31,7 @@ from lightning_mhc.model.attention import SelfAttention
 from lightning_mhc.layers.bda import residual_dropout
 from lightning_mhc.model.rope import rotary_freqs_at
 from lightning_mhc.layers.sequence_parallel import mark_sequence_parallel_parameters, scatter_to_sequence_parallel_region
-from lightning_mhc.distributed.grads import mark_replicated
+from lightning_mhc.distributed.placement import mark_replicated, place
 from lightning_mhc.model.transformer_block import TransformerBlock
 
 WORD_EMBEDDINGS_KEY = "embedding.word_embeddings.weight"
@@ -147,9 +147,9 @@ class GPTModel(torch.nn.Module):
             )
             if self.share_embeddings_and_output_weights and not tied_here:
                 # Marks the copy whose gradient is all-reduced with the first stage's embedding.
-                self.output_layer.weight.shared_embedding = True
+                place(self.output_layer.weight, shared_embedding=True)
         if pre_process and self.share_embeddings_and_output_weights:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            place(self.embedding.word_embeddings.weight, shared_embedding=True)
         if config.sequence_parallel:
             mark_sequence_parallel_parameters(self.decoder)
         self.sequence_split = SequenceSplit.of(layout) if cp > 1 else None

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_mhc.distributed.expert_parallel import ExpertLayer, experts_on_their_ranks, group_rank, group_size
+from lightning_mhc.distributed.placement import place
 from lightning_mhc.layers.moe import combine_pairs, grouped_matmul, token_expert_pairs
 
 
@@ -219,7 +220,7 @@ class GroupedExperts(torch.nn.Module):
         for param in self.parameters():
             # megatron's marker of an expert parameter: its gradient is reduced over the
             # expert-data-parallel ranks only (the ranks holding the same experts)
-            param.allreduce = False
+            place(param, expert=True)
 
     def forward(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
         def mm(x: Tensor, w: Tensor) -> Tensor:

@@ -37,6 +37,7 @@ from lightning_mhc.model.mlp import MLP
 from lightning_mhc.model.moe_mlp import MoEMLP, is_moe_layer
 from lightning_mhc.model.norm import RMSNorm
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput, checkpoint
+from lightning_mhc.roles import roles_of
 
 
 class TransformerLayer(torch.nn.Module):
@@ -67,10 +68,6 @@ class TransformerLayer(torch.nn.Module):
         self.recompute_input_layernorm = "layernorm" in modules
         self.recompute_pre_mlp_layernorm = "layernorm" in modules
         self.recompute_mlp = "mlp" in modules
-        # Set by the block recompute's attacher (lightning_mhc.recompute.groups): the group whose
-        # manager this layer checkpoints into, and whether this layer's output ends the group.
-        self.recompute_group = None
-        self.is_last_layer_in_block = False
 
     @staticmethod
     def _build_mlp(config: MHCTransformerConfig, layer_number: int, init: ParamInit,
@@ -95,9 +92,10 @@ class TransformerLayer(torch.nn.Module):
         The manager and ``is_last_layer_in_block`` default to the recompute group this layer is
         in (``lightning_mhc.recompute.groups``); the group's last layer hands it its output.
         """
-        group = self.recompute_group if mhc_recompute_manager is None else None  # a caller's manager is theirs
+        roles = roles_of(self)  # given by the block recompute's attacher (lightning_mhc.recompute.groups)
+        group = roles.recompute_group if mhc_recompute_manager is None else None  # a caller's manager is theirs
         manager = group.manager if group is not None else mhc_recompute_manager
-        is_last = self.is_last_layer_in_block if is_last_layer_in_block is None else is_last_layer_in_block
+        is_last = roles.last_in_recompute_group if is_last_layer_in_block is None else is_last_layer_in_block
         hidden_states = self._forward_attention(hidden_states, rotary_freqs, manager)
         hidden_states = self._forward_mlp(hidden_states, manager, is_last)
         if group is not None and is_last:

@@ -4,11 +4,12 @@ decoder layers (``policy.attach_recompute``) and the hyper-connected blocks of a
 
 A group is ``L_r`` consecutive layers of one pipeline stage (:func:`block_ranges`, the paper's
 eq. 20) under one ``MHCBlockRecomputeManager`` per training forward. Each layer of a group holds
-it as ``layer.recompute_group`` and knows whether it ends it (``layer.is_last_layer_in_block``,
-megatron's name); a forward pre-hook on the group's first layer makes the manager (only in
-training forwards with grad enabled, so evaluation is untouched), the layers checkpoint into
-``group.manager``, and the last one hands its output, which it keeps out of the manager, to
-:meth:`RecomputeGroup.finish`: every checkpoint's output is freed and recomputed from one hook.
+it as its role ``recompute_group`` and knows whether it ends it (``last_in_recompute_group``,
+megatron's ``is_last_layer_in_block``; ``lightning_mhc.roles``); a forward pre-hook on the
+group's first layer makes the manager (only in training forwards with grad enabled, so
+evaluation is untouched), the layers checkpoint into ``group.manager``, and the last one hands its
+output, which it keeps out of the manager, to :meth:`RecomputeGroup.finish`: every checkpoint's
+output is freed and recomputed from one hook.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
+from lightning_mhc.roles import assign_roles
 
 
 def block_ranges(layers: int, n: int, layer_num: int | None = None) -> list[tuple[int, int]]:
@@ -65,8 +67,7 @@ def attach_block_recompute(layers: Sequence[nn.Module], ranges: Sequence[tuple[i
         members = layers[start:end]
         group = RecomputeGroup(name(members[0], members[-1]), created)
         for layer in members:
-            layer.recompute_group = group
-            layer.is_last_layer_in_block = layer is members[-1]
+            assign_roles(layer, recompute_group=group, last_in_recompute_group=layer is members[-1])
         handles.append(members[0].register_forward_pre_hook(group.start))
     return handles
 
@@ -76,5 +77,4 @@ def detach_block_recompute(layers: Sequence[nn.Module], handles: Sequence[Remova
     for handle in handles:
         handle.remove()
     for layer in layers:
-        layer.recompute_group = None
-        layer.is_last_layer_in_block = False
+        assign_roles(layer, recompute_group=None, last_in_recompute_group=False)

@@ -32,6 +32,7 @@ from lightning_mhc.any_model.model import parallelize
 from lightning_mhc.any_model.parallel_model import ParallelModel
 from lightning_mhc.any_model.recompute import check_recompute
 from lightning_mhc.recompute.policy import RecomputePolicy
+from lightning_mhc.roles import assign_roles
 from lightning_mhc.recompute.rng import replay_tracked_rng_in_hf_checkpointing
 
 
@@ -86,7 +87,7 @@ class ParallelLMModule(PipelinedLMModule):
             return None
         monitor = StreamDivergenceMonitor(blocks[0].hyper_connection_wiring.n)
         for block in blocks:
-            block.hyper_connection_observer = monitor.observe
+            assign_roles(block, hyper_connection_observer=monitor.observe)
         return monitor
 
     def _check_built_policy(self) -> None:
