@@ -21,6 +21,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_mhc.roles import roles_of
+
 
 def carry_streams_flat(chunk: nn.Module, block_path: str | None, streams: int) -> None:
     """Each decoder layer of ``chunk`` (the modules of ``block_path``) and its ``hc_head`` (where
@@ -69,11 +71,12 @@ def recompute_hyper_connections(chunk: nn.Module, block_path: str | None, layer_
 def _under_block_recompute(layer: nn.Module, forward, layer_forward, name: str):
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any):
-        group = layer.__dict__.get("recompute_group")
+        roles = roles_of(layer)  # given by the recompute pass (``recompute.groups``)
+        group = roles.recompute_group
         manager = group.manager if group is not None else None
         if manager is None:  # evaluation, no grad, or no group: the layer as written
             return forward(*args, **kwargs)
-        last = layer.__dict__.get("is_last_layer_in_block", False)
+        last = roles.last_in_recompute_group
         output = layer_forward(layer, HyperConnectionCheckpoints(manager, name, last),
                                *args, **kwargs)
         if last:  # the group's last output, kept: every checkpoint of the group recomputed from its hook

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.placement import placement_of
 from lightning_mhc.planning.memory import FP32, RankBytes, StageCount, rank_bytes
 
 
@@ -92,10 +93,10 @@ def hf_stage_counts(model: nn.Module, layout: ParallelLayout, *, plan: Any = "au
         dense = expert = tensors = 0
         held = nn.ModuleList([module for _, module in named])
         for param in held.parameters():  # each tensor once (a tie on one stage)
-            if getattr(param, "allreduce", True):
-                dense += param.numel()
-            else:  # an EP rank's experts: reduced over the expert-data ranks
+            if placement_of(param).expert:  # an EP rank's experts: reduced over the expert-data ranks
                 expert += param.numel()
+            else:
+                dense += param.numel()
             tensors += 1
         counts.append(StageCount(stage, tuple(ranges[c] for c in chunks), dense, expert, tensors))
     return counts
