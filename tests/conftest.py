@@ -24,10 +24,14 @@ import tempfile  # noqa: E402
 # `tmp*wandb-artifacts`) that only an exit handler removes: ranks that end in os._exit and the
 # processes the fault tests kill left them in /tmp on every run. What is shared between runs and
 # processes stays where it was: the port locks (lightning_mhc.testing.launch names them in the
-# environment) and Inductor's compiled kernels (its default folder, named before TMPDIR changes).
+# environment), Inductor's compiled kernels (its default folder, named before TMPDIR changes) and
+# the Triton kernels compiled ahead of time.
 SYSTEM_TMP = tempfile.gettempdir()  # this process keeps it (pytest's own tmp_path folders included)
 SUITE_TMP = tempfile.mkdtemp(prefix="lightning_mhc_tests_")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(SYSTEM_TMP, f"torchinductor_{getpass.getuser()}"))
+TRITON_AOT_CACHE = os.path.join(SYSTEM_TMP, f"triton_aot_{getpass.getuser()}")
+"""Triton's cache for the kernels compiled ahead of time (tests/test_triton_kernels.py), kept
+between runs like Inductor's: a compile is keyed by everything that goes into it."""
 os.environ["TMPDIR"] = SUITE_TMP
 # data.blend=sample indexes the shipped corpus once into the user's cache: the suite's own folder
 # instead (one per worker, shared by its child processes), so no test writes into the real ~/.cache
