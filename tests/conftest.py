@@ -24,10 +24,14 @@ import tempfile  # noqa: E402
 # `tmp*wandb-artifacts`) that only an exit handler removes: ranks that end in os._exit and the
 # processes the fault tests kill left them in /tmp on every run. What is shared between runs and
 # processes stays where it was: the port locks (lightning_mhc.testing.launch names them in the
-# environment) and Inductor's compiled kernels (its default folder, named before TMPDIR changes).
+# environment), Inductor's compiled kernels (its default folder, named before TMPDIR changes) and
+# the Triton kernels compiled ahead of time.
 SYSTEM_TMP = tempfile.gettempdir()  # this process keeps it (pytest's own tmp_path folders included)
 SUITE_TMP = tempfile.mkdtemp(prefix="lightning_mhc_tests_")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(SYSTEM_TMP, f"torchinductor_{getpass.getuser()}"))
+TRITON_AOT_CACHE = os.path.join(SYSTEM_TMP, f"triton_aot_{getpass.getuser()}")
+"""Triton's cache for the kernels compiled ahead of time (tests/test_triton_kernels.py), kept
+between runs like Inductor's: a compile is keyed by everything that goes into it."""
 os.environ["TMPDIR"] = SUITE_TMP
 # data.blend=sample indexes the shipped corpus once into the user's cache: the suite's own folder
 # instead (one per worker, shared by its child processes), so no test writes into the real ~/.cache
@@ -55,10 +59,15 @@ launch.PRELOAD += ("lightning.pytorch", "lightning_mhc.lightning", "lightning_mh
 # wheel, preemption, the gpu-check dry run) came last, and one worker ran the last of them while
 # the other sat idle. Handed out longest first, the files left at the end are short ones. The
 # order below is the files' time on CI's 2-core machine, longest first (from its slowest
-# durations, 2026-11-28); the files it does not name follow, most tests first, as before.
+# durations, 2026-11-28); the files it does not name follow, most tests first, as before. The
+# newest files, placed by their CPU time alone (`-p cpu_time`, whole file, against
+# test_deepseek_v4_parallel.py's 103 s of CPU for its ~3 minutes in the suite): that file after
+# test_parallelize.py, test_hy_v4_parallel.py (53 s of CPU) beside test_wheel.py's 88 s,
+# test_planner_traffic.py (35 s, about a minute) last.
 LONGEST_FILES = ("test_benchmarks.py", "test_triton_kernels.py", "test_docs.py", "test_parallelize.py",
-                 "test_preemption.py", "test_hydra.py", "test_distributed_optimizer.py", "test_wheel.py",
-                 "test_checkpoint_reshard.py", "test_hf_idioms.py", "test_multinode.py")
+                 "test_deepseek_v4_parallel.py", "test_preemption.py", "test_hydra.py",
+                 "test_distributed_optimizer.py", "test_wheel.py", "test_hy_v4_parallel.py",
+                 "test_checkpoint_reshard.py", "test_hf_idioms.py", "test_multinode.py", "test_planner_traffic.py")
 
 
 def pytest_configure(config):

@@ -262,7 +262,7 @@ def test_a_model_with_triton_kernels_trains_like_the_eager_one_and_recomputes_bi
         assert torch.equal(loss_b, loss_t) and all(torch.equal(grads_b[k], grads_t[k]) for k in grads_t)
 
 
-def test_every_kernel_compiles_for_an_h100_ahead_of_time(tmp_path):
+def test_every_kernel_compiles_for_an_h100_ahead_of_time():
     """The interpreter runs the kernels as Python; compiled Triton is stricter (both sides of a
     runtime branch must give the same shape: the Sinkhorn step once picked rows or columns that
     way, passed here and could not compile). Every variant the code can launch (n = 2, 3, 4, 6, 8;
@@ -271,14 +271,22 @@ def test_every_kernel_compiles_for_an_h100_ahead_of_time(tmp_path):
     and n = 4 for sm_80 and sm_100, in a child process without ``TRITON_INTERPRET``, no GPU needed:
     365 kernels. The projection's
     tf32 and tf32x3 variants multiply on the tensor cores (their PTX has ``mma``, ``wgmma`` or
-    ``tcgen05.mma``), its ``ieee`` one does not."""
+    ``tcgen05.mma``), its ``ieee`` one does not.
+
+    Triton's cache is kept between runs (``TRITON_AOT_CACHE``, as Inductor's is): its key is the
+    kernel's source with every function it calls, the argument types, constexprs and options, the
+    target, Triton's version and ptxas's, so a repeat of an unchanged kernel reads the binary and
+    PTX that compile made (365 compiles, about 170 s of CPU, only on a machine's first run or
+    after a change), and a changed kernel or toolchain compiles again. A failed compile is not
+    cached."""
     import pathlib
     import subprocess
     import sys
 
+    from conftest import TRITON_AOT_CACHE
     from subprocess_env import child_env
 
-    env = {k: v for k, v in child_env(TRITON_CACHE_DIR=str(tmp_path)).items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in child_env(TRITON_CACHE_DIR=TRITON_AOT_CACHE).items() if k != "TRITON_INTERPRET"}
     script = pathlib.Path(__file__).parent / "scripts" / "compile_triton_kernels.py"
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -47,6 +47,7 @@ from lightning_mhc import checkpoint as dist_checkpoint
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.data.resumable_loader import ResumableLoader
 from lightning_mhc.distributed.pipeline.protocol import is_pipeline_module
+from lightning_mhc.lightning.fit_position import continue_where_fit_stopped
 from lightning_mhc.lightning.launcher import MHCSubprocessLauncher
 from lightning_mhc.recompute.rng import replay_tracked_rng_in_hf_checkpointing
 from lightning_mhc.lightning.preemption import PreemptionSignalConnector, PreemptionState, agree_to_stop, stop_preempted
@@ -284,10 +285,13 @@ class MHCParallelStrategy(StrategyProcesses, ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint saved on any layout into this rank's stage (and, when fitting, its
-        optimizers' states)."""
+        optimizers' states). One saved after training ended resumes where that run stopped
+        (``fit_position``), as one saved during it does."""
         trainer = self.lightning_module.trainer
         optimizers = [unwrap_optimizer(o) for o in self.optimizers] if trainer.state.fn == TrainerFn.FITTING else []
-        return self.runtime.load(checkpoint_path, self.lightning_module, optimizers, self.global_rank)
+        checkpoint = self.runtime.load(checkpoint_path, self.lightning_module, optimizers, self.global_rank)
+        continue_where_fit_stopped(checkpoint)
+        return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)

@@ -5,7 +5,8 @@
 Every case fits on a shuffled DataLoader (Lightning inserts the sampler) for
 ``STEPS`` steps, across an epoch boundary, and records per step the loss and
 the dataset indices each rank trained on (gathered to rank 0). ``--devices 1``
-runs the one-process references: the same global batches, whole.
+runs the one-process references: the same global batches, whole. The case ``stop_resume`` runs
+the plain module stopped early, saved after ``fit`` and resumed (``stop_resume``).
 """
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import pathlib
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mhc import MHCGPTModule, MHCParallelStrategy
+from lightning_mhc.lightning.callbacks.final_step import FinalStepCheckpoint
 from lightning_mhc.data.sources import SyntheticTokens
 
 SEQ, GLOBAL_BATCH, STEPS_PER_EPOCH, STEPS = 16, 8, 3, 5
@@ -70,11 +72,12 @@ class PlainWithUnusedLayer(PlainRegression):
 
 
 class Recorder(Callback):
-    """Per step: the loss (rank 0's view) and every rank's sample indices."""
+    """Per step: the loss (rank 0's view), every rank's sample indices and (epoch, batch index)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.indices: list[list[list[int]]] = []
+        self.positions: list[tuple[int, int]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"].detach()
@@ -86,6 +89,7 @@ class Recorder(Callback):
         if dist.is_initialized():
             dist.all_gather_object(everyone, mine)
         self.indices.append(everyone)
+        self.positions.append((trainer.current_epoch, batch_idx))
 
 
 def gpt_config() -> dict:
@@ -126,6 +130,65 @@ def fit_case(case: str, devices: int) -> dict:
     return result
 
 
+STOP_RESUME_STEPS = 3 * STEPS_PER_EPOCH
+STOPS = {  # name: (the first run's Trainer arguments, stop at step (should_stop), where it is saved)
+    "should_stop_mid_epoch": (dict(max_steps=STOP_RESUME_STEPS), 2, "after_fit"),
+    "should_stop_at_epoch_end": (dict(max_steps=STOP_RESUME_STEPS), STEPS_PER_EPOCH, "after_fit"),
+    "max_steps_mid_epoch": (dict(max_steps=2), None, "after_fit"),
+    "max_steps_at_epoch_end": (dict(max_steps=STEPS_PER_EPOCH), None, "after_fit"),
+    "final_step_mid_epoch": (dict(max_steps=4), None, "final_step"),  # the CLI's FinalStepCheckpoint
+    "epochs_should_stop_mid_epoch": (dict(max_epochs=3), 5, "after_fit"),  # epoch-based training
+}
+"""How a run can end before the uninterrupted run's ``STOP_RESUME_STEPS`` steps (3 epochs): each
+is resumed with that run's limit (``max_steps``, or ``max_epochs`` where the first run had it)."""
+
+
+class StopAt(Callback):
+    """``trainer.should_stop`` set after the step ``step``, as a user's callback sets it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def fit_plain(devices: int, limits: dict, callbacks: list, ckpt_path: str | None = None):
+    """The plain module on ``VectorData`` (shuffled, Lightning's sampler) under ``limits``."""
+    recorder = Recorder()
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=MHCParallelStrategy(), logger=False,
+                         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=[recorder, *callbacks], **limits)
+    loader = DataLoader(VectorData(), batch_size=GLOBAL_BATCH // devices, shuffle=True, drop_last=True)
+    torch.manual_seed(0)  # the same initial weights in every run
+    trainer.fit(PlainRegression(), train_dataloaders=loader, ckpt_path=ckpt_path)
+    return trainer, dict(losses=recorder.losses, indices=recorder.indices, positions=recorder.positions,
+                         epoch=trainer.current_epoch, global_step=trainer.global_step)
+
+
+def stop_resume(devices: int, out_dir: pathlib.Path) -> dict:
+    """The uninterrupted run of ``STOP_RESUME_STEPS`` steps, then per ``STOPS`` case: the first
+    run, stopped and saved (after ``fit`` returns, or ``FinalStepCheckpoint`` in
+    ``on_train_end``), and the run resumed from that checkpoint."""
+    result = {"uninterrupted": fit_plain(devices, dict(max_steps=STOP_RESUME_STEPS), [])[1]}
+    for name, (limits, stop_at, saved) in STOPS.items():
+        callbacks = [StopAt(stop_at)] if stop_at else []
+        if saved == "final_step":
+            callbacks.append(FinalStepCheckpoint(dirpath=out_dir / name, every_n_train_steps=STOP_RESUME_STEPS))
+        trainer, result[f"{name}_first"] = fit_plain(devices, limits, callbacks)
+        path = out_dir / name / "after_fit.ckpt"
+        if saved == "after_fit":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            trainer.save_checkpoint(path)
+        else:
+            (path,) = (out_dir / name).glob("*.ckpt")
+        resumed_limits = limits if "max_epochs" in limits else dict(max_steps=STOP_RESUME_STEPS)
+        result[name] = fit_plain(devices, resumed_limits, [], ckpt_path=str(path))[1]
+    return result
+
+
 def _gather(value):
     if not dist.is_initialized():
         return [value]
@@ -141,7 +204,8 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args()
     pl.seed_everything(7, verbose=False)
-    results = {case: fit_case(case, args.devices) for case in args.cases}
+    results = {case: stop_resume(args.devices, args.out.parent / f"stop_resume{args.devices}") if case == "stop_resume"
+               else fit_case(case, args.devices) for case in args.cases}
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.out.write_text(json.dumps(results))
 
