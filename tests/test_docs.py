@@ -264,11 +264,16 @@ def _user_files(scratch: pathlib.Path, monkeypatch, text: str = "") -> None:
     (scratch / "notes.txt").write_text("far too short for one batch of 64-byte windows\n" * 4)  # 188 bytes
 
 
-def _argparse_options(script: pathlib.Path) -> set[str]:
+def _argparse_options(script: pathlib.Path, follow: bool = True) -> set[str]:
+    """The options a script's argparse declares, its own or in a sibling module it imports them
+    from (benchmarks share their arguments)."""
     options = set()
     for node in ast.walk(ast.parse(script.read_text())):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
             options.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-"))
+        sibling = script.parent / f"{node.module}.py" if isinstance(node, ast.ImportFrom) and node.module else None
+        if follow and sibling is not None and sibling.is_file():
+            options |= _argparse_options(sibling, follow=False)
     return options | {"-h", "--help"}
 
 
