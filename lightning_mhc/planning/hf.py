@@ -117,14 +117,17 @@ def _stage_modules(model: nn.Module, parts, ranges: list[tuple[int, int]], chunk
     stage's blocks; the whole model when it has no block list."""
     if parts is None:
         return [("", model)]
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     named = []
     for virtual in chunks:
-        if virtual == 0:
-            named += [(name, model.get_submodule(name)) for name in parts.first]
-        if virtual == last:
-            named += [(name, model.get_submodule(name)) for name in parts.last]
+        chunk = [(name, model.get_submodule(name)) for name in parts.first] if virtual == 0 else []
         start, end = ranges[virtual]
-        named += [(parts.block_name(i), parts.blocks[i]) for i in range(start, end)]
+        chunk += [(parts.block_name(i), parts.blocks[i]) for i in range(start, end)]
+        if virtual == last:
+            chunk += [(name, model.get_submodule(name)) for name in parts.last]
+        # in the model's order, as the runtime's chunk (the model holding its share) lists them:
+        # ZeRO-1's buckets follow it
+        named += sorted(chunk, key=lambda item: order[item[0]])
     return named
 
 
