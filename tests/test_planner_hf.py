@@ -39,8 +39,8 @@ CASES = [("llama", 4, 2, 1, 1, 1), ("llama", 4, 1, 2, 2, 1), ("llama", 4, 2, 2, 
          ("mixtral", None, 1, 1, 1, 2), ("mixtral", 4, 2, 1, 1, 2), ("mixtral", None, 1, 2, 1, 2),
          ("deepseek_v4", None, 2, 1, 1, 1), ("deepseek_v4", None, 1, 2, 1, 2), ("deepseek_v4", None, 2, 2, 1, 1)]
 # ZeRO-1 (family, added streams, TP, PP, VP, EP, bucket bytes): DP 4; PP 2 x DP 2 with several buckets a
-# stage (the head tied across the stages in one of its own); EP 2 x DP 4; DeepSeek-V4 EP 2, small buckets
-ZERO1_CASES = [("llama", 4, 1, 1, 1, 1, 25 * 2**20), ("llama", 4, 1, 2, 1, 1, 4_000),
+# stage (the head tied across the stages in one of its own, which these sizes would share); EP 2 x DP 4; DeepSeek-V4 EP 2, small buckets
+ZERO1_CASES = [("llama", 4, 1, 1, 1, 1, 25 * 2**20), ("llama", 4, 1, 2, 1, 1, 40_000),
                ("mixtral", None, 1, 1, 1, 2, 25 * 2**20), ("deepseek_v4", None, 1, 1, 1, 2, 20_000)]
 CASES = [c for c in CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
 ZERO1_CASES = [c for c in ZERO1_CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
