@@ -61,23 +61,16 @@ def _measure(rank, world):
 
 
 def _measure_zero1(model, tp, pp, vp, ep, bucket_bytes, world):
-    """This rank's stage, DP x CP index and ZeRO-1 optimizer bytes after one AdamW step."""
-    import torch.distributed as dist
+    """This rank's ZeRO-1 row (``testing.zero1``)."""
     from megatron.core import parallel_state
 
-    from lightning_mhc.distributed.optimizer import DistributedOptimizer
     from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
     from lightning_mhc.model.stages import build_gpt_chunks
+    from lightning_mhc.testing.zero1 import zero1_state_row
 
     layout = _layout(world, tp, pp, vp, ep).build()
     chunks = build_gpt_chunks(with_parallel_layout(MHCTransformerConfig(**model), layout), layout)
-    optim = torch.optim.AdamW([p for c in chunks for p in c.parameters()])
-    zero1 = DistributedOptimizer(optim, chunks, layout, bucket_bytes=bucket_bytes)
-    for piece in zero1.pieces.values():
-        piece.main.grad = torch.zeros_like(piece.main)
-    optim.step()
-    row = (layout.pipeline_model_parallel_rank, dist.get_rank(layout.dp_cp_group), zero1.state_bytes())
-    zero1.remove()
+    row = zero1_state_row(chunks, layout, bucket_bytes)
     parallel_state.destroy_model_parallel()
     return row
 
@@ -107,15 +100,12 @@ def test_zero1_optimizer_bytes_per_rank_exact(measured):
     planner's for its stage and DP x CP index; the stage's figure is its most loaded rank's."""
     from lightning_mhc.model.config import MHCTransformerConfig
     from lightning_mhc.planning import plan_gpt
+    from lightning_mhc.testing.zero1 import check_zero1_rows
 
     for i, (model, tp, pp, vp, ep, bucket_bytes) in enumerate(ZERO1_CASES):
         planned = plan_gpt(MHCTransformerConfig(**model), _layout(4, tp, pp, vp, ep), distributed_optimizer=True,
                            bucket_bytes=bucket_bytes)
-        rows = [r[len(CASES) + i] for r in measured]
-        for rank, (stage, index, state) in enumerate(rows):
-            assert state == planned[stage].optimizer_bytes_by_rank[index], (ZERO1_CASES[i][1:], rank, state, planned)
-        for stage in range(pp):
-            assert planned[stage].optimizer_bytes == max(s for st, _, s in rows if st == stage)
+        check_zero1_rows(planned, [r[len(CASES) + i] for r in measured], ZERO1_CASES[i])
 
 
 def test_plan_starts_no_process_group(tmp_path, monkeypatch, capsys):

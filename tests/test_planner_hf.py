@@ -83,25 +83,15 @@ def _measure(rank, world):
 
 
 def _measure_zero1(family, streams, tp, pp, vp, ep, bucket_bytes):
-    """This rank's stage, DP x CP index and ZeRO-1 optimizer bytes after one AdamW step, on the chunks
-    the strategy hands the distributed optimizer."""
-    import torch.distributed as dist
-
+    """This rank's ZeRO-1 row (``testing.zero1``) on the chunks the strategy hands the distributed optimizer."""
     from lightning_mhc.any_model import parallelize
     from lightning_mhc.distributed.layout import destroy_parallel
-    from lightning_mhc.distributed.optimizer import DistributedOptimizer
     from lightning_mhc.distributed.pipeline.protocol import has_model_chunks
+    from lightning_mhc.testing.zero1 import zero1_state_row
 
     layout = _layout(tp, pp, vp, ep).build()
     model = parallelize(_recorded(family), "auto", layout=layout, hyper_connections=streams)
-    chunks = model.model_chunks() if has_model_chunks(model) else [model]
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    zero1 = DistributedOptimizer(optim, chunks, layout, bucket_bytes=bucket_bytes)
-    for piece in zero1.pieces.values():
-        piece.main.grad = torch.zeros_like(piece.main)
-    optim.step()
-    row = (layout.pipeline_model_parallel_rank, dist.get_rank(layout.dp_cp_group), zero1.state_bytes())
-    zero1.remove()
+    row = zero1_state_row(model.model_chunks() if has_model_chunks(model) else [model], layout, bucket_bytes)
     destroy_parallel()
     return row
 
@@ -128,15 +118,12 @@ def test_hf_zero1_optimizer_bytes_per_rank_exact(measured):
     """Under ZeRO-1 each rank's AdamW state (its pieces' moments and one step per piece) equals the
     planner's for its stage and DP x CP index; the stage's figure is its most loaded rank's."""
     from lightning_mhc.planning import plan_hf
+    from lightning_mhc.testing.zero1 import check_zero1_rows
 
     for i, (family, streams, tp, pp, vp, ep, bucket_bytes) in enumerate(ZERO1_CASES):
         planned = plan_hf(_recorded(family), _layout(tp, pp, vp, ep), hyper_connections=streams,
                           distributed_optimizer=True, bucket_bytes=bucket_bytes)
-        rows = [r[len(CASES) + i] for r in measured]
-        for rank, (stage, index, state) in enumerate(rows):
-            assert state == planned[stage].optimizer_bytes_by_rank[index], (ZERO1_CASES[i], rank, state, planned)
-        for stage in range(pp):
-            assert planned[stage].optimizer_bytes == max(s for st, _, s in rows if st == stage)
+        check_zero1_rows(planned, [r[len(CASES) + i] for r in measured], ZERO1_CASES[i])
 
 
 # ------------------------------------------------------------------ the console door and before launch
