@@ -20,6 +20,11 @@ VARIED_MOE = dict(MOE, gated_linear_unit=True, moe_shared_expert_intermediate_si
 CASES = [(TINY, 1, 1, 1, 1), (TINY, 2, 1, 1, 1), (TINY, 2, 2, 1, 1), (TINY, 1, 4, 1, 1),
          (TINY, 1, 2, 2, 1), (dict(TINY, num_residual_streams=1, enable_hyper_connections=False), 4, 1, 1, 1),
          (MOE, 1, 1, 1, 4), (MOE, 1, 2, 1, 2), (VARIED, 2, 2, 1, 1), (VARIED_MOE, 1, 2, 1, 2)]
+# ZeRO-1 (model, TP, PP, VP, EP, bucket bytes): DP 4; TP 2 x DP 2; PP 2 x DP 2 with several buckets a
+# stage (the tied output layer's copy in one of its own); EP 2 x DP 4; PP 2 x EP 2, untied, small buckets
+ZERO1_CASES = [(TINY, 1, 1, 1, 1, 25 * 2**20), (TINY, 2, 1, 1, 1, 25 * 2**20), (TINY, 1, 2, 1, 1, 100_000),
+               (MOE, 1, 1, 1, 2, 25 * 2**20), (dict(VARIED_MOE, share_embeddings_and_output_weights=False),
+                                               1, 2, 1, 2, 30_000)]
 
 
 def _layout(world, tp, pp, vp, ep):
@@ -52,7 +57,22 @@ def _measure(rank, world):
                     sum(p.grad.numel() * p.grad.element_size() for p in params),
                     optimizer_state_bytes(optim)))
         parallel_state.destroy_model_parallel()
-    return out
+    return out + [_measure_zero1(*case, world) for case in ZERO1_CASES]
+
+
+def _measure_zero1(model, tp, pp, vp, ep, bucket_bytes, world):
+    """This rank's ZeRO-1 row (``testing.zero1``)."""
+    from megatron.core import parallel_state
+
+    from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
+    from lightning_mhc.model.stages import build_gpt_chunks
+    from lightning_mhc.testing.zero1 import zero1_state_row
+
+    layout = _layout(world, tp, pp, vp, ep).build()
+    chunks = build_gpt_chunks(with_parallel_layout(MHCTransformerConfig(**model), layout), layout)
+    row = zero1_state_row(chunks, layout, bucket_bytes)
+    parallel_state.destroy_model_parallel()
+    return row
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +93,19 @@ def test_model_state_bytes_per_rank_exact(measured):
             got = (params, grads, optim)
             assert got == (want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes), \
                 (CASES[i][1:], rank, got, want)
+
+
+def test_zero1_optimizer_bytes_per_rank_exact(measured):
+    """Under ZeRO-1 each rank's AdamW state (its pieces' moments and one step per piece) equals the
+    planner's for its stage and DP x CP index; the stage's figure is its most loaded rank's."""
+    from lightning_mhc.model.config import MHCTransformerConfig
+    from lightning_mhc.planning import plan_gpt
+    from lightning_mhc.testing.zero1 import check_zero1_rows
+
+    for i, (model, tp, pp, vp, ep, bucket_bytes) in enumerate(ZERO1_CASES):
+        planned = plan_gpt(MHCTransformerConfig(**model), _layout(4, tp, pp, vp, ep), distributed_optimizer=True,
+                           bucket_bytes=bucket_bytes)
+        check_zero1_rows(planned, [r[len(CASES) + i] for r in measured], ZERO1_CASES[i])
 
 
 def test_plan_starts_no_process_group(tmp_path, monkeypatch, capsys):

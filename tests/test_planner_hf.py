@@ -38,7 +38,12 @@ CASES = [("llama", 4, 2, 1, 1, 1), ("llama", 4, 1, 2, 2, 1), ("llama", 4, 2, 2, 
          ("qwen2", None, 2, 2, 1, 1), ("qwen2", 2, 2, 1, 1, 1),
          ("mixtral", None, 1, 1, 1, 2), ("mixtral", 4, 2, 1, 1, 2), ("mixtral", None, 1, 2, 1, 2),
          ("deepseek_v4", None, 2, 1, 1, 1), ("deepseek_v4", None, 1, 2, 1, 2), ("deepseek_v4", None, 2, 2, 1, 1)]
+# ZeRO-1 (family, added streams, TP, PP, VP, EP, bucket bytes): DP 4; PP 2 x DP 2 with several buckets a
+# stage (the head tied across the stages in one of its own, which these sizes would share); EP 2 x DP 4; DeepSeek-V4 EP 2, small buckets
+ZERO1_CASES = [("llama", 4, 1, 1, 1, 1, 25 * 2**20), ("llama", 4, 1, 2, 1, 1, 40_000),
+               ("mixtral", None, 1, 1, 1, 2, 25 * 2**20), ("deepseek_v4", None, 1, 1, 1, 2, 20_000)]
 CASES = [c for c in CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
+ZERO1_CASES = [c for c in ZERO1_CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
 
 
 def _recorded(family: str):
@@ -74,7 +79,21 @@ def _measure(rank, world):
         out.append((layout.pipeline_model_parallel_rank, sum(p.numel() * p.element_size() for p in params),
                     sum(p.grad.numel() * p.grad.element_size() for p in trained), optimizer_state_bytes(optim)))
         destroy_parallel()
-    return out
+    return out + [_measure_zero1(*case) for case in ZERO1_CASES]
+
+
+def _measure_zero1(family, streams, tp, pp, vp, ep, bucket_bytes):
+    """This rank's ZeRO-1 row (``testing.zero1``) on the chunks the strategy hands the distributed optimizer."""
+    from lightning_mhc.any_model import parallelize
+    from lightning_mhc.distributed.layout import destroy_parallel
+    from lightning_mhc.distributed.pipeline.protocol import has_model_chunks
+    from lightning_mhc.testing.zero1 import zero1_state_row
+
+    layout = _layout(tp, pp, vp, ep).build()
+    model = parallelize(_recorded(family), "auto", layout=layout, hyper_connections=streams)
+    row = zero1_state_row(model.model_chunks() if has_model_chunks(model) else [model], layout, bucket_bytes)
+    destroy_parallel()
+    return row
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +112,18 @@ def test_hf_model_state_bytes_per_rank_exact(measured):
             want = planned[stage]
             got = (params, grads, optim)
             assert got == (want.parameter_bytes, want.gradient_bytes, want.optimizer_bytes), (CASES[i], rank, got, want)
+
+
+def test_hf_zero1_optimizer_bytes_per_rank_exact(measured):
+    """Under ZeRO-1 each rank's AdamW state (its pieces' moments and one step per piece) equals the
+    planner's for its stage and DP x CP index; the stage's figure is its most loaded rank's."""
+    from lightning_mhc.planning import plan_hf
+    from lightning_mhc.testing.zero1 import check_zero1_rows
+
+    for i, (family, streams, tp, pp, vp, ep, bucket_bytes) in enumerate(ZERO1_CASES):
+        planned = plan_hf(_recorded(family), _layout(tp, pp, vp, ep), hyper_connections=streams,
+                          distributed_optimizer=True, bucket_bytes=bucket_bytes)
+        check_zero1_rows(planned, [r[len(CASES) + i] for r in measured], ZERO1_CASES[i])
 
 
 # ------------------------------------------------------------------ the console door and before launch

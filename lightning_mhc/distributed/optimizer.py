@@ -104,6 +104,20 @@ def got_gradient(param: torch.nn.Parameter) -> bool:
     return getattr(param, "main_grad_fresh", False)
 
 
+def owned_pieces(numels: Sequence[int], parts: int, index: int) -> Iterable[tuple[int, slice, slice]]:
+    """``(i, tensor i's flat range, that range's place in the shard)`` for each tensor of a bucket
+    (their sizes ``numels``, concatenated, padded to a multiple of ``parts``) overlapping the
+    ``index``-th of its ``parts`` equal ranges: the pieces a ZeRO-1 rank steps (the planner counts
+    them too, AdamW keeping a step per piece)."""
+    shard = -(-sum(numels) // parts)
+    start, end, offset = index * shard, (index + 1) * shard, 0
+    for i, numel in enumerate(numels):
+        lo, hi = max(offset, start), min(offset + numel, end)
+        if lo < hi:
+            yield i, slice(lo - offset, hi - offset), slice(lo - start, hi - start)
+        offset += numel
+
+
 class ShardBucket:
     """Parameters of one dtype whose gradients accumulate in one fp32 buffer (each parameter's
     ``main_grad`` a view of its range), summed over ``group`` (the parameters' replicas) and
@@ -111,7 +125,7 @@ class ShardBucket:
     all-reduced in place when ``parts == 1``."""
 
     def __init__(self, params: list[torch.nn.Parameter], chunk: int, group, parts: int, index: int) -> None:
-        self.params, self.chunk, self.group, self.parts = params, chunk, group, parts
+        self.params, self.chunk, self.group, self.parts, self.index = params, chunk, group, parts, index
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
@@ -148,11 +162,8 @@ class ShardBucket:
     def pieces(self) -> Iterable[tuple[torch.nn.Parameter, slice, slice]]:
         """``(parameter, its flat range, that range's place in this rank's shard)`` for every
         parameter overlapping this rank's range."""
-        end = self.start + self.shard_numel
-        for p, offset in zip(self.params, self.offsets):
-            lo, hi = max(offset, self.start), min(offset + p.numel(), end)
-            if lo < hi:
-                yield p, slice(lo - offset, hi - offset), slice(lo - self.start, hi - self.start)
+        for i, flat_range, shard_range in owned_pieces([p.numel() for p in self.params], self.parts, self.index):
+            yield self.params[i], flat_range, shard_range
 
     def has_grads(self) -> bool:
         return True  # every rank reduces every bucket (zeros where a parameter got no gradient)

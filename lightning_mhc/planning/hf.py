@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.distributed.placement import placement_of
-from lightning_mhc.planning.memory import FP32, RankBytes, StageCount, rank_bytes
+from lightning_mhc.planning.memory import FP32, HeldTensor, RankBytes, StageCount, rank_bytes
 
 
 @dataclass(frozen=True)
@@ -82,23 +82,32 @@ def hf_stage_counts(model: nn.Module, layout: ParallelLayout, *, plan: Any = "au
     place = _RankPlace(tp, ep)
     p, v = layout.pipeline_model_parallel_size, layout.num_virtual_stages // layout.pipeline_model_parallel_size
     build = module_builder(_MetaMaterializer(), planned.plan, place, model)
-    counts = []
+    stages = []
     for stage in range(p):
         chunks = [c * p + stage for c in range(v)]  # megatron's interleaved assignment, as the runtime's
-        named = _stage_modules(model, parts, ranges, chunks, layout.num_virtual_stages - 1)
-        for name, module in named:  # each module is on one stage only: cut in place
-            build(name, module)
-            if family_split is not None and tp > 1:
-                family_split(module, place)
-        dense = expert = tensors = 0
-        held = nn.ModuleList([module for _, module in named])
-        for param in held.parameters():  # each tensor once (a tie on one stage)
-            if placement_of(param).expert:  # an EP rank's experts: reduced over the expert-data ranks
-                expert += param.numel()
-            else:
-                dense += param.numel()
-            tensors += 1
-        counts.append(StageCount(stage, tuple(ranges[c] for c in chunks), dense, expert, tensors))
+        held = []
+        for virtual in chunks:
+            named = _stage_modules(model, parts, ranges, [virtual], layout.num_virtual_stages - 1)
+            for name, module in named:  # each module is on one stage only: cut in place
+                build(name, module)
+                if family_split is not None and tp > 1:
+                    family_split(module, place)
+            # each tensor once (a tie on one chunk), in the chunk's parameter order
+            held.append(list(nn.ModuleList([module for _, module in named]).parameters()))
+        stages.append((stage, chunks, held))
+    # a tensor on two stages (a tie across them): the runtime gives each copy a bucket of its own
+    stages_of: dict[int, set[int]] = {}
+    for stage, _, held in stages:
+        for param in (p for chunk in held for p in chunk):
+            stages_of.setdefault(id(param), set()).add(stage)
+    counts = []
+    for stage, chunks, held in stages:
+        listed = tuple(tuple(HeldTensor(param.numel(), placement_of(param).expert,
+                                        len(stages_of[id(param)]) > 1) for param in chunk) for chunk in held)
+        flat = [t for chunk in listed for t in chunk]
+        # an EP rank's experts (megatron's allreduce=False) are reduced over the expert-data ranks
+        counts.append(StageCount(stage, tuple(ranges[c] for c in chunks), sum(t.numel for t in flat if not t.expert),
+                                 sum(t.numel for t in flat if t.expert), len(flat), listed))
     return counts
 
 
@@ -109,21 +118,25 @@ def _stage_modules(model: nn.Module, parts, ranges: list[tuple[int, int]], chunk
     stage's blocks; the whole model when it has no block list."""
     if parts is None:
         return [("", model)]
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     named = []
     for virtual in chunks:
-        if virtual == 0:
-            named += [(name, model.get_submodule(name)) for name in parts.first]
-        if virtual == last:
-            named += [(name, model.get_submodule(name)) for name in parts.last]
+        chunk = [(name, model.get_submodule(name)) for name in parts.first] if virtual == 0 else []
         start, end = ranges[virtual]
-        named += [(parts.block_name(i), parts.blocks[i]) for i in range(start, end)]
+        chunk += [(parts.block_name(i), parts.blocks[i]) for i in range(start, end)]
+        if virtual == last:
+            chunk += [(name, model.get_submodule(name)) for name in parts.last]
+        # in the model's order, as the runtime's chunk (the model holding its share) lists them:
+        # ZeRO-1's buckets follow it
+        named += sorted(chunk, key=lambda item: order[item[0]])
     return named
 
 
 def plan_hf(model: nn.Module, layout: ParallelLayout, *, param_bytes: int = FP32, distributed_optimizer: bool = False,
-            **parallelize_args: Any) -> list[RankBytes]:
+            bucket_bytes: int | None = None, **parallelize_args: Any) -> list[RankBytes]:
     """Each stage's per-rank bytes of ``model`` (recorded on the meta device; cut in place):
     :func:`hf_stage_counts` (``parallelize_args``: its ``plan``, ``hyper_connections``,
     ``pipeline_split``, ``recompute``) in bytes by ``memory.rank_bytes``."""
+    sizes = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     return rank_bytes(hf_stage_counts(model, layout, **parallelize_args), layout, param_bytes=param_bytes,
-                      distributed_optimizer=distributed_optimizer)
+                      distributed_optimizer=distributed_optimizer, **sizes)

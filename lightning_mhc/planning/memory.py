@@ -10,7 +10,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
+from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES, buckets
 from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.distributed.optimizer import owned_pieces
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
 from lightning_mhc.model.stages import partition_layers
@@ -35,6 +39,17 @@ def parse_bytes(text: str | int | float) -> int:
 
 
 @dataclass(frozen=True)
+class HeldTensor:
+    """One trainable parameter tensor as a rank holds it (after TP's and EP's split)."""
+
+    numel: int
+    expert: bool = False
+    """An expert's: bucketed apart, reduced and sharded over the expert-data ranks."""
+    alone: bool = False
+    """The tied embedding (or its copy on the last stage): the runtime gives it a bucket of its own."""
+
+
+@dataclass(frozen=True)
 class StageCount:
     """Elements of one physical pipeline stage's parameters as one of its ranks holds them."""
 
@@ -47,6 +62,8 @@ class StageCount:
     """Expert elements this rank holds (after EP's split), reduced over the expert-data ranks."""
     tensors: int
     """Parameter tensors on this rank (AdamW keeps a step counter per tensor)."""
+    chunks: tuple[tuple[HeldTensor, ...], ...] = ()
+    """Each model chunk's tensors in the chunk's parameter order (ZeRO-1's buckets follow it)."""
 
     @property
     def total(self) -> int:
@@ -63,74 +80,107 @@ def stage_counts(config: MHCTransformerConfig, layout: ParallelLayout, first_sta
     p, v = layout.pipeline_model_parallel_size, layout.num_virtual_stages // layout.pipeline_model_parallel_size
     ranges = partition_layers(config.num_layers, p * v, first_stage_layers, last_stage_layers)
     counts = []
+    tied = config.share_embeddings_and_output_weights
     for stage in range(p):
         dense = expert = tensors = 0
         chunks = [c * p + stage for c in range(v)]  # megatron's interleaved assignment
+        held = []
         for virtual in chunks:
-            for tensor in chunk_tensors(asked, ranges[virtual], virtual == 0, virtual == p * v - 1):
+            first, last = virtual == 0, virtual == p * v - 1
+            held.append([])
+            for tensor in chunk_tensors(asked, ranges[virtual], first, last):
                 n = tensor.numel // tp if tensor.tensor_parallel else tensor.numel
                 if tensor.expert:
-                    expert += n // ep
+                    n //= ep
+                    expert += n
                 else:
                     dense += n
                 tensors += 1
-        counts.append(StageCount(stage, tuple(ranges[c] for c in chunks), dense, expert, tensors))
+                # the GPT marks the tied embedding, and the output layer's copy of it on a last stage
+                alone = tied and tensor.name in ("embedding.word_embeddings.weight", "output_layer.weight")
+                held[-1].append(HeldTensor(n, tensor.expert, alone))
+        counts.append(StageCount(stage, tuple(ranges[c] for c in chunks), dense, expert, tensors,
+                                 tuple(tuple(h) for h in held)))
     return counts
 
 
 @dataclass(frozen=True)
 class RankBytes:
-    """Model-state bytes of one rank of a stage."""
+    """Model-state bytes of a stage's most loaded rank (its ranks differ only in ZeRO-1's shares)."""
 
     stage: int
     parameter_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
+    optimizer_bytes_by_rank: tuple[int, ...] = ()
+    """Under ZeRO-1: the optimizer bytes of each of the stage's DP x CP ranks, by its index in the
+    DP x CP group (``optimizer_bytes`` is their largest); empty otherwise (every rank the same)."""
 
     @property
     def total(self) -> int:
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
 
 
-def _shard(numel: int, parts: int) -> int:
-    """A ZeRO-1 rank's elements of ``numel`` split in ``parts`` (padded up, as the runtime pads)."""
-    return -(-numel // parts)
+def zero1_shares(count: StageCount, layout: ParallelLayout, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 param_bytes: int = FP32) -> list[tuple[int, int]]:
+    """``(elements, pieces)`` each DP x CP rank of a stage steps under ZeRO-1, by its index in the
+    DP x CP group: the runtime's buckets (``grads.buckets``, run on meta tensors of the held sizes,
+    in the runtime's order: each chunk's parameters reversed, the dense ones then the experts', the
+    tied embedding alone), each cut over the ranks holding it (``optimizer.owned_pieces``). An
+    expert bucket's rank is the DP x CP index over EP (megatron orders EP inside expert-DP)."""
+    if not count.chunks and count.tensors:
+        raise ConfigError("the stage's tensors were not listed in order: ZeRO-1's shares cannot be counted.")
+    dp_cp = layout.data_parallel_size * layout.context_parallel_size
+    ep = layout.expert_model_parallel_size
+    dtype = torch.float32 if param_bytes == FP32 else torch.bfloat16
+    shares = [[0, 0] for _ in range(dp_cp)]
+    for chunk in count.chunks:
+        for expert in (False, True):  # grads.by_reduction_group's order
+            held = [t for t in reversed(chunk) if t.expert == expert]
+            metas = [torch.empty(t.numel, dtype=dtype, device="meta") for t in held]
+            alone = {id(m) for m, t in zip(metas, held) if t.alone}
+            of = {id(m): t for m, t in zip(metas, held)}
+            for bucket in buckets(metas, bucket_bytes, alone=lambda m: id(m) in alone):
+                numels = [of[id(m)].numel for m in bucket]
+                parts = dp_cp // ep if expert else dp_cp
+                for rank in range(dp_cp):
+                    for _, flat, _ in owned_pieces(numels, parts, rank // ep if expert else rank):
+                        shares[rank][0] += flat.stop - flat.start
+                        shares[rank][1] += 1
+    return [tuple(share) for share in shares]
 
 
 def plan_gpt(config: MHCTransformerConfig, layout: ParallelLayout, *, param_bytes: int = FP32,
              distributed_optimizer: bool = False, first_stage_layers: int | None = None,
-             last_stage_layers: int | None = None) -> list[RankBytes]:
+             last_stage_layers: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[RankBytes]:
     """Each stage's per-rank bytes of the mHC GPT (:func:`rank_bytes` of :func:`stage_counts`)."""
     return rank_bytes(stage_counts(config, layout, first_stage_layers, last_stage_layers), layout,
-                      param_bytes=param_bytes, distributed_optimizer=distributed_optimizer)
+                      param_bytes=param_bytes, distributed_optimizer=distributed_optimizer, bucket_bytes=bucket_bytes)
 
 
 def rank_bytes(counts: list[StageCount], layout: ParallelLayout, *, param_bytes: int = FP32,
-               distributed_optimizer: bool = False) -> list[RankBytes]:
+               distributed_optimizer: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[RankBytes]:
     """Each stage's per-rank bytes from its element counts (the mHC GPT's or a Hugging Face
     model's: the runtime keeps both in the same buffers and optimizer).
 
     Parameters at ``param_bytes`` each (4: fp32 and bf16-mixed; 2: bf16-true). Gradients: the
     runtime accumulates in fp32 ``main_grad`` buffers when it shards or holds bf16 weights, else
     in the parameter's dtype. AdamW: two fp32 moments per element; with ZeRO-1 each rank keeps
-    its 1/(DP x CP) range (experts: 1/(expert-data)), plus fp32 main weights of that range under
-    bf16 weights. Without ZeRO-1, torch's AdamW also keeps a 0-d fp32 step per parameter tensor.
+    its range of each bucket (1/(DP x CP) of it, experts' 1/(expert-data); :func:`zero1_shares`),
+    plus fp32 main weights of that range under bf16 weights. torch's AdamW also keeps a 0-d fp32
+    step per tensor it steps: per parameter tensor, under ZeRO-1 per piece of one a rank holds.
     """
-    dp_cp = layout.data_parallel_size * layout.context_parallel_size
-    expert_dp = dp_cp // layout.expert_model_parallel_size
     out = []
     for count in counts:
         params = count.total * param_bytes
         fp32_grads = distributed_optimizer or param_bytes != FP32
         grads = count.total * (FP32 if fp32_grads else param_bytes)
+        main = FP32 * ADAM_MOMENTS + (FP32 if param_bytes != FP32 else 0)  # + fp32 main weights under bf16
         if distributed_optimizer:
-            held = _shard(count.dense, dp_cp) + (_shard(count.expert, expert_dp) if count.expert else 0)
+            # AdamW's 0-d step tensor per piece
+            by_rank = tuple(held * main + pieces * FP32
+                            for held, pieces in zero1_shares(count, layout, bucket_bytes, param_bytes))
+            out.append(RankBytes(count.stage, params, grads, max(by_rank), by_rank))
         else:
-            held = count.total
-        optim = held * FP32 * ADAM_MOMENTS
-        if not distributed_optimizer:
-            optim += count.tensors * FP32  # AdamW's 0-d step tensor per parameter
-        if param_bytes != FP32:
-            optim += held * FP32  # the fp32 main weights the step updates
-        out.append(RankBytes(count.stage, params, grads, optim))
+            out.append(RankBytes(count.stage, params, grads, count.total * main + count.tensors * FP32))
     return out
