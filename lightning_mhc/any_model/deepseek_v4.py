@@ -23,7 +23,8 @@ layers, collapsed by ``model.hc_head`` before the final norm): ``parallelize`` a
   the bias moved by auxiliary-free balancing where ``parallelize`` is asked to (``router_bias.py``).
 - :func:`recomputed_layer`: a decoder layer under ``recompute="mhc_block"`` (its ``attn_hc`` and
   ``ffn_hc`` with their branches' norms, and its two mixes, checkpointed into the layer's recompute
-  group: ``native_streams.HyperConnectionCheckpoints``), the same operations as transformers' forward.
+  group: ``native_streams.HyperConnectionCheckpoints``), the same operations as transformers' forward
+  (after ``lightning_mhc.ops.deepseek_v4.use_our_ops``, as the swapped layer's: its mixes on our kernels).
 - Sequence parallelism (:func:`split_for_tensor_parallel`): between the TP regions each rank holds
   its part of the sequence (the hyper-connections, the norms and the routed MoE run on it); the
   attention gathers the whole sequence once, so the low-rank query, the shared K/V head and the
@@ -90,12 +91,28 @@ def recomputed_layer(layer: nn.Module, checkpoints: HyperConnectionCheckpoints, 
     activations (the normalised streams, Sinkhorn's iterates, the streams between the sub-layers)
     recomputed in backward instead of kept."""
     dtype = hidden_states.dtype
+    mix = _mix_of(layer)
     post, comb, normed = checkpoints.entry("attn_hc", layer.attn_hc, layer.input_layernorm, hidden_states)
     attn_output, _ = layer.self_attn(normed, **kwargs)
-    hidden_states = checkpoints.mix("attn_hc", _mix, hidden_states, post, comb, attn_output, dtype)
+    hidden_states = checkpoints.mix("attn_hc", mix, hidden_states, post, comb, attn_output, dtype)
     post, comb, normed = checkpoints.entry("ffn_hc", layer.ffn_hc, layer.post_attention_layernorm, hidden_states)
     mlp_output = layer.mlp(normed, input_ids=input_ids)
-    return checkpoints.mix("ffn_hc", _mix, hidden_states, post, comb, mlp_output, dtype, last_of_layer=True)
+    return checkpoints.mix("ffn_hc", mix, hidden_states, post, comb, mlp_output, dtype, last_of_layer=True)
+
+
+def _mix_of(layer: nn.Module):
+    """The layer's mix as its own forward computes it: transformers' (:func:`_mix`), or, on a
+    layer ``use_our_ops`` swapped (its ``mhc_implementation``), our kernels' one pass, so that the
+    recomputed layer stays its forward bit for bit."""
+    implementation = getattr(layer, "mhc_implementation", None)
+    if implementation is None:
+        return _mix
+    from lightning_mhc.ops.deepseek_v4 import deepseek_v4_res_post
+
+    def ours(streams: Tensor, post: Tensor, comb: Tensor, output: Tensor, dtype: torch.dtype) -> Tensor:
+        return deepseek_v4_res_post(streams, post, comb, output, implementation)
+
+    return ours
 
 
 def _mix(streams: Tensor, post: Tensor, comb: Tensor, output: Tensor, dtype: torch.dtype) -> Tensor:
