@@ -6,16 +6,18 @@ tensor each), against the model in one process (fp32).
 A tiny V4 (tests/v4_utils.py: compressed sparse and heavily compressed attention, a sliding-window
 layer, a hash-routed layer with ``tid2eid`` spreading tokens over the experts, every map moved off
 its init): on one process bit-exact. One spawned 4-rank group runs every distributed case
-(``_all_layouts``): step-0 logits on PP 2, TP 2, TP 2 x PP 2, PP 2 x EP 2, TP 2 x EP 2 and under
+(``_all_layouts``): step-0 logits on PP 2, TP 2, TP 2 x PP 2, PP 2 x EP 2, TP 2 x EP 2, under
 context parallelism (``any_model/deepseek_v4_context.py``: CP 2, TP 2 x CP 2, PP 2 x CP 2, a
-left-padded batch) within 1e-5; ``Trainer.fit`` on TP 2 x EP 2, TP 2 x CP 2, CP 2 x EP 2, on TP 2 x
+left-padded batch) and with sequence parallelism (TP 2, TP 2 x PP 2, TP 2 x CP 2) within 1e-5;
+``Trainer.fit`` on TP 2 x EP 2, TP 2 x CP 2, CP 2 x EP 2, TP 2 with sequence parallelism, on TP 2 x
 DP 2 with ZeRO-1 and on TP 2 x PP 2 (its step-2 checkpoint continued on PP 2 x EP 2, then read in
 one process, exported and read back by ``from_pretrained``, greedy ``generate``), losses and
-weights within 1e-5 of one process; PP 2 x EP 2 with the router's own loss and the auxiliary-free
-bias update against transformers' model trained by hand; the TP attention's registration gone
-with the run. Refused in one line before anything is built or launched: what is not built for V4,
-layouts that do not divide its heads, groups or experts, ``hyper_connections=n``, a transformers
-without the model.
+weights within 1e-5 of one process; ``mhc_block`` on its own hyper-connections on TP 2 x PP 2, CP 2
+and EP 2 (after ``use_our_ops``) against the same layout without it (1e-6, fewer bytes); PP 2 x EP 2
+with the router's own loss and the auxiliary-free bias update against transformers' model trained
+by hand; the TP attention's registration gone with the run. Refused in one line before anything is
+built or launched: layouts that do not divide its heads, groups or experts,
+``hyper_connections=n``, a transformers without the model.
 """
 from __future__ import annotations
 

@@ -6,17 +6,19 @@ checkpoint's own tensor names), against the model in one process (fp32).
 A tiny HY-V4 (tests/v4_utils.py's ``tiny_hy_v4_config``: a dense layer then three MoE layers with a shared expert
 and a score-correction bias, every attention's indexer picking 4 of 16 keys, full and shared
 indexer layers in turn, the experts' clamp cutting, every map moved off its init): on one process bit-exact; one spawned
-4-rank group (``group``) runs TP 2 x PP 2, PP 2 x EP 2, TP 2 x EP 2 and under context parallelism
+4-rank group (``group``) runs TP 2 x PP 2, PP 2 x EP 2, TP 2 x EP 2, under context parallelism
 (``any_model/hy_v4_context.py``: CP 2, TP 2 x CP 2, PP 2 x CP 2, CP 2 with a left-padded batch; the indexer's
-picks and the causal and padding masks cross the chunk borders) with step-0 logits within 1e-5 of
-one process; 3 SGD steps through ``Trainer.fit`` on TP 2 x EP 2, TP 2 x CP 2, TP 2 x PP 2 with the
-block recompute of its hyper-connections (``mhc_block``), TP 2 x DP 2 with ZeRO-1
+picks and the causal and padding masks cross the chunk borders) and with sequence parallelism (TP 2,
+TP 2 x PP 2, TP 2 x CP 2) with step-0 logits within 1e-5 of one process; 3 SGD steps through
+``Trainer.fit`` on TP 2 x EP 2, TP 2 x CP 2, CP 2, CP 2 x EP 2, TP 2 with sequence parallelism, with
+the block recompute of its hyper-connections (``mhc_block``) on TP 2 x PP 2, CP 2 and EP 2 (after
+``use_our_ops``; each also against the same layout without it, 1e-6, fewer bytes), TP 2 x DP 2 with ZeRO-1
 and TP 2 x PP 2 (its step-2 checkpoint continued on PP 2 x EP 2, then read in one process,
 exported and read back by ``HYV4ForCausalLM.from_pretrained``, greedy ``generate``), losses and
 weights within 1e-5; in one process ``mhc_block`` gives the same logits and gradients (1e-5)
-keeping fewer bytes. The command line trains it on TP 2 x CP 2 (the documented command). What is not built (sequence
-parallelism, a stage beginning with a shared-indexer layer, GLM-5-next and HY-V4-VL, a key/value
-cache under CP) is refused in one line.
+keeping fewer bytes. The command line trains it on ``parallel=tp2cp2`` (TP 2 with sequence
+parallelism x CP 2, the documented command). What is not built (a stage beginning with a
+shared-indexer layer, GLM-5-next and HY-V4-VL, a key/value cache under CP) is refused in one line.
 The spawned group's helpers are DeepSeek-V4's (tests/test_deepseek_v4_parallel.py): they read the
 model from its directory.
 """
