@@ -6,16 +6,18 @@ tensor each), against the model in one process (fp32).
 A tiny V4 (tests/v4_utils.py: compressed sparse and heavily compressed attention, a sliding-window
 layer, a hash-routed layer with ``tid2eid`` spreading tokens over the experts, every map moved off
 its init): on one process bit-exact. One spawned 4-rank group runs every distributed case
-(``_all_layouts``): step-0 logits on PP 2, TP 2, TP 2 x PP 2, PP 2 x EP 2, TP 2 x EP 2 and under
+(``_all_layouts``): step-0 logits on PP 2, TP 2, TP 2 x PP 2, PP 2 x EP 2, TP 2 x EP 2, under
 context parallelism (``any_model/deepseek_v4_context.py``: CP 2, TP 2 x CP 2, PP 2 x CP 2, a
-left-padded batch) within 1e-5; ``Trainer.fit`` on TP 2 x EP 2, TP 2 x CP 2, CP 2 x EP 2, on TP 2 x
+left-padded batch) and with sequence parallelism (TP 2, TP 2 x PP 2, TP 2 x CP 2) within 1e-5;
+``Trainer.fit`` on TP 2 x EP 2, TP 2 x CP 2, CP 2 x EP 2, TP 2 with sequence parallelism, on TP 2 x
 DP 2 with ZeRO-1 and on TP 2 x PP 2 (its step-2 checkpoint continued on PP 2 x EP 2, then read in
 one process, exported and read back by ``from_pretrained``, greedy ``generate``), losses and
-weights within 1e-5 of one process; PP 2 x EP 2 with the router's own loss and the auxiliary-free
-bias update against transformers' model trained by hand; the TP attention's registration gone
-with the run. Refused in one line before anything is built or launched: what is not built for V4,
-layouts that do not divide its heads, groups or experts, ``hyper_connections=n``, a transformers
-without the model.
+weights within 1e-5 of one process; ``mhc_block`` on its own hyper-connections on TP 2 x PP 2, CP 2
+and EP 2 (after ``use_our_ops``) against the same layout without it (1e-6, fewer bytes); PP 2 x EP 2
+with the router's own loss and the auxiliary-free bias update against transformers' model trained
+by hand; the TP attention's registration gone with the run. Refused in one line before anything is
+built or launched: layouts that do not divide its heads, groups or experts,
+``hyper_connections=n``, a transformers without the model.
 """
 from __future__ import annotations
 
@@ -105,31 +107,53 @@ def _pipeline_logits(directory: pathlib.Path, layout: ParallelLayout, padded: bo
     return dp_rank, torch.cat(logits) if logits else None, experts, layout.expert_model_parallel_rank, cp_rank
 
 
+SP = dict(sequence_parallel=True)
+"""Sequence parallelism: between the TP regions each TP rank holds its half of the sequence."""
 LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model_parallel_size=2),
            "tp2pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+           "tp2 sp": dict(tensor_model_parallel_size=2, **SP),
+           "tp2pp2 sp": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, **SP),
+           "tp2cp2 sp": dict(tensor_model_parallel_size=2, context_parallel_size=2, **SP),
            "pp2ep2": dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
            "tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
            "cp2": dict(context_parallel_size=2), "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2),
            "pp2cp2": dict(pipeline_model_parallel_size=2, context_parallel_size=2),
            "cp2 padded": dict(context_parallel_size=2)}
-"""The layouts of the 4 ranks (DP fills the rest); "padded": the batch left-padded (``PADS``).
-Under CP 2 each sequence of ``SEQ`` tokens is cut into 4 chunks of 4: the sliding window (8), the
+"""The layouts of the 4 ranks (DP fills the rest); "padded": the batch left-padded (``PADS``);
+"sp": with sequence parallelism (each TP rank's 8 of the 16 tokens between the TP regions; the
+attention's compressor and indexer read the gathered sequence; under CP 2 each TP rank holds one
+chunk of its CP rank's two). Under CP 2 each sequence of ``SEQ`` tokens is cut into 4 chunks of 4: the sliding window (8), the
 HCA windows (8) and CSA's overlapping pairs of windows (2 x 4) cross the chunk borders."""
 
 
 BLOCK_RECOMPUTE = dict(name="mhc_block", layer_num=2)
 """``mhc_block`` on V4's own hyper-connections, one recompute group per pipeline stage of 2 layers
 (the second layer's input streams are the first's checkpointed, freed output)."""
+MEASURED = dict(measure_activation_memory=True)
 FITS = {"tp2ep2": dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
         "tp2cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2),
         "cp2ep2": dict(context_parallel_size=2, expert_model_parallel_size=2),
+        "tp2 sp": dict(tensor_model_parallel_size=2, **SP),
         "tp2pp2 mhc_block": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                 recompute=BLOCK_RECOMPUTE, measure_activation_memory=True)}
+                                 recompute=BLOCK_RECOMPUTE, **MEASURED),
+        "cp2": dict(context_parallel_size=2, **MEASURED),
+        "cp2 mhc_block": dict(context_parallel_size=2, recompute=BLOCK_RECOMPUTE, **MEASURED),
+        "ep2 our ops": dict(expert_model_parallel_size=2, our_ops=True, **MEASURED),
+        "ep2 our ops mhc_block": dict(expert_model_parallel_size=2, our_ops=True, recompute=BLOCK_RECOMPUTE,
+                                      **MEASURED)}
 """The layouts trained through ``Trainer.fit``: the shared K/V head's gradient summed over TP, the
 experts' over their ranks; under CP the gathered K/V's and compressor inputs' gradients
-reduce-scattered back to their ranks, the loss each rank's part of the mean; TP 2 x PP 2 with the
-block recompute of its hyper-connections (:data:`BLOCK_RECOMPUTE`), its retained activation
-bytes measured, as those of the same layout without it (``SAVED_ON``'s run)."""
+reduce-scattered back to their ranks, the loss each rank's part of the mean; under sequence
+parallelism ("sp") the replicated attention branches' gradients summed once, by the gathered
+sequence's reduce-scatter, and the replicated parameters' over TP; the block recompute of its
+hyper-connections (:data:`BLOCK_RECOMPUTE`) on TP 2 x PP 2, CP 2 and EP 2 (DP 4), the last with
+its hyper-connections on our kernels (``use_our_ops``: "our ops"), each beside the same layout
+without it (:data:`RECOMPUTED`; TP 2 x PP 2's is ``SAVED_ON``'s run), their retained activation
+bytes measured."""
+RECOMPUTED = {"TP 2 x PP 2": ("fit tp2pp2 mhc_block", "saved"), "CP 2": ("fit cp2 mhc_block", "fit cp2"),
+              "EP 2 on our ops": ("fit ep2 our ops mhc_block", "fit ep2 our ops")}
+"""``mhc_block`` on its own hyper-connections beside the same layout without it: ``(with, without)``
+of ``_all_layouts``' results."""
 ZERO = dict(tensor_model_parallel_size=2, use_distributed_optimizer=True)
 """ZeRO-1 (DP 2): each DP rank steps its shard of the momentum and weights (the experts' too,
 whole on every rank here) and gathers the rest."""
@@ -147,12 +171,13 @@ AUX_COEF, BIAS_RATE = 0.5, 0.02
 
 def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float = 0.0, resume: str | None = None,
          save_at: str | None = None, save: str | None = None, keep_model: bool = False, recompute=None,
-         **sizes) -> dict:
+         our_ops: bool = False, **sizes) -> dict:
     """``FIT_STEPS`` SGD steps (momentum 0.9) of ``HFCausalLMModule`` (the CLI's ``model=hf``)
     through ``Trainer.fit`` on ``MHCParallelStrategy(**sizes)`` (from the checkpoint ``resume``;
     saving ``save_at/step=2.ckpt`` at step ``SAVE_AT`` as a run checkpointing as it goes, and
     ``trainer.save_checkpoint(save)`` at the end; ``recompute``: the policy an
-    ``MHCRecomputeCallback`` selects): each step's loss, this rank's parameters by their
+    ``MHCRecomputeCallback`` selects; ``our_ops``: the model's hyper-connections run on our
+    kernels, ``use_our_ops`` on the recorded model before ``parallelize``): each step's loss, this rank's parameters by their
     whole-model names (gathered over TP; experts: ``(start, block)``), its routers'
     score-correction biases, the batches it trained on (with its DP rank) and the strategy's
     ``activation_bytes`` (None unless ``measure_activation_memory``); ``keep_model``: the trained
@@ -179,6 +204,12 @@ def _fit(directory: pathlib.Path, devices: int, router_bias_update_rate: float =
     pl.seed_everything(0, verbose=False)
     module = HFCausalLMModule(str(directory), pretrained=True, optimizer="sgd", lr=FIT_LR, weight_decay=0.0,
                               min_lr_ratio=1.0, router_bias_update_rate=router_bias_update_rate)
+    if our_ops:
+        from lightning_mhc.ops.deepseek_v4 import use_our_ops
+
+        parallelize_recorded = module.parallelize
+        module.parallelize = lambda recorded, *args, **kwargs: parallelize_recorded(use_our_ops(recorded), *args,
+                                                                                   **kwargs)
     losses = Losses()
     callbacks = [losses] + ([ModelCheckpoint(dirpath=save_at, filename="{step}", save_top_k=-1,
                                              every_n_train_steps=SAVE_AT)] if save_at else [])
@@ -249,7 +280,16 @@ def test_block_recompute_of_its_hyper_connections_in_one_process(saved, monkeypa
     check_block_recompute_in_one_process(saved, at_most=0.6, monkeypatch=monkeypatch)
 
 
-def check_block_recompute_in_one_process(saved: pathlib.Path, at_most: float, monkeypatch) -> None:
+def test_block_recompute_of_its_hyper_connections_on_our_ops_in_one_process(saved, monkeypatch):
+    """The same after ``use_our_ops`` (its hyper-connections, mixes and head on our kernels): the
+    recomputed layer mixes on our kernels too, so its logits are the swapped model's bit for bit. It
+    saves less than on transformers' modules: our fused kernels keep fewer bytes to begin with
+    (measured 0.76x of 904,912 B, against 0.56x of 1,262,288 B)."""
+    check_block_recompute_in_one_process(saved, at_most=0.8, monkeypatch=monkeypatch, our_ops=True)
+
+
+def check_block_recompute_in_one_process(saved: pathlib.Path, at_most: float, monkeypatch,
+                                         our_ops: bool = False) -> None:
     """``parallelize(..., recompute="mhc_block")`` in one process, with the paper's groups (one
     layer each of the 4 here) and with 2 layers a group: one recompute hook per group (the last
     group's first), each layer's hyper-connections with their norms and its mixes the checkpoints
@@ -257,7 +297,9 @@ def check_block_recompute_in_one_process(saved: pathlib.Path, at_most: float, mo
     of its largest (the same operations; only the order in which the streams' gradient
     contributions are summed differs: inside a checkpoint first); the bytes the forward keeps for
     backward (``ActivationMemoryMeter``, deterministic) at most ``at_most`` of the run without; an
-    evaluation forward the model's own (shared by HY-V4's test)."""
+    evaluation forward the model's own (shared by HY-V4's test). ``our_ops``: both runs after
+    ``use_our_ops``."""
+    from lightning_mhc.ops.deepseek_v4 import use_our_ops
     from lightning_mhc.recompute import ActivationMemoryMeter, MHCBlockRecomputeManager, RecomputePolicy
 
     recomputes = []
@@ -271,7 +313,8 @@ def check_block_recompute_in_one_process(saved: pathlib.Path, at_most: float, mo
     tokens = batch()[:2]
 
     def run(policy):
-        model = parallelize(meta_model(saved), "auto", weights=saved, recompute=policy).train()
+        recorded = use_our_ops(meta_model(saved)) if our_ops else meta_model(saved)
+        model = parallelize(recorded, "auto", weights=saved, recompute=policy).train()
         with ActivationMemoryMeter(model) as meter:
             logits = model(input_ids=tokens)
         (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
@@ -470,29 +513,36 @@ def check_zero_one(results: list[dict], one_process: dict) -> None:
 
 
 def test_block_recompute_trains_as_the_same_layout_without_it_keeping_fewer_bytes(group):
-    """``mhc_block`` on V4's own hyper-connections through ``Trainer.fit`` on TP 2 x PP 2 (its
-    ``attn_hc`` / ``ffn_hc`` with their norms and their mixes recomputed from one hook per stage):
-    the losses and every weight of the same layout trained without it (``SAVED_ON``'s run; 1e-6,
-    and one process's within 1e-5: ``test_layouts_equal_one_process``), and the bytes the first step's forward
-    keeps for backward (the strategy's ``activation_bytes``, max over ranks: deterministic) at most
-    ``BLOCK_RECOMPUTE_BYTES`` of that run's."""
-    results, _ = group
-    recomputed, plain = [r["fit tp2pp2 mhc_block"] for r in results], [r["saved"] for r in results]
-    loss_diff = max(abs(a - b) for r, p in zip(recomputed, plain) for a, b in zip(r["losses"], p["losses"]))
-    weight_diff = max((r["params"][n][1] - value).abs().max().item() for r, p in zip(recomputed, plain)
-                      for n, (_, value) in p["params"].items())
-    kept, without = recomputed[0]["activation_bytes"], plain[0]["activation_bytes"]
-    print(f"Trainer.fit TP 2 x PP 2 with mhc_block on V4's hyper-connections: activation_bytes {kept:,d} B against "
-          f"{without:,d} B without ({kept / without:.2f}x); max |loss diff| {loss_diff:.3g}, max |weight diff| "
-          f"{weight_diff:.3g} from the run without")
-    assert all(r["params"].keys() == p["params"].keys() for r, p in zip(recomputed, plain))
-    assert loss_diff <= 1e-6 and weight_diff <= 1e-6  # the same operations, gradients summed in another order
-    assert {r["activation_bytes"] for r in recomputed + plain} == {kept, without}  # max over the ranks: one figure
-    assert kept <= BLOCK_RECOMPUTE_BYTES * without, (kept, without)
+    check_block_recompute_against_without(group[0], RECOMPUTED, BLOCK_RECOMPUTE_BYTES)
 
 
-BLOCK_RECOMPUTE_BYTES = 0.5
-"""Measured: 0.46x (495,400 B against 1,083,176 B; the tiny V4, 4 streams, 5 Sinkhorn iterations)."""
+def check_block_recompute_against_without(results: list[dict], pairs: dict, at_most: dict) -> None:
+    """``mhc_block`` on the family's own hyper-connections through ``Trainer.fit`` (its ``attn_hc``
+    / ``ffn_hc`` with their norms and their mixes recomputed from one hook per recompute group), on
+    each layout of ``pairs``: the losses and every weight of the same layout trained without it
+    (1e-6; both within 1e-5 of one process: ``test_layouts_equal_one_process``), and the bytes the
+    first step's forward keeps for backward (the strategy's ``activation_bytes``, max over ranks:
+    deterministic) at most ``at_most[layout]`` of that run's (shared by HY-V4's test)."""
+    for layout, (with_name, without_name) in pairs.items():
+        recomputed, plain = [r[with_name] for r in results], [r[without_name] for r in results]
+        loss_diff = max(abs(a - b) for r, p in zip(recomputed, plain) for a, b in zip(r["losses"], p["losses"]))
+        weight_diff = max((r["params"][n][1] - value).abs().max().item() for r, p in zip(recomputed, plain)
+                          for n, (_, value) in p["params"].items())
+        kept, without = recomputed[0]["activation_bytes"], plain[0]["activation_bytes"]
+        print(f"Trainer.fit {layout} with mhc_block on its own hyper-connections: activation_bytes {kept:,d} B "
+              f"against {without:,d} B without ({kept / without:.2f}x); max |loss diff| {loss_diff:.3g}, max |weight "
+              f"diff| {weight_diff:.3g} from the run without")
+        assert all(r["params"].keys() == p["params"].keys() for r, p in zip(recomputed, plain)), layout
+        assert loss_diff <= 1e-6 and weight_diff <= 1e-6, layout  # the same operations, gradients summed otherwise
+        # max over the ranks: one figure each
+        assert {r["activation_bytes"] for r in recomputed + plain} == {kept, without}, layout
+        assert kept <= at_most[layout] * without, (layout, kept, without)
+
+
+BLOCK_RECOMPUTE_BYTES = {"TP 2 x PP 2": 0.5, "CP 2": 0.65, "EP 2 on our ops": 0.8}
+"""Measured (the tiny V4, 4 streams, 5 Sinkhorn iterations): TP 2 x PP 2 0.46x (495,400 B against
+1,083,176 B), CP 2 0.59x (429,468 B against 723,356 B), EP 2 on our ops 0.74x (352,516 B against
+476,420 B: a rank's 4 layers, 1 x 16 tokens)."""
 
 
 def test_a_checkpoint_goes_on_on_another_layout_and_exports_for_from_pretrained(saved, group, one_process, tmp_path):
@@ -587,8 +637,9 @@ def test_what_is_not_built_yet_and_added_streams_are_refused_in_one_line(saved):
     model = meta_model(saved)
     message = _refusal(model=model, layout=ParallelLayout(), hyper_connections=4)
     assert "model_type 'deepseek_v4'" in message and "carries its own (hc_mult=4 streams)" in message
-    message = _refusal(model=model, layout=ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True))
-    assert "(model_type 'deepseek_v4'): sequence_parallel=True is not built" in message, message
+    # sequence parallelism runs (with CP too): nothing refused
+    check_parallelize(model, "auto", layout=ParallelLayout(tensor_model_parallel_size=2, context_parallel_size=2,
+                                                           sequence_parallel=True))
     message = _refusal(model=model, layout=ParallelLayout(), router_bias_update_rate=-0.1)
     assert message == "router_bias_update_rate=-0.1: a number >= 0 (0: the bias stays as loaded).", message
     with record_module_init():

@@ -23,9 +23,15 @@ layers, collapsed by ``model.hc_head`` before the final norm): ``parallelize`` a
   the bias moved by auxiliary-free balancing where ``parallelize`` is asked to (``router_bias.py``).
 - :func:`recomputed_layer`: a decoder layer under ``recompute="mhc_block"`` (its ``attn_hc`` and
   ``ffn_hc`` with their branches' norms, and its two mixes, checkpointed into the layer's recompute
-  group: ``native_streams.HyperConnectionCheckpoints``), the same operations as transformers' forward.
-- :func:`check_layout`: the layouts not built for V4 yet, refused in one line before anything is
-  built.
+  group: ``native_streams.HyperConnectionCheckpoints``), the same operations as transformers' forward
+  (after ``lightning_mhc.ops.deepseek_v4.use_our_ops``, as the swapped layer's: its mixes on our kernels).
+- Sequence parallelism (:func:`split_for_tensor_parallel`): between the TP regions each rank holds
+  its part of the sequence (the hyper-connections, the norms and the routed MoE run on it); the
+  attention gathers the whole sequence once, so the low-rank query, the shared K/V head and the
+  compressor and indexer, whole on every rank, read it all. Their gradients stay this rank's heads'
+  part, summed over TP by the gather's reduce-scatter and the runtime's sum of the replicated
+  parameters' gradients (summing them first, as without SP, would count them TP times); the hash
+  router reads the token ids of the rank's part.
 """
 from __future__ import annotations
 
@@ -40,7 +46,6 @@ from lightning_mhc.any_model.native_streams import carry_streams_flat  # noqa: F
 from lightning_mhc.any_model.plan import TPPlan
 from lightning_mhc.any_model.router_loss import RouterLossSpec
 from lightning_mhc.distributed.process_state import register_for_the_run
-from lightning_mhc.errors import ConfigError
 from lightning_mhc.layers.moe import SWITCH_LOAD_BALANCING
 
 _ATTENTION = "model.layers.*.self_attn"
@@ -76,15 +81,6 @@ TRANSFORMERS = "5.24"
 ``transformers``; the ``hf`` extra allows older ones, without the model)."""
 
 
-def check_layout(model: nn.Module, layout: Any) -> None:
-    """Refuse, before anything is built, what V4 does not run on yet: sequence parallelism (its
-    compressor and indexer read the whole sequence)."""
-    name = f"{type(model).__name__} (model_type 'deepseek_v4')"
-    if getattr(layout, "sequence_parallel", False):
-        raise ConfigError(f"{name}: sequence_parallel=True is not built for it (its compressor and indexer read the "
-                          "whole sequence); leave it off (TP, PP, EP and DP run).")
-
-
 # ------------------------------------------------------------------ block recompute of its hyper-connections
 def recomputed_layer(layer: nn.Module, checkpoints: HyperConnectionCheckpoints, hidden_states: Tensor,
                      input_ids: Tensor | None = None, **kwargs: Any) -> Tensor:
@@ -95,12 +91,28 @@ def recomputed_layer(layer: nn.Module, checkpoints: HyperConnectionCheckpoints, 
     activations (the normalised streams, Sinkhorn's iterates, the streams between the sub-layers)
     recomputed in backward instead of kept."""
     dtype = hidden_states.dtype
+    mix = _mix_of(layer)
     post, comb, normed = checkpoints.entry("attn_hc", layer.attn_hc, layer.input_layernorm, hidden_states)
     attn_output, _ = layer.self_attn(normed, **kwargs)
-    hidden_states = checkpoints.mix("attn_hc", _mix, hidden_states, post, comb, attn_output, dtype)
+    hidden_states = checkpoints.mix("attn_hc", mix, hidden_states, post, comb, attn_output, dtype)
     post, comb, normed = checkpoints.entry("ffn_hc", layer.ffn_hc, layer.post_attention_layernorm, hidden_states)
     mlp_output = layer.mlp(normed, input_ids=input_ids)
-    return checkpoints.mix("ffn_hc", _mix, hidden_states, post, comb, mlp_output, dtype, last_of_layer=True)
+    return checkpoints.mix("ffn_hc", mix, hidden_states, post, comb, mlp_output, dtype, last_of_layer=True)
+
+
+def _mix_of(layer: nn.Module):
+    """The layer's mix as its own forward computes it: transformers' (:func:`_mix`), or, on a
+    layer ``use_our_ops`` swapped (its ``mhc_implementation``), our kernels' one pass, so that the
+    recomputed layer stays its forward bit for bit."""
+    implementation = getattr(layer, "mhc_implementation", None)
+    if implementation is None:
+        return _mix
+    from lightning_mhc.ops.deepseek_v4 import deepseek_v4_res_post
+
+    def ours(streams: Tensor, post: Tensor, comb: Tensor, output: Tensor, dtype: torch.dtype) -> Tensor:
+        return deepseek_v4_res_post(streams, post, comb, output, implementation)
+
+    return ours
 
 
 def _mix(streams: Tensor, post: Tensor, comb: Tensor, output: Tensor, dtype: torch.dtype) -> Tensor:
@@ -125,17 +137,30 @@ def _register_shared_kv_attention(*_: Any) -> None:
         register_for_the_run(AttentionInterface._global_mapping, SHARED_KV_ATTENTION, shared_kv_attention)
 
 
+def split_for_tensor_parallel(chunk: nn.Module, layout: Any) -> None:
+    """The record's TP step on a built ``chunk``: :func:`split_attention`, and under sequence
+    parallelism :func:`route_own_tokens`."""
+    split_attention(chunk, layout)
+    if layout.sequence_parallel and layout.tensor_model_parallel_size > 1:
+        route_own_tokens(chunk, layout)
+
+
 def split_attention(chunk: nn.Module, layout: Any) -> None:
     """What the plan's styles cannot express, on each built attention of ``chunk`` under TP: its
     ``sinks`` and its ``o_a_proj`` blocks cut to the rank's heads and groups (dim 0, as a column
     layer's weight, but without the column's all-reduce of the input gradient: the input is the
-    rank's own heads' output), and its attention through :func:`shared_kv_attention`."""
+    rank's own heads' output), and, without sequence parallelism, its attention through
+    :func:`shared_kv_attention`. Under sequence parallelism the shared K/V head's gradient stays
+    the rank's heads' part: the attention's gathered input reduce-scatters it, and its parameters
+    (replicated, on the sequence-parallel region) are summed over TP by the runtime."""
     tp = layout.tensor_model_parallel_size
     if tp == 1:
         return
     from lightning_mhc.any_model.tensor_parallel import split_parameter
 
-    _register_shared_kv_attention()
+    sequence_parallel = layout.sequence_parallel
+    if not sequence_parallel:
+        _register_shared_kv_attention()
     for module in chunk.modules():
         if not (hasattr(module, "sinks") and hasattr(module, "o_a_proj")):
             continue
@@ -144,6 +169,8 @@ def split_attention(chunk: nn.Module, layout: Any) -> None:
         split_parameter(grouped, "weight", 0, layout)
         grouped.out_features //= tp
         grouped.n_groups //= tp
+        if sequence_parallel:
+            continue
         module.config = copy.copy(module.config)  # (its own already: the plan divided its o_groups)
         module.config._attn_implementation = SHARED_KV_ATTENTION
         module.shared_kv_group = layout.tp_group
@@ -161,3 +188,20 @@ def shared_kv_attention(module: nn.Module, query: Tensor, key: Tensor, value: Te
 
     shared = copy_to_tensor_model_parallel_region(key, group=module.shared_kv_group)
     return eager_attention_forward(module, query, shared, shared if value is key else value, *args, **kwargs)
+
+
+def route_own_tokens(chunk: nn.Module, layout: Any) -> None:
+    """Under sequence parallelism each MoE block of ``chunk`` whose router is a hash router (its
+    ``tid2eid`` token table) takes the token ids of this rank's part of the sequence, as its
+    hidden states are (the model hands every layer the ids of the whole sequence)."""
+    tp, rank = layout.tensor_model_parallel_size, layout.tensor_model_parallel_rank
+
+    def own_ids(_block: nn.Module, args: tuple, kwargs: dict):
+        ids = kwargs.get("input_ids")
+        if ids is not None:
+            kwargs["input_ids"] = ids.chunk(tp, dim=1)[rank]  # the sequence's contiguous parts, in TP rank order
+        return args, kwargs
+
+    for module in chunk.modules():
+        if hasattr(getattr(module, "gate", None), "tid2eid"):
+            module.register_forward_pre_hook(own_ids, with_kwargs=True)

@@ -234,8 +234,7 @@ RECORDS: tuple[FamilyRecord, ...] = (
     # compressed attention split over CP by its own pass (deepseek_v4_context.py)
     _family("deepseek_v4", deepseek_v4.DEEPSEEK_V4, None, native_streams="hc_mult",
             carry_streams=carry_streams_flat, block_recompute=deepseek_v4.recomputed_layer,
-            tensor_parallel=deepseek_v4.split_attention,
-            check_layout=deepseek_v4.check_layout, experts=MOE_EXPERTS, **CP_EXACT,
+            tensor_parallel=deepseek_v4.split_for_tensor_parallel, experts=MOE_EXPERTS, **CP_EXACT,
             context_parallel_attention=deepseek_v4_context.split_attention_over_context,
             router_loss=deepseek_v4.ROUTER_LOSS, router_bias=deepseek_v4.ROUTERS,
             transformers=deepseek_v4.TRANSFORMERS),
@@ -243,7 +242,7 @@ RECORDS: tuple[FamilyRecord, ...] = (
     # pass (hy_v4_context.py)
     _family("hy_v4", hy_v4.HY_V4, None, native_streams="hc_mult", carry_streams=carry_streams_flat,
             block_recompute=hy_v4.recomputed_layer,
-            tensor_parallel=hy_v4.split_attention, check_layout=hy_v4.check_layout, check_stages=hy_v4.check_stages,
+            tensor_parallel=hy_v4.split_attention, check_stages=hy_v4.check_stages,
             experts=MOE_EXPERTS, **CP_EXACT, context_parallel_attention=hy_v4_context.split_attention_over_context,
             transformers=deepseek_v4.TRANSFORMERS),
 )

@@ -27,7 +27,11 @@ streams cross pipeline stages as V4's (``native_streams.carry_streams_flat``); t
   ``ffn_hc`` with their branches' norms, and its two residual adds, checkpointed into the layer's
   recompute group: ``native_streams.HyperConnectionCheckpoints``), the same operations as
   transformers' forward.
-- :func:`check_layout`: sequence parallelism refused (the indexer reads the whole sequence).
+- Sequence parallelism: between the TP regions each rank holds its part of the sequence (the
+  hyper-connections, the norms and the MoE run on it); the attention gathers the whole sequence
+  once, so the low-rank query, the latent and the indexer, whole on every rank, read it all. The
+  rotary key's gradient then stays the rank's heads' part (:func:`split_attention`), summed over
+  TP by the gather's reduce-scatter and the runtime's sum of the replicated parameters' gradients.
 - Context parallelism: the attention and its indexer split over the sequence by the record's own
   pass (``hy_v4_context.py``).
 """
@@ -68,13 +72,6 @@ what a style cannot)."""
 
 def _name(model: nn.Module) -> str:
     return f"{type(model).__name__} (model_type 'hy_v4')"
-
-
-def check_layout(model: nn.Module, layout: Any) -> None:
-    """Refuse, before anything is built, what HY-V4 does not run on yet: sequence parallelism."""
-    if getattr(layout, "sequence_parallel", False):
-        raise ConfigError(f"{_name(model)}: sequence_parallel=True is not built for it (its indexer reads the whole "
-                          "sequence); leave it off (TP, PP, EP, CP and DP run).")
 
 
 def check_stages(model: nn.Module, ranges: list[tuple[int, int]]) -> None:
@@ -121,8 +118,12 @@ def _add(streams: Tensor, post: Tensor, output: Tensor, dtype: torch.dtype) -> T
 # ------------------------------------------------------------------ tensor parallelism beyond the plan
 def split_attention(chunk: nn.Module, layout: Any) -> None:
     """What the plan's styles cannot express, on each built attention of ``chunk`` under TP: its
-    ``sinks`` cut to the rank's heads, and the rotary key shared by every head taken through
-    :func:`_shared_rotary_key` (whole on every rank, its gradient summed over TP)."""
+    ``sinks`` cut to the rank's heads, and, without sequence parallelism, the rotary key shared
+    by every head taken through :func:`_shared_rotary_key` (whole on every rank, its gradient
+    summed over TP). Under sequence parallelism its gradient stays the rank's heads' part: the
+    attention's gathered input reduce-scatters it, and the latent's parameters (replicated, on the
+    sequence-parallel region) are summed over TP by the runtime; summed here too, it would count
+    TP times."""
     if layout.tensor_model_parallel_size == 1:
         return
     from lightning_mhc.any_model.tensor_parallel import split_parameter
@@ -131,7 +132,8 @@ def split_attention(chunk: nn.Module, layout: Any) -> None:
         if not (hasattr(module, "sinks") and hasattr(module, "expand_kv")):
             continue
         split_parameter(module, "sinks", 0, layout)
-        module.expand_kv = _shared_rotary_key(module.expand_kv, layout.tp_group)
+        if not layout.sequence_parallel:
+            module.expand_kv = _shared_rotary_key(module.expand_kv, layout.tp_group)
 
 
 def _shared_rotary_key(expand_kv, group):
