@@ -58,16 +58,19 @@ launch.PRELOAD += ("lightning.pytorch", "lightning_mhc.lightning", "lightning_mh
 # files out by their number of tests, most first: the long files of few tests (real launches, the
 # wheel, preemption, the gpu-check dry run) came last, and one worker ran the last of them while
 # the other sat idle. Handed out longest first, the files left at the end are short ones. The
-# order below is the files' time on CI's 2-core machine, longest first (from its slowest
-# durations, 2026-11-28); the files it does not name follow, most tests first, as before. The
-# newest files, placed by their CPU time alone (`-p cpu_time`, whole file, against
-# test_deepseek_v4_parallel.py's 103 s of CPU for its ~3 minutes in the suite): that file after
-# test_parallelize.py, test_hy_v4_parallel.py (53 s of CPU) beside test_wheel.py's 88 s,
-# test_planner_traffic.py (35 s, about a minute) last.
-LONGEST_FILES = ("test_benchmarks.py", "test_triton_kernels.py", "test_docs.py", "test_parallelize.py",
-                 "test_deepseek_v4_parallel.py", "test_preemption.py", "test_hydra.py",
-                 "test_distributed_optimizer.py", "test_wheel.py", "test_hy_v4_parallel.py",
-                 "test_checkpoint_reshard.py", "test_hf_idioms.py", "test_multinode.py", "test_planner_traffic.py")
+# order below is each file's CPU (`-p cpu_time` with LIGHTNING_MHC_CPU_TIMES: the tests' total_s,
+# ranks and child processes included, summed per file; 2026-11-28, under the two workers or two
+# files at a time), longest first, or its time where the CPU count misses most of it: the compile
+# ahead of time (test_triton_kernels.py, about 190 s of CI's durations), the wheel's pip (about
+# 95 s) and the fault tests' killed ranks, which report nothing. The files it does not name follow,
+# most tests first. By their few tests, test_context_parallel_fit.py (65 s of CPU in 2 tests),
+# test_entry_point.py (82 s in 7) and test_fabric.py had come near the end of the order.
+LONGEST_FILES = ("test_triton_kernels.py", "test_parallelize.py", "test_benchmarks.py", "test_preemption.py",
+                 "test_fabric.py", "test_docs.py", "test_distributed_optimizer.py", "test_hydra.py",
+                 "test_multinode.py", "test_deepseek_v4_parallel.py", "test_wheel.py", "test_checkpoint_faults.py",
+                 "test_entry_point.py", "test_validation.py", "test_context_parallel_fit.py", "test_hy_v4_parallel.py",
+                 "test_lightning.py", "test_checkpoint_reshard.py", "test_planner_traffic.py", "test_hf_idioms.py",
+                 "test_moe_hf.py")
 
 
 def pytest_configure(config):
