@@ -64,13 +64,14 @@ launch.PRELOAD += ("lightning.pytorch", "lightning_mhc.lightning", "lightning_mh
 # ahead of time (test_triton_kernels.py, about 190 s of CI's durations), the wheel's pip (about
 # 95 s) and the fault tests' killed ranks, which report nothing. The files it does not name follow,
 # most tests first. By their few tests, test_context_parallel_fit.py (65 s of CPU in 2 tests),
-# test_entry_point.py (82 s in 7) and test_fabric.py had come near the end of the order.
+# test_entry_point.py (82 s in 7), test_moe_runtime.py (44 s in 7) and test_fabric.py had come
+# near the end of the order.
 LONGEST_FILES = ("test_triton_kernels.py", "test_parallelize.py", "test_benchmarks.py", "test_preemption.py",
                  "test_fabric.py", "test_docs.py", "test_distributed_optimizer.py", "test_hydra.py",
                  "test_multinode.py", "test_deepseek_v4_parallel.py", "test_wheel.py", "test_checkpoint_faults.py",
                  "test_entry_point.py", "test_validation.py", "test_context_parallel_fit.py", "test_hy_v4_parallel.py",
-                 "test_lightning.py", "test_checkpoint_reshard.py", "test_planner_traffic.py", "test_hf_idioms.py",
-                 "test_moe_hf.py")
+                 "test_lightning.py", "test_checkpoint_reshard.py", "test_moe_runtime.py", "test_planner_traffic.py",
+                 "test_context_parallel_hf.py", "test_hf_idioms.py", "test_moe_hf.py")
 
 
 def pytest_configure(config):
