@@ -17,8 +17,7 @@ from lightning_mhc import ConfigError
 from lightning_mhc.cli.schema import TrainConfig
 from lightning_mhc.cli.preflight import CONF_DIR
 from subprocess_env import child_env
-from train_cli import run_train as _train
-from train_cli import run_train_on_ranks
+from train_cli import run_train as _train, run_train_on_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # overrides some group options need to form a valid run
