@@ -58,16 +58,23 @@ launch.PRELOAD += ("lightning.pytorch", "lightning_mhc.lightning", "lightning_mh
 # files out by their number of tests, most first: the long files of few tests (real launches, the
 # wheel, preemption, the gpu-check dry run) came last, and one worker ran the last of them while
 # the other sat idle. Handed out longest first, the files left at the end are short ones. The
-# order below is the files' time on CI's 2-core machine, longest first (from its slowest
-# durations, 2026-11-28); the files it does not name follow, most tests first, as before. The
-# newest files, placed by their CPU time alone (`-p cpu_time`, whole file, against
-# test_deepseek_v4_parallel.py's 103 s of CPU for its ~3 minutes in the suite): that file after
-# test_parallelize.py, test_hy_v4_parallel.py (53 s of CPU) beside test_wheel.py's 88 s,
-# test_planner_traffic.py (35 s, about a minute) last.
-LONGEST_FILES = ("test_benchmarks.py", "test_triton_kernels.py", "test_docs.py", "test_parallelize.py",
-                 "test_deepseek_v4_parallel.py", "test_preemption.py", "test_hydra.py",
-                 "test_distributed_optimizer.py", "test_wheel.py", "test_hy_v4_parallel.py",
-                 "test_checkpoint_reshard.py", "test_hf_idioms.py", "test_multinode.py", "test_planner_traffic.py")
+# order below is each file's CPU in a whole run (`-p cpu_time` with LIGHTNING_MHC_CPU_TIMES: the
+# tests' total_s, ranks and child processes included, summed per file; 2026-11-28: 2490 s in all,
+# test_parallelize.py 323 s, test_benchmarks.py 291 s, test_preemption.py 176 s ... 27 s for the
+# last named), longest first, or its time where the CPU count misses most of it: the compile ahead
+# of time (test_triton_kernels.py, about 190 s of CI's durations), preemption's waits for its
+# signals, the wheel's pip (95 to 145 s) and the fault tests' killed ranks, which report nothing.
+# The files it does not name follow, most tests first (each under 25 s of CPU). By their few
+# tests, test_context_parallel_fit.py (47 s of CPU in 2 tests), test_entry_point.py (73 s in 7),
+# test_moe_runtime.py (39 s in 7), test_pipeline.py (104 s in 12) and test_fabric.py (126 s in 8)
+# had come late in the order.
+LONGEST_FILES = ("test_triton_kernels.py", "test_parallelize.py", "test_benchmarks.py", "test_preemption.py",
+                 "test_fabric.py", "test_hydra.py", "test_docs.py", "test_distributed_optimizer.py",
+                 "test_pipeline.py", "test_validation.py", "test_lightning.py", "test_deepseek_v4_parallel.py",
+                 "test_wheel.py", "test_multinode.py", "test_entry_point.py", "test_checkpoint_faults.py",
+                 "test_checkpoint_reshard.py", "test_context_parallel_fit.py", "test_hf_idioms.py",
+                 "test_hy_v4_parallel.py", "test_cli_hf.py", "test_moe_runtime.py", "test_recompute_policies.py",
+                 "test_deepseek_v4_ops.py", "test_context_parallel_hf.py")
 
 
 def pytest_configure(config):

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from script_runs import run_on_ranks
 from subprocess_env import child_env
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -24,6 +25,14 @@ def _run(script: str, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--rounds", "1", *args],
                           cwd=BENCHMARKS, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def _run_on_a_rank(script: str, *args: str) -> None:
+    """``python script *args`` in the benchmarks' folder, on a rank forked from the preloaded server
+    (``run_on_ranks``): for a one-process benchmark whose subject is the JSON it writes, not how its
+    interpreter starts (a fresh one spends about 7 s of CPU importing torch, Lightning and
+    megatron-core). A failure, a non-zero ``sys.exit`` included, raises ``RankError``."""
+    run_on_ranks(str(BENCHMARKS / script), 1, *args, cwd=BENCHMARKS, timeout=600)
 
 
 def test_mhc_overhead(tmp_path):
@@ -67,8 +76,8 @@ def test_byom_vs_model_parallel(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
 def test_mhc_any_model(tmp_path):
     out = tmp_path / "mhc_any_model.json"
-    _run("mhc_any_model.py", "--no-parallel", "--hidden", "64", "--layers", "2", "--out", str(out),
-         "--plot", str(tmp_path / "plot.png"))
+    _run_on_a_rank("mhc_any_model.py", "--rounds", "1", "--no-parallel", "--hidden", "64", "--layers", "2", "--out",
+                   str(out), "--plot", str(tmp_path / "plot.png"))
     result = json.loads(out.read_text())
     one = result["one_process"]
     assert set(one["retained_bytes"]) == {"plain, none", "mHC, none", "plain, full", "mHC, mhc_block"}
@@ -84,12 +93,9 @@ def test_retrofit(tmp_path):
     every variant logs its validation losses at the same steps, and the streams' divergence is
     reported for the hyper-connected ones."""
     out = tmp_path / "retrofit.json"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "retrofit.py"), "--hidden", "32", "--layers", "2",
-                           "--seq", "16", "--batch", "2", "--pretrain-steps", "3", "--steps", "2", "--eval-every",
-                           "1", "--seeds", "0", "--max-bytes", "400000", "--out", str(out), "--plot",
-                           str(tmp_path / "retrofit.png")], cwd=BENCHMARKS, env=child_env(), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    _run_on_a_rank("retrofit.py", "--hidden", "32", "--layers", "2", "--seq", "16", "--batch", "2", "--pretrain-steps",
+                   "3", "--steps", "2", "--eval-every", "1", "--seeds", "0", "--max-bytes", "400000", "--out", str(out),
+                   "--plot", str(tmp_path / "retrofit.png"))
     result = json.loads(out.read_text())
     runs = result["seeds"]["0"]
     assert set(runs) == {"plain", "mHC, gate 0", "mHC, gate 0.01"}
@@ -108,10 +114,7 @@ def test_fp64_accuracy(tmp_path):
     from model_utils import ERROR_FACTOR, ERROR_FLOOR
 
     out = tmp_path / "accuracy.json"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "fp64_accuracy.py"), "--hidden", "32", "--tokens", "16",
-                           "--out", str(out)], cwd=BENCHMARKS, env=child_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    _run_on_a_rank("fp64_accuracy.py", "--hidden", "32", "--tokens", "16", "--out", str(out))
     errors = json.loads(out.read_text())["errors"]
     assert set(errors) == {"float32", "bfloat16", "float32, projection tf32x3 (emulated)",
                            "float32, projection tf32 (emulated)", "bfloat16, projection tf32 (emulated)"}

@@ -211,10 +211,17 @@ def test_an_uncaught_exception_in_a_fabric_loop_ends_every_rank_naming_it(tmp_pa
 @pytest.mark.slow
 def test_fabric_context_parallel_equals_one_process(tmp_path):
     """examples/fabric_train.py with --cp 2 on 2 processes (mhc_block, dropout 0): the one-process
-    loop's losses within 1e-5."""
+    loop's losses within 1e-5. Its subject is what CP computes, so both runs are ranks forked from
+    the preloaded server (``run_on_ranks``, as under torchrun): how the example's processes start
+    is the two tests above, which launch it as written and under torchrun."""
     common = ("--tp", "1", "--pp", "1", "--dropout", "0", "--steps", "3", "--save-every", "0")
-    single = run_example(tmp_path, "--devices", "1", *common)
-    cp2 = run_example(tmp_path, "--devices", "2", "--cp", "2", *common)
+    runs = {}
+    for name, devices, cp in (("single", 1, ()), ("cp2", 2, ("--cp", "2"))):
+        out = tmp_path / f"{name}.json"
+        run_on_ranks(str(EXAMPLE), devices, "--devices", str(devices), *cp, *common, "--out", str(out), cwd=tmp_path,
+                     timeout=300)
+        runs[name] = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    single, cp2 = runs["single"], runs["cp2"]
     assert sorted(single) == sorted(cp2) == [1, 2, 3]
     diff = max(abs(single[s] - cp2[s]) for s in single)
     print(f"Fabric CP 2 vs one process (mhc_block, dropout 0), 3 steps: max |loss diff| = {diff:.3g}")

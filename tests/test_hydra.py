@@ -17,7 +17,7 @@ from lightning_mhc import ConfigError
 from lightning_mhc.cli.schema import TrainConfig
 from lightning_mhc.cli.preflight import CONF_DIR
 from subprocess_env import child_env
-from train_cli import run_train as _train
+from train_cli import run_train as _train, run_train_on_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # overrides some group options need to form a valid run
@@ -183,10 +183,12 @@ def test_invalid_config_exits_before_anything_starts(tmp_path):
 
 
 def test_train_writes_metrics_config_checkpoints_and_loss_falls(tmp_path):
-    proc = _train(tmp_path, "trainer.max_steps=40", "trainer.val_check_interval=20", "trainer.limit_val_batches=4",
-                  "trainer.checkpoint_every_n_steps=20", "data.max_bytes=300000", "trainer.enable_progress_bar=false")
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
+    """What a run writes, on a rank forked from the preloaded server (``run_train_on_ranks``); the
+    launch, its default run directory and its output keep their own tests."""
+    run_dir = tmp_path / "run"
+    run_train_on_ranks(tmp_path, "trainer.max_steps=40", "trainer.val_check_interval=20", "trainer.limit_val_batches=4",
+                       "trainer.checkpoint_every_n_steps=20", "data.max_bytes=300000", "trainer.enable_progress_bar=false",
+                       f"hydra.run.dir={run_dir}")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["final_val_loss"] < summary["initial_val_loss"]
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "metrics.csv").is_file()
