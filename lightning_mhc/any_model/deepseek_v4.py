@@ -102,17 +102,12 @@ def recomputed_layer(layer: nn.Module, checkpoints: HyperConnectionCheckpoints, 
 
 def _mix_of(layer: nn.Module):
     """The layer's mix as its own forward computes it: transformers' (:func:`_mix`), or, on a
-    layer ``use_our_ops`` swapped (its ``mhc_implementation``), our kernels' one pass, so that the
+    layer ``use_our_ops`` swapped, its ``mix_streams`` (our kernels' one pass), so that the
     recomputed layer stays its forward bit for bit."""
-    implementation = getattr(layer, "mhc_implementation", None)
-    if implementation is None:
+    ours = getattr(layer, "mix_streams", None)
+    if ours is None:
         return _mix
-    from lightning_mhc.ops.deepseek_v4 import deepseek_v4_res_post
-
-    def ours(streams: Tensor, post: Tensor, comb: Tensor, output: Tensor, dtype: torch.dtype) -> Tensor:
-        return deepseek_v4_res_post(streams, post, comb, output, implementation)
-
-    return ours
+    return lambda streams, post, comb, output, dtype: ours(streams, post, comb, output)
 
 
 def _mix(streams: Tensor, post: Tensor, comb: Tensor, output: Tensor, dtype: torch.dtype) -> Tensor:

@@ -129,13 +129,17 @@ class _OurDecoderLayer:
     (its ``attn_hc`` / ``ffn_hc`` are swapped too)."""
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor | None = None, **kwargs: Any) -> Tensor:
-        implementation = self.mhc_implementation
         post, comb, collapsed = self.attn_hc(hidden_states)
         attn_output, _ = self.self_attn(self.input_layernorm(collapsed), **kwargs)
-        hidden_states = deepseek_v4_res_post(hidden_states, post, comb, attn_output, implementation)
+        hidden_states = self.mix_streams(hidden_states, post, comb, attn_output)
         post, comb, collapsed = self.ffn_hc(hidden_states)
         mlp_output = self.mlp(self.post_attention_layernorm(collapsed), input_ids=input_ids)
-        return deepseek_v4_res_post(hidden_states, post, comb, mlp_output, implementation)
+        return self.mix_streams(hidden_states, post, comb, mlp_output)
+
+    def mix_streams(self, hidden_streams: Tensor, post: Tensor, comb: Tensor, output: Tensor) -> Tensor:
+        """The layer's residual mix on our kernels; block recompute of the layer (which may not
+        import the ops' room) replays it by this name, so that it stays this forward bit for bit."""
+        return deepseek_v4_res_post(hidden_streams, post, comb, output, self.mhc_implementation)
 
 
 _ROLES = {"hyper_connection": _OurHyperConnection, "hyper_head": _OurHyperHead, "decoder_layer": _OurDecoderLayer}
