@@ -246,7 +246,8 @@ def _user_files(scratch: pathlib.Path, monkeypatch, text: str = "") -> None:
     scratch directory, holding this repository's documents as text), ``notes.txt`` (the 188-byte
     file of the transcript in docs/cli.md) and, for a command ``text`` that names it,
     ``$HOME/llama`` (a small Llama's ``save_pretrained`` directory with the sample tokenizer) or
-    ``$HOME/deepseek_v4`` or ``$HOME/hy_v4`` (tests/v4_utils.py's tiny DeepSeek-V4 or HY-V4, saved)."""
+    ``$HOME/deepseek_v4`` or ``$HOME/hy_v4`` (tests/v4_utils.py's tiny DeepSeek-V4 or HY-V4, saved) or
+    ``$HOME/v4_defaults`` (DeepSeek-V4's default config, no weights)."""
     home = scratch / "home"
     if "$HOME/llama" in text:
         from lm_models import save_sample_llama
@@ -258,6 +259,10 @@ def _user_files(scratch: pathlib.Path, monkeypatch, text: str = "") -> None:
             from transformers import AutoModelForCausalLM
 
             AutoModelForCausalLM.from_config(getattr(v4_utils, config)()).save_pretrained(home / name)
+    if "$HOME/v4_defaults" in text:  # DeepSeek-V4's published shape: its config alone, no weights
+        from transformers import DeepseekV4Config
+
+        DeepseekV4Config().save_pretrained(home / "v4_defaults")
     (home / "corpus").mkdir(parents=True, exist_ok=True)
     (home / "corpus" / "docs.txt").write_text("\n".join(doc.read_text() for doc in DOCS))
     monkeypatch.setenv("HOME", str(home))
