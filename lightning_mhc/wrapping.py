@@ -19,11 +19,10 @@ hook ids, the class before the swap, the method's ``make`` and what it wrapped),
 must survive a pickle is a module-level function).
 
 Not yet moved onto it (they still wrap by hand, each in its own order, issue 53 item 4; the
-contracts test counts them): the pipeline's stage hooks (``parallel_model.py``), the routers'
-hooks (``router_loss.py``, ``router_bias.py``), DeepSeek-V4's hooks (``deepseek_v4.py``) and the
-GPT wing's stream monitor (``lightning/modules/gpt.py``), for want of time only; the recompute
-group's start (``recompute/groups.py``) and our ops' class swap (``ops/deepseek_v4.py``), because
-their rooms stand on this room's floor or below and may not import it (docs/rooms.md).
+contracts test counts them): the GPT wing's stream monitor (``lightning/modules/gpt.py``), for
+want of time only; the recompute group's start (``recompute/groups.py``) and our ops' class swap
+(``ops/deepseek_v4.py``), because their rooms stand on this room's floor or below and may not
+import it (docs/rooms.md).
 """
 from __future__ import annotations
 
@@ -80,6 +79,18 @@ DECLARED: tuple[Declared, ...] = (
     Declared("adapter_input", "adapters", "pre_hook"),
     Declared("adapter_output", "adapters", "hook"),
     Declared("adapter_partial_summed", "adapters", "hook"),
+    # DeepSeek-V4's own TP (after the plan's): the shared K/V head's attention registered, a hash
+    # router's own tokens under sequence parallelism
+    Declared("shared_kv_attention", "deepseek_v4", "pre_hook"),
+    Declared("hash_routed_own_tokens", "deepseek_v4", "pre_hook"),
+    # the pipeline contract, on the built stages: a stage's first block takes what the previous
+    # stage sent (after the sequence is scattered), its last one ends it (after it is gathered)
+    Declared("stage_input", "pipeline", "pre_hook"),
+    Declared("stage_end", "pipeline", "hook"),
+    Declared("first_stage_stub", "pipeline", "pre_hook"),
+    # the routers' counts, read from what they return (after a hyper-connection exit's hook)
+    Declared("router_loss", "router_loss", "hook"),
+    Declared("router_bias", "router_bias", "hook"),
 )
 """Every wrapper, in the order of each kind: a hook declared earlier runs first, a method declared
 earlier sits inside one declared later."""
