@@ -11,7 +11,8 @@ import torch.distributed as dist
 from lightning_mhc import ConfigError
 from lightning_mhc.distributed.grads import clip_grad_norm_, global_grad_norm
 from lightning_mhc.testing.launch import RankError, spawn_ranks
-from lightning_mhc.model.stages import build_gpt_chunks, partition_layers
+from lightning_mhc.model.sizes import partition_layers
+from lightning_mhc.model.stages import build_gpt_chunks
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.recompute.rng import MultiDimParallelRandomizer
 from model_utils import tiny_config

@@ -2,6 +2,8 @@
 forked ranks (one group per world size, every case in it)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -130,6 +132,82 @@ def test_plan_starts_no_process_group(tmp_path, monkeypatch, capsys):
     sent = rows[0]["traffic_bytes"]
     assert sent == {d: max(s["traffic_bytes"][d] for s in rows[0]["stages"]) for d in sent}
     assert sent["tensor"] > 0 and sent["pipeline"] > 0 and sent["data"] == sent["context"] == sent["expert"] == 0
+
+
+# ------------------------------------------------------------------ the sizes, without megatron-core
+def test_the_sizes_are_the_model_configs():
+    """``GPTSizes.from_values`` (what the planner reads, with no megatron-core) holds what
+    ``MHCTransformerConfig(**values)`` holds, derived sizes included, for every model the planner's
+    grid builds and the command line's configs; its written defaults are the class's."""
+    import dataclasses
+
+    from lightning_mhc.model.config import MHCTransformerConfig
+    from lightning_mhc.model.sizes import MODEL_DEFAULTS, GPTSizes
+
+    fields = {f.name: f.default for f in dataclasses.fields(MHCTransformerConfig)}
+    assert MODEL_DEFAULTS == {k: fields[k] for k in MODEL_DEFAULTS}
+    minimal = dict(num_layers=2, hidden_size=48, num_attention_heads=4)
+    for values in [minimal, dict(minimal, num_moe_experts=2), dict(MOE, moe_ffn_hidden_size=None),
+                   *(case[0] for case in CASES), VARIED_MOE]:
+        config = MHCTransformerConfig(**values)
+        assert GPTSizes.from_values(values) == GPTSizes.of(config), values
+        assert GPTSizes.of(config).padded_vocab_size == config.padded_vocab_size
+
+
+def test_a_plan_imports_neither_megatron_nor_lightning(tmp_path):
+    """``lightning-mhc-plan`` reads sizes: neither megatron-core nor Lightning is imported (their
+    imports took most of its seconds), for the GPT and for a Hugging Face model (transformers, which
+    builds it on the meta device, is)."""
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path / "llama")
+    script = ("import sys\nfrom lightning_mhc.cli.plan import plan\nplan(sys.argv[1:])\n"
+              "print('imported:', sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'lightning'}))")
+    for args in (["model=small", "parallel=tp2pp2", "trainer.devices=4"],
+                 ["model=hf", f"model.config={tmp_path / 'llama'}", "parallel=tp2pp2", "trainer.devices=4"]):
+        run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=tmp_path,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert "most loaded rank" in run.stdout and "imported: []" in run.stdout, (args, run.stdout[-300:])
+
+
+@pytest.mark.parametrize("argv", [
+    ["model=small", "parallel=tp2pp2", "trainer.devices=4"],
+    ["model=gpt_moe_tiny", "trainer.devices=8", "data.global_batch_size=32"],
+    ["model=tiny", "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", "trainer.devices=8",
+     "model.num_query_groups=2", "recompute.policy=selective", "data.global_batch_size=16"],
+])
+def test_a_plan_of_sizes_is_the_plan_of_the_model_config(argv):
+    """The planner's rows from the sizes alone (``checking_sizes_only``) are the rows of the config
+    checked and built as ``lightning-mhc-train`` builds it (megatron-core's ``MHCTransformerConfig``):
+    the asked layout and every layout of its devices (the enumeration skips what the model refuses)."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mhc.cli import preflight
+    from lightning_mhc.cli.plan import _candidates, layout_row
+    from lightning_mhc.cli.schema import checking_sizes_only
+    from lightning_mhc.model.config import with_parallel_layout
+    from lightning_mhc.model.sizes import GPTSizes
+
+    def rows(cfg):
+        return [layout_row(cfg, cfg.layout, cfg.num_microbatches), *_candidates(cfg, cfg.world_size)]
+
+    with initialize_config_dir(config_dir=preflight.CONF_DIR, version_base="1.3", job_name="test"):
+        composed = compose(config_name="config", overrides=argv)
+        built = preflight.to_train_config(composed)
+        with checking_sizes_only():
+            sized = preflight.to_train_config(composed)
+    assert GPTSizes.of(built.transformer_config()) == sized.gpt_sizes()
+    planned = rows(sized)
+    assert planned == rows(built) and len(planned) > 2
+    # each layout the enumeration keeps is one the model config takes (and the ones it skips it refuses)
+    for row in planned[1:]:
+        s = row["sizes"]
+        layout = _layout(s["world_size"], s["tensor"], s["pipeline"], s["virtual"], s["expert"])
+        with_parallel_layout(built.transformer_config(), dataclasses.replace(layout, sequence_parallel=s["sequence_parallel"]))
 
 
 # ------------------------------------------------------------------ the console door

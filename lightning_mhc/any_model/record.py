@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import re
 from itertools import chain
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -323,3 +325,29 @@ def _like(meta: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if isinstance(meta, nn.Parameter):
         return nn.Parameter(value, requires_grad=meta.requires_grad)
     return value
+
+
+def hf_config(model_dir: str | Path):
+    """The ``transformers`` config of a directory (or of its ``config.json``), refused in one line
+    when there is none."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError("a Hugging Face model needs transformers: pip install 'lightning-mhc[hf]'.") from None
+    path = Path(model_dir)
+    directory = path.parent if path.name == "config.json" else path
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"{model_dir}: no config.json there (a directory written by save_pretrained holds one).")
+    from lightning_mhc.any_model.families import check_transformers_ships  # (the families' room imports this one)
+
+    check_transformers_ships(json.loads((directory / "config.json").read_text()).get("model_type"))
+    return AutoConfig.from_pretrained(directory)
+
+
+def recorded_hf_model(model_dir: str | Path) -> nn.Module:
+    """The model of ``model_dir``'s config on the meta device (``record_module_init``), in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(model_dir)
+    with record_module_init():
+        return AutoModelForCausalLM.from_config(config, dtype="float32")

@@ -27,10 +27,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 import torch.distributed as dist
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-)
 from torch import nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
@@ -109,7 +105,7 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
         if tp > 1 and sequence_parallel and not gathered:  # the sequence is gathered before the split features
             input_map = gather_sequence
         elif tp > 1 and not sequence_parallel:
-            input_map = functools.partial(copy_to_tensor_model_parallel_region, group=group)
+            input_map = functools.partial(_copy_to_tp, group=group)
         if tp > 1 and style.gather_output:
             output_map = lambda out: _GatherLastDim.apply(out, group)  # noqa: E731 (apply takes no keywords)
         if input_map is not None:
@@ -177,12 +173,27 @@ def _row_forward(module: nn.Module, input_: torch.Tensor, reduce, transposed: bo
     return output if module.bias is None else output + module.bias
 
 
+def _copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """megatron's copy to the TP region (identity forward, summed gradient), imported when a
+    forward runs: planning a layout on the meta device imports no megatron-core."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    return copy_to_tensor_model_parallel_region(x, group=group)
+
+
+def _reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """megatron's sum over the TP region (identity backward), imported as ``_copy_to_tp``."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(x, group)
+
+
 def _sum_partial(partial: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
     """Partial products of TP-split input features summed over TP (under sequence parallelism:
     reduce-scattered, this rank keeping its part of the sequence)."""
     if sequence_parallel:
         return sequence_mapping(partial, reduce_scatter_sequence, all_gather_sequence, _sequence_dim(partial))
-    return reduce_from_tensor_model_parallel_region(partial, group)
+    return _reduce_from_tp(partial, group)
 
 
 # ------------------------------------------------------------------ sequence parallelism
@@ -238,7 +249,7 @@ def _vocab_parallel(module: nn.Embedding, group) -> None:
 
     def summed(mod: nn.Embedding, _args: tuple, _kwargs: dict, rows: torch.Tensor) -> torch.Tensor:
         outside = mod.__dict__.pop("_outside_rows")
-        return reduce_from_tensor_model_parallel_region(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
+        return _reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
 
     wrap(module, "vocab_local_ids", local_ids, with_kwargs=True)
     wrap(module, "vocab_rows_summed", summed, with_kwargs=True)

@@ -86,22 +86,21 @@ def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
 def _gpt_terms(cfg, layout, num_microbatches: int, param_bytes: int):
     """The mHC GPT's stages (model states), activations and traffic per stage, with why either is not counted."""
     from lightning_mhc.errors import ConfigError
-    from lightning_mhc.model.config import with_parallel_layout
     from lightning_mhc.planning import plan_activations, plan_gpt, plan_traffic
 
-    config = cfg.transformer_config()
+    config = cfg.gpt_sizes()
     stages = plan_gpt(config, layout, param_bytes=param_bytes,
                       distributed_optimizer=cfg.optim.use_distributed_optimizer)
     try:  # activations in the parameters' dtype (checked against runs in fp32)
         activations = [a for a, _ in plan_activations(
-            with_parallel_layout(config, layout), layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
+            config, layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
             micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes)]
         not_counted = None
     except ConfigError as error:  # what the activation count does not cover: the model states alone
         activations, not_counted = [0] * len(stages), str(error)
     try:  # the bytes each rank sends per step, by dimension
         traffic = [t.per_dimension() for t in plan_traffic(
-            with_parallel_layout(config, layout), layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
+            config, layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
             micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes,
             param_bytes=param_bytes, distributed_optimizer=cfg.optim.use_distributed_optimizer)]
         traffic_not_counted = None
@@ -114,7 +113,7 @@ def _hf_terms(cfg, layout, param_bytes: int):
     """A Hugging Face model's stages (model states, from its config.json on the meta device: no weights
     read); its activations and traffic are not counted yet."""
     from lightning_mhc.errors import ConfigError
-    from lightning_mhc.lightning.modules.hf import recorded_hf_model
+    from lightning_mhc.any_model.record import recorded_hf_model
     from lightning_mhc.planning import plan_hf
 
     m = cfg.model
@@ -216,7 +215,7 @@ def plan(argv: list[str]) -> list[dict[str, Any]]:
     from hydra import compose, initialize_config_dir
 
     from lightning_mhc.cli.preflight import CONF_DIR, to_train_config
-    from lightning_mhc.errors import ConfigError
+    from lightning_mhc.cli.schema import checking_sizes_only
     from lightning_mhc.planning import parse_bytes
 
     overrides, options = _split(argv)
@@ -225,7 +224,7 @@ def plan(argv: list[str]) -> list[dict[str, Any]]:
         devices = _positive_int("devices", options["devices"]) if "devices" in options else None
         memory = parse_bytes(options.get("device_memory", "80GB"))
         top = _positive_int("top", options.get("top", "3"))
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="plan"):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="plan"), checking_sizes_only():
         cfg = to_train_config(compose(config_name="config", overrides=overrides))
     asked = layout_row(cfg, cfg.layout, cfg.num_microbatches)
     rows = [asked]

@@ -7,6 +7,8 @@ keys, their values and the fix.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import datetime
 import difflib
@@ -281,16 +283,42 @@ HF_DEFAULTS = dict(plan="auto", init_seed=0, moe_router_bias_update_rate=0.0)
 """model=hf's defaults (the routers' bias stays as loaded, as transformers trains)."""
 
 
+TRAINING_DEFAULTS = dict(
+    hidden_dropout=0.1, attention_dropout=0.1, exact_hidden_dropout=False, init_method_std=0.02, init_seed=1234,
+    mhc_sinkhorn_iterations=20, mhc_init_gating_factor=0.01, moe_router_score_function="softmax",
+    moe_router_pre_softmax=False, moe_router_enable_expert_bias=False, moe_router_bias_update_rate=0.001,
+    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+    moe_expert_capacity_factor=None,
+)
+"""``MHCTransformerConfig``'s defaults (megatron-core's for its fields) of the GPT keys that are no
+size (the sizes': ``model.sizes.MODEL_DEFAULTS``), written here so that the command line and the
+planner read them without importing megatron-core, which takes seconds; ``tests/test_hydra.py``
+checks every GPT key's default against the class."""
+
+
 @functools.cache
 def _gpt_defaults() -> dict[str, Any]:
-    """Every GPT key's default: ``GPT_SIZES``, else ``MHCTransformerConfig``'s (one source of the
-    model's defaults: the CLI does not copy them)."""
-    from lightning_mhc.model.config import MHCTransformerConfig
+    """Every GPT key's default: ``GPT_SIZES``, else the model's (``MODEL_DEFAULTS``, ``TRAINING_DEFAULTS``)."""
+    from lightning_mhc.model.sizes import MODEL_DEFAULTS
 
-    model_fields = {f.name: f for f in dataclasses.fields(MHCTransformerConfig)}
+    model = {**MODEL_DEFAULTS, **TRAINING_DEFAULTS}
     keys = [k for k in _fields(ModelConfig) if k not in (*HF_MODEL_KEYS, "source", "mhc_implementation")]
-    return {k: GPT_SIZES[k] if k in GPT_SIZES else model_fields[k].default
-            for k in keys if k not in NULL_IS_A_CHOICE}
+    return {k: GPT_SIZES[k] if k in GPT_SIZES else model[k] for k in keys if k not in NULL_IS_A_CHOICE}
+
+
+_SIZES_ONLY = contextvars.ContextVar("sizes_only", default=False)
+
+
+@contextlib.contextmanager
+def checking_sizes_only():
+    """Within it, a GPT's ``TrainConfig`` checks its sizes under the layout (``GPTSizes.check_layout``)
+    instead of building megatron-core's config, whose import takes seconds: what a plan needs
+    (``lightning-mhc-plan``); ``lightning-mhc-train``'s check before launch runs them all."""
+    token = _SIZES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SIZES_ONLY.reset(token)
 
 
 @dataclass
@@ -468,6 +496,9 @@ class TrainerConfig:
 
 GPT_RECIPE = dict(lr=3e-3, warmup_steps=20)
 """The project's GPT's learning rate and warm-up on the command line (small models from scratch)."""
+HF_RECIPE = dict(lr=3e-4, warmup_steps=0)
+"""A Hugging Face model's, ``HFCausalLMModule``'s defaults (written here: the command line and the
+planner read them without importing Lightning; ``tests/test_cli_hf.py`` checks them against it)."""
 
 
 @dataclass
@@ -504,15 +535,7 @@ class OptimConfig:
         """The learning rate and warm-up left null take the model's: the GPT's recipe for a small
         model trained from scratch, or a Hugging Face model's as ``HFCausalLMModule`` defaults them
         (so the command line and the Python API train it alike)."""
-        if model.is_hf:
-            import inspect
-
-            from lightning_mhc.lightning.modules.hf import HFCausalLMModule
-
-            parameters = inspect.signature(HFCausalLMModule).parameters
-            defaults = {k: parameters[k].default for k in ("lr", "warmup_steps")}
-        else:
-            defaults = GPT_RECIPE
+        defaults = HF_RECIPE if model.is_hf else GPT_RECIPE
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -584,6 +607,10 @@ class TrainConfig:
         if self.model.is_hf:
             self._check_hf_model()
             return
+        if _SIZES_ONLY.get():  # a plan: the sizes under this layout, without megatron-core's checks
+            self.gpt_sizes().check_layout(self.layout)
+            self.layout.check_model({}, self.data.seq_length)
+            return
         from lightning_mhc.model.config import with_parallel_layout
 
         # megatron's warnings on the model alone (e.g. "moe_ffn_hidden_size is not set") are said
@@ -652,7 +679,7 @@ class TrainConfig:
         stages, the hyper-connection plan against the model, a family context parallelism cannot
         split, the pretrained files' tensors), on the model recorded on the meta device: nothing is
         allocated."""
-        from lightning_mhc.lightning.modules.hf import hf_config, recorded_hf_model
+        from lightning_mhc.any_model.record import hf_config, recorded_hf_model
         from lightning_mhc.any_model.families import native_stream_count
         from lightning_mhc.any_model.model import check_parallelize
         from lightning_mhc.any_model.weights import check_weights
@@ -730,15 +757,24 @@ class TrainConfig:
             use_distributed_optimizer=self.optim.use_distributed_optimizer)
 
     # ------------------------------------------------------------- builders
+    def gpt_sizes(self):
+        """The GPT's sizes (``GPTSizes``: what a plan reads), as ``transformer_config`` would hold them."""
+        from lightning_mhc.model.sizes import GPTSizes
+
+        return GPTSizes.from_values(self._model_values())
+
     def transformer_config(self):
         """The model's config (``MHCGPTModule`` sets the layout and the recompute policy on it when it
         builds the model)."""
         from lightning_mhc.model.config import MHCTransformerConfig
 
+        return MHCTransformerConfig(**self._model_values())
+
+    def _model_values(self) -> dict[str, Any]:
         kwargs = self.model.transformer_kwargs()
         kwargs["vocab_size"] = self.vocab_size
         kwargs["max_sequence_length"] = max(kwargs["max_sequence_length"], self.data.seq_length)
-        return MHCTransformerConfig(**kwargs)
+        return kwargs
 
 
 # ------------------------------------------------------------------ unknown keys

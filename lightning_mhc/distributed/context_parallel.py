@@ -58,7 +58,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 # torch >= 2.13 names them *_single (the *_tensor names warn)
@@ -198,7 +197,10 @@ def _causal_chunk_attention(query: Tensor, keys: Tensor, values: Tensor, scale: 
     """A chunk's queries against its causal prefix of keys (the chunk's own block last), lower-right causal."""
     chunk_len, key_len = query.shape[2], keys.shape[2]
     if not strided_bias:
-        # flash / efficient kernels take the lower-right alignment without a materialized mask
+        # flash / efficient kernels take the lower-right alignment without a materialized mask (its
+        # module imports torch's compiler, seconds: here, so a plan of a layout does not pay them)
+        from torch.nn.attention.bias import causal_lower_right
+
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(chunk_len, key_len),
                                               dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     # CPU's SDPA materializes a boolean or CausalBias mask as a dense fp32 [chunk_len, key_len] and keeps

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from lightning_mhc.distributed.context_parallel import sequence_divisor
 from lightning_mhc.errors import ConfigError, Field, key, term
@@ -358,6 +357,8 @@ class ParallelLayout:
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
                 "(or run under MHCParallelStrategy / torchrun) first."
             )
+        from megatron.core import parallel_state  # (here: planning a layout imports no megatron-core)
+
         world = self.with_world(dist.get_world_size())
         if _megatron_groups_serve(world):
             return world._adopt_megatron_groups()
@@ -379,7 +380,8 @@ class ParallelLayout:
     def _adopt_megatron_groups(self) -> ParallelLayout:
         """This layout with the place and groups megatron's ``parallel_state`` holds now (whose
         TP, CP, PP and EP sizes it must have)."""
-        ps = parallel_state
+        from megatron.core import parallel_state as ps
+
         pipeline_ranks = tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
         # megatron's default embedding ranks: the first and last stage (its is_rank_in_embedding_group
         # can answer from a previous initialisation after destroy_model_parallel)
@@ -418,7 +420,8 @@ def _megatron_groups_serve(layout: ParallelLayout) -> bool:
     """megatron's ``parallel_state`` holds groups that would serve ``layout`` (a world-checked
     one): the same TP, CP, PP and EP sizes in the same world. megatron's layers read its groups
     from there, so they are the one process-wide state; no layout is kept beside them."""
-    ps = parallel_state
+    from megatron.core import parallel_state as ps
+
     return ps.model_parallel_is_initialized() and _alive(ps.get_model_parallel_group()) \
         and dist.get_world_size() == layout.world_size and (
             ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
@@ -447,6 +450,8 @@ def destroy_parallel() -> None:
     megatron's ``destroy_model_parallel`` only forgets its groups; with gloo each group
     keeps its own threads and sockets, so a process that builds layouts again and again
     (tests, sweeps in one process) would pile them up. The groups are destroyed here."""
+    from megatron.core import parallel_state
+
     set_parallel_randomizer(None)
     groups = {id(g): g for g in vars(parallel_state).values()
               if isinstance(g, dist.ProcessGroup) and g is not dist.GroupMember.WORLD}

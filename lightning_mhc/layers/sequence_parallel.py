@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from torch import Tensor
 
 from lightning_mhc.distributed.placement import place, placement_of
@@ -29,6 +28,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def _group():
+    from megatron.core import parallel_state  # (here: planning a layout imports no megatron-core)
+
     return parallel_state.get_tensor_model_parallel_group()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from megatron.core.transformer import TransformerConfig
 from lightning_mhc.distributed.layout import DEGREES, ParallelLayout
 from lightning_mhc.errors import ConfigError, Label, key, term
 from lightning_mhc.layers.hyper_connection import HyperConnectionConfig, check_hyper_connection_values
+from lightning_mhc.model.sizes import GPTSizes, check_experts_under
 from lightning_mhc.recompute.policy import RecomputePolicy
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
@@ -222,17 +222,10 @@ class MHCTransformerConfig(TransformerConfig):
         answer some of them with an assertion or an unrelated message."""
         from lightning_mhc.model.moe_mlp import LOAD_BALANCING_TYPES, moe_config
 
-        experts, ep = self.num_moe_experts, self.expert_model_parallel_size
+        experts = self.num_moe_experts
+        check_experts_under(experts, self.expert_model_parallel_size, self.sequence_parallel)
         if not experts:
-            if ep > 1:
-                raise ConfigError(term("expert_model_parallel_size", ep), " without experts: set ",
-                                  key("num_moe_experts"), f" (a multiple of {ep}) or ",
-                                  term("expert_model_parallel_size", 1), ".")
             return
-        if experts % ep:
-            raise ConfigError(term("num_moe_experts", experts), " does not split over ",
-                              term("expert_model_parallel_size", ep),
-                              ": the experts must divide evenly over the expert-parallel ranks.")
         if not 1 <= self.moe_router_topk <= experts:
             raise ConfigError(term("moe_router_topk", self.moe_router_topk), " must be between 1 and ",
                               term("num_moe_experts", experts), ".")
@@ -250,10 +243,6 @@ class MHCTransformerConfig(TransformerConfig):
                 or (isinstance(freq, (list, tuple)) and len(freq) == self.num_layers and set(freq) <= {0, 1})):
             raise ConfigError(term("moe_layer_freq", freq), ": give an int >= 1 (every that many layers, from the "
                               f"first) or a list of {self.num_layers} zeros and ones (one per layer).")
-        if self.sequence_parallel:
-            raise ConfigError(term("num_moe_experts", experts), " with ", term("sequence_parallel", True),
-                              " is not implemented (the experts would see part of the sequence on each TP rank): "
-                              "set ", term("sequence_parallel", False), ".")
         try:
             moe_config(self)
         except ValueError as error:
@@ -282,14 +271,12 @@ class MHCTransformerConfig(TransformerConfig):
 
     def split_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits in this model (``ParallelLayout.check_model``)."""
-        return {name: getattr(self, name)
-                for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "padded_vocab_size")}
+        return GPTSizes.of(self).split_sizes()
 
     # --------------------------------------------------------------- derived
     @property
     def padded_vocab_size(self) -> int:
-        m = self.make_vocab_size_divisible_by
-        return int(math.ceil(self.vocab_size / m) * m)
+        return GPTSizes.of(self).padded_vocab_size
 
     @property
     def hyper_connection(self) -> HyperConnectionConfig:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_mhc.model.moe_mlp import is_moe_layer
+from lightning_mhc.model.sizes import is_moe_layer
 
 PEAK_BF16_TFLOPS = (  # dense bf16 (fp16 for V100) tensor-core peaks from NVIDIA's data sheets; first match wins
     ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0), ("A100", 312.0), ("A800", 312.0),

@@ -20,20 +20,11 @@ from torch import Tensor
 
 from lightning_mhc.layers.init import ParamInit, scaled_std
 from lightning_mhc.model.moe import MoEConfig, MoELayer
+from lightning_mhc.model.sizes import is_moe_layer
 
 LOAD_BALANCING_TYPES = ("aux_loss", "none")
 """megatron's ``moe_router_load_balancing_type`` values this layer runs ('none': no auxiliary
 load-balancing loss whatever ``moe_aux_loss_coeff`` says, as megatron's)."""
-
-
-def is_moe_layer(config: Any, layer_number: int) -> bool:
-    """Whether the 1-based ``layer_number`` has an MoE MLP (megatron's ``moe_layer_freq``)."""
-    if not config.num_moe_experts:
-        return False
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return (layer_number - 1) % freq == 0
-    return bool(freq[layer_number - 1])
 
 
 def moe_config(config: Any) -> MoEConfig:

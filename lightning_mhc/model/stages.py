@@ -2,49 +2,10 @@
 and building only the local ones."""
 from __future__ import annotations
 
-from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.config import MHCTransformerConfig
 from lightning_mhc.model.gpt import GPTModel
-from lightning_mhc.distributed.layout import ParallelLayout, stage_ranges
-
-
-def partition_layers(
-    num_layers: int,
-    num_stages: int,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
-) -> list[tuple[int, int]]:
-    """Global ``[start, end)`` layer ranges per (virtual) stage.
-
-    Even by default; ``first_stage_layers`` / ``last_stage_layers`` fix the
-    outer stages (megatron's ``decoder_first/last_pipeline_num_layers``) and
-    the rest is split evenly over the middle stages.
-    """
-    pp = num_stages
-    sizes: list[int | None] = [None] * pp
-    if first_stage_layers is not None:
-        sizes[0] = first_stage_layers
-    if last_stage_layers is not None:
-        if pp == 1 and first_stage_layers is not None and first_stage_layers != last_stage_layers:
-            raise ConfigError(
-                f"first_stage_layers={first_stage_layers} and last_stage_layers={last_stage_layers} "
-                "name the same single stage; give one of them."
-            )
-        sizes[-1] = last_stage_layers
-    fixed = sum(s for s in sizes if s is not None)
-    free = [i for i, s in enumerate(sizes) if s is None]
-    remaining = num_layers - fixed
-    if any(s is not None and s < 0 for s in sizes) or remaining < 0 or (free and remaining % len(free)) \
-            or (not free and remaining != 0):
-        raise ConfigError(
-            f"num_layers={num_layers} cannot be split over {pp} pipeline stages "
-            f"(first_stage_layers={first_stage_layers}, last_stage_layers={last_stage_layers}): "
-            f"the {len(free)} remaining stage(s) must share {remaining} layers evenly. Change "
-            "num_layers, the pipeline size, or the first/last stage sizes."
-        )
-    for i in free:
-        sizes[i] = remaining // len(free)
-    return stage_ranges(sizes)
+from lightning_mhc.distributed.layout import ParallelLayout
+from lightning_mhc.model.sizes import partition_layers
 
 
 def build_gpt_chunks(

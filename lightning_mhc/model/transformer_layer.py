@@ -34,7 +34,8 @@ from lightning_mhc.model.attention import SelfAttention
 from lightning_mhc.layers.hyper_connection import HyperConnectionModule
 from lightning_mhc.layers.init import ParamInit
 from lightning_mhc.model.mlp import MLP
-from lightning_mhc.model.moe_mlp import MoEMLP, is_moe_layer
+from lightning_mhc.model.moe_mlp import MoEMLP
+from lightning_mhc.model.sizes import is_moe_layer
 from lightning_mhc.model.norm import RMSNorm
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput, checkpoint
 from lightning_mhc.roles import roles_of

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_mhc.errors import ConfigError
+from lightning_mhc.model.sizes import partition_layers
 from lightning_mhc.recompute.groups import block_ranges
 from lightning_mhc.recompute.policy import DEFAULT_MODULES, RecomputePolicy
 
@@ -152,10 +153,8 @@ def plan_activations(config: Any, layout: Any, policy: str | RecomputePolicy, *,
                      micro_batch_size: int, num_microbatches: int, element_bytes: int = 4,
                      first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list[tuple[int, int]]:
     """Each pipeline stage's ``(retained activation bytes, micro-batch chunks in flight)`` at the
-    schedule's peak, per rank of that stage. ``config``: the model config with the asked layout's
-    padded vocabulary (``with_parallel_layout``)."""
-    from lightning_mhc.model.stages import partition_layers
-
+    schedule's peak, per rank of that stage. ``config``: the model's sizes
+    (``GPTSizes``, or its config)."""
     policy = RecomputePolicy.of(policy)
     check_activation_plan(config, layout, policy)
     layer_num, policy = policy.layer_num, policy.name

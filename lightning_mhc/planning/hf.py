@@ -67,7 +67,7 @@ class _MetaMaterializer:
 def hf_stage_counts(model: nn.Module, layout: ParallelLayout, *, plan: Any = "auto", hyper_connections: Any = None,
                     pipeline_split: list[int] | list[str] | None = None, recompute: Any = "none") -> list[StageCount]:
     """One :class:`StageCount` per physical pipeline stage of ``layout`` for ``model`` (recorded on
-    the meta device, e.g. ``lightning.modules.hf.recorded_hf_model``; hyper-connections are added
+    the meta device, e.g. ``any_model.record.recorded_hf_model``; hyper-connections are added
     to it, as ``parallelize`` does). The model is cut in place, as ``parallelize`` cuts it: record
     one per call. Refused as ``parallelize`` refuses (ConfigError)."""
     from lightning_mhc.any_model.model import ParallelizeSettings, plan_parallelize

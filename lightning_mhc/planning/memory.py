@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,8 +17,7 @@ from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES, buckets
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.distributed.optimizer import owned_pieces
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
-from lightning_mhc.model.stages import partition_layers
+from lightning_mhc.model.sizes import GPTSizes, partition_layers
 from lightning_mhc.planning.shapes import chunk_tensors
 
 ADAM_MOMENTS = 2
@@ -70,12 +70,14 @@ class StageCount:
         return self.dense + self.expert
 
 
-def stage_counts(config: MHCTransformerConfig, layout: ParallelLayout, first_stage_layers: int | None = None,
+def stage_counts(config: GPTSizes | Any, layout: ParallelLayout, first_stage_layers: int | None = None,
                  last_stage_layers: int | None = None) -> list[StageCount]:
     """One :class:`StageCount` per physical pipeline stage of ``layout`` (every rank of a stage holds
     the same count: TP shards and EP shards are equal in size). The asked layout's rules (sizes over
-    TP, layers over stages, the padded vocabulary) are checked first, by the config itself."""
-    asked = with_parallel_layout(config, layout)
+    TP, layers over stages, experts over EP) are checked first (``GPTSizes.check_layout``).
+    ``config``: the model's sizes, or its config."""
+    asked = GPTSizes.of(config)
+    asked.check_layout(layout)
     tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
     p, v = layout.pipeline_model_parallel_size, layout.num_virtual_stages // layout.pipeline_model_parallel_size
     ranges = partition_layers(config.num_layers, p * v, first_stage_layers, last_stage_layers)
@@ -150,7 +152,7 @@ def zero1_shares(count: StageCount, layout: ParallelLayout, bucket_bytes: int = 
     return [tuple(share) for share in shares]
 
 
-def plan_gpt(config: MHCTransformerConfig, layout: ParallelLayout, *, param_bytes: int = FP32,
+def plan_gpt(config: GPTSizes | Any, layout: ParallelLayout, *, param_bytes: int = FP32,
              distributed_optimizer: bool = False, first_stage_layers: int | None = None,
              last_stage_layers: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[RankBytes]:
     """Each stage's per-rank bytes of the mHC GPT (:func:`rank_bytes` of :func:`stage_counts`)."""

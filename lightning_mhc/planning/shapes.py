@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from lightning_mhc.model.moe_mlp import is_moe_layer
+from lightning_mhc.model.sizes import is_moe_layer
 
 
 @dataclass(frozen=True)

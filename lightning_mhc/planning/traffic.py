@@ -49,7 +49,7 @@ from typing import Any
 
 from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES as BUCKET_BYTES
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.model.moe_mlp import is_moe_layer
+from lightning_mhc.model.sizes import is_moe_layer, partition_layers
 from lightning_mhc.planning.shapes import chunk_tensors
 from lightning_mhc.recompute.policy import DEFAULT_MODULES, RecomputePolicy
 
@@ -114,10 +114,8 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
                  num_microbatches: int, element_bytes: int = FP32, param_bytes: int = FP32,
                  distributed_optimizer: bool = False, first_stage_layers: int | None = None,
                  last_stage_layers: int | None = None) -> list[StageTraffic]:
-    """Each pipeline stage's :class:`StageTraffic` for one rank of it. ``config``: the model config
-    with the asked layout's padded vocabulary (``with_parallel_layout``)."""
-    from lightning_mhc.model.stages import partition_layers
-
+    """Each pipeline stage's :class:`StageTraffic` for one rank of it. ``config``: the model's sizes
+    (``GPTSizes``, or its config)."""
     policy = RecomputePolicy.of(policy)
     check_traffic_plan(config, layout, policy, distributed_optimizer)
     tp, sp, cp = layout.tensor_model_parallel_size, layout.sequence_parallel and layout.tensor_model_parallel_size > 1, \

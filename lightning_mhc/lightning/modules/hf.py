@@ -13,7 +13,6 @@ and these settings, so ``HFCausalLMModule.whole_model(hparams)`` rebuilds the mo
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -21,33 +20,8 @@ from torch import nn
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.lightning.modules.base import OPTIMIZERS
 from lightning_mhc.lightning.modules.parallel_lm import ParallelLMModule
-from lightning_mhc.any_model.families import check_transformers_ships
 from lightning_mhc.any_model.hyper_connections import HyperConnectionSettings, add_hyper_connections
-from lightning_mhc.any_model.record import record_module_init
-
-
-def hf_config(model_dir: str | Path):
-    """The ``transformers`` config of a directory (or of its ``config.json``), refused in one line
-    when there is none."""
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        raise ConfigError("a Hugging Face model needs transformers: pip install 'lightning-mhc[hf]'.") from None
-    path = Path(model_dir)
-    directory = path.parent if path.name == "config.json" else path
-    if not (directory / "config.json").is_file():
-        raise ConfigError(f"{model_dir}: no config.json there (a directory written by save_pretrained holds one).")
-    check_transformers_ships(json.loads((directory / "config.json").read_text()).get("model_type"))
-    return AutoConfig.from_pretrained(directory)
-
-
-def recorded_hf_model(model_dir: str | Path) -> nn.Module:
-    """The model of ``model_dir``'s config on the meta device (``record_module_init``), in fp32."""
-    from transformers import AutoModelForCausalLM
-
-    config = hf_config(model_dir)
-    with record_module_init():
-        return AutoModelForCausalLM.from_config(config, dtype="float32")
+from lightning_mhc.any_model.record import hf_config, recorded_hf_model
 
 
 class HFCausalLMModule(ParallelLMModule):
