@@ -17,12 +17,6 @@ The record of a module's wrappers is one entry of its ``__dict__`` holding plain
 hook ids, the class before the swap, the method's ``make`` and what it wrapped), so
 ``copy.deepcopy``, pickling and ``state_dict`` of a wrapped model are as before (a ``make`` that
 must survive a pickle is a module-level function).
-
-Not yet moved onto it (they still wrap by hand, each in its own order, issue 53 item 4; the
-contracts test counts them): the GPT wing's stream monitor (``lightning/modules/gpt.py``), for
-want of time only; the recompute group's start (``recompute/groups.py``) and our ops' class swap
-(``ops/deepseek_v4.py``), because their rooms stand on this room's floor or below and may not
-import it (docs/rooms.md).
 """
 from __future__ import annotations
 
@@ -88,9 +82,16 @@ DECLARED: tuple[Declared, ...] = (
     Declared("stage_input", "pipeline", "pre_hook"),
     Declared("stage_end", "pipeline", "hook"),
     Declared("first_stage_stub", "pipeline", "pre_hook"),
+    # block recompute (the last pass): a group's first layer makes the group's manager, after the
+    # stage's input is taken
+    Declared("block_recompute", "block_recompute", "pre_hook"),
     # the routers' counts, read from what they return (after a hyper-connection exit's hook)
     Declared("router_loss", "router_loss", "hook"),
     Declared("router_bias", "router_bias", "hook"),
+    # DeepSeek-V4's hyper-connections on our ops: the module's class for our subclass of it
+    Declared("our_ops", "our_ops", "class"),
+    # the GPT's stream divergence, read from each layer's output (the n streams) while training
+    Declared("stream_divergence", "stream_divergence", "hook"),
 )
 """Every wrapper, in the order of each kind: a hook declared earlier runs first, a method declared
 earlier sits inside one declared later."""
