@@ -4,7 +4,9 @@ room gives a module for another to read are one record (``ModuleRoles``) that ``
 reads and writes. A source scan holds every other file of the package to them (as test_rooms does
 for imports); the placement reads what megatron-core's layers write, both records round-trip
 through ``copy`` and ``pickle`` and stay with their parameter or module through a pipeline split.
-One process, no group."""
+Modules are wrapped through one mechanism (``wrapping.py``): the scan holds every other file to it
+(but the sites its docstring lists as not yet moved), and it keeps its declared order, refuses a
+second wrapper of one name and takes them all off again. One process, no group."""
 from __future__ import annotations
 
 import ast
@@ -17,8 +19,10 @@ import sys
 import pytest
 import torch
 
+from lightning_mhc.errors import ConfigError
 from lightning_mhc.distributed.placement import REPLICATED, ParameterPlacement, mark_replicated, place, placement_of
 from lightning_mhc.roles import NO_ROLES, ModuleRoles, assign_roles, roles_of
+from lightning_mhc.wrapping import DECLARED, unwrap, unwrap_tree, wrap, wrappers_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_mhc"
@@ -245,9 +249,169 @@ def test_recompute_groups_are_given_and_taken_back_as_roles():
     from lightning_mhc.recompute.groups import attach_block_recompute, detach_block_recompute
 
     layers = [torch.nn.Linear(2, 2) for _ in range(5)]
-    handles = attach_block_recompute(layers, [(0, 2), (2, 5)], lambda first, last: "g")
+    attach_block_recompute(layers, [(0, 2), (2, 5)], lambda first, last: "g")
     groups = [roles_of(layer).recompute_group for layer in layers]
     assert groups[0] is groups[1] and groups[2] is groups[3] is groups[4] and groups[1] is not groups[2]
     assert [roles_of(layer).last_in_recompute_group for layer in layers] == [False, True, False, False, True]
-    detach_block_recompute(layers, handles)
-    assert all(roles_of(layer) == NO_ROLES for layer in layers)
+    assert [[w.name for w in wrappers_of(layer)] for layer in layers] == [["block_recompute"], [], ["block_recompute"], [], []]
+    detach_block_recompute(layers)
+    assert all(roles_of(layer) == NO_ROLES and not wrappers_of(layer) and not layer._forward_pre_hooks
+               for layer in layers)
+
+
+# ---------------------------------------------------------------- one wrapping mechanism
+WRAPPING_MODULE = PACKAGE / "wrapping.py"
+HOOK_REGISTRATIONS = ("register_forward_pre_hook", "register_forward_hook")
+REPLACED_ON_INSTANCES = ("forward", "__class__", "save_pretrained")
+
+
+def wrapping_by_hand(source: str, label: str) -> list[str]:
+    """Where ``source`` wraps a module itself: torch's forward (pre-)hook registration called,
+    or a forward, class or ``save_pretrained`` assigned on anything but ``self``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        where = f"{label}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in HOOK_REGISTRATIONS:
+            found.append(f"{where}: {ast.unparse(node.func)}(...)")
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and node.attr in REPLACED_ON_INSTANCES and _object_text(node.value) != "self":
+            found.append(f"{where}: {ast.unparse(node)} = ...")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and node.args[1].value in REPLACED_ON_INSTANCES:
+            found.append(f"{where}: {ast.unparse(node)}")
+    return found
+
+
+def test_modules_are_wrapped_through_the_wrapping_module_alone():
+    by_file = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path != WRAPPING_MODULE:
+            label = str(path.relative_to(ROOT))
+            by_file[label] = wrapping_by_hand(path.read_text(), label)
+    found = [use for uses in by_file.values() for use in uses]
+    assert not found, "wrap a module through lightning_mhc/wrapping.py (wrap, a name declared in DECLARED):\n" \
+                      + "\n".join(found)
+
+
+@pytest.mark.parametrize("line", [
+    "layer.forward = f",
+    "block.__class__ = Other",
+    "model.save_pretrained = Saver(model)",
+    "m.register_forward_pre_hook(h, with_kwargs=True)",
+    "m.register_forward_hook(h)",
+    "setattr(m, 'forward', f)",
+])
+def test_the_scan_finds_a_wrapping_by_hand(line):
+    assert len(wrapping_by_hand(line, "probe")) == 1
+
+
+def test_the_scan_leaves_a_class_its_own_forward():
+    assert wrapping_by_hand("self.forward = self._forward\nx = m.forward(y)\n", "probe") == []
+
+
+def _doubled(_module, args):
+    return (args[0] * 2,)
+
+
+def _plus_one(_module, args):
+    return (args[0] + 1,)
+
+
+def _minus_three(_module, _args, out):
+    return out - 3
+
+
+def _halved(_module, _args, out):
+    return out / 2
+
+
+def _tripled_forward(_module, inner):
+    return lambda x: inner(x) * 3
+
+
+def _plus_one_forward(_module, inner):
+    return lambda x: inner(x) + 1
+
+
+def _declared(kind):
+    return [d.name for d in DECLARED if d.kind == kind]
+
+
+def test_wrappers_run_in_their_declared_order_not_the_order_of_the_calls():
+    pre, post = _declared("pre_hook"), _declared("hook")
+    method = [d.name for d in DECLARED if d.attr == "forward"]
+    x = torch.tensor([[1.0, 2.0]])
+    results = []
+    for calls in (0, 1):  # the same wrappers put on in the declared order, then in the reverse one
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(2, 2)
+        plain = layer(x)
+        puts = [(pre[0], _doubled), (pre[1], _plus_one), (post[0], _minus_three), (post[1], _halved),
+                (method[0], _tripled_forward), (method[1], _plus_one_forward)]
+        for name, how in (puts if calls == 0 else puts[::-1]):
+            wrap(layer, name, how)
+        # pre-hooks: double, then add one; the methods: the first declared inside; hooks: -3, then /2
+        expected = ((torch.nn.functional.linear(x * 2 + 1, layer.weight, layer.bias) * 3 + 1) - 3) / 2
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+        assert [w.name for w in wrappers_of(layer)] == [name for name, _ in (puts if calls == 0 else puts[::-1])]
+        unwrap(layer)
+        torch.testing.assert_close(layer(x), plain, rtol=0, atol=0)
+        results.append(expected)
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+def test_a_second_wrapper_of_one_name_is_refused_in_one_line():
+    layer = torch.nn.Linear(2, 2)
+    wrap(layer, _declared("pre_hook")[0], _doubled)
+    with pytest.raises(ConfigError, match="already has the wrapper") as caught:
+        wrap(layer, _declared("pre_hook")[0], _plus_one)
+    assert "\n" not in str(caught.value) and len(layer._forward_pre_hooks) == 1
+    with pytest.raises(ConfigError, match="not declared"):
+        wrap(layer, "no_such_wrapper", _doubled)
+
+
+def _state(module):
+    """A module's class and ``__dict__``, its tables (hooks, parameters) copied as they are now."""
+    return type(module), {k: dict(v) if isinstance(v, dict) else v for k, v in module.__dict__.items()}
+
+
+def test_unwrap_leaves_the_module_as_it_was_and_copies_carry_the_wrappers(tmp_path):
+    """Every kind on a small Hugging Face model (an attention's class, the model's ``forward``
+    and ``save_pretrained``, hooks on a linear and an MLP): a deepcopy and a pickle wrap as it does;
+    unwrapped (one owner, then all), its ``__dict__``, hook tables, class, ``state_dict``, logits
+    and ``save_pretrained``'s files are the unwrapped model's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def fresh():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)).eval()
+
+    ids = torch.tensor([[1, 2, 3, 4]])
+    plain, model = fresh(), fresh()
+    plain.save_pretrained(tmp_path / "plain")
+    before = {m: _state(m) for m in model.modules()}
+    attn = model.transformer.h[0].attn.c_attn
+    swapped = type("MarkedGPT2Attention", (type(model.transformer.h[0].attn),), {})
+    wrap(model.transformer.h[0].attn, "hyper_connected_entry", swapped)
+    wrap(attn, "column_input", lambda _m, args, kwargs: ((args[0] * 2,), kwargs), with_kwargs=True)
+    wrap(model.transformer.h[0].mlp, "sequence_gathered_after_blocks", _halved)
+    wrap(model, "random_region", lambda _m, inner: inner)
+    wrap(model, "save_with_hyper_connections", lambda m, _inner: (lambda path: "saved elsewhere"))
+    wrapped = model(ids).logits
+    assert not torch.equal(wrapped, plain(ids).logits)
+    torch.testing.assert_close(copy.deepcopy(model)(ids).logits, wrapped, rtol=0, atol=0)
+    assert model.save_pretrained(tmp_path / "x") == "saved elsewhere"
+    assert [w.owner for w in wrappers_of(model)] == ["tensor_parallel", "hyper_connections"]
+    unwrap_tree(model, "hyper_connections")  # one owner's: the class swap and save_pretrained go
+    assert type(model.transformer.h[0].attn) is type(plain.transformer.h[0].attn)
+    assert "save_pretrained" not in model.__dict__ and [w.owner for w in wrappers_of(model)] == ["tensor_parallel"]
+    unwrap_tree(model)
+    after = {m: _state(m) for m in model.modules()}
+    assert after == before
+    torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=0, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+    assert list(model.state_dict()) == list(plain.state_dict())
+    model.save_pretrained(tmp_path / "unwrapped")
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "unwrapped" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()

@@ -37,6 +37,7 @@ from lightning_mhc.any_model.plan import Column, Row, base_of, is_lora_layer
 from lightning_mhc.any_model.record import seeded
 from lightning_mhc.any_model.placement import Placement, shard
 from lightning_mhc.roles import assign_roles, roles_of
+from lightning_mhc.wrapping import wrap
 
 def is_modules_to_save(module: nn.Module) -> bool:
     """PEFT's ``ModulesToSaveWrapper``: a trained copy of a module beside the frozen original."""
@@ -162,9 +163,9 @@ def place_lora(layer_name: str, layer: nn.Module, layout: ParallelLayout, config
                          ParameterPlacement(placed=True, split_dim=0, stride=stride))
             _set(a, "weight", a.weight.detach(), ParameterPlacement(placed=True, partial_over_tp=True))
             if placement.input_map is not None:
-                a.register_forward_pre_hook(lambda _m, args, f=placement.input_map: (f(args[0]), *args[1:]))
+                wrap(a, "adapter_input", lambda _m, args, f=placement.input_map: (f(args[0]), *args[1:]))
             if placement.output_map is not None:
-                b.register_forward_hook(lambda _m, _a, out, f=placement.output_map: f(out))
+                wrap(b, "adapter_output", lambda _m, _a, out, f=placement.output_map: f(out))
         elif isinstance(placement.style, Row):
             _set(a, "weight", shard(a.weight.detach(), 1, 1, tp, tp_rank),
                  ParameterPlacement(placed=True, split_dim=1, stride=1))
@@ -173,7 +174,7 @@ def place_lora(layer_name: str, layer: nn.Module, layout: ParallelLayout, config
                 if placement.sequence_parallel:  # B runs on this rank's part of the sequence
                     place(p, sequence_parallel=True)
             if placement.reduce is not None:
-                a.register_forward_hook(lambda _m, _a, out, f=placement.reduce: f(out))
+                wrap(a, "adapter_partial_summed", lambda _m, _a, out, f=placement.reduce: f(out))
     assign_roles(layer, adapters_placed=True)
 
 

@@ -47,6 +47,7 @@ from lightning_mhc.any_model.plan import TPPlan
 from lightning_mhc.any_model.router_loss import RouterLossSpec
 from lightning_mhc.distributed.process_state import register_for_the_run
 from lightning_mhc.layers.moe import SWITCH_LOAD_BALANCING
+from lightning_mhc.wrapping import wrap
 
 _ATTENTION = "model.layers.*.self_attn"
 DEEPSEEK_V4 = TPPlan(
@@ -169,7 +170,7 @@ def split_attention(chunk: nn.Module, layout: Any) -> None:
         module.config = copy.copy(module.config)  # (its own already: the plan divided its o_groups)
         module.config._attn_implementation = SHARED_KV_ATTENTION
         module.shared_kv_group = layout.tp_group
-        module.register_forward_pre_hook(_register_shared_kv_attention)
+        wrap(module, "shared_kv_attention", _register_shared_kv_attention)
 
 
 def shared_kv_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):
@@ -199,4 +200,4 @@ def route_own_tokens(chunk: nn.Module, layout: Any) -> None:
 
     for module in chunk.modules():
         if hasattr(getattr(module, "gate", None), "tid2eid"):
-            module.register_forward_pre_hook(own_ids, with_kwargs=True)
+            wrap(module, "hash_routed_own_tokens", own_ids, with_kwargs=True)

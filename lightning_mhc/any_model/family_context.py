@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.layers.sequence import SequenceSplit
+from lightning_mhc.wrapping import wrap
 
 
 def replace_attention_forward(chunk: nn.Module, layout: Any, is_attention: Callable[[nn.Module], bool],
@@ -38,7 +39,7 @@ def replace_attention_forward(chunk: nn.Module, layout: Any, is_attention: Calla
         return
     for module in chunk.modules():
         if is_attention(module):
-            module.forward = functools.partial(forward, module, split)
+            wrap(module, "context_parallel_attention", lambda mod, _inner: functools.partial(forward, mod, split))
 
 
 def check_split_call(family: str, cache: Any, kwargs: dict[str, Any], attention_mask: Tensor | None) -> None:

@@ -75,6 +75,7 @@ from lightning_mhc.recompute.groups import RecomputeGroup
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput
 from lightning_mhc.roles import assign_roles, roles_of
+from lightning_mhc.wrapping import wrap
 
 
 @dataclass(frozen=True)
@@ -347,12 +348,12 @@ def add_hyper_connections(model: nn.Module, num_residual_streams: int | HyperCon
         wiring = _BlockWiring(name, plan, hidden, settings, first=index == 0, last=index == count - 1)
         _wire_block(block, wiring, _make_hyper_connections(block, name, plan, config, settings.seed, meta))
     holder = model.get_submodule(parts.block_path.rpartition(".")[0])
-    holder.register_forward_hook(functools.partial(_streams_mean_in_hidden_states, settings.num_residual_streams,
-                                                   hidden))
+    wrap(holder, "hyper_connection_streams_mean",
+         functools.partial(_streams_mean_in_hidden_states, settings.num_residual_streams, hidden))
     model.hyper_connection_settings = settings
     model.hyper_connection_plan = plan
     if callable(getattr(model, "save_pretrained", None)):
-        model.save_pretrained = SavePretrainedWithHyperConnections(model)
+        wrap(model, "save_with_hyper_connections", _save_with_hyper_connections)
     return model
 
 
@@ -444,10 +445,16 @@ def _wire_block(block: nn.Module, wiring: _BlockWiring, hyper_connections: nn.Mo
     block.hyper_connection_wiring = wiring
     for index, branch in enumerate(wiring.plan.branches):
         entry = block.get_submodule(branch.entry)
-        entry.__class__ = _hyper_connected_class(type(entry), "entry")
+        wrap(entry, "hyper_connected_entry", _hyper_connected_class(type(entry), "entry"))
         entry.hyper_connection_branch = index
-        block.get_submodule(branch.exit).register_forward_hook(functools.partial(_exit_hook, index))
-    block.__class__ = _hyper_connected_class(type(block), "block")
+        wrap(block.get_submodule(branch.exit), "hyper_connection_exit", functools.partial(_exit_hook, index))
+    wrap(block, "hyper_connected_block", _hyper_connected_class(type(block), "block"))
+
+
+def _save_with_hyper_connections(model: nn.Module, _inner) -> SavePretrainedWithHyperConnections:
+    """The model's ``save_pretrained`` once hyper-connected (a module-level function: a pickled
+    model's wrapper record names it)."""
+    return SavePretrainedWithHyperConnections(model)
 
 
 def _exit_hook(index: int, module: nn.Module, args: tuple, output: Any):

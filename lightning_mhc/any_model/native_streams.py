@@ -22,6 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_mhc.roles import roles_of
+from lightning_mhc.wrapping import wrap
 
 
 def carry_streams_flat(chunk: nn.Module, block_path: str | None, streams: int) -> None:
@@ -33,10 +34,10 @@ def carry_streams_flat(chunk: nn.Module, block_path: str | None, streams: int) -
     if block_path is None:
         return
     for layer in chunk.get_submodule(block_path).children():
-        layer.forward = _flat_streams(layer.forward, streams, flatten_output=True)
+        wrap(layer, "native_flat_streams", lambda _m, inner: _flat_streams(inner, streams, flatten_output=True))
     head = getattr(getattr(chunk, "model", None), "hc_head", None)
     if isinstance(head, nn.Module) and hasattr(head, "hc_fn"):  # NotOnThisStage before the last stage
-        head.forward = _flat_streams(head.forward, streams, flatten_output=False)
+        wrap(head, "native_flat_streams", lambda _m, inner: _flat_streams(inner, streams, flatten_output=False))
 
 
 def _flat_streams(forward, streams: int, flatten_output: bool):
@@ -65,7 +66,8 @@ def recompute_hyper_connections(chunk: nn.Module, block_path: str | None, layer_
     if block_path is None:
         return
     for name, layer in chunk.get_submodule(block_path).named_children():
-        layer.forward = _under_block_recompute(layer, layer.forward, layer_forward, f"{block_path}.{name}")
+        wrap(layer, "native_block_recompute", functools.partial(_under_block_recompute, layer_forward=layer_forward,
+                                                                 name=f"{block_path}.{name}"))
 
 
 def _under_block_recompute(layer: nn.Module, forward, layer_forward, name: str):

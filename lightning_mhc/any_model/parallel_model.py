@@ -26,6 +26,7 @@ from lightning_mhc.any_model.router_loss import RouterLoss, router_loss_for
 from lightning_mhc.layers.loss import token_mean_loss
 from lightning_mhc.recompute.policy import RecomputePolicy
 from lightning_mhc.recompute.rng import hf_checkpointing_modules, replay_tracked_rng_in_hf_checkpointing, rng_fork
+from lightning_mhc.wrapping import wrap
 
 if TYPE_CHECKING:
     from lightning_mhc.any_model.pipeline import StageSplit
@@ -191,13 +192,13 @@ class ParallelModel(nn.Module):
                 continue
             first_block, last_block = chunk.blocks[min(chunk.blocks)], chunk.blocks[max(chunk.blocks)]
             if chunk.stage > 0:  # takes the previous stage's activations
-                first_block.register_forward_pre_hook(functools.partial(self._take_input, index), with_kwargs=True)
+                wrap(first_block, "stage_input", functools.partial(self._take_input, index), with_kwargs=True)
             if chunk.stage < last_stage:  # the stage ends here
-                last_block.register_forward_hook(functools.partial(self._stop, index))
+                wrap(last_block, "stage_end", functools.partial(self._stop, index))
         for chunk in self.chunks:
             for stub in chunk.modules():
                 if isinstance(stub, FirstStageStub):
-                    stub.register_forward_pre_hook(self._stub_called)
+                    wrap(stub, "first_stage_stub", self._stub_called)
         for meta_id in split.tied_across_stages:
             held = materializer.real.get(meta_id)
             if held is not None and any(p is held for p in self.parameters()):

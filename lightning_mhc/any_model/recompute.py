@@ -15,6 +15,7 @@ from lightning_mhc.errors import ConfigError, Label, term
 from lightning_mhc.recompute.groups import attach_block_recompute
 from lightning_mhc.recompute.policy import RecomputePolicy
 from lightning_mhc.recompute.without_output import checkpoint
+from lightning_mhc.wrapping import wrap
 
 if TYPE_CHECKING:
     from lightning_mhc.any_model.pipeline import StageChunk
@@ -88,12 +89,14 @@ def apply_recompute(chunks: list[StageChunk], policy: RecomputePolicy, plan: TPP
 
 
 def _checkpointed(module: nn.Module) -> None:
-    forward = module.forward
+    wrap(module, "checkpointed", _checkpointed_forward)
 
+
+def _checkpointed_forward(module: nn.Module, forward):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if module.training and torch.is_grad_enabled():
             return checkpoint(forward, *args, **kwargs)
         return forward(*args, **kwargs)
 
-    module.forward = run
+    return run

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from lightning_mhc.any_model.router_loss import count_chosen, in_backward
 from lightning_mhc.distributed.expert_parallel import ExpertLayer
 from lightning_mhc.errors import ConfigError, term
+from lightning_mhc.wrapping import wrap
 
 BIAS = "e_score_correction_bias"
 
@@ -61,7 +62,7 @@ class RouterBias(ExpertLayer):
         self._names = {id(module): name for name, module in routers}
         self._counts: dict[str, Tensor] = {}
         for _, module in routers:
-            module.register_forward_hook(self._routed)
+            wrap(module, "router_bias", self._routed)
 
     def _routed(self, module: nn.Module, args: tuple, output: Any) -> None:
         """A router's forward: ``(logits, weights, indices)``; its chosen experts counted."""

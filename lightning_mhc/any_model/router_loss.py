@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.layers.moe import RouterLossRule
+from lightning_mhc.wrapping import wrap
 
 _TO_LAST, _FROM_LAST = 11, 12
 
@@ -119,7 +120,7 @@ class RouterLoss:
                 if fnmatch.fnmatchcase(name, spec.routers) and (
                         not spec.router_types or type(module).__name__ in spec.router_types):
                     self.routers.append((name, module))
-                    module.register_forward_hook(self._routed)
+                    wrap(module, "router_loss", self._routed)
         self._router_names = {id(module): name for name, module in self.routers}
         """A router's name by the module (its forward hook is handed the module)."""
         self._counting = False

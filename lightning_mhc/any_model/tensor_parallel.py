@@ -47,6 +47,7 @@ from lightning_mhc.recompute.rng import rng_fork
 from lightning_mhc.distributed.placement import mark_replicated, place, placement_of
 from lightning_mhc.any_model.experts import shard_experts
 from lightning_mhc.roles import assign_roles
+from lightning_mhc.wrapping import wrap
 from lightning_mhc.any_model.hyper_connections import wire_sequence_parallel
 
 if TYPE_CHECKING:
@@ -108,9 +109,9 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
         if tp > 1 and style.gather_output:
             output_map = lambda out: _GatherLastDim.apply(out, group)  # noqa: E731 (apply takes no keywords)
         if input_map is not None:
-            module.register_forward_pre_hook(lambda _m, args: (input_map(args[0]), *args[1:]))
+            wrap(module, "column_input", lambda _m, args: (input_map(args[0]), *args[1:]))
         if output_map is not None:
-            module.register_forward_hook(lambda _m, _a, out: output_map(out))
+            wrap(module, "column_output", lambda _m, _a, out: output_map(out))
         assign_roles(module, tensor_parallel_placement=Placement(style, sequence_parallel, input_map=input_map,
                                                                  output_map=output_map))
     elif isinstance(style, Row):
@@ -118,8 +119,8 @@ def apply_style(module: nn.Module, style: Style, layout: ParallelLayout,
         setattr(module, in_attr, getattr(module, in_attr) // tp)
         reduce = functools.partial(_sum_partial, group=group, sequence_parallel=sequence_parallel) if tp > 1 else None
         if tp > 1:  # the bias is added once, after the partial products are summed
-            module.forward = types.MethodType(functools.partial(_row_forward, reduce=reduce, transposed=in_dim == 0),
-                                              module)
+            row_forward = functools.partial(_row_forward, reduce=reduce, transposed=in_dim == 0)
+            wrap(module, "row_parallel_forward", lambda mod, _inner: types.MethodType(row_forward, mod))
         assign_roles(module, tensor_parallel_placement=Placement(style, sequence_parallel, reduce=reduce))
 
 
@@ -220,7 +221,7 @@ def gather_sequence_into(module: nn.Module) -> None:
     def gather_input(mod: nn.Module, args: tuple, kwargs: dict):
         return replace_hidden_states(mod, args, kwargs, gather_sequence, "sequence parallelism cannot gather its sequence")
 
-    module.register_forward_pre_hook(gather_input, with_kwargs=True)
+    wrap(module, "sequence_gathered", gather_input, with_kwargs=True)
 
 
 def gather_replicated_sequence(x: torch.Tensor) -> torch.Tensor:
@@ -250,8 +251,8 @@ def _vocab_parallel(module: nn.Embedding, group) -> None:
         outside = mod.__dict__.pop("_outside_rows")
         return _reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
 
-    module.register_forward_pre_hook(local_ids, with_kwargs=True)
-    module.register_forward_hook(summed, with_kwargs=True)
+    wrap(module, "vocab_local_ids", local_ids, with_kwargs=True)
+    wrap(module, "vocab_rows_summed", summed, with_kwargs=True)
 
 
 def divide_attributes(module: nn.Module, attrs: tuple[str, ...], tp: int) -> None:
@@ -272,15 +273,17 @@ def divide_attributes(module: nn.Module, attrs: tuple[str, ...], tp: int) -> Non
 def random_region(module: nn.Module, region: str) -> None:
     """Run ``module``'s forward on the randomizer's stream for ``region``: ``"parallel"`` differs
     across TP ranks (dropout on TP-split activations), ``"replicated"`` is shared by them."""
-    forward = module.forward
     groups = () if region == "parallel" else ("tensor",)
 
-    @functools.wraps(forward)
-    def forward_in_region(*args, **kwargs):
-        with rng_fork(*groups):
-            return forward(*args, **kwargs)
+    def in_region(_module: nn.Module, forward: Callable) -> Callable:
+        @functools.wraps(forward)
+        def forward_in_region(*args, **kwargs):
+            with rng_fork(*groups):
+                return forward(*args, **kwargs)
 
-    module.forward = forward_in_region
+        return forward_in_region
+
+    wrap(module, "random_region", in_region)
 
 
 # ------------------------------------------------------------------ the logits layer
@@ -348,9 +351,9 @@ def apply_tensor_parallel(chunks: list[StageChunk], materializer: Materializer, 
     last_stage = layout.num_virtual_stages - 1
     for chunk in chunks:
         if chunk.blocks and chunk.stage == 0:
-            chunk.blocks[min(chunk.blocks)].register_forward_pre_hook(_scatter_hidden, with_kwargs=True)
+            wrap(chunk.blocks[min(chunk.blocks)], "sequence_scattered_before_blocks", _scatter_hidden, with_kwargs=True)
         if chunk.blocks and chunk.stage == last_stage:
-            chunk.blocks[max(chunk.blocks)].register_forward_hook(_gather_hidden)
+            wrap(chunk.blocks[max(chunk.blocks)], "sequence_gathered_after_blocks", _gather_hidden)
 
 
 def module_builder(materializer: Materializer, plan: TPPlan, layout: ParallelLayout,

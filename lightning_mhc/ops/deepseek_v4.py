@@ -38,6 +38,7 @@ from lightning_mhc.ops.hyper_connection import (
     reference_res_post,
 )
 from lightning_mhc.ops.rms_norm import rms_normalize
+from lightning_mhc.wrapping import unwrap, wrap
 
 
 def convention_of(hc: nn.Module) -> Convention:
@@ -192,7 +193,8 @@ def use_our_ops(module: nn.Module, implementation: str = "auto") -> nn.Module:
     for sub in module.modules():
         role = role_of(sub)
         if role is not None:
-            sub.__class__ = _our_class(getattr(type(sub), "our_ops_base", type(sub)), role)
+            unwrap(sub, owner="our_ops")  # called again: the ops chosen anew
+            wrap(sub, "our_ops", _our_class(type(sub), role))
             sub.mhc_implementation = implementation
             found += 1
     if not found:

@@ -6,7 +6,7 @@ A group is ``L_r`` consecutive layers of one pipeline stage (:func:`block_ranges
 eq. 20) under one ``MHCBlockRecomputeManager`` per training forward. Each layer of a group holds
 it as its role ``recompute_group`` and knows whether it ends it (``last_in_recompute_group``,
 megatron's ``is_last_layer_in_block``; ``lightning_mhc.roles``); a forward pre-hook on the
-group's first layer makes the manager (only in training forwards with grad enabled, so
+group's first layer (its ``block_recompute`` wrapper, ``lightning_mhc.wrapping``) makes the manager (only in training forwards with grad enabled, so
 evaluation is untouched), the layers checkpoint into ``group.manager``, and the last one hands its
 output, which it keeps out of the manager, to :meth:`RecomputeGroup.finish`: every checkpoint's
 output is freed and recomputed from one hook.
@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from lightning_mhc.recompute.manager import MHCBlockRecomputeManager
 from lightning_mhc.roles import assign_roles
+from lightning_mhc.wrapping import unwrap, wrap
 
 
 def block_ranges(layers: int, n: int, layer_num: int | None = None) -> list[tuple[int, int]]:
@@ -59,22 +59,20 @@ class RecomputeGroup:
 
 def attach_block_recompute(layers: Sequence[nn.Module], ranges: Sequence[tuple[int, int]],
                            name: Callable[[nn.Module, nn.Module], str],
-                           created: list[MHCBlockRecomputeManager] | None = None) -> list[RemovableHandle]:
+                           created: list[MHCBlockRecomputeManager] | None = None) -> None:
     """One :class:`RecomputeGroup` per ``[start, end)`` range of the consecutive ``layers``, named
-    ``name(first layer, last layer)``; returns the pre-hooks' handles (:func:`detach_block_recompute`)."""
-    handles = []
+    ``name(first layer, last layer)``; its start is the first layer's ``block_recompute`` wrapper
+    (:func:`detach_block_recompute` takes them off)."""
     for start, end in ranges:
         members = layers[start:end]
         group = RecomputeGroup(name(members[0], members[-1]), created)
         for layer in members:
             assign_roles(layer, recompute_group=group, last_in_recompute_group=layer is members[-1])
-        handles.append(members[0].register_forward_pre_hook(group.start))
-    return handles
+        wrap(members[0], "block_recompute", group.start)
 
 
-def detach_block_recompute(layers: Sequence[nn.Module], handles: Sequence[RemovableHandle]) -> None:
-    """Undo :func:`attach_block_recompute`: its hooks removed, the layers in no group."""
-    for handle in handles:
-        handle.remove()
+def detach_block_recompute(layers: Sequence[nn.Module]) -> None:
+    """Undo :func:`attach_block_recompute`: the groups' starts unwrapped, the layers in no group."""
     for layer in layers:
+        unwrap(layer, owner="block_recompute")
         assign_roles(layer, recompute_group=None, last_in_recompute_group=False)

@@ -204,7 +204,7 @@ def attach_recompute(model: torch.nn.Module, keep_managers: bool = False) -> lis
     for block in _decoder_blocks(model):
         if not block.config.recompute_hyper_connections:
             continue
-        block._mhc_recompute_handles = attach_block_recompute(
+        attach_block_recompute(
             block.layers, block.recompute_block_ranges(),
             lambda first, last: f"layers {first.layer_number}-{last.layer_number}",
             created if keep_managers else None)
@@ -214,6 +214,5 @@ def attach_recompute(model: torch.nn.Module, keep_managers: bool = False) -> lis
 
 def detach_recompute(model: torch.nn.Module) -> None:
     for block in _decoder_blocks(model):
-        detach_block_recompute(block.layers, getattr(block, "_mhc_recompute_handles", []))
-        block._mhc_recompute_handles = []
+        detach_block_recompute(block.layers)
         block.mhc_recompute_attached = False

@@ -23,6 +23,7 @@ from lightning_mhc.model.flops import training_flops_per_token
 from lightning_mhc.model.gpt import GPTModel, gpt_forward_step, gpt_loss_func
 from lightning_mhc.model.stages import build_gpt_chunks
 from lightning_mhc.recompute.policy import RecomputePolicy
+from lightning_mhc.wrapping import wrap
 
 class MHCGPTModule(PipelinedLMModule):
     """An mHC GPT trained with ``MHCParallelStrategy`` (any TP/CP/PP/DP layout).
@@ -134,7 +135,7 @@ class MHCGPTModule(PipelinedLMModule):
         monitor = StreamDivergenceMonitor(config.num_residual_streams)
         for chunk in self.model_chunks():
             for layer in chunk.decoder.layers:
-                layer.register_forward_hook(monitor.output_hook(f"decoder.layers.{layer.layer_number - 1}"))
+                wrap(layer, "stream_divergence", monitor.output_hook(f"decoder.layers.{layer.layer_number - 1}"))
         return monitor
 
     def moe_layers(self) -> list[tuple[str, Any]]:
