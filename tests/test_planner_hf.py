@@ -167,13 +167,21 @@ def test_hf_activation_bytes_within_5_percent(measured):
     assert not misses, misses
 
 
-def test_hf_activation_plan_refuses_what_it_does_not_trace():
-    """TP, CP and EP run collectives in the forward the trace has no group for: one line, not a wrong figure."""
+def test_hf_activation_plan_refuses_what_it_does_not_trace(monkeypatch):
+    """TP, CP and EP run collectives in the forward the trace has no group for, and an op the meta
+    device cannot run (here transformers' packed-sequence search, without the trace's stand-ins)
+    stops the trace: one line each, not a wrong figure."""
+    import contextlib
+
     from lightning_mhc.errors import ConfigError
-    from lightning_mhc.planning import plan_hf_activations
+    from lightning_mhc.planning import hf_activations, plan_hf_activations
 
     with pytest.raises(ConfigError, match="does not cover tensor parallelism, expert parallelism yet"):
         plan_hf_activations(lambda: _recorded("mixtral"), _layout(2, 1, 1, 2), seq_length=SEQ,
+                            micro_batch_size=MICRO_BATCH, num_microbatches=1)
+    monkeypatch.setattr(hf_activations, "_meta_trace", contextlib.nullcontext)
+    with pytest.raises(ConfigError, match="could not trace LlamaForCausalLM on the meta device .*meta tensors"):
+        plan_hf_activations(lambda: _recorded("llama"), _layout(1, 1, 1, 1), seq_length=SEQ,
                             micro_batch_size=MICRO_BATCH, num_microbatches=1)
 
 

@@ -167,11 +167,16 @@ def plan_hf_activations(recorded: Callable[[], nn.Module], layout: Any, *, seq_l
                 input_tensor = torch.empty(micro_batch_size, seq_length, width, dtype=dtype, device="meta",
                                            requires_grad=True)
                 received = input_tensor.untyped_storage().nbytes()
-            with ActivationMemoryMeter(model) as meter, _meta_trace():
-                model.set_input_tensor(input_tensor, chunk)
-                output = model.forward_step({"input_ids": input_ids[:micro_batch_size]}, chunk)
-                if last:  # the schedule keeps the loss over the micro-batches
-                    output = model.loss(output, labels[:micro_batch_size]) / m
+            try:
+                with ActivationMemoryMeter(model) as meter, _meta_trace():
+                    model.set_input_tensor(input_tensor, chunk)
+                    output = model.forward_step({"input_ids": input_ids[:micro_batch_size]}, chunk)
+                    if last:  # the schedule keeps the loss over the micro-batches
+                        output = model.loss(output, labels[:micro_batch_size]) / m
+            except (RuntimeError, NotImplementedError) as error:  # an op the meta device cannot run
+                first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise ConfigError(f"the planner's activation count could not trace {type(model.chunks[0]).__name__} "
+                                  f"on the meta device ({first_line}); its model states are exact.") from error
             held = ([output] if last else []) + ([input_tensor] if input_tensor is not None else [])
             sent = 0 if last else output.element_size()  # the sent output, shrunk to one element
             units.append(sent + meter.live_bytes(held, where=lambda t: storage_key(t) not in batch))
