@@ -24,3 +24,19 @@ def gpt_on_runtime(layout: Any, num_microbatches: int, model: dict[str, Any], po
     module.configure_model()
     attach_recompute(module)
     return runtime, module
+
+
+def hf_on_runtime(layout: Any, num_microbatches: int, recorded: Any, policy: str = "none",
+                  hyper_connections: int | None = None, **settings: Any) -> tuple[Any, Any]:
+    """``(runtime, module)`` for a Hugging Face model recorded on the meta device: ``layout`` built
+    over the group, the model split by ``parallelize`` with ``policy`` (seeded) in a ``ParallelLMModule``."""
+    from lightning_mhc.lightning.modules.parallel_lm import ParallelLMModule
+    from lightning_mhc.strategies.runtime import ParallelRuntime
+    from lightning_mhc.strategies.settings import ParallelSettings
+
+    runtime = ParallelRuntime(ParallelSettings(layout=layout, num_microbatches=num_microbatches, **settings))
+    runtime.layout, runtime.device = layout.build(), torch.device("cpu")
+    module = ParallelLMModule()
+    module.handed_layout = runtime.layout
+    module.model = module.parallelize(recorded, "auto", recompute=policy, hyper_connections=hyper_connections)
+    return runtime, module.train()

@@ -9,8 +9,9 @@ The counts are the planner's (``lightning_mhc.planning``): parameters, gradients
 rank of each pipeline stage, counted from the config (the mHC GPT's by arithmetic; a Hugging Face model's
 (``model=hf``) from its config.json on the meta device, no weights read; no process group started), and
 the retained activations at the schedule's peak for the run's recompute policy (where the count covers
-the model: not yet CP or MoE layers, which plan the model states alone and say so), and the bytes each
-rank sends per step by dimension (``planning.traffic``; docs/planning.md). The pipeline bubble is the schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
+the model: not yet the GPT's CP or MoE layers, nor a Hugging Face model's TP, CP or EP, which plan the
+model states alone and say so), and the bytes each rank sends per step by dimension (``planning.traffic``;
+docs/planning.md; not yet a Hugging Face model's). The pipeline bubble is the schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
 ``lightning-mhc-plan: invalid configuration: ...``, exit status 2.
 """
 from __future__ import annotations
@@ -48,8 +49,6 @@ def _positive_int(key: str, value: str) -> int:
     return int(value)
 
 
-HF_ACTIVATIONS_NOT_COUNTED = ("a Hugging Face model's activations are not counted yet (its modules' own forwards "
-                              "keep what they keep)")
 HF_TRAFFIC_NOT_COUNTED = "a Hugging Face model's traffic is not counted yet"
 
 
@@ -59,7 +58,8 @@ def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
 
     param_bytes = 2 if cfg.trainer.precision == "bf16-true" else 4
     if cfg.model.is_hf:
-        stages, activations, not_counted, traffic, traffic_not_counted = _hf_terms(cfg, layout, param_bytes)
+        stages, activations, not_counted, traffic, traffic_not_counted = _hf_terms(cfg, layout, num_microbatches,
+                                                                                   param_bytes)
     else:
         stages, activations, not_counted, traffic, traffic_not_counted = _gpt_terms(cfg, layout, num_microbatches,
                                                                                     param_bytes)
@@ -109,21 +109,29 @@ def _gpt_terms(cfg, layout, num_microbatches: int, param_bytes: int):
     return stages, activations, not_counted, traffic, traffic_not_counted
 
 
-def _hf_terms(cfg, layout, param_bytes: int):
+def _hf_terms(cfg, layout, num_microbatches: int, param_bytes: int):
     """A Hugging Face model's stages (model states, from its config.json on the meta device: no weights
-    read); its activations and traffic are not counted yet."""
+    read) and retained activations (its stages' forward traced on the meta device, where the trace
+    covers the layout); its traffic is not counted yet."""
     from lightning_mhc.errors import ConfigError
     from lightning_mhc.any_model.record import recorded_hf_model
-    from lightning_mhc.planning import plan_hf
+    from lightning_mhc.planning import plan_hf, plan_hf_activations
 
     m = cfg.model
+    parallelize_args = dict(plan=m.plan, hyper_connections=m.hyper_connection_settings, recompute=cfg.recompute_policy)
     try:
         stages = plan_hf(recorded_hf_model(m.hf_dir), layout, param_bytes=param_bytes,
-                         distributed_optimizer=cfg.optim.use_distributed_optimizer, plan=m.plan,
-                         hyper_connections=m.hyper_connection_settings, recompute=cfg.recompute_policy)
+                         distributed_optimizer=cfg.optim.use_distributed_optimizer, **parallelize_args)
     except ConfigError as error:
         raise error.within(m.hf_key) from None
-    return stages, [0] * len(stages), HF_ACTIVATIONS_NOT_COUNTED, [None] * len(stages), HF_TRAFFIC_NOT_COUNTED
+    try:  # traced in fp32 (the recorded model's dtype, checked against runs); bf16's half of it unchecked
+        activations = [a * param_bytes // 4 for a, _ in plan_hf_activations(
+            lambda: recorded_hf_model(m.hf_dir), layout, seq_length=cfg.data.seq_length,
+            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, **parallelize_args)]
+        not_counted = None
+    except ConfigError as error:  # what the trace does not cover: the model states alone
+        activations, not_counted = [0] * len(stages), str(error)
+    return stages, activations, not_counted, [None] * len(stages), HF_TRAFFIC_NOT_COUNTED
 
 
 def _most_sent(traffic: list[dict[str, int] | None]) -> dict[str, int] | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from lightning_mhc.recompute.memory import storage_key
 from lightning_mhc.recompute.without_output import CheckpointWithoutOutput
 
 
@@ -61,8 +62,8 @@ class MHCBlockRecomputeManager:
             freed = 0
             for out in ckpt.output_tensors:
                 storage = out.untyped_storage()
-                if storage.data_ptr() not in seen and storage.nbytes() > 0:
-                    seen.add(storage.data_ptr())
+                if storage_key(out) not in seen and storage.nbytes() > 0:
+                    seen.add(storage_key(out))
                     freed += storage.nbytes()
             entries.append(
                 PlanEntry(i, ckpt.name or "?", tuple(tuple(o.shape) for o in ckpt.output_tensors), freed)
@@ -83,11 +84,11 @@ class MHCBlockRecomputeManager:
     def validate(self, hook_tensor: Tensor) -> None:
         """Refuse a plan that would lose data: a hook tensor or checkpoint input that is
         one of the outputs about to be freed, or a checkpoint that already ran."""
-        hook_ptr = hook_tensor.untyped_storage().data_ptr()
+        hook_ptr = storage_key(hook_tensor)
         for ckpt in self.checkpoints:
             if ckpt.ctx is None or ckpt.recomputed:
                 raise RuntimeError(f"recompute manager {self.name!r}: checkpoint {ckpt.name!r} is not pending")
-            out_ptrs = {o.untyped_storage().data_ptr() for o in ckpt.output_tensors}
+            out_ptrs = {storage_key(o) for o in ckpt.output_tensors}
             if hook_ptr in out_ptrs:
                 raise ValueError(
                     f"recompute manager {self.name!r}: the hook tensor is an output of checkpoint "
@@ -96,7 +97,7 @@ class MHCBlockRecomputeManager:
                     "layer's MLP bias-dropout-add outside the manager)."
                 )
             for t in ckpt.ctx.saved_tensors:
-                if t is not None and t.untyped_storage().data_ptr() in out_ptrs:
+                if t is not None and storage_key(t) in out_ptrs:
                     raise ValueError(
                         f"recompute manager {self.name!r}: checkpoint {ckpt.name!r} returns a view "
                         "of its own input; freeing it would destroy the input. Return a new tensor."

@@ -25,6 +25,12 @@ class ActivationMemory:
     """torch.cuda.max_memory_allocated() over the forward, on CUDA; else None."""
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """Which storage ``tensor`` is a view of: the storage's own identity rather than its address,
+    which every meta tensor shares (0: the planner traces on the meta device, planning/hf_activations.py)."""
+    return tensor.untyped_storage()._cdata
+
+
 class ActivationMemoryMeter:
     """``with ActivationMemoryMeter(model) as meter: loss = model(...)``; then ``meter.result``."""
 
@@ -56,7 +62,7 @@ class ActivationMemoryMeter:
         tensors held outside the graph (e.g. a pipeline schedule's in-flight outputs);
         ``where``: only the tensors it accepts (e.g. those shaped like the residual stream)."""
         params = {
-            p.untyped_storage().data_ptr()
+            storage_key(p)
             for module in self._exclude
             for p in module.parameters()
         }
@@ -66,9 +72,9 @@ class ActivationMemoryMeter:
             if tensor is None or (where is not None and not where(tensor)):
                 continue
             storage = tensor.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in params:
+            if storage.nbytes() == 0 or storage_key(tensor) in params:
                 continue
-            storages[storage.data_ptr()] = storage.nbytes()
+            storages[storage_key(tensor)] = storage.nbytes()
         return sum(storages.values())
 
     def __exit__(self, *exc) -> None:
