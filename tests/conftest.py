@@ -61,14 +61,15 @@ launch.PRELOAD += ("lightning.pytorch", "lightning_mhc.lightning", "lightning_mh
 # order below is each file's CPU in a whole run (`-p cpu_time` with LIGHTNING_MHC_CPU_TIMES: the
 # tests' total_s, ranks and child processes included, summed per file; 2026-11-28: 2490 s in all,
 # test_parallelize.py 323 s, test_benchmarks.py 291 s, test_preemption.py 176 s ... 27 s for the
-# last named), longest first, or its time where the CPU count misses most of it: the compile ahead
+# last named; then test_parallelize.py's example run moved to forked ranks, 50 s less, below
+# test_benchmarks.py), longest first, or its time where the CPU count misses most of it: the compile ahead
 # of time (test_triton_kernels.py, about 190 s of CI's durations), preemption's waits for its
 # signals, the wheel's pip (95 to 145 s) and the fault tests' killed ranks, which report nothing.
 # The files it does not name follow, most tests first (each under 25 s of CPU). By their few
 # tests, test_context_parallel_fit.py (47 s of CPU in 2 tests), test_entry_point.py (73 s in 7),
 # test_moe_runtime.py (39 s in 7), test_pipeline.py (104 s in 12) and test_fabric.py (126 s in 8)
 # had come late in the order.
-LONGEST_FILES = ("test_triton_kernels.py", "test_parallelize.py", "test_benchmarks.py", "test_preemption.py",
+LONGEST_FILES = ("test_triton_kernels.py", "test_benchmarks.py", "test_parallelize.py", "test_preemption.py",
                  "test_fabric.py", "test_hydra.py", "test_docs.py", "test_distributed_optimizer.py",
                  "test_pipeline.py", "test_validation.py", "test_lightning.py", "test_deepseek_v4_parallel.py",
                  "test_wheel.py", "test_multinode.py", "test_entry_point.py", "test_checkpoint_faults.py",

@@ -103,22 +103,39 @@ def _source_rank(rank: int, world_size: int, source: str, cwd: str) -> str:
     return printed.getvalue()
 
 
-def _script_rank(rank: int, world_size: int, path: str, args: list[str], cwd: str) -> None:
+class _Tee(io.StringIO):
+    """What a rank prints, kept and still written to its stdout (a failing rank's output stays
+    readable beside its traceback)."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        return super().write(text)
+
+
+def _script_rank(rank: int, world_size: int, path: str, args: list[str], cwd: str) -> str:
     """One rank of ``run_on_ranks``: the script as ``python path *args`` runs it (its folder first
-    on ``sys.path``, ``__name__ == "__main__"``), in ``cwd``."""
+    on ``sys.path``, ``__name__ == "__main__"``), in ``cwd``; returns what it printed."""
     sys.path.insert(0, str(pathlib.Path(path).parent))
-    run_as_main(cwd, [path, *args], lambda: runpy.run_path(path, run_name="__main__"))
+    with contextlib.redirect_stdout(_Tee(sys.stdout)) as printed:
+        run_as_main(cwd, [path, *args], lambda: runpy.run_path(path, run_name="__main__"))
+    return printed.getvalue()
 
 
-def run_on_ranks(name: str, devices: int, *args: str, cwd: pathlib.Path = SCRIPTS, timeout: float = 420) -> None:
+def run_on_ranks(name: str, devices: int, *args: str, cwd: pathlib.Path = SCRIPTS,
+                 timeout: float = 420) -> list[str]:
     """The script on ``devices`` ranks forked from ``spawn_ranks``' fork server, each with the
     variables torchrun sets: the strategy joins processes started outside it, as under torchrun,
     and makes the process group itself. For runs whose subject is what the script computes, not
     how its processes start: a fresh interpreter per rank (``run_script``) spends about 7 s of CPU
     importing torch, Lightning and megatron-core before its first step, the most of a small
-    run's cost. A failing rank raises ``RankError`` with its traceback."""
-    spawn_ranks(_script_rank, devices, str(SCRIPTS / name), list(args), str(cwd), timeout_s=timeout,
-                init_group=False)
+    run's cost. Returns what each rank printed, in rank order; a failing rank raises ``RankError``
+    with its traceback."""
+    return spawn_ranks(_script_rank, devices, str(SCRIPTS / name), list(args), str(cwd), timeout_s=timeout,
+                       init_group=False)
 
 
 def fit_gpt(tmp_path: pathlib.Path, *args: str, timeout: float = 420) -> dict:

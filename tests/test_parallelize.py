@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import subprocess
 import sys
 
 import lightning.pytorch as pl
@@ -26,7 +25,6 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
 from lm_models import FAMILIES, MODELS, PLAIN_PLAN, SEQ, VOCAB, PlainTransformer, gpt2, hf_model, llama  # noqa: E402
 from script_runs import run_on_ranks  # noqa: E402
-from subprocess_env import child_env  # noqa: E402
 
 from lightning_mhc import ConfigError, MHCParallelStrategy, ParallelLMModule  # noqa: E402
 from lightning_mhc.any_model import (  # noqa: E402
@@ -718,19 +716,20 @@ def test_hf_gradient_checkpointing_with_dropout_on_tp2_is_the_run_without_it(tmp
 
 
 def test_example_runs_as_written(tmp_path):
-    """examples/hf_gpt2_parallel.py as a user runs it: GPT-2 on TP 2 x PP 2 (4 processes), full
-    recompute, a checkpoint, a Hugging Face export that from_pretrained reads."""
+    """examples/hf_gpt2_parallel.py as written: GPT-2 on TP 2 x PP 2 (4 processes), full
+    recompute, a checkpoint, a Hugging Face export that from_pretrained reads. Its subject is what
+    the example computes and writes, so its 4 processes are ranks forked from the preloaded server
+    (``run_on_ranks``, as under torchrun, which the strategy joins): Lightning's own launch of
+    ``devices=4`` is the other examples' (test_hydra's ``test_examples_run_as_written``)."""
     from transformers import GPT2LMHeadModel
 
     from lightning_mhc.any_model import load_checkpoint
 
     example = pathlib.Path(__file__).parents[1] / "examples" / "hf_gpt2_parallel.py"
-    proc = subprocess.run([sys.executable, str(example)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env=child_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "done: 6 steps" in proc.stdout and "exported to gpt2-export" in proc.stdout
-    shares = re.findall(r"rank (\d) \(tp \d, pp \d, dp 0\): ([\d,]+) of 830,208 parameters materialised", proc.stdout)
-    assert sorted(rank for rank, _ in shares) == ["0", "1", "2", "3"], proc.stdout[-3000:]  # printed by every rank
+    printed = "".join(run_on_ranks(str(example), 4, cwd=tmp_path, timeout=600))
+    assert "done: 6 steps" in printed and "exported to gpt2-export" in printed
+    shares = re.findall(r"rank (\d) \(tp \d, pp \d, dp 0\): ([\d,]+) of 830,208 parameters materialised", printed)
+    assert sorted(rank for rank, _ in shares) == ["0", "1", "2", "3"], printed[-3000:]  # printed by every rank
     assert all(int(n.replace(",", "")) / 830_208 <= 1.25 / 4 for _, n in shares)
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2-export").eval()
     sys.path.insert(0, str(example.parent))
