@@ -81,17 +81,21 @@ def attribute_uses(source: str, label: str, names=PARAMETER_ATTRIBUTES, not_fiel
     return found
 
 
+def uses_outside(kept_in: pathlib.Path, scan) -> list[str]:
+    """What ``scan(source, label)`` finds in every file of the package but ``kept_in``, the one
+    module a rule is kept in."""
+    return [use for path in sorted(PACKAGE.rglob("*.py")) if path != kept_in
+            for use in scan(path.read_text(), str(path.relative_to(ROOT)))]
+
+
 def test_only_the_placement_module_names_the_placement_attributes():
-    files = [p for p in sorted(PACKAGE.rglob("*.py")) if p != PLACEMENT_MODULE]
-    found = [use for path in files for use in attribute_uses(path.read_text(), str(path.relative_to(ROOT)))]
+    found = uses_outside(PLACEMENT_MODULE, attribute_uses)
     assert not found, "read or write a parameter's placement through distributed/placement.py " \
                       "(placement_of, place):\n" + "\n".join(found)
 
 
 def test_only_the_roles_module_keeps_a_modules_roles():
-    files = [p for p in sorted(PACKAGE.rglob("*.py")) if p != ROLES_MODULE]
-    found = [use for path in files
-             for use in attribute_uses(path.read_text(), str(path.relative_to(ROOT)), MODULE_ROLES, ())]
+    found = uses_outside(ROLES_MODULE, lambda source, label: attribute_uses(source, label, MODULE_ROLES, ()))
     assert not found, "read or write a module's roles through lightning_mhc/roles.py (roles_of, assign_roles):\n" \
                       + "\n".join(found)
 
@@ -284,14 +288,9 @@ def wrapping_by_hand(source: str, label: str) -> list[str]:
 
 
 def test_modules_are_wrapped_through_the_wrapping_module_alone():
-    by_file = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path != WRAPPING_MODULE:
-            label = str(path.relative_to(ROOT))
-            by_file[label] = wrapping_by_hand(path.read_text(), label)
-    found = [use for uses in by_file.values() for use in uses]
-    assert not found, "wrap a module through lightning_mhc/wrapping.py (wrap, a name declared in DECLARED):\n" \
-                      + "\n".join(found)
+    new = uses_outside(WRAPPING_MODULE, wrapping_by_hand)
+    assert not new, "wrap a module through lightning_mhc/wrapping.py (wrap, a name declared in DECLARED):\n" \
+                    + "\n".join(new)
 
 
 @pytest.mark.parametrize("line", [
