@@ -172,6 +172,56 @@ def test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation(sharp):
     assert torch.allclose(agg, expected, rtol=1e-3, atol=1e-9 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("sharp", [False, True])
+def test_hy_v4_connection_on_triton_against_an_fp64_evaluation(sharp):
+    """HY-V4's hyper-connection (``HYV4HyperConnection``: gates only, ``post = 1.5 sigmoid + eps``,
+    the layer's ``post ⊗ F + x``) on Triton's kernels at real shapes (fp32), its parameters laid out
+    as transformers' (``fn [2n, n*C]`` read through ``fn.t()``, ``scale [2]``), at init-scale and
+    sharp logits: the collapsed input, post, a linear branch and the add, forward and every
+    gradient, each within ERROR_FACTOR times transformers' op order's fp32 error (written out here:
+    projection, then the norm's factor; checked against the module on CPU in
+    tests/test_deepseek_v4_ops.py) against the same in fp64, plus ERROR_FLOOR."""
+    _triton()
+    from model_utils import ERROR_FACTOR, ERROR_FLOOR
+
+    from lightning_mhc.ops.hyper_connection import fused_hyper_head
+    from lightning_mhc.ops.triton_kernels import TritonKernels
+
+    g = torch.Generator().manual_seed(8)
+    width = N * C
+    fn = torch.randn(2 * N, width, generator=g) * (1.0 / width ** 0.5 if sharp else 0.02)
+    scale = torch.tensor([25.0, 20.0]) if sharp else torch.tensor([1.1, 0.9])
+    base = torch.randn(2 * N, generator=g) * (2.0 if sharp else 0.5)
+    weight = torch.randn(C, C, generator=g) / C ** 0.5
+    x = torch.randn(TOKENS, width, generator=g)
+    upstream = torch.randn(TOKENS, width, generator=g)
+
+    def run(implementation, dtype):
+        leaves = [t.to(DEVICE, dtype).requires_grad_(True) for t in (x, fn, scale, base, weight)]
+        xs, fn_, scale_, base_, weight_ = leaves
+        if implementation == "triton":
+            agg, post = fused_hyper_head(xs, fn_.t(), scale_, base_, N, 1e-6, 1e-6, TritonKernels, 1.5)
+        else:  # transformers' lines
+            mixes = torch.nn.functional.linear(xs, fn_) * torch.rsqrt(xs.square().mean(-1, keepdim=True) + 1e-6)
+            pre = torch.sigmoid(mixes[:, :N] * scale_[0] + base_[:N]) + 1e-6
+            post = 1.5 * torch.sigmoid(mixes[:, N:] * scale_[1] + base_[N:]) + 1e-6
+            agg = (pre.unsqueeze(-1) * xs.view(TOKENS, N, C)).sum(dim=1)
+        y = (post.unsqueeze(-1) * (agg @ weight_.t()).unsqueeze(-2) + xs.view(TOKENS, N, C)).view(TOKENS, width)
+        loss = (y * upstream.to(DEVICE, dtype)).sum()
+        return [y.detach(), agg.detach(), post.detach(), *torch.autograd.grad(loss, leaves)]
+
+    exact = run("reference", torch.float64)
+    ours, reference = run("triton", torch.float32), run("reference", torch.float32)
+
+    def error(a, e):
+        return ((a.double() - e).abs().max() / e.abs().max()).item()
+
+    names = ("next stream", "collapsed", "post", "dx", "d fn", "d scale", "d base", "d weight")
+    bad = {name: (error(o, e), error(r, e)) for name, o, r, e in zip(names, ours, reference, exact)
+           if error(o, e) > ERROR_FACTOR * error(r, e) + ERROR_FLOOR[torch.float32]}
+    assert bad == {}, bad
+
+
 @pytest.mark.parametrize("prob", [0.0, 0.1])
 def test_res_post_kernel_at_real_shapes(prob):
     """``H_res x + dropout(H_post^T (out + b))`` in bf16 against its fp32 math with the kernel's
