@@ -394,6 +394,50 @@ def test_v4_sublayers_under_block_recompute_are_bit_identical():
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, recomputed_grads))
 
 
+def test_hy_v4_sublayers_under_block_recompute_are_bit_identical():
+    """HY-V4's connections on our ops in the mHC block recompute manager, wired as
+    ``any_model/hy_v4.py`` wires them: each ``attn_hc`` with the branch's norm one checkpoint, each
+    ``post ⊗ F + x`` another (the last one outside, the manager's hook tensor), recomputed from one hook: the same bits as
+    without recompute, and the checkpointed outputs freed until backward."""
+    from lightning_mhc.recompute import MHCBlockRecomputeManager
+
+    hcs = [use_our_ops(_hy_v4_sublayer_modules(False, s)[0], "fused") for s in (0, 1)]
+    norms = [torch.nn.RMSNorm(32) for _ in hcs]
+    branches = [torch.nn.Linear(32, 32) for _ in hcs]
+    x0 = torch.randn(1, 24, 4, 32, generator=torch.Generator().manual_seed(3))
+
+    def mix(s, post, out):
+        return (post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + s.float()).to(s.dtype)
+
+    def run(manager):
+        x = x0.clone().requires_grad_(True)
+        h = x
+        for i, (hc, norm, branch) in enumerate(zip(hcs, norms, branches)):
+            def entry(s, hc=hc, norm=norm):
+                post, collapsed = hc(s)
+                return norm(collapsed), post
+
+            normed, post = manager.checkpoint(entry, h, name=f"hc{i}") if manager else entry(h)
+            out = branch(normed)
+            h = manager.checkpoint(mix, h, post, out, name=f"mix{i}") if manager and i == 0 else mix(h, post, out)
+        if manager is not None:
+            manager.discard_all_outputs_and_register_unified_recompute(h)
+            assert all(o.untyped_storage().nbytes() == 0 for c in manager.checkpoints for o in c.output_tensors)
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        params = [p for m in (*hcs, *norms, *branches) for p in m.parameters()]
+        grads = [x.grad, *(p.grad.clone() for p in params)]
+        for p in params:
+            p.grad = None
+        return h.detach(), grads
+
+    plain, plain_grads = run(None)
+    manager = MHCBlockRecomputeManager("hy_v4 block")
+    recomputed, recomputed_grads = run(manager)
+    assert manager.recompute_count == 1 and len(manager.checkpoints) == 3
+    assert torch.equal(plain, recomputed)
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, recomputed_grads))
+
+
 def test_the_convention_is_checked():
     with pytest.raises(ValueError, match="one of"):
         Convention("deepseek-v4")
