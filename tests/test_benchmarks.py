@@ -223,7 +223,9 @@ DRY_RUN_PASSED = {
     "test_block_recompute_is_bit_exact_with_dropout[fused]", "test_block_recompute_is_bit_exact_with_dropout[compile]",
     "test_compile_of_a_model_with_recompute_hooks",
     "test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation[False]",
-    "test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation[True]"}
+    "test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation[True]",
+    "test_hy_v4_connection_on_triton_against_an_fp64_evaluation[False]",
+    "test_hy_v4_connection_on_triton_against_an_fp64_evaluation[True]"}
 DRY_RUN_SKIPPED = {
     "test_the_kernels_run_compiled_not_in_the_interpreter", "test_block_recompute_is_bit_exact_with_dropout[auto]",
     "test_retained_bytes_match_the_cuda_allocator[none]", "test_retained_bytes_match_the_cuda_allocator[mhc_block]",

@@ -349,33 +349,28 @@ def test_use_our_ops_on_hy_v4_runs_its_connections_and_head():
         assert rel_err(our_grads[name], grads[name], max(grads[name].abs().max().item(), 1e-3 * largest)) < 1e-5, name
 
 
-def test_v4_sublayers_under_block_recompute_are_bit_identical():
-    """The mHC block recompute manager with V4's ops: two sub-layers, each its hyper-connection and
-    the branch's norm one checkpoint and its ``post ⊗ F + comb^T x`` another (the last one the
-    manager's hook tensor), recomputed from one hook: the same bits as without recompute, and the
-    checkpointed outputs freed until backward."""
+def _recompute_is_bit_identical(hcs, width: int, x0, mix) -> None:
+    """Two sub-layers in an ``MHCBlockRecomputeManager``: each hyper-connection ``hc(s)`` (its
+    outputs the gates and, last, the collapsed input) with the branch's norm one checkpoint, each
+    ``mix(s, *gates, F)`` another except the last (the manager's hook tensor), recomputed from one
+    hook: the same bits, forward and every gradient, as without recompute, and the checkpointed
+    outputs freed until backward."""
     from lightning_mhc.recompute import MHCBlockRecomputeManager
 
-    hcs = [use_our_ops(v4_modules(seed=s)[0], "fused") for s in (0, 1)]
-    norms = [torch.nn.RMSNorm(16) for _ in hcs]
-    branches = [torch.nn.Linear(16, 16) for _ in hcs]
-    x0, _ = v4_inputs(24)
+    norms = [torch.nn.RMSNorm(width) for _ in hcs]
+    branches = [torch.nn.Linear(width, width) for _ in hcs]
 
     def run(manager):
         x = x0.clone().requires_grad_(True)
         h = x
         for i, (hc, norm, branch) in enumerate(zip(hcs, norms, branches)):
             def entry(s, hc=hc, norm=norm):
-                post, comb, collapsed = hc(s)
-                return norm(collapsed), post, comb
+                *gates, collapsed = hc(s)
+                return norm(collapsed), *gates
 
-            normed, post, comb = manager.checkpoint(entry, h, name=f"hc{i}") if manager else entry(h)
+            normed, *gates = manager.checkpoint(entry, h, name=f"hc{i}") if manager else entry(h)
             out = branch(normed)
-            if manager is not None and i == 0:
-                h = manager.checkpoint(lambda s, p, c, o: deepseek_v4_res_post(s, p, c, o, "fused"), h, post, comb,
-                                       out, name=f"mix{i}")
-            else:
-                h = deepseek_v4_res_post(h, post, comb, out, "fused")
+            h = manager.checkpoint(mix, h, *gates, out, name=f"mix{i}") if manager and i == 0 else mix(h, *gates, out)
         if manager is not None:
             manager.discard_all_outputs_and_register_unified_recompute(h)
             assert all(o.untyped_storage().nbytes() == 0 for c in manager.checkpoints for o in c.output_tensors)
@@ -387,55 +382,28 @@ def test_v4_sublayers_under_block_recompute_are_bit_identical():
         return h.detach(), grads
 
     plain, plain_grads = run(None)
-    manager = MHCBlockRecomputeManager("v4 block")
+    manager = MHCBlockRecomputeManager("block")
     recomputed, recomputed_grads = run(manager)
     assert manager.recompute_count == 1 and len(manager.checkpoints) == 3
     assert torch.equal(plain, recomputed)
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, recomputed_grads))
+
+
+def test_v4_sublayers_under_block_recompute_are_bit_identical():
+    """V4's ops in the mHC block recompute manager (:func:`_recompute_is_bit_identical`), the mix
+    ``post ⊗ F + comb^T x`` on our kernels."""
+    hcs = [use_our_ops(v4_modules(seed=s)[0], "fused") for s in (0, 1)]
+    _recompute_is_bit_identical(hcs, 16, v4_inputs(24)[0],
+                                lambda s, post, comb, out: deepseek_v4_res_post(s, post, comb, out, "fused"))
 
 
 def test_hy_v4_sublayers_under_block_recompute_are_bit_identical():
-    """HY-V4's connections on our ops in the mHC block recompute manager, wired as
-    ``any_model/hy_v4.py`` wires them: each ``attn_hc`` with the branch's norm one checkpoint, each
-    ``post ⊗ F + x`` another (the last one outside, the manager's hook tensor), recomputed from one hook: the same bits as
-    without recompute, and the checkpointed outputs freed until backward."""
-    from lightning_mhc.recompute import MHCBlockRecomputeManager
-
+    """HY-V4's connections on our ops in the manager (:func:`_recompute_is_bit_identical`), wired
+    as ``any_model/hy_v4.py`` wires them, the mix transformers' ``post ⊗ F + x`` in fp32."""
     hcs = [use_our_ops(_hy_v4_sublayer_modules(False, s)[0], "fused") for s in (0, 1)]
-    norms = [torch.nn.RMSNorm(32) for _ in hcs]
-    branches = [torch.nn.Linear(32, 32) for _ in hcs]
-    x0 = torch.randn(1, 24, 4, 32, generator=torch.Generator().manual_seed(3))
-
-    def mix(s, post, out):
-        return (post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + s.float()).to(s.dtype)
-
-    def run(manager):
-        x = x0.clone().requires_grad_(True)
-        h = x
-        for i, (hc, norm, branch) in enumerate(zip(hcs, norms, branches)):
-            def entry(s, hc=hc, norm=norm):
-                post, collapsed = hc(s)
-                return norm(collapsed), post
-
-            normed, post = manager.checkpoint(entry, h, name=f"hc{i}") if manager else entry(h)
-            out = branch(normed)
-            h = manager.checkpoint(mix, h, post, out, name=f"mix{i}") if manager and i == 0 else mix(h, post, out)
-        if manager is not None:
-            manager.discard_all_outputs_and_register_unified_recompute(h)
-            assert all(o.untyped_storage().nbytes() == 0 for c in manager.checkpoints for o in c.output_tensors)
-        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
-        params = [p for m in (*hcs, *norms, *branches) for p in m.parameters()]
-        grads = [x.grad, *(p.grad.clone() for p in params)]
-        for p in params:
-            p.grad = None
-        return h.detach(), grads
-
-    plain, plain_grads = run(None)
-    manager = MHCBlockRecomputeManager("hy_v4 block")
-    recomputed, recomputed_grads = run(manager)
-    assert manager.recompute_count == 1 and len(manager.checkpoints) == 3
-    assert torch.equal(plain, recomputed)
-    assert all(torch.equal(a, b) for a, b in zip(plain_grads, recomputed_grads))
+    _recompute_is_bit_identical(hcs, 32, torch.randn(1, 24, 4, 32, generator=torch.Generator().manual_seed(3)),
+                                lambda s, post, out: (post.float().unsqueeze(-1) * out.float().unsqueeze(-2)
+                                                      + s.float()).to(s.dtype))
 
 
 def test_the_convention_is_checked():
