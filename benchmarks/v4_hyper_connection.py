@@ -1,5 +1,6 @@
-"""DeepSeek-V4's hyper-connection sub-layer on this project's kernels against transformers' own
-module, side by side in one run: time (forward + backward) and the bytes autograd saves.
+"""DeepSeek-V4's and HY-V4's hyper-connection sub-layers on this project's kernels against
+transformers' own modules, side by side in one run: time (forward + backward) and the bytes
+autograd saves.
 
     python benchmarks/v4_hyper_connection.py [--rounds 10] [--hidden 1024 4096] [--tokens 1024]
                                              [--implementations fused reference] [--device cpu]
@@ -16,7 +17,9 @@ Triton's on CUDA; ``reference`` and ``compile``: the op-by-op math). Saved bytes
 autograd graph holds after the forward, parameters excluded, the input stream included
 (``ActivationMemoryMeter``), per token. Times: medians of interleaved rounds. Also prints how far
 the two conventions' ``H_res`` are apart at three logit scales (the figures in
-``lightning_mhc/ops/sinkhorn.py``'s docstring). Writes JSON (default
+``lightning_mhc/ops/sinkhorn.py``'s docstring). HY-V4's sub-layer (``hy_v4_table``): its
+``HYV4HyperConnection`` (gates only, no Sinkhorn), the same branch and the layer's ``post ⊗ F + x``
+(transformers' line on both sides: only the connection runs on our ops). Writes JSON (default
 ``benchmarks/results/v4_hyper_connection.json``).
 """
 from __future__ import annotations
@@ -56,6 +59,61 @@ def _sublayer(hidden: int, tokens: int, implementation: str, device: str):
             return deepseek_v4_res_post(x, post, comb, branch(collapsed), implementation)
 
     return forward, x, (hc, branch)
+
+
+def _hy_v4_sublayer(hidden: int, tokens: int, implementation: str, device: str):
+    """HY-V4's ``attn_hc`` (``fn`` at std 0.02, ``base`` and ``scale`` drawn around their init), a
+    ``Linear(D, D)`` branch and the decoder layer's ``post ⊗ F + x``."""
+    import torch
+    from transformers import HYV4Config
+    from transformers.models.hy_v4.modeling_hy_v4 import HYV4HyperConnection
+
+    from lightning_mhc.ops.deepseek_v4 import use_our_ops
+
+    g = torch.Generator().manual_seed(0)
+    hc = HYV4HyperConnection(HYV4Config(hidden_size=hidden, hc_mult=N, num_hidden_layers=1))
+    branch = torch.nn.Linear(hidden, hidden, bias=False)
+    with torch.no_grad():
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * 0.02)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=g) * 0.5)
+        hc.scale.copy_(1.0 + 0.1 * torch.randn(2, generator=g))
+        branch.weight.copy_(torch.randn(branch.weight.shape, generator=g) / hidden ** 0.5)
+    hc, branch = hc.to(device), branch.to(device)
+    if implementation != "transformers":
+        use_our_ops(hc, implementation)
+    x = torch.randn(1, tokens, N, hidden, device=device, requires_grad=True)
+
+    def forward():
+        post, collapsed = hc(x)
+        return post.unsqueeze(-1) * branch(collapsed).unsqueeze(-2) + x
+
+    return forward, x, (hc, branch)
+
+
+def _timed_table(sublayer, hiddens, tokens: int, variants, rounds: int, device) -> dict:
+    """``{D: {variant: median_s, saved_bytes_per_token, times_s, and both against transformers'}}``."""
+    table = {}
+    for hidden in hiddens:
+        steps, saved = {}, {}
+        for variant in variants:
+            steps[variant], retained = sublayer_step(*sublayer(hidden, tokens, variant, device.type), device)
+            saved[variant] = retained / tokens
+        times = interleaved_times(steps, rounds)
+        table[hidden] = {v: dict(median_s=median(times[v]), saved_bytes_per_token=saved[v], times_s=times[v])
+                         for v in variants}
+        for v in variants:
+            table[hidden][v]["time_vs_transformers"] = table[hidden][v]["median_s"] / table[hidden]["transformers"]["median_s"]
+            table[hidden][v]["saved_vs_transformers"] = saved[v] / saved["transformers"]
+    return table
+
+
+def _print_table(title: str, table: dict) -> None:
+    print(title)
+    print(f"{'D':>5} {'implementation':<14} {'ms':>9} {'vs transformers':>16} {'saved B/token':>14} {'vs transformers':>16}")
+    for hidden, row in table.items():
+        for v, r in row.items():
+            print(f"{hidden:>5} {v:<14} {1e3 * r['median_s']:>9.2f} {r['time_vs_transformers']:>16.2f} "
+                  f"{r['saved_bytes_per_token']:>14,.0f} {r['saved_vs_transformers']:>16.2f}")
 
 
 def sinkhorn_conventions(tokens: int = 4096) -> list[dict]:
@@ -104,26 +162,12 @@ def main() -> None:
     ours = args.implementations or (["auto", "compile", "fused"] if args.device == "cuda" else ["fused", "reference"])
     variants = ["transformers", *ours]
     device = torch.device(args.device)
-    table = {}
-    for hidden in args.hidden:
-        steps, saved = {}, {}
-        for variant in variants:
-            steps[variant], retained = sublayer_step(*_sublayer(hidden, args.tokens, variant, args.device), device)
-            saved[variant] = retained / args.tokens
-        times = interleaved_times(steps, args.rounds)
-        table[hidden] = {v: dict(median_s=median(times[v]), saved_bytes_per_token=saved[v], times_s=times[v])
-                         for v in variants}
-        for v in variants:
-            table[hidden][v]["time_vs_transformers"] = table[hidden][v]["median_s"] / table[hidden]["transformers"]["median_s"]
-            table[hidden][v]["saved_vs_transformers"] = saved[v] / saved["transformers"]
+    table = _timed_table(_sublayer, args.hidden, args.tokens, variants, args.rounds, device)
+    hy_v4_table = _timed_table(_hy_v4_sublayer, args.hidden, args.tokens, variants, args.rounds, device)
     where = (torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads")
-    print(f"V4 hyper-connection sub-layer fwd + bwd, {args.tokens} tokens, n = {N}, fp32, {where}, "
-          f"medians of {args.rounds} interleaved rounds")
-    print(f"{'D':>5} {'implementation':<14} {'ms':>9} {'vs transformers':>16} {'saved B/token':>14} {'vs transformers':>16}")
-    for hidden, row in table.items():
-        for v, r in row.items():
-            print(f"{hidden:>5} {v:<14} {1e3 * r['median_s']:>9.2f} {r['time_vs_transformers']:>16.2f} "
-                  f"{r['saved_bytes_per_token']:>14,.0f} {r['saved_vs_transformers']:>16.2f}")
+    setting = f"{args.tokens} tokens, n = {N}, fp32, {where}, medians of {args.rounds} interleaved rounds"
+    _print_table(f"V4 hyper-connection sub-layer fwd + bwd, {setting}", table)
+    _print_table(f"\nHY-V4 hyper-connection sub-layer fwd + bwd, {setting}", hy_v4_table)
     conventions = sinkhorn_conventions()
     print("\nH_res, mHC against the rows-first order / V4's convention on the same logits (max |difference|, "
           "20 iterations, 4096 tokens)")
@@ -132,7 +176,7 @@ def main() -> None:
         print(f"{'N(0, %g^2)' % r['logit_std']:>12} {r['without_transpose']:>13.1e} {r['with_transpose']:>10.1e} "
               f"{r['eps_floors_max']:>14.2f} {r['eps_floors_median']:>8.1e}")
     write_json(args.out, dict(n=N, tokens=args.tokens, rounds=args.rounds, device=where, torch=torch.__version__,
-                              table=table, sinkhorn_conventions=conventions))
+                              table=table, hy_v4_table=hy_v4_table, sinkhorn_conventions=conventions))
 
 
 def _cuda() -> bool:

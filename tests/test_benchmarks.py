@@ -223,7 +223,9 @@ DRY_RUN_PASSED = {
     "test_block_recompute_is_bit_exact_with_dropout[fused]", "test_block_recompute_is_bit_exact_with_dropout[compile]",
     "test_compile_of_a_model_with_recompute_hooks",
     "test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation[False]",
-    "test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation[True]"}
+    "test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation[True]",
+    "test_hy_v4_connection_on_triton_against_an_fp64_evaluation[False]",
+    "test_hy_v4_connection_on_triton_against_an_fp64_evaluation[True]"}
 DRY_RUN_SKIPPED = {
     "test_the_kernels_run_compiled_not_in_the_interpreter", "test_block_recompute_is_bit_exact_with_dropout[auto]",
     "test_retained_bytes_match_the_cuda_allocator[none]", "test_retained_bytes_match_the_cuda_allocator[mhc_block]",
@@ -519,8 +521,8 @@ def test_the_documented_gpu_call_is_what_make_gpu_wheels_prints(monkeypatch, tmp
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the hf extra: pip install -e '.[hf]'")
 def test_v4_hyper_connection(gpu_check_dry_run):
-    """DeepSeek-V4's sub-layer on our kernels beside transformers' module: every variant timed,
-    the fused one saves fewer bytes than transformers', and the conventions' H_res table (with the
+    """DeepSeek-V4's and HY-V4's sub-layers on our kernels beside transformers' modules: every
+    variant timed, the fused one saves fewer bytes than transformers', and the conventions' H_res table (with the
     transpose the two orders are one computation: in fp64 they agree to rounding; fp32's bits depend on the
     CPU's summation order, 4e-5 apart on CI's machine). The benchmark as the gpu-check dry run
     runs it (``--hidden 32 --tokens 64 --device cpu``, 2 rounds): its JSON, read here."""
@@ -533,5 +535,9 @@ def test_v4_hyper_connection(gpu_check_dry_run):
     assert set(row) == {"transformers", "fused", "reference"}
     assert all(v["median_s"] > 0 for v in row.values()), row
     assert row["fused"]["saved_bytes_per_token"] < row["transformers"]["saved_bytes_per_token"]
+    hy_v4 = result["hy_v4_table"]["32"]  # HY-V4's sub-layer in the same run
+    assert set(hy_v4) == {"transformers", "fused", "reference"}
+    assert all(v["median_s"] > 0 for v in hy_v4.values()), hy_v4
+    assert hy_v4["fused"]["saved_bytes_per_token"] < hy_v4["transformers"]["saved_bytes_per_token"]
     assert all(r["with_transpose"] < 1e-12 for r in result["sinkhorn_conventions"]), result["sinkhorn_conventions"]
     assert all(r["without_transpose"] > 1e-5 for r in result["sinkhorn_conventions"]), result["sinkhorn_conventions"]

@@ -139,7 +139,7 @@ def test_use_our_ops_keeps_the_modules_parameters_and_names():
     hc(x)[2].square().sum().backward()
     optimizer.step()
     assert not torch.equal(hc.fn, before) and hc.fn is params["fn"]
-    with pytest.raises(TypeError, match="holds no DeepSeek-V4 hyper-connection"):
+    with pytest.raises(TypeError, match="holds no DeepSeek-V4 / HY-V4 hyper-connection"):
         use_our_ops(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="implementation='cuda'"):
         use_our_ops(hc, "cuda")
@@ -188,7 +188,7 @@ def test_a_tiny_deepseek_v4_on_our_ops_gives_transformers_logits_and_gradients(i
         assert rel_err(our_grads[name], grads[name], scale) < 1e-5, name
 
 
-# ------------------------------------------------------------------ HY-V4: its hyper head is V4's
+# ------------------------------------------------------------------ HY-V4: its head is V4's, its connections gates only
 def _hy_v4_head(sharp: bool, seed: int):
     """transformers' ``HYV4HyperHead`` (hidden 32, 4 streams), its parameters drawn as
     :func:`v4_utils.v4_modules` draws V4's head's."""
@@ -239,11 +239,89 @@ def test_hy_v4s_hyper_head_on_our_ops_equals_transformers(implementation, sharp)
         assert sharp or apart <= 1e-6, (name, apart)
 
 
-def test_use_our_ops_on_hy_v4_runs_its_head_and_leaves_its_connections():
-    """On a whole ``HYV4ForCausalLM``, ``use_our_ops`` swaps ``hc_head`` only: its ``attn_hc`` /
-    ``ffn_hc`` (no stream mixing, ``post = magnitude sigmoid + eps``) are not V4's connection
-    (:func:`role_of` finds none) and run as transformers wrote them. Logits and every gradient
-    as transformers' (1e-6, 1e-5)."""
+def _hy_v4_sublayer_modules(sharp: bool, seed: int):
+    """transformers' ``HYV4HyperConnection`` and ``HYV4HyperHead`` (hidden 32, 4 streams, the post
+    gate's magnitude 1.5, not the default 2, so that a constant 2 shows) and a linear branch, drawn
+    as :func:`v4_utils.v4_modules` draws V4's: logits of unit size, or ``|logit| ~ 25`` when sharp."""
+    from transformers.models.hy_v4.modeling_hy_v4 import HYV4HyperConnection
+
+    from v4_utils import tiny_hy_v4_config
+
+    hc = HYV4HyperConnection(tiny_hy_v4_config(hc_magnitude=1.5))
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * (1 / 128 ** 0.5 if sharp else 0.02))
+        hc.base.copy_(torch.randn(hc.base.shape, generator=g) * (5.0 if sharp else 0.5))
+        hc.scale.copy_(torch.tensor([25.0, 20.0]) if sharp else 1.0 + 0.1 * torch.randn(2, generator=g))
+    branch = torch.nn.Linear(32, 32, bias=False)
+    with torch.no_grad():
+        branch.weight.copy_(torch.randn(branch.weight.shape, generator=g) / 32 ** 0.5)
+    return hc, _hy_v4_head(sharp, seed), branch
+
+
+HY_V4_RESULTS = ("next stream", "post", "head out", "dx", "d fn", "d base", "d scale", "d branch weight",
+                 "d hc_fn", "d hc_base", "d hc_scale")
+
+
+def _hy_v4_sublayer_results(modules, x, upstream) -> list[torch.Tensor]:
+    """``attn_hc``, the branch, the decoder layer's line ``post ⊗ F + x`` (fp32) and ``hc_head``:
+    outputs and every gradient (loss in fp64 for an fp64 run)."""
+    hc, head, branch = modules
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    leaf = x.clone().requires_grad_(True)
+    post, collapsed = hc(leaf)
+    out = branch(collapsed)
+    y = (post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + leaf.float()).to(x.dtype)
+    outs = (y, post, head(y))
+    loss = sum((o.to(wide) * u.to(wide)).sum() for o, u in zip(outs, upstream))
+    params = [hc.fn, hc.base, hc.scale, branch.weight, head.hc_fn, head.hc_base, head.hc_scale]
+    return [*(o.detach() for o in outs), *torch.autograd.grad(loss, [leaf, *params])]
+
+
+def hy_v4_sublayer_errors(implementation: str, sharp: bool, draws: int, tokens: int) -> dict:
+    """``{result: (ours against fp64, transformers' fp32 against fp64, ours against transformers')}``,
+    each the largest over ``draws`` draws, for :func:`_hy_v4_sublayer_results` with ``attn_hc`` and
+    ``hc_head`` on our ops (``implementation``) against transformers' modules."""
+    from v4_utils import float_is_identity
+
+    worst = {}
+    for seed in range(draws):
+        modules = _hy_v4_sublayer_modules(sharp, seed)
+        g = torch.Generator().manual_seed(seed + 10)
+        x = torch.randn(1, tokens, 4, 32, generator=g)
+        upstream = [torch.randn(1, tokens, 4, 32, generator=g), torch.randn(1, tokens, 4, generator=g),
+                    torch.randn(1, tokens, 32, generator=g)]
+        with float_is_identity():
+            exact = _hy_v4_sublayer_results([copy.deepcopy(m).double() for m in modules], x.double(),
+                                            [u.double() for u in upstream])
+        theirs = _hy_v4_sublayer_results(modules, x, upstream)
+        hc, head, branch = (copy.deepcopy(m) for m in modules)
+        ours = _hy_v4_sublayer_results((use_our_ops(hc, implementation), use_our_ops(head, implementation), branch),
+                                       x, upstream)
+        for name, o, t, e in zip(HY_V4_RESULTS, ours, theirs, exact):
+            previous = worst.get(name, (0.0, 0.0, 0.0))
+            worst[name] = (max(previous[0], error(o, e)), max(previous[1], error(t, e)), max(previous[2], error(o, t)))
+    return worst
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("sharp", [False, True])
+def test_hy_v4s_hyper_connection_on_our_ops_equals_transformers(implementation, sharp):
+    """HY-V4's ``attn_hc`` / ``ffn_hc`` (no ``comb``: ``pre = sigmoid + eps``, ``post = magnitude
+    sigmoid + eps``) on our ops (``hy_v4_pre``: the head's kernel with a post gate) in a sub-layer
+    with HY-V4's head: forward and every gradient against transformers' modules in fp64, held to
+    the V4 ops' bound (worst over four draws when sharp); at init scale within 1e-6 of
+    transformers' fp32 results."""
+    for name, (ours, theirs, apart) in hy_v4_sublayer_errors(implementation, sharp, 4 if sharp else 1, 48).items():
+        assert ours <= ERROR_FACTOR * theirs + ERROR_FLOOR, (name, ours, theirs)
+        assert sharp or apart <= 1e-6, (name, apart)
+
+
+def test_use_our_ops_on_hy_v4_runs_its_connections_and_head():
+    """On a whole ``HYV4ForCausalLM``, ``use_our_ops`` swaps every ``attn_hc`` / ``ffn_hc`` (HY-V4's
+    connection, :func:`role_of`) and ``hc_head``, with their own parameters and state-dict names;
+    the decoder layers keep transformers' ``post ⊗ F + x``. Logits and every gradient as
+    transformers' (1e-6, 1e-5)."""
     from transformers import HYV4ForCausalLM
 
     from v4_utils import moved_from_init, tiny_hy_v4_config
@@ -252,7 +330,9 @@ def test_use_our_ops_on_hy_v4_runs_its_head_and_leaves_its_connections():
     model = moved_from_init(HYV4ForCausalLM(tiny_hy_v4_config()))
     ours = use_our_ops(copy.deepcopy(model), "fused")
     swapped = [name for name, m in ours.named_modules() if getattr(type(m), "our_ops_role", None)]
-    assert swapped == ["model.hc_head"], swapped
+    layers = model.config.num_hidden_layers
+    assert swapped == [f"model.layers.{i}.{hc}" for i in range(layers) for hc in ("attn_hc", "ffn_hc")] + [
+        "model.hc_head"], swapped
     assert list(ours.state_dict()) == list(model.state_dict())
     ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     results = []
@@ -269,33 +349,28 @@ def test_use_our_ops_on_hy_v4_runs_its_head_and_leaves_its_connections():
         assert rel_err(our_grads[name], grads[name], max(grads[name].abs().max().item(), 1e-3 * largest)) < 1e-5, name
 
 
-def test_v4_sublayers_under_block_recompute_are_bit_identical():
-    """The mHC block recompute manager with V4's ops: two sub-layers, each its hyper-connection and
-    the branch's norm one checkpoint and its ``post ⊗ F + comb^T x`` another (the last one the
-    manager's hook tensor), recomputed from one hook: the same bits as without recompute, and the
-    checkpointed outputs freed until backward."""
+def _recompute_is_bit_identical(hcs, width: int, x0, mix) -> None:
+    """Two sub-layers in an ``MHCBlockRecomputeManager``: each hyper-connection ``hc(s)`` (its
+    outputs the gates and, last, the collapsed input) with the branch's norm one checkpoint, each
+    ``mix(s, *gates, F)`` another except the last (the manager's hook tensor), recomputed from one
+    hook: the same bits, forward and every gradient, as without recompute, and the checkpointed
+    outputs freed until backward."""
     from lightning_mhc.recompute import MHCBlockRecomputeManager
 
-    hcs = [use_our_ops(v4_modules(seed=s)[0], "fused") for s in (0, 1)]
-    norms = [torch.nn.RMSNorm(16) for _ in hcs]
-    branches = [torch.nn.Linear(16, 16) for _ in hcs]
-    x0, _ = v4_inputs(24)
+    norms = [torch.nn.RMSNorm(width) for _ in hcs]
+    branches = [torch.nn.Linear(width, width) for _ in hcs]
 
     def run(manager):
         x = x0.clone().requires_grad_(True)
         h = x
         for i, (hc, norm, branch) in enumerate(zip(hcs, norms, branches)):
             def entry(s, hc=hc, norm=norm):
-                post, comb, collapsed = hc(s)
-                return norm(collapsed), post, comb
+                *gates, collapsed = hc(s)
+                return norm(collapsed), *gates
 
-            normed, post, comb = manager.checkpoint(entry, h, name=f"hc{i}") if manager else entry(h)
+            normed, *gates = manager.checkpoint(entry, h, name=f"hc{i}") if manager else entry(h)
             out = branch(normed)
-            if manager is not None and i == 0:
-                h = manager.checkpoint(lambda s, p, c, o: deepseek_v4_res_post(s, p, c, o, "fused"), h, post, comb,
-                                       out, name=f"mix{i}")
-            else:
-                h = deepseek_v4_res_post(h, post, comb, out, "fused")
+            h = manager.checkpoint(mix, h, *gates, out, name=f"mix{i}") if manager and i == 0 else mix(h, *gates, out)
         if manager is not None:
             manager.discard_all_outputs_and_register_unified_recompute(h)
             assert all(o.untyped_storage().nbytes() == 0 for c in manager.checkpoints for o in c.output_tensors)
@@ -307,11 +382,28 @@ def test_v4_sublayers_under_block_recompute_are_bit_identical():
         return h.detach(), grads
 
     plain, plain_grads = run(None)
-    manager = MHCBlockRecomputeManager("v4 block")
+    manager = MHCBlockRecomputeManager("block")
     recomputed, recomputed_grads = run(manager)
     assert manager.recompute_count == 1 and len(manager.checkpoints) == 3
     assert torch.equal(plain, recomputed)
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, recomputed_grads))
+
+
+def test_v4_sublayers_under_block_recompute_are_bit_identical():
+    """V4's ops in the mHC block recompute manager (:func:`_recompute_is_bit_identical`), the mix
+    ``post ⊗ F + comb^T x`` on our kernels."""
+    hcs = [use_our_ops(v4_modules(seed=s)[0], "fused") for s in (0, 1)]
+    _recompute_is_bit_identical(hcs, 16, v4_inputs(24)[0],
+                                lambda s, post, comb, out: deepseek_v4_res_post(s, post, comb, out, "fused"))
+
+
+def test_hy_v4_sublayers_under_block_recompute_are_bit_identical():
+    """HY-V4's connections on our ops in the manager (:func:`_recompute_is_bit_identical`), wired
+    as ``any_model/hy_v4.py`` wires them, the mix transformers' ``post ⊗ F + x`` in fp32."""
+    hcs = [use_our_ops(_hy_v4_sublayer_modules(False, s)[0], "fused") for s in (0, 1)]
+    _recompute_is_bit_identical(hcs, 32, torch.randn(1, 24, 4, 32, generator=torch.Generator().manual_seed(3)),
+                                lambda s, post, out: (post.float().unsqueeze(-1) * out.float().unsqueeze(-2)
+                                                      + s.float()).to(s.dtype))
 
 
 def test_the_convention_is_checked():

@@ -120,20 +120,12 @@ def test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation(sharp):
     reference in fp64, plus ERROR_FLOOR. (The reference is transformers' module's op order, checked
     against it on CPU in tests/test_deepseek_v4_ops.py, so this needs no transformers here.)"""
     _triton()
-    from model_utils import ERROR_FACTOR, ERROR_FLOOR
-
     from lightning_mhc.ops.convention import deepseek_v4
     from lightning_mhc.ops.hyper_connection import fused_pre_packed, fused_res_post, reference_pre, reference_res_post
     from lightning_mhc.ops.triton_kernels import TritonKernels
 
-    g = torch.Generator().manual_seed(7)
-    m, width = N * N + 2 * N, N * C
-    fn = torch.randn(m, width, generator=g) * (1.0 / width ** 0.5 if sharp else 0.02)
-    scale = torch.tensor([25.0, 20.0, 25.0]) if sharp else torch.tensor([1.1, 0.9, 1.0])
-    base = torch.randn(m, generator=g) * (2.0 if sharp else 0.5)
-    weight = torch.randn(C, C, generator=g) / C ** 0.5
-    x = torch.randn(TOKENS, width, generator=g)
-    upstream = torch.randn(TOKENS, width, generator=g)
+    fn, scale, base, weight, x, upstream = _drawn_sublayer(
+        7, N * N + 2 * N, [25.0, 20.0, 25.0] if sharp else [1.1, 0.9, 1.0], sharp)
 
     def run(implementation, dtype):
         leaves = [t.to(DEVICE, dtype).requires_grad_(True) for t in (x, fn, scale, base, weight)]
@@ -151,16 +143,8 @@ def test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation(sharp):
         loss = (y * upstream.to(DEVICE, dtype)).sum()
         return [y.detach(), h_res.detach(), h_post.detach(), *torch.autograd.grad(loss, leaves)]
 
-    exact = run("reference", torch.float64)
-    ours, reference = run("triton", torch.float32), run("reference", torch.float32)
-
-    def error(a, e):
-        return ((a.double() - e).abs().max() / e.abs().max()).item()
-
-    names = ("next stream", "H_res", "H_post", "dx", "d fn", "d scale", "d base", "d weight")
-    bad = {name: (error(o, e), error(r, e)) for name, o, r, e in zip(names, ours, reference, exact)
-           if error(o, e) > ERROR_FACTOR * error(r, e) + ERROR_FLOOR[torch.float32]}
-    assert bad == {}, bad
+    assert _triton_beyond_the_fp64_bound(run, ("next stream", "H_res", "H_post", "dx", "d fn", "d scale", "d base",
+                                               "d weight")) == {}
     # V4's floor on H_pre, which the bound above cannot see (1e-6 of the streams' sum): pre logits
     # of -100 leave exactly eps of each stream
     floor = base.clone()
@@ -170,6 +154,69 @@ def test_deepseek_v4_convention_on_triton_against_an_fp64_evaluation(sharp):
                                  TritonKernels, deepseek_v4())
     expected = 1e-6 * xs.view(TOKENS, N, C).sum(dim=1)
     assert torch.allclose(agg, expected, rtol=1e-3, atol=1e-9 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("sharp", [False, True])
+def test_hy_v4_connection_on_triton_against_an_fp64_evaluation(sharp):
+    """HY-V4's hyper-connection (``HYV4HyperConnection``: gates only, ``post = 1.5 sigmoid + eps``,
+    the layer's ``post ⊗ F + x``) on Triton's kernels at real shapes (fp32), its parameters laid out
+    as transformers' (``fn [2n, n*C]`` read through ``fn.t()``, ``scale [2]``), at init-scale and
+    sharp logits: the collapsed input, post, a linear branch and the add, forward and every
+    gradient, each within ERROR_FACTOR times transformers' op order's fp32 error (written out here:
+    projection, then the norm's factor; checked against the module on CPU in
+    tests/test_deepseek_v4_ops.py) against the same in fp64, plus ERROR_FLOOR."""
+    _triton()
+    from lightning_mhc.ops.hyper_connection import fused_hyper_head
+    from lightning_mhc.ops.triton_kernels import TritonKernels
+
+    fn, scale, base, weight, x, upstream = _drawn_sublayer(8, 2 * N, [25.0, 20.0] if sharp else [1.1, 0.9], sharp)
+    width = N * C
+
+    def run(implementation, dtype):
+        leaves = [t.to(DEVICE, dtype).requires_grad_(True) for t in (x, fn, scale, base, weight)]
+        xs, fn_, scale_, base_, weight_ = leaves
+        if implementation == "triton":
+            agg, post = fused_hyper_head(xs, fn_.t(), scale_, base_, N, 1e-6, 1e-6, TritonKernels, 1.5)
+        else:  # transformers' lines
+            mixes = torch.nn.functional.linear(xs, fn_) * torch.rsqrt(xs.square().mean(-1, keepdim=True) + 1e-6)
+            pre = torch.sigmoid(mixes[:, :N] * scale_[0] + base_[:N]) + 1e-6
+            post = 1.5 * torch.sigmoid(mixes[:, N:] * scale_[1] + base_[N:]) + 1e-6
+            agg = (pre.unsqueeze(-1) * xs.view(TOKENS, N, C)).sum(dim=1)
+        y = (post.unsqueeze(-1) * (agg @ weight_.t()).unsqueeze(-2) + xs.view(TOKENS, N, C)).view(TOKENS, width)
+        loss = (y * upstream.to(DEVICE, dtype)).sum()
+        return [y.detach(), agg.detach(), post.detach(), *torch.autograd.grad(loss, leaves)]
+
+    assert _triton_beyond_the_fp64_bound(run, ("next stream", "collapsed", "post", "dx", "d fn", "d scale", "d base",
+                                               "d weight")) == {}
+
+
+def _drawn_sublayer(seed: int, columns: int, scales: list[float], sharp: bool):
+    """A hyper-connection's parameters laid out as transformers' (``fn [columns, n*C]``, ``scale``,
+    ``base [columns]``) at init-scale or sharp logits, a branch's weight, the streams ``[T, n*C]``
+    and their upstream gradient."""
+    g = torch.Generator().manual_seed(seed)
+    width = N * C
+    fn = torch.randn(columns, width, generator=g) * (1.0 / width ** 0.5 if sharp else 0.02)
+    base = torch.randn(columns, generator=g) * (2.0 if sharp else 0.5)
+    weight = torch.randn(C, C, generator=g) / C ** 0.5
+    x = torch.randn(TOKENS, width, generator=g)
+    return fn, torch.tensor(scales), base, weight, x, torch.randn(TOKENS, width, generator=g)
+
+
+def _triton_beyond_the_fp64_bound(run, names) -> dict:
+    """``{result: (Triton's error, the reference's)}`` for each of ``run(implementation, dtype)``'s
+    results whose fp32 error on Triton (against the reference in fp64) passes ERROR_FACTOR times
+    the reference's fp32 error plus ERROR_FLOOR."""
+    from model_utils import ERROR_FACTOR, ERROR_FLOOR
+
+    exact = run("reference", torch.float64)
+    ours, reference = run("triton", torch.float32), run("reference", torch.float32)
+
+    def error(a, e):
+        return ((a.double() - e).abs().max() / e.abs().max()).item()
+
+    return {name: (error(o, e), error(r, e)) for name, o, r, e in zip(names, ours, reference, exact)
+            if error(o, e) > ERROR_FACTOR * error(r, e) + ERROR_FLOOR[torch.float32]}
 
 
 @pytest.mark.parametrize("prob", [0.0, 0.1])

@@ -369,3 +369,19 @@ def test_deepseek_v4_modules_on_the_triton_kernels_match_transformers():
         x, upstream = v4_inputs(5, n=3)
         for name, (ours, theirs, apart) in errors("triton", modules, x, upstream).items():
             assert ours <= ERROR_FACTOR * theirs + ERROR_FLOOR, (name, sharp, ours, theirs)
+
+
+@interpreted
+def test_hy_v4_modules_on_the_triton_kernels_match_transformers():
+    """HY-V4's hyper-connection (gates only, ``post = magnitude sigmoid + eps``) and head on Triton's
+    kernels (``use_our_ops(..., "triton")``), in a sub-layer with the layer's ``post ⊗ F + x``:
+    forward and every gradient against transformers' fp32 and its code in fp64, at init-scale and
+    sharp logits, the bound of tests/test_deepseek_v4_ops.py. (Five tokens: a parameter's gradient is
+    a short sum that cancels, so ours and transformers' fp32 differ by a few 1e-6 of it, both that
+    far from exact; the CPU kernels' test holds the 1e-6 at 48 tokens.)"""
+    pytest.importorskip("transformers.models.hy_v4")
+    from test_deepseek_v4_ops import ERROR_FACTOR, ERROR_FLOOR, hy_v4_sublayer_errors
+
+    for sharp in (False, True):
+        for name, (ours, theirs, _) in hy_v4_sublayer_errors("triton", sharp, 1, 5).items():
+            assert ours <= ERROR_FACTOR * theirs + ERROR_FLOOR, (name, sharp, ours, theirs)

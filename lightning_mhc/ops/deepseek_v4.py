@@ -11,14 +11,18 @@ read in place and gets its gradient in place (no copy that could drift, the same
   transformers' returns them (``comb`` is a transposed view of the ops' ``H_res``);
 - :func:`deepseek_v4_res_post`: the layer's ``post ⊗ F + comb^T x`` in one pass of the kernels;
 - :func:`deepseek_v4_head`: the head's collapse;
+- :func:`hy_v4_pre`: HY-V4's hyper-connection (``HYV4HyperConnection``: ``fn [2n, n*D]``,
+  ``base [2n]``, ``scale [2]``, no ``comb``, ``post = hc_post_magnitude sigmoid + hc_eps``), the
+  head's kernel with a post gate (``HyperHead`` with ``post_magnitude``);
 - :func:`use_our_ops`: a module (or every such module of a model) swapped in place to a subclass
   whose forward is the above (``isinstance``, class name, parameters and state-dict names kept;
   copies and pickles rebuild it); decoder layers also mix on the kernels.
 
 The modules are recognised by their attributes, so this room imports no transformers. HY-V4's
 ``hc_head`` (``HYV4HyperHead``) is V4's head with the norm's factor applied after the projection
-(the same function): it is found and run as one; HY-V4's ``attn_hc`` / ``ffn_hc`` are another
-connection (no ``comb``, ``post = magnitude sigmoid + eps``) and are left as they are. ``implementation`` is ``mhc_implementation``'s (``lightning_mhc.ops``).
+(the same function): it is found and run as one; HY-V4's ``attn_hc`` / ``ffn_hc`` run on
+:func:`hy_v4_pre` (their decoder layer keeps transformers' ``post ⊗ F + x``, an elementwise add).
+``implementation`` is ``mhc_implementation``'s (``lightning_mhc.ops``).
 """
 from __future__ import annotations
 
@@ -90,34 +94,58 @@ def deepseek_v4_res_post(hidden_streams: Tensor, post: Tensor, comb: Tensor, out
 
 
 def deepseek_v4_head(head: nn.Module, x: Tensor, implementation: str = "auto") -> Tensor:
-    """``DeepseekV4HyperHead.forward`` on our ops: ``[B, S, n, D]`` -> ``[B, S, D]``."""
+    """``DeepseekV4HyperHead.forward`` (and ``HYV4HyperHead``'s) on our ops: ``[B, S, n, D]`` -> ``[B, S, D]``."""
+    return _gates_only(head, head.hc_fn, head.hc_scale, head.hc_base, float(head.eps), None, x, implementation)
+
+
+def hy_v4_pre(hc: nn.Module, hidden_streams: Tensor, implementation: str = "auto") -> tuple[Tensor, Tensor]:
+    """``HYV4HyperConnection.forward`` on our ops: ``[B, S, n, D]`` -> ``(post [B, S, n] (fp32),
+    collapsed [B, S, D])``; ``post = hc_post_magnitude * sigmoid(.) + hc_eps``. Its layer's
+    ``post ⊗ F + x`` stays transformers' elementwise line (autograd saves ``post`` and ``F`` only)."""
+    collapsed, post = _gates_only(hc, hc.fn, hc.scale, hc.base, float(hc.hc_eps), float(hc.hc_post_magnitude),
+                                  hidden_streams, implementation)
+    return post, collapsed
+
+
+def _gates_only(module: nn.Module, fn: Tensor, scale: Tensor, base: Tensor, eps: float, post_magnitude,
+                x: Tensor, implementation: str):
+    """A collapse by sigmoid gates (``HyperHead``): the head's output, or with ``post_magnitude``
+    HY-V4's ``(collapsed, post)``."""
     _check(implementation)
-    n = head.hc_mult
+    n = module.hc_mult
     flat = x.reshape(*x.shape[:-2], -1)
-    norm_eps, eps = float(head.input_norm.eps), float(head.eps)
+    norm_eps = float(module.input_norm.eps)
     if is_fused(implementation):
         kernels = fused_kernels(implementation, x.device.type)
-        out = fused_hyper_head(flat, head.hc_fn.t(), head.hc_scale, head.hc_base, n, norm_eps, eps, kernels)
+        outs = fused_hyper_head(flat, fn.t(), scale, base, n, norm_eps, eps, kernels, post_magnitude)
     else:
-        out = (compiled(_reference_head) if implementation == "compile" else _reference_head)(
-            flat, head.hc_fn, head.hc_scale, head.hc_base, n, norm_eps, eps)
-    return out.to(x.dtype)
+        outs = (compiled(_reference_gates) if implementation == "compile" else _reference_gates)(
+            flat, fn, scale, base, n, norm_eps, eps, post_magnitude)
+    if post_magnitude is None:
+        return outs.to(x.dtype)
+    return outs[0].to(x.dtype), outs[1]
 
 
-def _reference_head(flat: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, norm_eps: float,
-                    eps: float) -> Tensor:
-    """The head op by op (the norm as one node, as ``reference_pre``'s)."""
+def _reference_gates(flat: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, norm_eps: float,
+                     eps: float, post_magnitude: float | None):
+    """``HyperHead`` op by op (the norm as one node, as ``reference_pre``'s)."""
     with torch.autocast(device_type=flat.device.type, enabled=False):
         flat = flat.view_as(flat)
-        pre = torch.sigmoid(rms_normalize(flat, norm_eps) @ fn.t().to(torch.promote_types(flat.dtype, torch.float32))
-                            * scale + base) + eps
-        return (pre.unsqueeze(-1) * flat.unflatten(-1, (n, -1))).sum(dim=-2)
+        gates = torch.sigmoid(rms_normalize(flat, norm_eps) @ fn.t().to(torch.promote_types(flat.dtype, torch.float32))
+                              * scale.repeat_interleave(n) + base)
+        out = ((gates[..., :n] + eps).unsqueeze(-1) * flat.unflatten(-1, (n, -1))).sum(dim=-2)
+        return out if post_magnitude is None else (out, gates[..., n:] * post_magnitude + eps)
 
 
 # ------------------------------------------------------------------ the modules swapped in place
 class _OurHyperConnection:
     def forward(self, hidden_streams: Tensor):
         return deepseek_v4_pre(self, hidden_streams, self.mhc_implementation)
+
+
+class _OurHyV4HyperConnection:
+    def forward(self, hidden_streams: Tensor):
+        return hy_v4_pre(self, hidden_streams, self.mhc_implementation)
 
 
 class _OurHyperHead:
@@ -143,16 +171,20 @@ class _OurDecoderLayer:
         return deepseek_v4_res_post(hidden_streams, post, comb, output, self.mhc_implementation)
 
 
-_ROLES = {"hyper_connection": _OurHyperConnection, "hyper_head": _OurHyperHead, "decoder_layer": _OurDecoderLayer}
+_ROLES = {"hyper_connection": _OurHyperConnection, "hy_v4_hyper_connection": _OurHyV4HyperConnection,
+          "hyper_head": _OurHyperHead, "decoder_layer": _OurDecoderLayer}
 _CLASSES: dict[tuple[type, str], type] = {}
 
 
 def role_of(module: nn.Module) -> str | None:
     """What a module is to V4's hyper-connections, by its attributes: ``"hyper_connection"``
     (``fn``, ``base``, ``scale``, ``hc_sinkhorn_iters``), ``"hyper_head"`` (``hc_fn``, ``hc_base``,
-    ``hc_scale``), ``"decoder_layer"`` (``attn_hc`` and ``ffn_hc`` of the first kind), else None."""
+    ``hc_scale``), ``"decoder_layer"`` (``attn_hc`` and ``ffn_hc`` of the first kind),
+    ``"hy_v4_hyper_connection"`` (``fn``, ``base``, ``scale``, ``hc_post_magnitude``: HY-V4's), else None."""
     if all(hasattr(module, a) for a in ("fn", "base", "scale", "hc_sinkhorn_iters", "hc_mult", "hc_eps")):
         return "hyper_connection"
+    if all(hasattr(module, a) for a in ("fn", "base", "scale", "hc_post_magnitude", "hc_mult", "hc_eps")):
+        return "hy_v4_hyper_connection"
     if all(hasattr(module, a) for a in ("hc_fn", "hc_base", "hc_scale", "hc_mult", "eps")):
         return "hyper_head"
     branches = [getattr(module, name, None) for name in ("attn_hc", "ffn_hc")]
@@ -198,11 +230,11 @@ def use_our_ops(module: nn.Module, implementation: str = "auto") -> nn.Module:
             sub.mhc_implementation = implementation
             found += 1
     if not found:
-        raise TypeError(f"{type(module).__name__} holds no DeepSeek-V4 hyper-connection, hyper head or decoder layer "
-                        "(modules with fn/base/scale/hc_sinkhorn_iters, hc_fn/hc_base/hc_scale, or attn_hc and "
-                        "ffn_hc)")
+        raise TypeError(f"{type(module).__name__} holds no DeepSeek-V4 / HY-V4 hyper-connection, hyper head or "
+                        "decoder layer (modules with fn/base/scale and hc_sinkhorn_iters or hc_post_magnitude, "
+                        "hc_fn/hc_base/hc_scale, or attn_hc and ffn_hc)")
     return module
 
 
-__all__ = ["convention_of", "deepseek_v4_head", "deepseek_v4_pre", "deepseek_v4_res_post", "role_of",
+__all__ = ["convention_of", "deepseek_v4_head", "deepseek_v4_pre", "deepseek_v4_res_post", "hy_v4_pre", "role_of",
            "use_our_ops"]

@@ -29,7 +29,8 @@ stream's dtype. Two implementations of the same math:
 
 Both compute either convention (``lightning_mhc.ops.convention``): the project's mHC or
 DeepSeek-V4's (``pre + eps``, a softmax-first Sinkhorn with eps floors, ``H_res = comb^T``).
-``HyperHead`` is V4's final collapse of the streams (``DeepseekV4HyperHead``) on the same kernels.
+``HyperHead`` is V4's final collapse of the streams (``DeepseekV4HyperHead``) on the same kernels,
+and with a post gate HY-V4's hyper-connection (gates only; its layer adds ``post ⊗ F + x``).
 """
 from __future__ import annotations
 
@@ -328,41 +329,61 @@ def fused_pre(x: Tensor, params: tuple[Tensor, ...], n: int, eps: float, iterati
 
 
 class HyperHead(torch.autograd.Function):
-    """DeepSeek-V4's final collapse of the streams (``DeepseekV4HyperHead``) on the kernel set:
+    """The streams collapsed by sigmoid gates alone (no stream mixing) on the kernel set.
+
+    DeepSeek-V4's final collapse (``DeepseekV4HyperHead``, HY-V4's ``HYV4HyperHead``):
     ``pre = sigmoid(scale * (x @ phi) / rms(x) + base) + eps`` ``[T, n]``, out ``= pre x`` ``[T, C]``
-    (``phi [n*C, n]``: the head's ``hc_fn.t()``, read in place). Saves ``x``, the raw projection and
-    ``r`` (``n + 1`` floats per token); the sigmoid is recomputed in backward."""
+    (``phi [n*C, n]``: the head's ``hc_fn.t()``, read in place, ``scale [1]``, ``base [n]``).
+
+    With ``post_magnitude`` set, HY-V4's hyper-connection (``HYV4HyperConnection``, the layer adding
+    ``post ⊗ F + x``: ``H_res`` the identity, so no Sinkhorn): ``phi [n*C, 2n]`` (``fn.t()``),
+    ``scale [2]`` (one per block of ``n`` columns), ``base [2n]``, and a second output
+    ``post = post_magnitude * sigmoid(z_post) + eps`` ``[T, n]``.
+
+    Saves ``x``, the raw projection and ``r`` (``n + 1`` floats per token, ``2n + 1`` with post);
+    the sigmoids are recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, stream, phi, scale, base, n, norm_eps, eps, kernels=EagerKernels):
+    def forward(ctx, stream, phi, scale, base, n, norm_eps, eps, kernels=EagerKernels, post_magnitude=None):
         x = stream.reshape(-1, stream.shape[-1])
         raw, r = kernels.project(x, phi, norm_eps)
-        pre = torch.sigmoid(torch.addcmul(base, raw * r[:, None], scale)).add_(eps)
+        gates = torch.sigmoid(torch.addcmul(base, raw * r[:, None], scale.repeat_interleave(n)))
         ctx.save_for_backward(stream, phi, scale, base, raw, r)
-        ctx.n, ctx.kernels, ctx.eps = n, kernels, eps
-        return kernels.aggregate(x, pre, n)
+        ctx.n, ctx.kernels, ctx.eps, ctx.post_magnitude = n, kernels, eps, post_magnitude
+        out = kernels.aggregate(x, gates[:, :n] + eps, n)
+        if post_magnitude is None:
+            return out
+        return out, gates[:, n:] * post_magnitude + eps
 
     @staticmethod
-    def backward(ctx, g_out):
+    def backward(ctx, g_out, *g_post):
         stream, phi, scale, base, raw, r, = ctx.saved_tensors
-        n, kernels = ctx.n, ctx.kernels
+        n, kernels, magnitude = ctx.n, ctx.kernels, ctx.post_magnitude
         x = stream.reshape(-1, stream.shape[-1])
         with _no_autocast(g_out.device.type):
             proj = raw * r[:, None]
-            s = torch.sigmoid(torch.addcmul(base, proj, scale))
-            dx, g_pre = kernels.aggregate_backward(x, s + ctx.eps, g_out.contiguous(), n)
-            dz = g_pre * s * (1.0 - s)
-            d_base, d_scale = dz.sum(0), (dz * proj).sum().reshape(1)
-            dx, d_phi = _projection_backward(x, phi, raw, r, dz * scale, dx)
-        return _not_a_view(dx, stream.shape), d_phi, d_scale, d_base, None, None, None, None
+            scales = scale.repeat_interleave(n)
+            s = torch.sigmoid(torch.addcmul(base, proj, scales))
+            dx, g_gates = kernels.aggregate_backward(x, s[:, :n] + ctx.eps, g_out.contiguous(), n)
+            if magnitude is not None:
+                g_gates = torch.cat([g_gates, g_post[0].float() * magnitude], dim=1)
+            dz = g_gates * s * (1.0 - s)
+            d_base, d_scale = dz.sum(0), (dz * proj).unflatten(1, (-1, n)).sum((0, 2))
+            dx, d_phi = _projection_backward(x, phi, raw, r, dz * scales, dx)
+        return _not_a_view(dx, stream.shape), d_phi, d_scale, d_base, None, None, None, None, None
 
 
 def fused_hyper_head(x: Tensor, phi: Tensor, scale: Tensor, base: Tensor, n: int, norm_eps: float, eps: float,
-                     kernels=EagerKernels) -> Tensor:
-    """``HyperHead`` on a ``[..., n*C]`` stream: ``[..., C]``."""
+                     kernels=EagerKernels, post_magnitude: float | None = None):
+    """``HyperHead`` on a ``[..., n*C]`` stream: ``[..., C]``, and ``post [..., n]`` with
+    ``post_magnitude`` (HY-V4's hyper-connection)."""
     with _no_autocast(x.device.type):
-        out = HyperHead.apply(x, phi.float(), scale.float(), base.float(), n, norm_eps, eps, kernels)
-    return out.view(*x.shape[:-1], -1)
+        outs = HyperHead.apply(x, phi.float(), scale.float(), base.float(), n, norm_eps, eps, kernels,
+                               post_magnitude)
+    if post_magnitude is None:
+        return outs.view(*x.shape[:-1], -1)
+    out, post = outs
+    return out.view(*x.shape[:-1], -1), post.view(*x.shape[:-1], n)
 
 
 class ResPostBiasDropoutAdd(torch.autograd.Function):
