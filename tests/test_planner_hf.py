@@ -216,9 +216,18 @@ def test_plan_cli_plans_a_hugging_face_model(llama_dir, tmp_path, monkeypatch, c
     assert asked["traffic_bytes"] is None and "not counted" in asked["traffic_not_counted"]
     out = capsys.readouterr().out
     assert "model states only" in out and "most loaded rank" in out
-    # PP 2 x DP 2: counted; 8 samples of 2 per micro-batch over DP 2 = 2 micro-batches
+    # PP 2 x DP 2: counted; 8 samples of 2 per micro-batch over DP 2 = 2 micro-batches. The trace
+    # stands in for four library functions while it runs: the process keeps its own afterwards
+    import transformers.integrations.moe
+    import transformers.masking_utils
+
+    libraries = (torch.autocast, torch.nn.functional.scaled_dot_product_attention,
+                 transformers.masking_utils.find_packed_sequence_indices, transformers.integrations.moe._can_use_grouped_mm)
     asked = plan(_hf_args(llama_dir, "parallel=pp2", "trainer.devices=4",
                           "data.global_batch_size=8", "data.micro_batch_size=2", "data.seq_length=32"))[0]
+    assert (torch.autocast, torch.nn.functional.scaled_dot_product_attention,
+            transformers.masking_utils.find_packed_sequence_indices,
+            transformers.integrations.moe._can_use_grouped_mm) == libraries
     layout = _layout(1, 2, 1, 1)
     states = plan_hf(_recorded("llama"), layout, hyper_connections=4)
     traced = plan_hf_activations(lambda: _recorded("llama"), layout, seq_length=32, micro_batch_size=2,

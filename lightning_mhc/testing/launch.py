@@ -149,7 +149,7 @@ ranks_cpu_s = 0.0
 server's children, so ``getrusage(RUSAGE_CHILDREN)`` here never sees them (tests/cpu_time.py)."""
 
 
-PRELOAD = ("torch", "torch.distributed", "megatron.core", "lightning_mhc.model", "lightning_mhc.distributed",
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "lightning_mhc.model.gpt", "lightning_mhc.distributed",
            "lightning_mhc.recompute")
 """Imported once by the fork server the ranks are forked from: a rank then starts in a fraction
 of a second instead of importing torch and megatron-core again (seconds of CPU each). Read when
