@@ -47,7 +47,9 @@ def _clean_hydra():
 def compose_config(*overrides: str) -> TrainConfig:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_object(cfg)
+    train = OmegaConf.to_object(cfg)
+    train.check_model()
+    return train
 
 
 def _options():

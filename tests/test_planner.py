@@ -181,14 +181,13 @@ def test_a_plan_imports_neither_megatron_nor_lightning(tmp_path):
      "model.num_query_groups=2", "recompute.policy=selective", "data.global_batch_size=16"],
 ])
 def test_a_plan_of_sizes_is_the_plan_of_the_model_config(argv):
-    """The planner's rows from the sizes alone (``checking_sizes_only``) are the rows of the config
+    """The planner's rows from the sizes alone (``to_train_config(..., sizes_only=True)``) are the rows of the config
     checked and built as ``lightning-mhc-train`` builds it (megatron-core's ``MHCTransformerConfig``):
     the asked layout and every layout of its devices (the enumeration skips what the model refuses)."""
     from hydra import compose, initialize_config_dir
 
     from lightning_mhc.cli import preflight
     from lightning_mhc.cli.plan import _candidates, layout_row
-    from lightning_mhc.cli.schema import checking_sizes_only
     from lightning_mhc.model.config import with_parallel_layout
     from lightning_mhc.model.sizes import GPTSizes
 
@@ -198,8 +197,7 @@ def test_a_plan_of_sizes_is_the_plan_of_the_model_config(argv):
     with initialize_config_dir(config_dir=preflight.CONF_DIR, version_base="1.3", job_name="test"):
         composed = compose(config_name="config", overrides=argv)
         built = preflight.to_train_config(composed)
-        with checking_sizes_only():
-            sized = preflight.to_train_config(composed)
+        sized = preflight.to_train_config(composed, sizes_only=True)
     assert GPTSizes.of(built.transformer_config()) == sized.gpt_sizes()
     planned = rows(sized)
     assert planned == rows(built) and len(planned) > 2

@@ -223,7 +223,6 @@ def plan(argv: list[str]) -> list[dict[str, Any]]:
     from hydra import compose, initialize_config_dir
 
     from lightning_mhc.cli.preflight import CONF_DIR, to_train_config
-    from lightning_mhc.cli.schema import checking_sizes_only
     from lightning_mhc.planning import parse_bytes
 
     overrides, options = _split(argv)
@@ -232,8 +231,8 @@ def plan(argv: list[str]) -> list[dict[str, Any]]:
         devices = _positive_int("devices", options["devices"]) if "devices" in options else None
         memory = parse_bytes(options.get("device_memory", "80GB"))
         top = _positive_int("top", options.get("top", "3"))
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="plan"), checking_sizes_only():
-        cfg = to_train_config(compose(config_name="config", overrides=overrides))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="plan"):
+        cfg = to_train_config(compose(config_name="config", overrides=overrides), sizes_only=True)
     asked = layout_row(cfg, cfg.layout, cfg.num_microbatches)
     rows = [asked]
     _print_layout(asked)

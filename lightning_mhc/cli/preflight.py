@@ -35,12 +35,15 @@ checked = False
 """True once ``check_command_line`` has checked this process's run(s) (data and machine included)."""
 
 
-def to_train_config(cfg: DictConfig) -> TrainConfig:
+def to_train_config(cfg: DictConfig, *, sizes_only: bool = False) -> TrainConfig:
     """The validated dataclasses of a composed config (raises ConfigError / OmegaConf errors):
     keys that are no field of the schemas (``+key=value`` additions) are refused, then every
-    dataclass checks its ranges and ``TrainConfig`` the constraints across groups."""
+    dataclass checks its ranges, ``TrainConfig`` the constraints across groups and the model under
+    the layout (``TrainConfig.check_model``; ``sizes_only``: a plan's, without megatron-core)."""
     check_known_keys(OmegaConf.to_container(cfg, resolve=False))
-    return OmegaConf.to_object(cfg)
+    train = OmegaConf.to_object(cfg)
+    train.check_model(sizes_only=sizes_only)
+    return train
 
 
 def check_machine(cfg: TrainConfig) -> None:

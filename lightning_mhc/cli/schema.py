@@ -7,8 +7,6 @@ keys, their values and the fix.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import datetime
 import difflib
@@ -306,21 +304,6 @@ def _gpt_defaults() -> dict[str, Any]:
     return {k: GPT_SIZES[k] if k in GPT_SIZES else model[k] for k in keys if k not in NULL_IS_A_CHOICE}
 
 
-_SIZES_ONLY = contextvars.ContextVar("sizes_only", default=False)
-
-
-@contextlib.contextmanager
-def checking_sizes_only():
-    """Within it, a GPT's ``TrainConfig`` checks its sizes under the layout (``GPTSizes.check_layout``)
-    instead of building megatron-core's config, whose import takes seconds: what a plan needs
-    (``lightning-mhc-plan``); ``lightning-mhc-train``'s check before launch runs them all."""
-    token = _SIZES_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _SIZES_ONLY.reset(token)
-
-
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
@@ -606,11 +589,24 @@ class TrainConfig:
         """The strategy's settings, checked (``MHCParallelStrategy(settings)``)."""
         if self.model.is_hf:
             self._check_hf_model()
+
+    def check_model(self, *, sizes_only: bool = False) -> None:
+        """The GPT under the run's layout (``preflight.to_train_config`` calls it; a Hugging Face
+        model is checked with the rest): megatron-core's config built, with its checks and the
+        model's and their messages; or, ``sizes_only`` (a plan), the sizes alone under the layout
+        (``GPTSizes.check_layout``), which import no megatron-core (seconds)."""
+        if self.model.is_hf:
             return
-        if _SIZES_ONLY.get():  # a plan: the sizes under this layout, without megatron-core's checks
-            self.gpt_sizes().check_layout(self.layout)
-            self.layout.check_model({}, self.data.seq_length)
-            return
+        try:
+            if sizes_only:
+                self.gpt_sizes().check_layout(self.layout)
+            else:
+                self._check_model_config()
+            self.layout.check_model({}, self.data.seq_length)  # (layers and sizes: checked above)
+        except ConfigError as error:
+            raise in_config_keys(error) from None
+
+    def _check_model_config(self) -> None:
         from lightning_mhc.model.config import with_parallel_layout
 
         # megatron's warnings on the model alone (e.g. "moe_ffn_hidden_size is not set") are said
@@ -622,7 +618,6 @@ class TrainConfig:
             with_parallel_layout(config, self.layout)
         for warning in said:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-        self.layout.check_model({}, self.data.seq_length)  # (layers and sizes: by with_parallel_layout, above)
 
     # --------------------------------------------------------------- checks
     @property

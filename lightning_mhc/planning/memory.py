@@ -76,13 +76,13 @@ def stage_counts(config: GPTSizes | Any, layout: ParallelLayout, first_stage_lay
     the same count: TP shards and EP shards are equal in size). The asked layout's rules (sizes over
     TP, layers over stages, experts over EP) are checked first (``GPTSizes.check_layout``).
     ``config``: the model's sizes, or its config."""
-    asked = GPTSizes.of(config)
-    asked.check_layout(layout)
+    sizes = GPTSizes.of(config)
+    sizes.check_layout(layout)
     tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
     p, v = layout.pipeline_model_parallel_size, layout.num_virtual_stages // layout.pipeline_model_parallel_size
-    ranges = partition_layers(config.num_layers, p * v, first_stage_layers, last_stage_layers)
+    ranges = partition_layers(sizes.num_layers, p * v, first_stage_layers, last_stage_layers)
     counts = []
-    tied = config.share_embeddings_and_output_weights
+    tied = sizes.share_embeddings_and_output_weights
     for stage in range(p):
         dense = expert = tensors = 0
         chunks = [c * p + stage for c in range(v)]  # megatron's interleaved assignment
@@ -90,7 +90,7 @@ def stage_counts(config: GPTSizes | Any, layout: ParallelLayout, first_stage_lay
         for virtual in chunks:
             first, last = virtual == 0, virtual == p * v - 1
             held.append([])
-            for tensor in chunk_tensors(asked, ranges[virtual], first, last):
+            for tensor in chunk_tensors(sizes, ranges[virtual], first, last):
                 n = tensor.numel // tp if tensor.tensor_parallel else tensor.numel
                 if tensor.expert:
                     n //= ep

@@ -61,9 +61,9 @@ class MHCBlockRecomputeManager:
         for i, ckpt in enumerate(self.checkpoints):
             freed = 0
             for out in ckpt.output_tensors:
-                storage = out.untyped_storage()
-                if storage_key(out) not in seen and storage.nbytes() > 0:
-                    seen.add(storage_key(out))
+                storage, key = out.untyped_storage(), storage_key(out)
+                if key not in seen and storage.nbytes() > 0:
+                    seen.add(key)
                     freed += storage.nbytes()
             entries.append(
                 PlanEntry(i, ckpt.name or "?", tuple(tuple(o.shape) for o in ckpt.output_tensors), freed)
