@@ -12,6 +12,11 @@ from __future__ import annotations
 import importlib
 import warnings
 
+from lightning_mhc.distributed.launcher_watch import watch_launcher
+
+# a rank started by our launchers ends with it: watched from here, its first import of this package
+watch_launcher()
+
 # megatron-core warns at import that Transformer Engine / Apex are absent (this package uses
 # neither), and on every TransformerConfig about its own default cuda_graph_scope.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")

@@ -165,6 +165,21 @@ def test_sigkill_of_the_launcher_leaves_no_rank(tmp_path, when):
     assert elapsed < 20
 
 
+def test_a_rank_watches_its_launcher_from_its_first_import_of_the_package():
+    """The watch begins at ``import lightning_mhc`` (not once the model and the Trainer are built):
+    a rank whose launcher is already gone exits there; one whose launcher lives goes on, and takes
+    the launcher's mark out of its environment, so what it starts (a spawned worker) never watches
+    a process that is not its parent."""
+    probe = "import os, time, lightning_mhc; time.sleep(1.5); print(os.environ.get('LIGHTNING_MHC_LAUNCHER_PID'))"
+    env = dict(child_env(), LOCAL_RANK="1")
+    orphan = subprocess.run([sys.executable, "-c", probe], env=dict(env, LIGHTNING_MHC_LAUNCHER_PID="1"),
+                            capture_output=True, text=True, timeout=60)
+    assert orphan.returncode == 1 and "the launching process 1 is gone" in orphan.stderr, orphan
+    watched = subprocess.run([sys.executable, "-c", probe], env=dict(env, LIGHTNING_MHC_LAUNCHER_PID=str(os.getpid())),
+                             capture_output=True, text=True, timeout=60)
+    assert watched.returncode == 0 and watched.stdout.strip() == "None", watched
+
+
 def test_entry_point_preempted_then_resumed_with_last(tmp_path):
     """``lightning-mhc-train`` (PP 2): SIGTERM to the process group after the step-3 checkpoint:
     exit 143, summary.json says preempted and names the checkpoint; ``ckpt_path=last`` in the same

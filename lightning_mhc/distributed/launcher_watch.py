@@ -14,9 +14,12 @@ def watch_launcher(poll_s: float = 1.0) -> None:
 
     Without it, a rank whose launcher died (kill -9, OOM) before the process group formed keeps
     waiting for the rendezvous store until its timeout; during training gloo notices the lost
-    peer anyway. The launcher's pid comes through the environment (the rank may be re-parented
-    before this runs)."""
-    launcher = os.environ.get(LAUNCHER_PID)
+    peer anyway. ``import lightning_mhc`` calls it, so the watch begins as the rank's script
+    imports the package, not after the model and the Trainer are built (on a loaded machine
+    that is tens of seconds). The launcher's pid comes through the environment (the rank may be
+    re-parented before this runs); the rank takes it out of its environment, so a process it
+    starts (a spawned DataLoader worker) never watches a launcher that is not its parent."""
+    launcher = os.environ.pop(LAUNCHER_PID, None)
     started_by_it = os.environ.get("LOCAL_RANK", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
     if launcher is None or not started_by_it or int(launcher) == os.getpid():
         return

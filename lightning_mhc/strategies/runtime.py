@@ -33,7 +33,6 @@ from lightning_mhc.distributed.fail_fast import FailFast
 from lightning_mhc.distributed.grad_overlap import OverlappedGradReduction
 from lightning_mhc.distributed.grads import (check_placements, clip_grad_norm_, finalize_model_grads,
                                              global_grad_norm, gradient_divisor, has_replicas)
-from lightning_mhc.distributed.launcher_watch import watch_launcher
 from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
 from lightning_mhc.distributed.optimizer import DistributedOptimizer, optimizer_state_bytes
 from lightning_mhc.distributed.pipeline import ScheduleConfig, forward_backward_pipelining
@@ -138,7 +137,6 @@ class ParallelRuntime:
         self.check_module(module)  # (the world: checked at launch, check_world, and by the layout's build)
         self.device = root_device
         self.backend = s.process_group_backend or _get_default_process_group_backend_for_device(root_device)
-        watch_launcher()
         if not dist.is_initialized():
             # the rendezvous waits for every rank to start (imports, an oversubscribed CPU): not
             # bounded by the collective timeout; the TP/PP/DP groups below get that one
