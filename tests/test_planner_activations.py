@@ -23,6 +23,8 @@ MODELS = {  # what a case changes of MODEL
     "gelu": {},
     # a gated MLP (SwiGLU) where the MLP's tensors are kept: its wider fc1 output and the product
     "swiglu": dict(activation="swiglu"),
+    # grouped queries: SDPA keeps V repeated over the query heads (a chunk's prefix of it under CP)
+    "gqa": dict(num_query_groups=2),
     "moe": MOE,
     # gated experts, shared experts, MoE every other layer, both auxiliary losses on
     "moe_varied": dict(MOE, activation="swiglu", moe_shared_expert_intermediate_size=48, moe_layer_freq=2,
@@ -39,6 +41,7 @@ GRID = [(1, "none", "pp4"), (1, "none", "tp2"), (1, "selective", "pp2v2"), (1, "
         # CP: a rank's chunks of the sequence, the gathered K/V, each chunk's causal prefix of scores
         (1, "none", "cp2"), (4, "selective", "cp2"), (4, "mhc_block", "cp2"), (4, "full", "cp2"),
         (4, "none", "cp2tp2sp"), (1, "selective", "cp2tp2"), (4, "mhc_block", "cp2pp2"),
+        (1, "none", "cp2", "gqa"), (4, "none", "tp2", "gqa"),
         # MoE on EP 2 and without EP: the router, the pairs' dispatch, the experts' rows
         (1, "none", "ep2", "moe"), (4, "selective", "ep2", "moe"), (4, "mhc_block", "ep2", "moe"),
         (4, "full", "ep2", "moe"), (4, "none", "single", "moe_varied"), (4, "mhc_block", "single", "moe_varied"),
