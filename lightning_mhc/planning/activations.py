@@ -242,7 +242,9 @@ def in_flight_peak(unit_bytes: list[int], p: int, rank: int, m: int, group: int 
 def stage_extra_bytes(config: Any, split: Split, m: int, e: int, first: bool, last: bool, interleaved: bool) -> int:
     """What a stage holds once, whatever the micro-batches in flight: the step's token ids on the
     first stage and labels on the last (int64; micro-batches are views of the step's batch, one
-    storage), and under the interleaved schedule the next chunk's input, received before its forward."""
+    storage), and under the interleaved schedule the next chunk's input, received before its forward.
+    Under CP a rank keeps each micro-batch's shard of them instead (copies): counted as the step's,
+    a few hundred bytes over in the grid."""
     n = config.num_residual_streams if config.enable_hyper_connections else 1
     extra = 8 * m * split.seq * split.mbs * (int(first) + int(last))
     if interleaved:
