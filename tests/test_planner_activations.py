@@ -45,7 +45,8 @@ GRID = [(1, "none", "pp4"), (1, "none", "tp2"), (1, "selective", "pp2v2"), (1, "
         # MoE on EP 2 and without EP: the router, the pairs' dispatch, the experts' rows
         (1, "none", "ep2", "moe"), (4, "selective", "ep2", "moe"), (4, "mhc_block", "ep2", "moe"),
         (4, "full", "ep2", "moe"), (4, "none", "single", "moe_varied"), (4, "mhc_block", "single", "moe_varied"),
-        (1, "none", "single", "moe_sigmoid"), (4, "none", "cp2ep2", "moe")]
+        (1, "none", "single", "moe_sigmoid"), (4, "none", "cp2ep2", "moe"),
+        (4, "none", "tp2", "moe")]  # every TP rank runs all of its tokens through the experts
 TOLERANCE = 0.05
 
 
