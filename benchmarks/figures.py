@@ -289,7 +289,7 @@ def planning_recipes(results: dict[str, dict]) -> str:
             q = r["questions"][f"{name}_n{n}"]
             row = q["asked"]
             commands.append(q["command"])
-            verdict = ("model states fit; activations not counted (CP)" if row["activations_not_counted"]
+            verdict = ("model states fit; activations not counted" if row["activations_not_counted"]
                        else "fits" if row["total_bytes"] <= memory else "does not fit")
             rows.append([label if n == 1 else "", str(n), _layout(row), _gb(_states(row)), _gb(row["activation_bytes"]),
                          f"**{_gb(row['total_bytes'])}**", verdict])

@@ -44,7 +44,7 @@ QUESTIONS = {
                                 f"plan.device_memory={MEMORY}", "plan.top=5") for policy in POLICIES},
     # Megatron-Bridge's llama3_70b pretrain recipe: TP 4, PP 4 (virtual 5), CP 2, SP, micro-batch 1,
     # global batch 512, sequence 8192, the distributed optimizer; its file sets no recompute, the
-    # published layout is planned under selective; CP's activations are not counted yet, so also without CP
+    # published layout is planned under selective; also without CP, to show what CP's split saves
     **{f"megatron_bridge_n{n}": (*LLAMA, *_streams(n), "parallel.tensor_model_parallel_size=4",
                                  "parallel.pipeline_model_parallel_size=4",
                                  "parallel.virtual_pipeline_model_parallel_size=5", "parallel.context_parallel_size=2",

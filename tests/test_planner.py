@@ -229,7 +229,7 @@ def test_plan_cli_enumerates_layouts_that_fit(tmp_path):
     from lightning_mhc.planning import parse_bytes
 
     out = tmp_path / "plan.json"
-    memory = "2MB"  # between the 8-device layouts' smallest (1.1 MB) and largest (3.8 MB) model states
+    memory = "10MB"  # between the 8-device layouts' smallest (5.3 MB) and largest (15.3 MB) totals, MoE activations in
     run = _plan_cli("model=gpt_moe_tiny", "plan.devices=8", f"plan.device_memory={memory}", f"plan.json={out}",
                     cwd=tmp_path)
     assert run.returncode == 0, run.stderr

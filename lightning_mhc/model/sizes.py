@@ -43,6 +43,13 @@ class GPTSizes:
     moe_ffn_hidden_size: int | None
     moe_shared_expert_intermediate_size: int | None
     moe_layer_freq: Any
+    # what the MoE layers keep for backward besides their sizes (the planner's activation count)
+    moe_router_score_function: str
+    moe_router_pre_softmax: bool
+    moe_router_load_balancing_type: str
+    moe_aux_loss_coeff: float
+    moe_z_loss_coeff: float | None
+    moe_expert_capacity_factor: float | None
 
     @classmethod
     def of(cls, config: Any) -> GPTSizes:
@@ -85,6 +92,8 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     max_sequence_length=2048, position_embedding_type="rope", share_embeddings_and_output_weights=True,
     enable_hyper_connections=True, num_residual_streams=4, num_moe_experts=None, moe_router_topk=2,
     moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None, moe_layer_freq=1,
+    moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_load_balancing_type="aux_loss",
+    moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, moe_expert_capacity_factor=None,
 )
 """``MHCTransformerConfig``'s defaults of the sizes (megatron-core's for its fields), written here so
 the sizes are read without importing it; ``tests/test_planner.py`` checks them against the class."""

@@ -5,25 +5,31 @@ the most (1F1B or interleaved), plus the stage inputs the schedule keeps.
 Each term is a tensor the runtime's modules save for backward (counted as the runtime's meter
 counts them: unique storages, parameters excluded), sized from the config and divided as the layout
 divides it: TP splits heads, the attention context and the MLP's hidden width; sequence parallelism
-also splits the tokens of everything else (norms, residual streams, hyper-connections). Per layer,
-with ``T = s b`` tokens of a micro-batch, ``e`` bytes an element, ``n`` streams of width ``h``:
+also splits the tokens of everything else (norms, residual streams, hyper-connections); CP gives a
+rank ``1 / cp`` of every token-wise tensor. Per layer, with ``T = s b / cp`` tokens of a micro-batch
+on a rank, ``e`` bytes an element, ``n`` streams of width ``h``:
 
-- attention (every policy but ``full``): the rotary tables (4 of ``s d``), Q and K for the scores
-  (``2 T a d / tp``), the scores, their softmax and its input (``3 b (a / tp) s^2``), the fused QKV
-  output (``T d (a + 2g) / tp``) and the context (``T a d / tp``);
+- attention (every policy but ``full``, :func:`attention_bytes`): the rotary tables (4 of
+  ``s d / cp``), the fused QKV output (``T d (a + 2g) / tp``), the context (``T a d / tp``) and
+  what SDPA's math path keeps: without CP the scaled Q and K (``2 T a d / tp``) and three score
+  tensors (``3 b (a / tp) s^2``); under CP the scaled Q, then per query chunk its causal prefix of
+  the gathered K/V (K scaled, three score tensors) and the whole gathered K/V once;
 - ``none``: two norms' statistics (``2 T``), eight ``T h`` tensors (norm inputs and outputs, the
   residual adds), the MLP's two ``T F / tp`` (a gated unit's four: ``linear_fc1``'s ``2F`` wide
   output, whose halves the activation and the product keep as views, the activation's output and
-  the product); with streams, per sub-layer the stream twice
+  the product), or an MoE layer's (:func:`moe_bytes`); with streams, per sub-layer the stream twice
   (``2 T n h``) and the mappings (``T (1 + 2n + n^2 + (n^2 + 2n))``);
-- ``selective`` (norms and MLP recomputed): four ``T h``, the attention, the streams' terms;
-- ``mhc_block``: two ``T h``, the attention, the MLP; the hyper-connections recomputed, so only
-  each recompute block's stream (``2 T n h`` per block);
+- ``selective`` (norms and MLP recomputed, an MoE one too): four ``T h``, the attention, the
+  streams' terms;
+- ``mhc_block``: two ``T h``, the attention, the MLP (dense or MoE); the hyper-connections
+  recomputed, so only each recompute block's stream (``2 T n h`` per block);
 - ``full``: each layer's input stream ``T n h``.
 
 Checked against the runtime's measurement (``measure_activation_memory``, the CLI's
-``activation_bytes``) in tests/test_planner_activations.py. Not covered: CP, MoE layers (refused by
-:func:`check_activation_plan`); bf16 is counted as fp32 with 2-byte elements, unchecked.
+``activation_bytes``) in tests/test_planner_activations.py. Not covered: an expert capacity (which
+tokens it drops is the routing's; refused by :func:`check_activation_plan`); the experts' rows
+are counted as if routing were balanced over the EP ranks; bf16 is counted as fp32 with 2-byte
+elements, unchecked.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_mhc.errors import ConfigError
-from lightning_mhc.model.sizes import partition_layers
+from lightning_mhc.model.sizes import is_moe_layer, partition_layers
 from lightning_mhc.recompute.groups import block_ranges
 from lightning_mhc.recompute.policy import DEFAULT_MODULES, RecomputePolicy
 
@@ -41,6 +47,8 @@ class ChunkShape:
     """One model chunk as the activation count needs it."""
 
     layers: int
+    start: int
+    """The global index of its first layer (which layers are MoE ones)."""
     first: bool
     """Holds the embedding (takes the tokens; a later chunk receives a stream instead)."""
     last: bool
@@ -50,8 +58,8 @@ class ChunkShape:
 def check_activation_plan(config: Any, layout: Any, policy: RecomputePolicy) -> None:
     """What the activation count does not cover yet, refused in one line."""
     missing = [what for what, yes in (
-        ("context parallelism", layout.context_parallel_size > 1),
-        ("MoE layers", bool(getattr(config, "num_moe_experts", None))),
+        ("an expert capacity (dropped tokens)", bool(getattr(config, "num_moe_experts", None))
+         and getattr(config, "moe_expert_capacity_factor", None) is not None),
         ("recompute_modules other than the policy's default", policy.modules is not None
          and tuple(policy.modules) != DEFAULT_MODULES.get(policy.name)),
     ) if yes]
@@ -60,22 +68,116 @@ def check_activation_plan(config: Any, layout: Any, policy: RecomputePolicy) -> 
                           f"(policy {policy.name}); its model-state bytes are exact.")
 
 
-def layer_bytes(config: Any, policy: str, tp: int, sp: bool, seq: int, mbs: int, e: int) -> int:
-    """One layer's retained bytes for one micro-batch (the recompute blocks' streams not included)."""
-    c, a, d = config.hidden_size, config.num_attention_heads, config.kv_channels
-    g, f = config.num_query_groups or a, config.ffn_hidden_size
+@dataclass(frozen=True)
+class Split:
+    """How a layout divides one micro-batch's tensors on a rank: ``tokens`` (``s b / cp``, this CP
+    rank's), sequence parallelism's ``spd`` (TP where it splits the tokens of norms and streams,
+    else 1), ``tp`` over heads and widths, ``cp`` and ``ep``."""
+
+    seq: int
+    mbs: int
+    tp: int
+    sp: bool
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.mbs // self.cp
+
+    @property
+    def spd(self) -> int:
+        return self.tp if self.sp else 1
+
+
+def attention_bytes(config: Any, split: Split, e: int) -> int:
+    """One layer's core attention, as torch's SDPA math path keeps it (the CPU's under dropout): the
+    rotary tables (4 of ``s/cp d``), the fused QKV output, the scaled Q and K, three score tensors
+    (softmax, dropout's noise and its output) and the context. Under CP
+    (``distributed.context_parallel``) each of a rank's two chunks of ``L = s / 2cp`` queries runs
+    against its causal prefix of the gathered K/V (``(r + 1) L`` and ``(2cp - r) L`` keys, ``(2cp +
+    1) L`` together on every rank), so K and the scores are that prefix's, and the values keep the
+    whole gathered K/V (``2 b g s d``: SDPA keeps a view of the one gathered tensor)."""
+    a, d = config.num_attention_heads // split.tp, config.kv_channels
+    g = (config.num_query_groups or config.num_attention_heads) // split.tp
+    t, b, s, cp = split.tokens, split.mbs, split.seq, split.cp
+    rope = 4 * (s // cp) * d * e if config.position_embedding_type == "rope" else 0
+    if cp == 1:
+        # V as SDPA keeps it: a view of the fused QKV output (that whole output), or its repeat
+        # over the query heads under grouped queries (a new tensor; the QKV output then is not kept)
+        values = t * d * (a + 2 * g) if g == a else t * a * d
+        return rope + e * (t * a * d + 2 * t * a * d + 3 * b * a * s * s + values)
+    chunk = s // (2 * cp)
+    keys = chunk * (2 * cp + 1)  # both chunks' causal prefixes together, per sample and head
+    # V: views of the one gathered K/V (the whole sequence's), or each chunk's prefix repeated
+    # over the query heads under grouped queries
+    values = 2 * b * g * s * d if g == a else b * a * keys * d
+    return rope + e * (2 * t * a * d + b * a * keys * d + 3 * b * a * chunk * keys + values)
+
+
+ROUTER_BYTES = 4
+"""The router's logits, probabilities and the weights of the experts' outputs are fp32 whatever
+the model's dtype (``model/moe.py``)."""
+INDEX_BYTES = 8
+"""int64 token and expert indices."""
+
+
+def moe_bytes(config: Any, split: Split, e: int) -> int:
+    """One MoE MLP's retained bytes for one micro-batch (``model/moe.py``), with ``t`` tokens of
+    this rank routed to ``k`` of ``E`` experts: the router's top-k indices and probabilities (its
+    softmax over the top-k logits; over all ``E`` before the top-k with ``moe_router_pre_softmax``;
+    a sigmoid over all ``E``, normalised over the top ``k > 1``), the pairs' sort and index tensors
+    (four int64 of ``t k``), their fp32 weights and weighted outputs (``t k (h + 1)``); the experts'
+    rows, ``t k`` on average per rank under EP (balanced routing: the count assumes it), their input
+    and activations (two of width ``F``, four gated) and the grouped products' offsets; EP's two
+    permutations of the received rows; the shared experts' activations; the auxiliary losses'
+    probabilities and statistics where they are on."""
+    t, k, n_e = split.tokens, config.moe_router_topk, config.num_moe_experts
+    h, f = config.hidden_size, config.moe_ffn_hidden_size or config.ffn_hidden_size
+    gated = 4 if config.gated_linear_unit else 2
+    if config.moe_router_score_function == "sigmoid":
+        router = ROUTER_BYTES * (t * n_e + (t * k + t if k > 1 else 0))
+    elif config.moe_router_pre_softmax:
+        router = ROUTER_BYTES * t * n_e
+    else:
+        router = ROUTER_BYTES * t * k
+    router += INDEX_BYTES * t * k
+    # the pairs' gather index, sort order and sorted tokens; their weights, the experts' outputs
+    # (kept by the product with the weights) and the weighted outputs (kept by the index_add)
+    pairs = INDEX_BYTES * 3 * t * k + ROUTER_BYTES * t * k * (2 * h + 1)
+    rows = t * k  # each rank's experts receive the group's pairs for them: on average its own number
+    experts = e * rows * (h + gated * f)
+    experts += 4 * (n_e // split.ep) * (3 if config.gated_linear_unit else 2)  # int32 offsets per product
+    if split.ep > 1:
+        experts += INDEX_BYTES * 2 * rows  # the received rows' sort by expert and back
+    shared = gated * t * config.moe_shared_expert_intermediate_size * e \
+        if config.moe_shared_expert_intermediate_size else 0
+    aux = 0
+    balance = config.moe_router_load_balancing_type == "aux_loss" and config.moe_aux_loss_coeff > 0
+    if balance:  # every expert's probability, the batch's counts, the scale
+        aux += ROUTER_BYTES * (t * n_e + n_e + 1 + 1)
+    if config.moe_z_loss_coeff:  # the logits, their logsumexp, the scale
+        aux += ROUTER_BYTES * (t * n_e + t + 1)
+    if aux:
+        aux += ROUTER_BYTES  # the summed loss, kept for the gradient it is given
+    return router + pairs + experts + shared + aux
+
+
+def layer_bytes(config: Any, policy: str, split: Split, e: int, moe: bool = False) -> int:
+    """One layer's retained bytes for one micro-batch (the recompute blocks' streams not included);
+    ``moe``: the layer's MLP is the MoE one."""
+    c, f = config.hidden_size, config.ffn_hidden_size
     n = config.num_residual_streams if config.enable_hyper_connections else 1
-    t, spd = seq * mbs, tp if sp else 1
+    t, tp, spd = split.tokens, split.tp, split.spd
     if policy == "full":
         return t * n * c * e // spd
-    rope = 4 * seq * d * e if config.position_embedding_type == "rope" else 0
-    attention = e * (2 * t * a * d // tp + 3 * mbs * (a // tp) * seq * seq + t * d * (a + 2 * g) // tp
-                     + t * a * d // tp) + rope
+    attention = attention_bytes(config, split, e)
     streams = 0
     if config.enable_hyper_connections and policy != "mhc_block":
         mappings = 1 + 2 * n + n * n + (n * n + 2 * n)
         streams = e * 2 * t * (2 * n * c + mappings) // spd
-    mlp = e * (4 if config.gated_linear_unit else 2) * t * f // tp  # kept where the MLP is not recomputed
+    # kept where the MLP is not recomputed
+    mlp = moe_bytes(config, split, e) if moe else e * (4 if config.gated_linear_unit else 2) * t * f // tp
     if policy == "none":
         return attention + streams + e * (2 * t + 8 * t * c) // spd + mlp
     if policy == "selective":
@@ -83,17 +185,17 @@ def layer_bytes(config: Any, policy: str, tp: int, sp: bool, seq: int, mbs: int,
     return attention + e * 2 * t * c // spd + mlp  # mhc_block
 
 
-def chunk_bytes(config: Any, policy: str, layer_num: int | None, tp: int, sp: bool, seq: int, mbs: int, e: int,
-                chunk: ChunkShape) -> int:
+def chunk_bytes(config: Any, policy: str, layer_num: int | None, split: Split, e: int, chunk: ChunkShape) -> int:
     """One micro-batch's retained bytes on one model chunk: its layers, its recompute blocks' streams,
     the embedding's and the loss's tensors where it holds them."""
-    c, t, spd = config.hidden_size, seq * mbs, tp if sp else 1
+    c, t, spd, tp = config.hidden_size, split.tokens, split.spd, split.tp
     n = config.num_residual_streams if config.enable_hyper_connections else 1
-    total = chunk.layers * layer_bytes(config, policy, tp, sp, seq, mbs, e)
+    total = sum(layer_bytes(config, policy, split, e, is_moe_layer(config, number + 1))
+                for number in range(chunk.start, chunk.start + chunk.layers))
     if policy == "mhc_block" and chunk.layers:
         total += len(block_ranges(chunk.layers, n, layer_num)) * e * 2 * t * n * c // spd
     if policy == "full" and chunk.layers and config.position_embedding_type == "rope":
-        total += seq * config.kv_channels * e  # the rotary table every layer's checkpoint saves, once
+        total += split.seq // split.cp * config.kv_channels * e  # the rotary table every layer's checkpoint saves, once
     if chunk.first:  # the embedding's output (the token ids are the whole batch's: stage_extra_bytes)
         total += e * t * c // spd
     if chunk.last:
@@ -137,15 +239,16 @@ def in_flight_peak(unit_bytes: list[int], p: int, rank: int, m: int, group: int 
     return best
 
 
-def stage_extra_bytes(config: Any, tp: int, sp: bool, seq: int, mbs: int, m: int, e: int, first: bool, last: bool,
-                      interleaved: bool) -> int:
+def stage_extra_bytes(config: Any, split: Split, m: int, e: int, first: bool, last: bool, interleaved: bool) -> int:
     """What a stage holds once, whatever the micro-batches in flight: the step's token ids on the
     first stage and labels on the last (int64; micro-batches are views of the step's batch, one
-    storage), and under the interleaved schedule the next chunk's input, received before its forward."""
+    storage), and under the interleaved schedule the next chunk's input, received before its forward.
+    Under CP a rank keeps each micro-batch's shard of them instead (copies): counted as the step's,
+    a few hundred bytes over in the grid."""
     n = config.num_residual_streams if config.enable_hyper_connections else 1
-    extra = 8 * m * seq * mbs * (int(first) + int(last))
+    extra = 8 * m * split.seq * split.mbs * (int(first) + int(last))
     if interleaved:
-        extra += e * seq * mbs * n * config.hidden_size // (tp if sp else 1)
+        extra += e * split.tokens * n * config.hidden_size // split.spd
     return extra
 
 
@@ -158,7 +261,8 @@ def plan_activations(config: Any, layout: Any, policy: str | RecomputePolicy, *,
     policy = RecomputePolicy.of(policy)
     check_activation_plan(config, layout, policy)
     layer_num, policy = policy.layer_num, policy.name
-    tp, sp = layout.tensor_model_parallel_size, layout.sequence_parallel
+    split = Split(seq_length, micro_batch_size, layout.tensor_model_parallel_size, layout.sequence_parallel,
+                  layout.context_parallel_size, layout.expert_model_parallel_size)
     p = layout.pipeline_model_parallel_size
     v = layout.num_virtual_stages // p
     ranges = partition_layers(config.num_layers, p * v, first_stage_layers, last_stage_layers)
@@ -167,11 +271,10 @@ def plan_activations(config: Any, layout: Any, policy: str | RecomputePolicy, *,
         units = []
         for c in range(v):
             virtual = c * p + rank
-            chunk = ChunkShape(ranges[virtual][1] - ranges[virtual][0], virtual == 0, virtual == p * v - 1)
-            units.append(chunk_bytes(config, policy, layer_num, tp, sp, seq_length, micro_batch_size, element_bytes,
-                                     chunk))
+            start, end = ranges[virtual]
+            chunk = ChunkShape(end - start, start, virtual == 0, virtual == p * v - 1)
+            units.append(chunk_bytes(config, policy, layer_num, split, element_bytes, chunk))
         held_bytes, held = in_flight_peak(units, p, rank, num_microbatches)
-        held_bytes += stage_extra_bytes(config, tp, sp, seq_length, micro_batch_size, num_microbatches, element_bytes,
-                                        rank == 0, rank == p - 1, v > 1)
+        held_bytes += stage_extra_bytes(config, split, num_microbatches, element_bytes, rank == 0, rank == p - 1, v > 1)
         out.append((held_bytes, held))
     return out
