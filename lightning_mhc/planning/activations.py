@@ -35,6 +35,10 @@ from lightning_mhc.model.sizes import partition_layers
 from lightning_mhc.recompute.groups import block_ranges
 from lightning_mhc.recompute.policy import DEFAULT_MODULES, RecomputePolicy
 
+FP32 = 4
+"""What the model computes in fp32 whatever its weights' dtype: the norms' statistics and normalised
+input, the hyper-connections' mappings and projection, the attention's scores, the logits of the loss."""
+
 
 @dataclass(frozen=True)
 class ChunkShape:
@@ -61,23 +65,37 @@ def check_activation_plan(config: Any, layout: Any, policy: RecomputePolicy) -> 
 
 
 def layer_bytes(config: Any, policy: str, tp: int, sp: bool, seq: int, mbs: int, e: int) -> int:
-    """One layer's retained bytes for one micro-batch (the recompute blocks' streams not included)."""
+    """One layer's retained bytes for one micro-batch (the recompute blocks' streams not included).
+    ``e``: an activation's bytes (the weights' dtype); what the model computes in fp32 whatever the
+    weights (:data:`FP32`) is counted at 4 bytes: in fp32 both are 4 and the terms merge."""
     c, a, d = config.hidden_size, config.num_attention_heads, config.kv_channels
     g, f = config.num_query_groups or a, config.ffn_hidden_size
     n = config.num_residual_streams if config.enable_hyper_connections else 1
     t, spd = seq * mbs, tp if sp else 1
+    low = e < FP32  # bf16 weights: fp32 copies appear where the model computes in fp32
     if policy == "full":
         return t * n * c * e // spd
     rope = 4 * seq * d * e if config.position_embedding_type == "rope" else 0
-    attention = e * (2 * t * a * d // tp + 3 * mbs * (a // tp) * seq * seq + t * d * (a + 2 * g) // tp
-                     + t * a * d // tp) + rope
+    scores = 3 * mbs * (a // tp) * seq * seq  # the scores, their softmax and its input: fp32 in either
+    if low:  # CPU's math attention runs bf16 in fp32: it keeps fp32 copies of Q, K and V, not the QKV output
+        attention = FP32 * (scores + 3 * t * a * d // tp) + e * t * a * d // tp + rope
+    else:
+        attention = e * (2 * t * a * d // tp + scores + t * d * (a + 2 * g) // tp + t * a * d // tp) + rope
     streams = 0
     if config.enable_hyper_connections and policy != "mhc_block":
-        mappings = 1 + 2 * n + n * n + (n * n + 2 * n)
-        streams = e * 2 * t * (2 * n * c + mappings) // spd
+        # per sub-layer: the stream twice and H_res (as the stream's dtype) in e; 1/rms, H_pre,
+        # H_post and the projection x phi in fp32; under bf16 also H_post as the stream's dtype and
+        # the fp32 copies of phi, alpha and the bias the fused op takes
+        streams = 2 * (t * (e * (2 * n * c + n * n) + FP32 * (1 + 2 * n + n * n + 2 * n)) // spd)
+        if low:
+            m = n * n + 2 * n
+            streams += 2 * (e * t * n // spd + FP32 * (n * c * m + m + 3))
     mlp = e * (4 if config.gated_linear_unit else 2) * t * f // tp  # kept where the MLP is not recomputed
     if policy == "none":
-        return attention + streams + e * (2 * t + 8 * t * c) // spd + mlp
+        # per norm its fp32 statistics (T) and normalised input (T h) and, under bf16, its weight's
+        # fp32 copy (h); six more T h in e (the norms' inputs and outputs, the residual adds)
+        norms = 2 * (FP32 * (t + t * c) // spd + (FP32 * c if low else 0))
+        return attention + streams + norms + e * 6 * t * c // spd + mlp
     if policy == "selective":
         return attention + streams + e * 4 * t * c // spd
     return attention + e * 2 * t * c // spd + mlp  # mhc_block
@@ -93,13 +111,15 @@ def chunk_bytes(config: Any, policy: str, layer_num: int | None, tp: int, sp: bo
     if policy == "mhc_block" and chunk.layers:
         total += len(block_ranges(chunk.layers, n, layer_num)) * e * 2 * t * n * c // spd
     if policy == "full" and chunk.layers and config.position_embedding_type == "rope":
-        total += seq * config.kv_channels * e  # the rotary table every layer's checkpoint saves, once
+        total += seq * config.kv_channels * FP32  # the rotary angles (fp32) every layer's checkpoint saves, once
     if chunk.first:  # the embedding's output (the token ids are the whole batch's: stage_extra_bytes)
         total += e * t * c // spd
     if chunk.last:
         vocab = config.padded_vocab_size
-        # the final norm's input, output and statistics, the logits, the loss's mask
-        total += e * (t // spd + 3 * t * c // spd + t * vocab // tp) + t + vocab // tp
+        # the final norm's input and output (e), its statistics and normalised input (fp32, and its
+        # weight's fp32 copy under bf16), the logits (fp32 for the loss), the loss's mask
+        total += e * 2 * t * c // spd + FP32 * ((t + t * c) // spd + t * vocab // tp) + t + vocab // tp
+        total += FP32 * c if e < FP32 else 0
     else:
         total += e  # the sent output, which the schedule keeps shrunk to one element
     return total
