@@ -91,7 +91,7 @@ def _gpt_terms(cfg, layout, num_microbatches: int, param_bytes: int):
     config = cfg.gpt_sizes()
     stages = plan_gpt(config, layout, param_bytes=param_bytes,
                       distributed_optimizer=cfg.optim.use_distributed_optimizer)
-    try:  # activations in the parameters' dtype (checked against runs in fp32)
+    try:  # activations in the parameters' dtype, what stays fp32 in fp32 (checked in fp32 and bf16-true)
         activations = [a for a, _ in plan_activations(
             config, layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
             micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes)]

@@ -21,9 +21,12 @@ with ``T = s b`` tokens of a micro-batch, ``e`` bytes an element, ``n`` streams 
   each recompute block's stream (``2 T n h`` per block);
 - ``full``: each layer's input stream ``T n h``.
 
+Each in ``e`` bytes, the weights' dtype, but what the model computes in fp32 whatever the weights
+(:data:`FP32`), and under bf16 the fp32 copies a forward keeps (the fused hyper-connection's
+parameters, the norms' weights, the CPU math attention's Q, K and V).
 Checked against the runtime's measurement (``measure_activation_memory``, the CLI's
-``activation_bytes``) in tests/test_planner_activations.py. Not covered: CP, MoE layers (refused by
-:func:`check_activation_plan`); bf16 is counted as fp32 with 2-byte elements, unchecked.
+``activation_bytes``) in tests/test_planner_activations.py, in fp32 and under ``bf16-true``. Not
+covered: CP, MoE layers (refused by :func:`check_activation_plan`).
 """
 from __future__ import annotations
 

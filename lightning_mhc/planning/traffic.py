@@ -30,8 +30,9 @@ Per micro-batch, with ``T`` tokens on a rank (``micro_batch_size x seq_length / 
   gradient summed between the first and the last stage; the loss broadcast from the last stage.
 - DP (x CP, > 1): the gradients all-reduced (the experts' over the expert-data ranks), the loss
   all-reduced on the last stage; ZeRO-1 (or bf16 weights): per bucket of the runtime's (25 MiB of
-  parameters, the tied embedding alone, padded to a multiple of the ranks) a reduce-scatter of the
-  fp32 gradients and an all-gather of this rank's range of the updated weights, plus one int32 flag
+  parameters, the tied embedding alone, padded to a multiple of the ranks: ``memory.held_buckets``)
+  a reduce-scatter of the fp32 gradients and an all-gather of this rank's range of the updated
+  weights (in their dtype: bf16 under ``bf16-true``), plus one int32 flag
   per parameter tensor all-reduced (which got a gradient).
 - CP (> 1): per layer the stacked K and V all-gathered forward (``2 T g d e / tp``) and their
   gradient reduce-scattered backward (``cp`` times that); the loss's token count all-reduced.
