@@ -8,9 +8,11 @@ import torch
 
 
 def gpt_on_runtime(layout: Any, num_microbatches: int, model: dict[str, Any], policy: str = "none",
-                   **settings: Any) -> tuple[Any, Any]:
+                   precision: str = "32-true", **settings: Any) -> tuple[Any, Any]:
     """``(runtime, module)``: ``layout`` built over the group, the module's stage made on it (seeded),
-    its recompute policy attached; ``settings``: more :class:`ParallelSettings` fields."""
+    its recompute policy attached, converted to ``precision`` as the Trainer's plugin converts it;
+    ``settings``: more :class:`ParallelSettings` fields."""
+    from lightning_mhc.testing.precision import lightning_precision
     from lightning_mhc.lightning.modules.gpt import MHCGPTModule
     from lightning_mhc.recompute.policy import attach_recompute
     from lightning_mhc.strategies.runtime import ParallelRuntime
@@ -23,13 +25,28 @@ def gpt_on_runtime(layout: Any, num_microbatches: int, model: dict[str, Any], po
     torch.manual_seed(0)
     module.configure_model()
     attach_recompute(module)
+    lightning_precision(precision).convert_module(module)
     return runtime, module
 
 
+def train_schedule(runtime: Any, module: Any, batch: dict[str, torch.Tensor], precision: str = "32-true",
+                   where: str = "planner grid") -> None:
+    """One training step's forwards and backwards through the runtime's schedule as Lightning runs
+    them under ``precision``: the batch converted by the plugin (``bf16-true``: the loss mask bf16),
+    the schedule in its ``train_step_context``."""
+    from lightning_mhc.testing.precision import lightning_precision
+
+    plugin = lightning_precision(precision)
+    with plugin.train_step_context():
+        runtime.run_schedule(module, plugin.convert_input(batch), forward_only=False, accumulate=1, where=where)
+
+
 def hf_on_runtime(layout: Any, num_microbatches: int, recorded: Any, policy: str = "none",
-                  hyper_connections: int | None = None, **settings: Any) -> tuple[Any, Any]:
+                  hyper_connections: int | None = None, precision: str = "32-true", **settings: Any) -> tuple[Any, Any]:
     """``(runtime, module)`` for a Hugging Face model recorded on the meta device: ``layout`` built
-    over the group, the model split by ``parallelize`` with ``policy`` (seeded) in a ``ParallelLMModule``."""
+    over the group, the model split by ``parallelize`` with ``policy`` (seeded) in a ``ParallelLMModule``,
+    converted to ``precision`` as the Trainer's plugin converts it."""
+    from lightning_mhc.testing.precision import lightning_precision
     from lightning_mhc.lightning.modules.parallel_lm import ParallelLMModule
     from lightning_mhc.strategies.runtime import ParallelRuntime
     from lightning_mhc.strategies.settings import ParallelSettings
@@ -39,4 +56,4 @@ def hf_on_runtime(layout: Any, num_microbatches: int, recorded: Any, policy: str
     module = ParallelLMModule()
     module.handed_layout = runtime.layout
     module.model = module.parallelize(recorded, "auto", recompute=policy, hyper_connections=hyper_connections)
-    return runtime, module.train()
+    return runtime, lightning_precision(precision).convert_module(module.train())

@@ -27,6 +27,13 @@ CASES = [(TINY, 1, 1, 1, 1), (TINY, 2, 1, 1, 1), (TINY, 2, 2, 1, 1), (TINY, 1, 4
 ZERO1_CASES = [(TINY, 1, 1, 1, 1, 25 * 2**20), (TINY, 2, 1, 1, 1, 25 * 2**20), (TINY, 1, 2, 1, 1, 100_000),
                (MOE, 1, 1, 1, 2, 25 * 2**20), (dict(VARIED_MOE, share_embeddings_and_output_weights=False),
                                                1, 2, 1, 2, 30_000)]
+# bf16-true (model, TP, PP, VP, EP, bucket bytes, ZeRO-1): the weights bf16 (the hyper-connections' and the
+# router's too, cast by Lightning's plugin), stepped on fp32 main weights, gradients in fp32 buckets. Without
+# ZeRO-1: DP 4, TP 2 x PP 2, an MoE model on PP 2 x EP 2; with it: DP 4, PP 2 x DP 2 with several buckets a
+# stage (the tied output's copy alone), an MoE model on EP 2 x DP 4 with small buckets
+BF16_CASES = [(TINY, 1, 1, 1, 1, 25 * 2**20, False), (TINY, 2, 2, 1, 1, 25 * 2**20, False),
+              (MOE, 1, 2, 1, 2, 25 * 2**20, False), (TINY, 1, 1, 1, 1, 25 * 2**20, True),
+              (TINY, 1, 2, 1, 1, 100_000, True), (MOE, 1, 1, 1, 2, 30_000, True)]
 
 
 def _layout(world, tp, pp, vp, ep):
@@ -59,20 +66,25 @@ def _measure(rank, world):
                     sum(p.grad.numel() * p.grad.element_size() for p in params),
                     optimizer_state_bytes(optim)))
         parallel_state.destroy_model_parallel()
-    return out + [_measure_zero1(*case, world) for case in ZERO1_CASES]
+    return out + [_measure_zero1(*case, world) for case in ZERO1_CASES] \
+        + [_measure_zero1(*case[:6], world, precision="bf16-true", shard=case[6]) for case in BF16_CASES]
 
 
-def _measure_zero1(model, tp, pp, vp, ep, bucket_bytes, world):
-    """This rank's ZeRO-1 row (``testing.zero1``)."""
+def _measure_zero1(model, tp, pp, vp, ep, bucket_bytes, world, precision="32-true", shard=True):
+    """This rank's row (``testing.zero1``) once the distributed optimizer took over, the chunks in
+    ``precision`` as the Trainer's plugin converts them."""
     from megatron.core import parallel_state
 
     from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
     from lightning_mhc.model.stages import build_gpt_chunks
+    from lightning_mhc.testing.precision import lightning_precision
     from lightning_mhc.testing.zero1 import zero1_state_row
 
     layout = _layout(world, tp, pp, vp, ep).build()
-    chunks = build_gpt_chunks(with_parallel_layout(MHCTransformerConfig(**model), layout), layout)
-    row = zero1_state_row(chunks, layout, bucket_bytes)
+    plugin = lightning_precision(precision)
+    chunks = [plugin.convert_module(c) for c in build_gpt_chunks(with_parallel_layout(MHCTransformerConfig(**model),
+                                                                                      layout), layout)]
+    row = zero1_state_row(chunks, layout, bucket_bytes, shard=shard)
     parallel_state.destroy_model_parallel()
     return row
 
@@ -108,6 +120,21 @@ def test_zero1_optimizer_bytes_per_rank_exact(measured):
         planned = plan_gpt(MHCTransformerConfig(**model), _layout(4, tp, pp, vp, ep), distributed_optimizer=True,
                            bucket_bytes=bucket_bytes)
         check_zero1_rows(planned, [r[len(CASES) + i] for r in measured], ZERO1_CASES[i])
+
+
+def test_bf16_true_model_states_per_rank_exact(measured):
+    """Under ``bf16-true`` (with and without ZeRO-1) every rank's parameter bytes (every parameter bf16,
+    the hyper-connections' and the router's too), fp32 gradient buffers and AdamW state with its fp32
+    main weights equal the planner's for its stage and DP x CP index."""
+    from lightning_mhc.model.config import MHCTransformerConfig
+    from lightning_mhc.planning import plan_gpt
+    from lightning_mhc.testing.zero1 import check_zero1_rows
+
+    first = len(CASES) + len(ZERO1_CASES)
+    for i, (model, tp, pp, vp, ep, bucket_bytes, zero1) in enumerate(BF16_CASES):
+        planned = plan_gpt(MHCTransformerConfig(**model), _layout(4, tp, pp, vp, ep), param_bytes=2,
+                           distributed_optimizer=zero1, bucket_bytes=bucket_bytes)
+        check_zero1_rows(planned, [r[first + i] for r in measured], BF16_CASES[i][1:])
 
 
 def test_plan_starts_no_process_group(tmp_path, monkeypatch, capsys):

@@ -50,6 +50,9 @@ ACTIVATION_CASES = [("llama", None, "none", 1, 1, 2), ("llama", None, "selective
                     ("mixtral", None, "none", 2, 1, 4), ("mixtral", 4, "mhc_block", 1, 1, 2),
                     ("mixtral", None, "selective", 1, 1, 2),
                     ("deepseek_v4", None, "none", 2, 1, 4), ("deepseek_v4", None, "mhc_block", 1, 1, 1)]
+# the same under bf16-true: the model cast whole by Lightning's plugin, traced in bf16 (not the fp32 trace halved)
+BF16_ACTIVATION_CASES = [("llama", 4, "none", 2, 1, 4), ("llama", None, "selective", 2, 1, 4),
+                         ("qwen2", 2, "mhc_block", 1, 1, 2)]
 SEQ, MICRO_BATCH, TOLERANCE = 32, 2, 0.05
 CASES = [c for c in CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
 ZERO1_CASES = [c for c in ZERO1_CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
@@ -90,19 +93,20 @@ def _measure(rank, world):
                     sum(p.grad.numel() * p.grad.element_size() for p in trained), optimizer_state_bytes(optim)))
         destroy_parallel()
     out += [_measure_zero1(*case) for case in ZERO1_CASES]
-    return out + [_measure_activations(*case) for case in ACTIVATION_CASES]
+    return out + [_measure_activations(*case) for case in ACTIVATION_CASES] \
+        + [_measure_activations(*case, precision="bf16-true") for case in BF16_ACTIVATION_CASES]
 
 
-def _measure_activations(family, streams, policy, pp, vp, m):
+def _measure_activations(family, streams, policy, pp, vp, m, precision="32-true"):
     """The runtime's ``activation_bytes`` (max over ranks) of one training step through its schedule."""
     from lightning_mhc.distributed.layout import destroy_parallel
-    from planner_runtime import hf_on_runtime
+    from planner_runtime import hf_on_runtime, train_schedule
 
-    runtime, module = hf_on_runtime(_layout(1, pp, vp, 1), m, _recorded(family), policy, streams,
+    runtime, module = hf_on_runtime(_layout(1, pp, vp, 1), m, _recorded(family), policy, streams, precision,
                                     measure_activation_memory=True)
     tokens = torch.randint(0, _COMMON["vocab_size"], (MICRO_BATCH * m, SEQ + 1))
     batch = dict(input_ids=tokens[:, :-1].clone(), labels=tokens[:, 1:].clone())
-    runtime.run_schedule(module, batch, forward_only=False, accumulate=1, where="planner grid")
+    train_schedule(runtime, module, batch, precision)
     destroy_parallel()
     return runtime.activation_bytes
 
@@ -157,13 +161,15 @@ def test_hf_activation_bytes_within_5_percent(measured):
     from lightning_mhc.planning import plan_hf_activations
 
     misses = []
-    for i, (family, streams, policy, pp, vp, m) in enumerate(ACTIVATION_CASES):
+    cases = [(case, None) for case in ACTIVATION_CASES] + [(case, torch.bfloat16) for case in BF16_ACTIVATION_CASES]
+    for i, ((family, streams, policy, pp, vp, m), dtype) in enumerate(cases):
         got = measured[0][len(CASES) + len(ZERO1_CASES) + i]
         want = max(b for b, _ in plan_hf_activations(lambda: _recorded(family), _layout(1, pp, vp, 1), seq_length=SEQ,
                                                      micro_batch_size=MICRO_BATCH, num_microbatches=m,
-                                                     hyper_connections=streams, recompute=policy))
+                                                     hyper_connections=streams, recompute=policy, dtype=dtype))
+        print(f"{cases[i]}: measured {got}, planned {want} ({(want - got) / got:+.2%})")
         if abs(want - got) > TOLERANCE * got:
-            misses.append((ACTIVATION_CASES[i], got, want, f"{(want - got) / got:+.1%}"))
+            misses.append((cases[i], got, want, f"{(want - got) / got:+.1%}"))
     assert not misses, misses
 
 
@@ -236,6 +242,16 @@ def test_plan_cli_plans_a_hugging_face_model(llama_dir, tmp_path, monkeypatch, c
     assert [s["activation_bytes"] for s in asked["stages"]] == [a for a, _ in traced]
     assert asked["total_bytes"] == max(s.total + a for s, (a, _) in zip(states, traced))
     assert "model states and retained activations" in capsys.readouterr().out
+    # bf16-true: bf16 weights and the trace in bf16 (checked against bf16 runs above), not the fp32 one
+    # halved; torch's default dtype, which the trace sets to bf16, is the process's again afterwards
+    asked = plan(_hf_args(llama_dir, "parallel=pp2", "trainer.devices=4", "trainer.precision=bf16-true",
+                          "data.global_batch_size=8", "data.micro_batch_size=2", "data.seq_length=32"))[0]
+    assert torch.get_default_dtype() == torch.float32
+    states = plan_hf(_recorded("llama"), layout, hyper_connections=4, param_bytes=2)
+    traced = plan_hf_activations(lambda: _recorded("llama"), layout, seq_length=32, micro_batch_size=2,
+                                 num_microbatches=2, hyper_connections=4, dtype=torch.bfloat16)
+    assert [(s["parameter_bytes"], s["activation_bytes"]) for s in asked["stages"]] == \
+        [(w.parameter_bytes, a) for w, (a, _) in zip(states, traced)]
 
 
 def test_train_plans_and_refuses_a_hugging_face_layout(llama_dir, tmp_path, monkeypatch, capsys):

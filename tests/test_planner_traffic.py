@@ -25,11 +25,25 @@ GRID = {
     "cp2": (1, False, 1, 1, 2, 1, 1, False, False, "full"),
     "ep2": (1, False, 1, 1, 1, 2, 1, False, True, "none"),
     "zero1": (1, False, 1, 1, 1, 1, 1, True, False, "none"),
+    "bf16_tp2pp2sp": (2, True, 2, 1, 1, 1, 4, False, False, "none"),
+    "bf16_dp4": (1, False, 1, 1, 1, 1, 1, False, False, "none"),
+    "bf16_zero1": (1, False, 1, 1, 1, 1, 1, True, False, "none"),
+    "bf16_pp2_zero1": (1, False, 2, 1, 1, 1, 4, True, False, "mhc_block"),
 }
+BF16 = {name for name in GRID if name.startswith("bf16_")}
+"""Run in ``bf16-true``: activations sent in bf16, the weights (all bf16) stepped on fp32 main weights by
+the distributed optimizer (gradients reduced in fp32 buckets, all-reduced without ZeRO-1), ZeRO-1's
+all-gather in bf16."""
 
-OVERRIDES = {"zero1": dict(num_layers=3)}
+OVERRIDES = {"zero1": dict(num_layers=3), "bf16_zero1": dict(num_layers=3),
+             "bf16_pp2_zero1": dict(share_embeddings_and_output_weights=False)}
 """ZeRO-1 on 3 layers: its dense bucket (beside the embedding's) does not divide by the 4 ranks, so
-the padding of each reduce-scatter and all-gather is checked too."""
+the padding of each reduce-scatter and all-gather is checked too. ZeRO-1 across stages: untied (a tied
+embedding across stages is not counted yet)."""
+
+
+def _precision(name):
+    return "bf16-true" if name in BF16 else "32-true"
 
 
 def _asked(world, name):
@@ -65,18 +79,19 @@ def _measure(rank, world):
 
     from lightning_mhc.distributed.layout import destroy_parallel
     from lightning_mhc.testing.collectives import CollectiveCounter
-    from planner_runtime import gpt_on_runtime
+    from planner_runtime import gpt_on_runtime, train_schedule
 
     out = []
     for name, (*_, m, zero1, _moe, policy) in GRID.items():
-        runtime, module = gpt_on_runtime(_asked(world, name), m, _model(name), policy, use_distributed_optimizer=zero1)
+        runtime, module = gpt_on_runtime(_asked(world, name), m, _model(name), policy, _precision(name),
+                                         use_distributed_optimizer=zero1)
         optimizer = torch.optim.AdamW(module.parameters())
         runtime.take_over_optimizers(module, [optimizer])
         torch.manual_seed(1 + rank)
         tokens = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH * m, SEQ + 1))
         batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(MICRO_BATCH * m, SEQ))
         with CollectiveCounter(_dimension_of(runtime.layout)) as counted:
-            runtime.run_schedule(module, batch, forward_only=False, accumulate=1, where="traffic grid")
+            train_schedule(runtime, module, batch, _precision(name), where="traffic grid")
             runtime.reduce_gradients(module)
             optimizer.step()
             runtime.finish_step()
@@ -98,8 +113,9 @@ def planned(name):
     *_, m, zero1, _moe, policy = GRID[name]
     layout = _asked(4, name)
     config = with_parallel_layout(MHCTransformerConfig(**_model(name)), layout)
+    e = 2 if name in BF16 else 4  # the CLI's: activations and weights in the parameters' dtype
     return plan_traffic(config, layout, policy, seq_length=SEQ, micro_batch_size=MICRO_BATCH, num_microbatches=m,
-                        distributed_optimizer=zero1)
+                        element_bytes=e, param_bytes=e, distributed_optimizer=zero1)
 
 
 def test_traffic_per_rank_exact(measured):

@@ -91,7 +91,7 @@ def _gpt_terms(cfg, layout, num_microbatches: int, param_bytes: int):
     config = cfg.gpt_sizes()
     stages = plan_gpt(config, layout, param_bytes=param_bytes,
                       distributed_optimizer=cfg.optim.use_distributed_optimizer)
-    try:  # activations in the parameters' dtype (checked against runs in fp32)
+    try:  # activations in the parameters' dtype, what stays fp32 in fp32 (checked in fp32 and bf16-true)
         activations = [a for a, _ in plan_activations(
             config, layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
             micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes)]
@@ -124,10 +124,13 @@ def _hf_terms(cfg, layout, num_microbatches: int, param_bytes: int):
                          distributed_optimizer=cfg.optim.use_distributed_optimizer, **parallelize_args)
     except ConfigError as error:
         raise error.within(m.hf_key) from None
-    try:  # traced in fp32 (the recorded model's dtype, checked against runs); bf16's half of it unchecked
-        activations = [a * param_bytes // 4 for a, _ in plan_hf_activations(
+    try:  # traced in the run's dtype (bf16-true: the model cast whole, as Lightning's plugin casts it)
+        import torch
+
+        activations = [a for a, _ in plan_hf_activations(
             lambda: recorded_hf_model(m.hf_dir), layout, seq_length=cfg.data.seq_length,
-            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, **parallelize_args)]
+            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches,
+            dtype=torch.bfloat16 if param_bytes == 2 else None, **parallelize_args)]
         not_counted = None
     except ConfigError as error:  # what the trace does not cover: the model states alone
         activations, not_counted = [0] * len(stages), str(error)

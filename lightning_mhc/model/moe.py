@@ -107,7 +107,9 @@ class TopKRouter(torch.nn.Module):
             self.local_tokens_per_expert = None
 
     def logits(self, tokens: Tensor) -> Tensor:
-        return F.linear(tokens.float(), self.weight)
+        # in fp32 whatever the weights: under bf16-true Lightning's plugin casts this weight to
+        # bf16 with the rest of the model (the product then failed on mixed dtypes)
+        return F.linear(tokens.float(), self.weight.float())
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """``(probs, experts)``, both ``[tokens, topk]``: the chosen experts and their weights."""

@@ -25,11 +25,14 @@ on a rank, ``e`` bytes an element, ``n`` streams of width ``h``:
   recomputed, so only each recompute block's stream (``2 T n h`` per block);
 - ``full``: each layer's input stream ``T n h``.
 
+Each in ``e`` bytes, the weights' dtype, but what the model computes in fp32 whatever the weights
+(:data:`FP32`), and under bf16 the fp32 copies a forward keeps (the fused hyper-connection's
+parameters, the norms' weights, the CPU math attention's Q, K and V).
 Checked against the runtime's measurement (``measure_activation_memory``, the CLI's
-``activation_bytes``) in tests/test_planner_activations.py. Not covered: an expert capacity (which
-tokens it drops is the routing's; refused by :func:`check_activation_plan`); the experts' rows
-are counted as if routing were balanced over the EP ranks; bf16 is counted as fp32 with 2-byte
-elements, unchecked.
+``activation_bytes``) in tests/test_planner_activations.py, in fp32 and under ``bf16-true``. Not
+covered: an expert capacity (which tokens it drops is the routing's; refused by
+:func:`check_activation_plan`); the experts' rows are counted as if routing were balanced over the
+EP ranks.
 """
 from __future__ import annotations
 
@@ -40,6 +43,10 @@ from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.sizes import is_moe_layer, partition_layers
 from lightning_mhc.recompute.groups import block_ranges
 from lightning_mhc.recompute.policy import DEFAULT_MODULES, RecomputePolicy
+
+FP32 = 4
+"""What the model computes in fp32 whatever its weights' dtype: the norms' statistics and normalised
+input, the hyper-connections' mappings and projection, the attention's scores, the logits of the loss."""
 
 
 @dataclass(frozen=True)
@@ -102,17 +109,24 @@ def attention_bytes(config: Any, split: Split, e: int) -> int:
     g = (config.num_query_groups or config.num_attention_heads) // split.tp
     t, b, s, cp = split.tokens, split.mbs, split.seq, split.cp
     rope = 4 * (s // cp) * d * e if config.position_embedding_type == "rope" else 0
+    low = e < FP32  # bf16: the CPU's math attention runs in fp32 on fp32 copies of Q, K and V
     if cp == 1:
+        scores = FP32 * 3 * b * a * s * s  # the scores, their softmax and its input: fp32 in either
+        if low:  # the copies of Q, K and V (not the QKV output) and the context
+            return rope + scores + FP32 * 3 * t * a * d + e * t * a * d
         # V as SDPA keeps it: a view of the fused QKV output (that whole output), or its repeat
         # over the query heads under grouped queries (a new tensor; the QKV output then is not kept)
         values = t * d * (a + 2 * g) if g == a else t * a * d
-        return rope + e * (t * a * d + 2 * t * a * d + 3 * b * a * s * s + values)
+        return rope + scores + e * (t * a * d + 2 * t * a * d + values)
     chunk = s // (2 * cp)
     keys = chunk * (2 * cp + 1)  # both chunks' causal prefixes together, per sample and head
+    scores = FP32 * 3 * b * a * chunk * keys
+    if low:  # fp32 copies of the scaled Q, each chunk's K and V prefixes; the context
+        return rope + scores + FP32 * (t * a * d + 2 * b * a * keys * d) + e * t * a * d
     # V: views of the one gathered K/V (the whole sequence's), or each chunk's prefix repeated
     # over the query heads under grouped queries
     values = 2 * b * g * s * d if g == a else b * a * keys * d
-    return rope + e * (2 * t * a * d + b * a * keys * d + 3 * b * a * chunk * keys + values)
+    return rope + scores + e * (2 * t * a * d + b * a * keys * d + values)
 
 
 ROUTER_BYTES = 4
@@ -169,17 +183,26 @@ def layer_bytes(config: Any, policy: str, split: Split, e: int, moe: bool = Fals
     c, f = config.hidden_size, config.ffn_hidden_size
     n = config.num_residual_streams if config.enable_hyper_connections else 1
     t, tp, spd = split.tokens, split.tp, split.spd
+    low = e < FP32  # bf16 weights: fp32 copies appear where the model computes in fp32
     if policy == "full":
         return t * n * c * e // spd
     attention = attention_bytes(config, split, e)
     streams = 0
     if config.enable_hyper_connections and policy != "mhc_block":
-        mappings = 1 + 2 * n + n * n + (n * n + 2 * n)
-        streams = e * 2 * t * (2 * n * c + mappings) // spd
+        # per sub-layer: the stream twice and H_res (as the stream's dtype) in e; 1/rms, H_pre,
+        # H_post and the projection x phi in fp32; under bf16 also H_post as the stream's dtype and
+        # the fp32 copies of phi, alpha and the bias the fused op takes
+        streams = 2 * (t * (e * (2 * n * c + n * n) + FP32 * (1 + 2 * n + n * n + 2 * n)) // spd)
+        if low:
+            m = n * n + 2 * n
+            streams += 2 * (e * t * n // spd + FP32 * (n * c * m + m + 3))
     # kept where the MLP is not recomputed
     mlp = moe_bytes(config, split, e) if moe else e * (4 if config.gated_linear_unit else 2) * t * f // tp
     if policy == "none":
-        return attention + streams + e * (2 * t + 8 * t * c) // spd + mlp
+        # per norm its fp32 statistics (T) and normalised input (T h) and, under bf16, its weight's
+        # fp32 copy (h); six more T h in e (the norms' inputs and outputs, the residual adds)
+        norms = 2 * (FP32 * (t + t * c) // spd + (FP32 * c if low else 0))
+        return attention + streams + norms + e * 6 * t * c // spd + mlp
     if policy == "selective":
         return attention + streams + e * 4 * t * c // spd
     return attention + e * 2 * t * c // spd + mlp  # mhc_block
@@ -195,13 +218,16 @@ def chunk_bytes(config: Any, policy: str, layer_num: int | None, split: Split, e
     if policy == "mhc_block" and chunk.layers:
         total += len(block_ranges(chunk.layers, n, layer_num)) * e * 2 * t * n * c // spd
     if policy == "full" and chunk.layers and config.position_embedding_type == "rope":
-        total += split.seq // split.cp * config.kv_channels * e  # the rotary table every layer's checkpoint saves, once
+        # the rotary angles (fp32) every layer's checkpoint saves, once
+        total += split.seq // split.cp * config.kv_channels * FP32
     if chunk.first:  # the embedding's output (the token ids are the whole batch's: stage_extra_bytes)
         total += e * t * c // spd
     if chunk.last:
         vocab = config.padded_vocab_size
-        # the final norm's input, output and statistics, the logits, the loss's mask
-        total += e * (t // spd + 3 * t * c // spd + t * vocab // tp) + t + vocab // tp
+        # the final norm's input and output (e), its statistics and normalised input (fp32, and its
+        # weight's fp32 copy under bf16), the logits (fp32 for the loss), the loss's mask
+        total += e * 2 * t * c // spd + FP32 * ((t + t * c) // spd + t * vocab // tp) + t + vocab // tp
+        total += FP32 * c if e < FP32 else 0
     else:
         total += e  # the sent output, which the schedule keeps shrunk to one element
     return total

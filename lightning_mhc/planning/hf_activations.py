@@ -135,14 +135,32 @@ def _stage_model(recorded: Callable[[], nn.Module], layout: Any, stage: int, set
     return parallel.train(), split.hidden_size
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    """torch's default dtype ``dtype`` in the block (None: left as it is): what Lightning's
+    ``bf16-true`` plugin sets around each training step (``HalfPrecision.forward_context``), for the
+    tensors a forward makes without naming a dtype."""
+    before = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def plan_hf_activations(recorded: Callable[[], nn.Module], layout: Any, *, seq_length: int, micro_batch_size: int,
                         num_microbatches: int, plan: Any = "auto", hyper_connections: Any = None,
                         recompute: Any = "none", pipeline_split: list[int] | list[str] | None = None,
-                        ) -> list[tuple[int, int]]:
+                        dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
     """Each pipeline stage's ``(retained activation bytes, micro-batch chunks in flight)`` at the
-    schedule's peak, per rank of that stage (as ``activations.plan_activations`` for the GPT), in
-    the recorded model's dtype. ``recorded``: makes the model on the meta device (e.g.
-    ``lambda: recorded_hf_model(directory)``), called once per stage."""
+    schedule's peak, per rank of that stage (as ``activations.plan_activations`` for the GPT).
+    ``recorded``: makes the model on the meta device (e.g. ``lambda: recorded_hf_model(directory)``),
+    called once per stage. ``dtype``: the run's weights' (``torch.bfloat16`` under ``bf16-true``):
+    each stage is cast whole to it, as Lightning's precision plugin casts the model
+    (``module.to(dtype)``), and traced with it as torch's default dtype, as the plugin runs a
+    training step (what the model computes in fp32 regardless, its norms' statistics, the loss,
+    stays fp32 in the trace too); None: the recorded model's (fp32)."""
     from lightning_mhc.any_model.model import ParallelizeSettings
 
     check_hf_activation_plan(layout)
@@ -153,7 +171,9 @@ def plan_hf_activations(recorded: Callable[[], nn.Module], layout: Any, *, seq_l
     out = []
     for stage in range(p):
         model, width = _stage_model(recorded, layout, stage, settings)
-        dtype = next(model.parameters()).dtype
+        if dtype is not None:
+            model.to(dtype)
+        weights = next(model.parameters()).dtype
         # the step's batch, of which each micro-batch is a view (the runtime's split_microbatches)
         input_ids = torch.zeros(m * micro_batch_size, seq_length, dtype=torch.long, device="meta")
         labels = torch.zeros(m * micro_batch_size, seq_length, dtype=torch.long, device="meta")
@@ -164,11 +184,11 @@ def plan_hf_activations(recorded: Callable[[], nn.Module], layout: Any, *, seq_l
             first, last = virtual == 0, virtual == layout.num_virtual_stages - 1
             input_tensor = None
             if not first:
-                input_tensor = torch.empty(micro_batch_size, seq_length, width, dtype=dtype, device="meta",
+                input_tensor = torch.empty(micro_batch_size, seq_length, width, dtype=weights, device="meta",
                                            requires_grad=True)
                 received = input_tensor.untyped_storage().nbytes()
             try:
-                with ActivationMemoryMeter(model) as meter, _meta_trace():
+                with ActivationMemoryMeter(model) as meter, _meta_trace(), _default_dtype(dtype):
                     model.set_input_tensor(input_tensor, chunk)
                     output = model.forward_step({"input_ids": input_ids[:micro_batch_size]}, chunk)
                     if last:  # the schedule keeps the loss over the micro-batches

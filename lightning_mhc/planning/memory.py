@@ -123,33 +123,59 @@ class RankBytes:
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
 
 
-def zero1_shares(count: StageCount, layout: ParallelLayout, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 param_bytes: int = FP32) -> list[tuple[int, int]]:
-    """``(elements, pieces)`` each DP x CP rank of a stage steps under ZeRO-1, by its index in the
-    DP x CP group: the runtime's buckets (``grads.buckets``, run on meta tensors of the held sizes,
-    in the runtime's order: each chunk's parameters reversed, the dense ones then the experts', the
-    tied embedding alone), each cut over the ranks holding it (``optimizer.owned_pieces``). An
-    expert bucket's rank is the DP x CP index over EP (megatron orders EP inside expert-DP)."""
+def held_buckets(count: StageCount, bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_bytes: int = FP32
+                 ) -> list[tuple[bool, list[int]]]:
+    """``(expert, the elements of each of its tensors)`` of each of the runtime's gradient buckets
+    on a rank of the stage (the distributed optimizer's, also what ZeRO-1's traffic moves): its
+    own ``buckets`` rule run on meta tensors of the held sizes, in its order (each chunk's
+    parameters reversed, the dense ones then the experts', the tied embedding alone). One dtype
+    (``param_bytes``) for every tensor: the runtime's parameters are all fp32, or all bf16 under
+    ``bf16-true``, whose precision plugin (``HalfPrecision.convert_module``: ``module.to(bfloat16)``)
+    casts the hyper-connections' and the router's, built fp32, too; so no bucket is cut by dtype."""
     if not count.chunks and count.tensors:
-        raise ConfigError("the stage's tensors were not listed in order: ZeRO-1's shares cannot be counted.")
-    dp_cp = layout.data_parallel_size * layout.context_parallel_size
-    ep = layout.expert_model_parallel_size
+        raise ConfigError("the stage's tensors were not listed in order: its buckets cannot be counted.")
     dtype = torch.float32 if param_bytes == FP32 else torch.bfloat16
-    shares = [[0, 0] for _ in range(dp_cp)]
+    out = []
     for chunk in count.chunks:
         for expert in (False, True):  # grads.by_reduction_group's order
             held = [t for t in reversed(chunk) if t.expert == expert]
             metas = [torch.empty(t.numel, dtype=dtype, device="meta") for t in held]
             alone = {id(m) for m, t in zip(metas, held) if t.alone}
             of = {id(m): t for m, t in zip(metas, held)}
-            for bucket in buckets(metas, bucket_bytes, alone=lambda m: id(m) in alone):
-                numels = [of[id(m)].numel for m in bucket]
-                parts = dp_cp // ep if expert else dp_cp
-                for rank in range(dp_cp):
-                    for _, flat, _ in owned_pieces(numels, parts, rank // ep if expert else rank):
-                        shares[rank][0] += flat.stop - flat.start
-                        shares[rank][1] += 1
+            out += [(expert, [of[id(m)].numel for m in bucket])
+                    for bucket in buckets(metas, bucket_bytes, alone=lambda m: id(m) in alone)]
+    return out
+
+
+def bucket_parts(expert: bool, layout: ParallelLayout) -> int:
+    """The ranks ZeRO-1 cuts a bucket over: DP x CP, an expert's the expert-data ranks (DP x CP / EP)."""
+    dp_cp = layout.data_parallel_size * layout.context_parallel_size
+    return dp_cp // layout.expert_model_parallel_size if expert else dp_cp
+
+
+def zero1_shares(count: StageCount, layout: ParallelLayout, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 param_bytes: int = FP32) -> list[tuple[int, int]]:
+    """``(elements, pieces)`` each DP x CP rank of a stage steps under ZeRO-1, by its index in the
+    DP x CP group: each of the runtime's buckets (:func:`held_buckets`) cut over the ranks holding
+    it (``optimizer.owned_pieces``). An expert bucket's rank is the DP x CP index over EP (megatron
+    orders EP inside expert-DP)."""
+    dp_cp = layout.data_parallel_size * layout.context_parallel_size
+    ep = layout.expert_model_parallel_size
+    shares = [[0, 0] for _ in range(dp_cp)]
+    for expert, numels in held_buckets(count, bucket_bytes, param_bytes):
+        for rank in range(dp_cp):
+            for _, flat, _ in owned_pieces(numels, bucket_parts(expert, layout), rank // ep if expert else rank):
+                shares[rank][0] += flat.stop - flat.start
+                shares[rank][1] += 1
     return [tuple(share) for share in shares]
+
+
+def zero1_gradient_elements(count: StageCount, layout: ParallelLayout, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                            param_bytes: int = FP32) -> int:
+    """The elements of a rank's fp32 gradient buffers under ZeRO-1: each bucket's whole, padded to a
+    multiple of its ranks (``ShardBucket``'s buffer, reduce-scattered whole)."""
+    return sum(-(-sum(numels) // parts) * parts for expert, numels in held_buckets(count, bucket_bytes, param_bytes)
+               for parts in [bucket_parts(expert, layout)])
 
 
 def plan_gpt(config: GPTSizes | Any, layout: ParallelLayout, *, param_bytes: int = FP32,
@@ -165,9 +191,11 @@ def rank_bytes(counts: list[StageCount], layout: ParallelLayout, *, param_bytes:
     """Each stage's per-rank bytes from its element counts (the mHC GPT's or a Hugging Face
     model's: the runtime keeps both in the same buffers and optimizer).
 
-    Parameters at ``param_bytes`` each (4: fp32 and bf16-mixed; 2: bf16-true). Gradients: the
-    runtime accumulates in fp32 ``main_grad`` buffers when it shards or holds bf16 weights, else
-    in the parameter's dtype. AdamW: two fp32 moments per element; with ZeRO-1 each rank keeps
+    Parameters at ``param_bytes`` each (4: fp32 and bf16-mixed; 2: bf16-true, every parameter:
+    :func:`held_buckets`). Gradients: the runtime accumulates in fp32 ``main_grad`` buffers when it
+    shards or holds bf16 weights (one per bucket; under ZeRO-1 each padded to a multiple of its
+    ranks: :func:`zero1_gradient_elements`), else in the parameter's dtype (fp32). AdamW: two fp32
+    moments per element; with ZeRO-1 each rank keeps
     its range of each bucket (1/(DP x CP) of it, experts' 1/(expert-data); :func:`zero1_shares`),
     plus fp32 main weights of that range under bf16 weights. torch's AdamW also keeps a 0-d fp32
     step per tensor it steps: per parameter tensor, under ZeRO-1 per piece of one a rank holds.
@@ -175,8 +203,10 @@ def rank_bytes(counts: list[StageCount], layout: ParallelLayout, *, param_bytes:
     out = []
     for count in counts:
         params = count.total * param_bytes
-        fp32_grads = distributed_optimizer or param_bytes != FP32
-        grads = count.total * (FP32 if fp32_grads else param_bytes)
+        if distributed_optimizer:
+            grads = zero1_gradient_elements(count, layout, bucket_bytes, param_bytes) * FP32
+        else:  # bf16 weights: the fp32 buffers, unpadded (one part each); fp32 weights: their .grad
+            grads = count.total * FP32
         main = FP32 * ADAM_MOMENTS + (FP32 if param_bytes != FP32 else 0)  # + fp32 main weights under bf16
         if distributed_optimizer:
             # AdamW's 0-d step tensor per piece

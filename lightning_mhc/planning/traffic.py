@@ -30,8 +30,9 @@ Per micro-batch, with ``T`` tokens on a rank (``micro_batch_size x seq_length / 
   gradient summed between the first and the last stage; the loss broadcast from the last stage.
 - DP (x CP, > 1): the gradients all-reduced (the experts' over the expert-data ranks), the loss
   all-reduced on the last stage; ZeRO-1 (or bf16 weights): per bucket of the runtime's (25 MiB of
-  parameters, the tied embedding alone, padded to a multiple of the ranks) a reduce-scatter of the
-  fp32 gradients and an all-gather of this rank's range of the updated weights, plus one int32 flag
+  parameters, the tied embedding alone, padded to a multiple of the ranks: ``memory.held_buckets``)
+  a reduce-scatter of the fp32 gradients and an all-gather of this rank's range of the updated
+  weights (in their dtype: bf16 under ``bf16-true``), plus one int32 flag
   per parameter tensor all-reduced (which got a gradient).
 - CP (> 1): per layer the stacked K and V all-gathered forward (``2 T g d e / tp``) and their
   gradient reduce-scattered backward (``cp`` times that); the loss's token count all-reduced.
@@ -50,6 +51,7 @@ from typing import Any
 from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES as BUCKET_BYTES
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.sizes import is_moe_layer, partition_layers
+from lightning_mhc.planning.memory import bucket_parts, held_buckets, stage_counts
 from lightning_mhc.planning.shapes import chunk_tensors
 from lightning_mhc.recompute.policy import DEFAULT_MODULES, RecomputePolicy
 
@@ -93,23 +95,6 @@ def check_traffic_plan(config: Any, layout: Any, policy: Any, distributed_optimi
         raise ConfigError(f"the planner's traffic count does not cover {', '.join(missing)} yet.")
 
 
-def _buckets(numels: list[tuple[int, bool]], bucket_elements: int) -> list[int]:
-    """The elements of each of the runtime's buckets (``grads.buckets``) over ``(numel, alone)`` in
-    the order the runtime fills them."""
-    out: list[int] = []
-    size, first_alone = 0, False
-    for numel, alone in numels:
-        if size and (alone or first_alone or size + numel > bucket_elements):
-            out.append(size)
-            size = 0
-        if not size:
-            first_alone = alone
-        size += numel
-    if size:
-        out.append(size)
-    return out
-
-
 def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micro_batch_size: int,
                  num_microbatches: int, element_bytes: int = FP32, param_bytes: int = FP32,
                  distributed_optimizer: bool = False, first_stage_layers: int | None = None,
@@ -133,6 +118,7 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
     takes_over = distributed_optimizer or param_bytes != FP32  # the runtime's DistributedOptimizer
     grad_bytes = FP32 if takes_over else param_bytes
     ranges = partition_layers(config.num_layers, p * v, first_stage_layers, last_stage_layers)
+    counts = stage_counts(config, layout, first_stage_layers, last_stage_layers)
     out = []
     for stage in range(p):
         sent: Counter = Counter()
@@ -146,8 +132,6 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
             else:
                 sent["tensor", "all_reduce"] += (forwards + 1) * activation
 
-        dense_tensors: list[tuple[int, bool]] = []
-        expert_tensors: list[tuple[int, bool]] = []
         partial_over_tp = 0  # elements of the decoder's TP-replicated parameters (SP: summed over TP)
         for c in range(v):
             virtual = c * p + stage
@@ -188,39 +172,36 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
                         sent["pipeline", "send"] += stream
                     if not first:
                         sent["pipeline", "send"] += stream
-            tensors = list(chunk_tensors(config, ranges[virtual], first, last))
             tied = config.share_embeddings_and_output_weights
-            for tensor in reversed(tensors):  # the runtime's buckets fill from the last parameter
-                numel = tensor.numel // tp if tensor.tensor_parallel else tensor.numel
+            for tensor in chunk_tensors(config, ranges[virtual], first, last):
                 if tensor.expert:
-                    expert_tensors.append((numel // ep, False))
                     continue
-                alone = tied and tensor.name in ("embedding.word_embeddings.weight", "output_layer.weight")
-                dense_tensors.append((numel, alone))
+                numel = tensor.numel // tp if tensor.tensor_parallel else tensor.numel
                 if sp and tensor.name.startswith("decoder.") and not tensor.tensor_parallel:
                     partial_over_tp += numel
-                if p > 1 and alone:
+                if p > 1 and tied and tensor.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                     sent["pipeline", "all_reduce"] += numel * grad_bytes  # the tied embedding's two copies
-            if takes_over:  # a bucket never spans chunks: each chunk's own, as the runtime makes them
-                for tensors_, group in ((dense_tensors, dp_cp), (expert_tensors, expert_dp)):
-                    for bucket in _buckets(tensors_, BUCKET_BYTES // param_bytes):
-                        if group == 1:
-                            continue
-                        parts = group if distributed_optimizer else 1
-                        if parts > 1:
-                            padded = -(-bucket // parts)
-                            sent["data", "reduce_scatter"] += padded * parts * FP32
-                            sent["data", "all_gather"] += padded * param_bytes
-                        else:
-                            sent["data", "all_reduce"] += bucket * FP32
-                    if group > 1 and tensors_:
-                        sent["data", "all_reduce"] += len(tensors_) * INT32  # which got a gradient
-                dense_tensors, expert_tensors = [], []
-        if not takes_over:
+        count = counts[stage]
+        if takes_over:  # per bucket of the runtime's (memory.held_buckets: each chunk's own, one dtype)
+            flags = Counter()
+            for expert, numels in held_buckets(count, BUCKET_BYTES, param_bytes):
+                group, bucket = bucket_parts(expert, layout), sum(numels)
+                if group == 1:
+                    continue
+                flags[expert] += len(numels)
+                if distributed_optimizer:
+                    padded = -(-bucket // group)
+                    sent["data", "reduce_scatter"] += padded * group * FP32
+                    sent["data", "all_gather"] += padded * param_bytes
+                else:
+                    sent["data", "all_reduce"] += bucket * FP32
+            # which tensors got a gradient: one all-reduce per group, an int32 per tensor
+            sent["data", "all_reduce"] += sum(flags.values()) * INT32
+        else:
             if dp_cp > 1:
-                sent["data", "all_reduce"] += sum(k for k, _ in dense_tensors) * grad_bytes
-            if expert_dp > 1 and expert_tensors:
-                sent["data", "all_reduce"] += sum(k for k, _ in expert_tensors) * grad_bytes
+                sent["data", "all_reduce"] += count.dense * grad_bytes
+            if expert_dp > 1 and count.expert:
+                sent["data", "all_reduce"] += count.expert * grad_bytes
         if partial_over_tp:
             sent["tensor", "all_reduce"] += partial_over_tp * grad_bytes
         if stage == p - 1:  # the step's loss: averaged over DP x CP, then sent to every stage
