@@ -103,7 +103,7 @@ def check_fits(cfg: TrainConfig) -> str | None:
     free = free_device_memory(cfg)
     said = (f"the planner predicts {total / 1e9:.3f} GB on the most loaded rank (stage {row['most_loaded_stage']}; "
             f"largest term {term} {size / 1e9:.3f} GB)")
-    if row["activations_not_counted"]:  # (the GPT's CP or MoE layers, a Hugging Face model's TP, CP or EP)
+    if row["activations_not_counted"]:  # (the GPT's CP or MoE layers, an op a trace cannot run)
         said += " in model states alone"
     if free is None:
         return f"lightning-mhc-train: plan: {said}; on the CPU this is not enforced."

@@ -216,17 +216,35 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
                     if group > 1 and tensors_:
                         sent["data", "all_reduce"] += len(tensors_) * INT32  # which got a gradient
                 dense_tensors, expert_tensors = [], []
-        if not takes_over:
-            if dp_cp > 1:
-                sent["data", "all_reduce"] += sum(k for k, _ in dense_tensors) * grad_bytes
-            if expert_dp > 1 and expert_tensors:
-                sent["data", "all_reduce"] += sum(k for k, _ in expert_tensors) * grad_bytes
-        if partial_over_tp:
-            sent["tensor", "all_reduce"] += partial_over_tp * grad_bytes
-        if stage == p - 1:  # the step's loss: averaged over DP x CP, then sent to every stage
-            if dp_cp > 1:
-                sent["data", "all_reduce"] += FP32
-            if p > 1:
-                sent["pipeline", "broadcast"] += FP32
+        add_step_end(sent, layout, stage, dense=sum(k for k, _ in dense_tensors),
+                     expert=sum(k for k, _ in expert_tensors), partial_over_tp=partial_over_tp, tied=0,
+                     grad_bytes=grad_bytes, reduced_by_optimizer=takes_over)
         out.append(StageTraffic(stage, {k: b for k, b in sent.items() if b}))
     return out
+
+
+def add_step_end(sent: Counter, layout: Any, stage: int, *, dense: int, expert: int, partial_over_tp: int, tied: int,
+                 grad_bytes: int, reduced_by_optimizer: bool) -> None:
+    """What one rank of ``stage`` sends once a step, after its backward passes (``finalize_model_grads``,
+    the schedule's loss), added to ``sent``: its gradients all-reduced, ``dense`` elements over DP x
+    CP and ``expert`` over the expert-data ranks (unless ``reduced_by_optimizer``: the distributed
+    optimizer's buckets, counted apart); ``partial_over_tp`` elements (sequence-parallel ones,
+    per-head norms) summed over TP; ``tied`` elements of an embedding tied across stages summed
+    between the first and the last (0 where a count has them already); the step's loss averaged
+    over DP x CP on the last stage, then sent to every stage."""
+    p = layout.pipeline_model_parallel_size
+    dp_cp = layout.data_parallel_size * layout.context_parallel_size
+    if not reduced_by_optimizer:
+        if dp_cp > 1 and dense:
+            sent["data", "all_reduce"] += dense * grad_bytes
+        if dp_cp // layout.expert_model_parallel_size > 1 and expert:
+            sent["data", "all_reduce"] += expert * grad_bytes
+    if partial_over_tp and layout.tensor_model_parallel_size > 1:
+        sent["tensor", "all_reduce"] += partial_over_tp * grad_bytes
+    if tied and p > 1:
+        sent["pipeline", "all_reduce"] += tied * grad_bytes
+    if stage == p - 1:
+        if dp_cp > 1:
+            sent["data", "all_reduce"] += FP32
+        if p > 1:
+            sent["pipeline", "broadcast"] += FP32

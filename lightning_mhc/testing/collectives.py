@@ -72,6 +72,20 @@ def _group_of(name: str, args: tuple, kwargs: dict) -> Any:
     return args[place] if len(args) > place else None
 
 
+def dimension_of(layout: Any) -> Callable[[Any, str], str | None]:
+    """A :class:`CollectiveCounter`'s ``names`` for a built layout: which parallel dimension a call
+    is, by its process group (the expert-data ranks' reduction is DP's; the tied embedding's, PP's;
+    a send or receive is PP's)."""
+    named = {}
+    for dimension, group in (("tensor", layout.tp_group), ("context", layout.cp_group), ("expert", layout.ep_group),
+                             ("pipeline", layout.pp_group), ("pipeline", layout.embedding_group),
+                             ("data", layout.dp_cp_group), ("data", layout.dp_group),
+                             ("data", layout.expert_dp_group)):
+        if group is not None:
+            named.setdefault(id(group), dimension)
+    return lambda group, op: "pipeline" if op in ("send", "recv") else named.get(id(group))
+
+
 OP_NAMES = dict(all_gather_into_tensor="all_gather", all_gather_single="all_gather", _all_gather_base="all_gather",
                 reduce_scatter_tensor="reduce_scatter", reduce_scatter_single="reduce_scatter",
                 _reduce_scatter_base="reduce_scatter", all_to_all_single="all_to_all", isend="send", irecv="recv")
@@ -133,3 +147,24 @@ class CollectiveCounter:
         for module, key, value in reversed(self._undo):
             setattr(module, key, value)
         self._undo.clear()
+
+
+def traffic_misses(case: Any, stages: list[Any], rows: list[tuple[int, tuple, dict]]) -> list[tuple]:
+    """Where a run's counted bytes differ from the planner's ``stages`` (``StageTraffic``, one per
+    stage): ``rows`` holds every rank's ``(stage, its expert group's ranks, {(dimension, op): bytes})``.
+    Each rank must send its stage's bytes exactly, except EP's all-to-all, which follows the routing:
+    the planner's (a balanced router's) must be the mean over each expert group."""
+    misses = []
+    groups: dict[tuple, list[int]] = {}
+    for rank, (stage, experts, got) in enumerate(rows):
+        got = {key: sent for key, sent in got.items() if sent}  # receives, a broadcast's other ranks
+        want = dict(stages[stage].bytes)
+        want.pop(("expert", "all_to_all"), None)
+        groups.setdefault(experts, []).append(got.pop(("expert", "all_to_all"), 0))
+        if got != want:
+            misses.append((case, rank, sorted(got.items()), sorted(want.items())))
+    routed = stages[0].bytes.get(("expert", "all_to_all"), 0)
+    for experts, sent in groups.items():
+        if sum(sent) != routed * len(sent):
+            misses.append((case, experts, sent, routed))
+    return misses
