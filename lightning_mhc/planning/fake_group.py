@@ -52,10 +52,10 @@ def pretend_rank(layout: ParallelLayout, rank: int) -> Iterator[ParallelLayout]:
             yield layout.build(gloo_groups=False)
         finally:
             destroy_parallel()
-            fake, c10d._world.default_pg = c10d._world.default_pg, own
             if own is None:
                 dist.destroy_process_group()
             else:  # the fake one alone (with the process's own back as the default, it is another group)
+                fake, c10d._world.default_pg = c10d._world.default_pg, own
                 dist.destroy_process_group(fake)
     finally:
         c10d._world.default_pg = own
