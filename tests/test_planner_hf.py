@@ -52,13 +52,13 @@ ACTIVATION_CASES = [("llama", None, "none", {}, 2), ("llama", None, "selective",
                     ("mixtral", None, "none", dict(pp=2), 4), ("mixtral", 4, "mhc_block", {}, 2),
                     ("mixtral", None, "selective", {}, 2),
                     ("deepseek_v4", None, "none", dict(pp=2), 4), ("deepseek_v4", None, "mhc_block", {}, 1),
-                    ("llama", None, "none", dict(tp=2), 2), ("llama", 4, "selective", dict(tp=2, sp=True), 2),
+                    ("llama", 4, "selective", dict(tp=2, sp=True), 2),
                     ("llama", 4, "mhc_block", dict(tp=2, sp=True, pp=2), 4), ("mixtral", None, "none", dict(ep=2), 2),
                     ("mixtral", 4, "none", dict(tp=2, ep=2), 2), ("llama", None, "none", dict(cp=2), 2)]
 # traffic per step (family, added streams, recompute policy, layout sizes, micro-batches): every rank's bytes
-# per (dimension, collective) counted in a real step (testing.collectives), planned by the same trace
-TRAFFIC_CASES = [("llama", None, "none", {}, 1), ("llama", None, "none", dict(tp=2), 2),
-                 ("llama", 4, "none", dict(pp=2), 4), ("llama", 4, "selective", dict(tp=2, sp=True), 2),
+# per (dimension, collective) counted in a real step (testing.collectives), planned by the same trace (DP's
+# reduction in the PP, CP and EP cases; TP without SP under full recompute)
+TRAFFIC_CASES = [("llama", 4, "none", dict(pp=2), 4), ("llama", 4, "selective", dict(tp=2, sp=True), 2),
                  ("llama", 4, "full", dict(tp=2, pp=2), 4), ("mixtral", None, "none", dict(ep=2), 1),
                  ("llama", None, "none", dict(cp=2), 1)]
 SEQ, MICRO_BATCH, TOLERANCE = 32, 2, 0.05
