@@ -1,5 +1,5 @@
 """The planner's traffic per step against a counter of the bytes each collective moved in a real run
-(``lightning_mhc.testing.collectives``: torch.distributed's collectives and p2p ops wrapped in the
+(``lightning_mhc.distributed.collectives``: torch.distributed's collectives and p2p ops wrapped in the
 ranks, the payload read off each call's tensors): one spawned group of 4 ranks runs every layout of
 the grid through the runtime's schedule, gradient reduction and optimizer step; every rank's bytes
 per (dimension, collective) equal the planner's for its stage, exactly (EP's all-to-all: the mean
@@ -51,7 +51,7 @@ def _measure(rank, world):
     import torch.distributed as dist
 
     from lightning_mhc.distributed.layout import destroy_parallel
-    from lightning_mhc.testing.collectives import CollectiveCounter, dimension_of
+    from lightning_mhc.distributed.collectives import CollectiveCounter, dimension_of
     from planner_runtime import gpt_on_runtime
 
     out = []

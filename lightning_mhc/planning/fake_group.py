@@ -3,7 +3,7 @@ group (backend ``"fake"``: every collective returns at once and leaves its tenso
 shapes come out as a real group's), with megatron-core's groups for the layout made over it, as
 torchtitan's dry runs and memory estimation use it. The planner traces a Hugging Face stage's
 forward and backward on the meta device in it (``hf_activations``): TP's, CP's and EP's collectives
-then have groups to run on, and the collective counter (``testing.collectives``) reads what each
+then have groups to run on, and the collective counter (``distributed.collectives``) reads what each
 hands in.
 
 Nothing of it outlives :func:`pretend_rank`: the fake default group and megatron's groups are

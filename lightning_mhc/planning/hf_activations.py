@@ -20,13 +20,13 @@ each, of which micro-batches are views) are counted once per stage.
 The traffic (``traffic``'s convention: each rank's payload per dimension and collective): the
 backward runs after the forward, and what the forward and backward hand to torch.distributed (TP's
 all-reduces, gathers and scatters, the vocabulary-parallel loss's, CP's K/V gathers, EP's
-all-to-alls, recompute's replays) is read by the collective counter (``testing.collectives``), once
+all-to-alls, recompute's replays) is read by the collective counter (``distributed.collectives``), once
 per micro-batch and chunk; beside it, from the stage's traced tensors: the sends between stages
 (each chunk's output and its input's gradient, per micro-batch) and the step's end, as the GPT's
 (``traffic.add_step_end``: the gradients' DP x CP and expert-DP all-reduce, the TP sum of the
-sequence-parallel ones, the tied embedding's between stages, the loss). The experts on meta
-tensors hold no routing: their pairs are spread evenly over the experts (the GPT's count assumes a
-balanced router too), through the same exchange.
+sequence-parallel ones, the tied embedding's between stages, the loss). An EP rank's experts on meta
+tensors hold no routing: they spread the pairs evenly over the experts (the GPT's count assumes a
+balanced router too), through the same exchange (``ExpertParallelExperts``).
 
 Counted so: PP (1F1B and interleaved), DP, TP with and without SP, CP (the families CP takes), EP,
 every recompute policy the family takes, added hyper-connections and a family's own streams
@@ -90,38 +90,6 @@ class _StageView:
         return [c * p + self._stage for c in range(self._layout.num_virtual_stages // p)]
 
 
-def _even(total: int, parts: int) -> list[int]:
-    """``total`` rows over ``parts`` as evenly as whole rows go."""
-    return [total // parts + (i < total % parts) for i in range(parts)]
-
-
-def _balanced_experts(forward: Callable) -> Callable:
-    """``ExpertParallelExperts.forward`` for meta tensors, which hold no routing (its counts and
-    splits are read off the router's choices): every rank's pairs spread evenly over the experts,
-    through the same steps (pairs sorted by expert, the counts exchanged, the rows dispatched, this
-    rank's experts' products, the rows combined back)."""
-    from lightning_mhc.distributed.expert_parallel import all_to_all, exchange_tokens_per_expert, group_size
-    from lightning_mhc.layers.moe import combine_pairs, token_expert_pairs
-
-    def balanced(self, hidden_states, top_k_index, top_k_weights):
-        if hidden_states.device.type != "meta":
-            return forward(self, hidden_states, top_k_index, top_k_weights)
-        pair_token, pair_expert = token_expert_pairs(top_k_index)
-        order = torch.argsort(pair_expert, stable=True)
-        routed = hidden_states.index_select(0, pair_token[order])
-        exchange_tokens_per_expert(torch.empty(self.num_experts, dtype=torch.int64, device="meta"), self.ep_group)
-        splits = _even(routed.shape[0], group_size(self.ep_group))  # as many rows come as go
-        received = all_to_all(routed, splits, splits, self.ep_group)
-        by_expert = torch.empty(received.shape[0], dtype=torch.int64, device="meta")  # the sort to the experts
-        counts = torch.tensor(_even(received.shape[0], self.num_local_experts))  # read by the per-expert loop
-        output = self._local_experts(received.index_select(0, by_expert), counts)
-        back = all_to_all(output.index_select(0, by_expert), splits, splits, self.ep_group)
-        return combine_pairs(back, pair_token[order], top_k_weights.reshape(-1)[order], hidden_states.shape[0],
-                             hidden_states.dtype)
-
-    return balanced
-
-
 @contextlib.contextmanager
 def _meta_trace():
     """What the forward on meta tensors needs of its libraries: transformers looks for packed
@@ -132,14 +100,11 @@ def _meta_trace():
     keeps the same inputs for the backward, is traced instead); the fused attention on meta tensors
     would take the unfused math (keeping the score matrix): it is given the fused kernel the runtime
     runs, which keeps its inputs, output and log-sum-exp (the CPU's; the GPU's flash kernel keeps the
-    same); an EP rank's experts route evenly (:func:`_balanced_experts`)."""
+    same)."""
     from transformers import masking_utils
     from transformers.integrations import moe
 
-    from lightning_mhc.any_model.experts import ExpertParallelExperts
-
     found, autocast, grouped = masking_utils.find_packed_sequence_indices, torch.autocast, moe._can_use_grouped_mm
-    experts_forward = ExpertParallelExperts.forward
 
     class _Autocast(autocast):
         def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
@@ -157,13 +122,11 @@ def _meta_trace():
     torch.autocast = _Autocast
     moe._can_use_grouped_mm = lambda input, weight, offs: False
     torch.nn.functional.scaled_dot_product_attention = fused
-    ExpertParallelExperts.forward = _balanced_experts(experts_forward)
     try:
         yield
     finally:
         masking_utils.find_packed_sequence_indices, torch.autocast, moe._can_use_grouped_mm = found, autocast, grouped
         torch.nn.functional.scaled_dot_product_attention = sdpa
-        ExpertParallelExperts.forward = experts_forward
 
 
 def _stage_model(recorded: Callable[[], nn.Module], layout: Any, settings: Any):
@@ -244,7 +207,7 @@ def _trace_stage(recorded: Callable[[], nn.Module], layout: Any, settings: Any, 
     """One stage's trace (``layout`` names it: see :func:`_stage_model`)."""
     from lightning_mhc.distributed.grads import is_partial_over_tp
     from lightning_mhc.distributed.placement import placement_of
-    from lightning_mhc.testing.collectives import CollectiveCounter, dimension_of
+    from lightning_mhc.distributed.collectives import CollectiveCounter, dimension_of
 
     p, m, stage = layout.pipeline_model_parallel_size, num_microbatches, layout.pipeline_model_parallel_rank
     v = layout.num_virtual_stages // p

@@ -2,7 +2,7 @@
 from the config by arithmetic (as ``shapes`` counts the parameters): what the runtime's modules,
 schedule and gradient reduction hand to torch.distributed for the layout.
 
-The convention (one for every collective, the one ``lightning_mhc.testing.collectives`` counts in a
+The convention (one for every collective, the one ``lightning_mhc.distributed.collectives`` counts in a
 real run): a rank's *payload*, the bytes of the tensor(s) it hands in as its contribution, whatever
 algorithm the backend runs:
 
