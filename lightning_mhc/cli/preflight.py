@@ -91,7 +91,8 @@ def check_fits(cfg: TrainConfig) -> str | None:
     """The planner's verdict on this run's layout before launch. On a GPU a layout whose most loaded
     rank is predicted over the device's free memory is refused (ConfigError: the largest term and a
     layout of the same devices that fits); on the CPU the prediction is returned as a line to print.
-    A Hugging Face model's model states are planned (its activations not yet: the line says so)."""
+    A Hugging Face model's activations are traced (where the trace stops, the line says "in model
+    states alone")."""
     from lightning_mhc.cli.plan import describe, fitting_layouts, largest_term, layout_row
 
     try:

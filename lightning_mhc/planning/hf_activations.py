@@ -241,7 +241,8 @@ def _trace_stage(recorded: Callable[[], nn.Module], layout: Any, settings: Any, 
                 batch_bytes = max(batch_bytes, meter.live_bytes(where=lambda t: storage_key(t) in batch))
                 if backward:  # as the schedule's: the loss's, or the gradient the next stage sends back
                     torch.autograd.backward(output, None if last else torch.empty_like(output))
-        except (RuntimeError, NotImplementedError) as error:  # an op the meta device cannot run
+        except Exception as error:  # an op the meta device cannot run (or a family's code that reads values):
+            # one line, which the pre-launch check prints beside the model states, not a failed launch
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ConfigError(f"the planner's activation count could not trace {type(model.chunks[0]).__name__} "
                               f"on the meta device ({first_line}); its model states are exact.") from error
