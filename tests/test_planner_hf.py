@@ -42,21 +42,35 @@ CASES = [("llama", 4, 2, 1, 1, 1), ("llama", 4, 1, 2, 2, 1), ("llama", 4, 2, 2, 
 # stage (the head tied across the stages in one of its own, which these sizes would share); EP 2 x DP 4; DeepSeek-V4 EP 2, small buckets
 ZERO1_CASES = [("llama", 4, 1, 1, 1, 1, 25 * 2**20), ("llama", 4, 1, 2, 1, 1, 40_000),
                ("mixtral", None, 1, 1, 1, 2, 25 * 2**20), ("deepseek_v4", None, 1, 1, 1, 2, 20_000)]
-# retained activations (family, added streams, recompute policy, PP, VP, micro-batches): measured by the
-# runtime's meter (the CLI's activation_bytes), planned by tracing on the meta device (planning.hf_activations)
-ACTIVATION_CASES = [("llama", None, "none", 1, 1, 2), ("llama", None, "selective", 2, 1, 4),
-                    ("llama", 4, "none", 2, 2, 4), ("llama", 4, "mhc_block", 2, 1, 4), ("llama", 4, "full", 2, 1, 4),
-                    ("qwen2", 2, "mhc_block", 1, 1, 2), ("qwen2", None, "full", 2, 1, 4),
-                    ("mixtral", None, "none", 2, 1, 4), ("mixtral", 4, "mhc_block", 1, 1, 2),
-                    ("mixtral", None, "selective", 1, 1, 2),
-                    ("deepseek_v4", None, "none", 2, 1, 4), ("deepseek_v4", None, "mhc_block", 1, 1, 1)]
+# retained activations (family, added streams, recompute policy, layout sizes, micro-batches): measured by
+# the runtime's meter (the CLI's activation_bytes), planned by tracing on the meta device (planning.hf_activations;
+# under TP, SP, CP or EP over a fake process group)
+ACTIVATION_CASES = [("llama", None, "none", {}, 2), ("llama", None, "selective", dict(pp=2), 4),
+                    ("llama", 4, "none", dict(pp=2, vp=2), 4), ("llama", 4, "mhc_block", dict(pp=2), 4),
+                    ("llama", 4, "full", dict(pp=2), 4),
+                    ("qwen2", 2, "mhc_block", {}, 2), ("qwen2", None, "full", dict(pp=2), 4),
+                    ("mixtral", None, "none", dict(pp=2), 4), ("mixtral", 4, "mhc_block", {}, 2),
+                    ("mixtral", None, "selective", {}, 2),
+                    ("deepseek_v4", None, "none", dict(pp=2), 4), ("deepseek_v4", None, "mhc_block", {}, 1),
+                    ("llama", 4, "selective", dict(tp=2, sp=True), 2),
+                    ("llama", 4, "mhc_block", dict(tp=2, sp=True, pp=2), 4), ("mixtral", None, "none", dict(ep=2), 2),
+                    ("mixtral", 4, "none", dict(tp=2, ep=2), 2), ("llama", None, "none", dict(cp=2), 2)]
+# traffic per step (family, added streams, recompute policy, layout sizes, micro-batches): every rank's bytes
+# per (dimension, collective) counted in a real step (distributed.collectives), planned by the same trace (DP's
+# reduction in the PP, CP and EP cases; TP without SP under full recompute)
+TRAFFIC_CASES = [("llama", 4, "none", dict(pp=2), 4), ("llama", 4, "selective", dict(tp=2, sp=True), 2),
+                 ("llama", 4, "full", dict(tp=2, pp=2), 4), ("mixtral", None, "none", dict(ep=2), 1),
+                 ("llama", None, "none", dict(cp=2), 1)]
 # the same under bf16-true: the model cast whole by Lightning's plugin, traced in bf16 (not the fp32 trace halved)
-BF16_ACTIVATION_CASES = [("llama", 4, "none", 2, 1, 4), ("llama", None, "selective", 2, 1, 4),
-                         ("qwen2", 2, "mhc_block", 1, 1, 2)]
+BF16_ACTIVATION_CASES = [("llama", 4, "none", dict(pp=2), 4), ("llama", None, "selective", dict(pp=2), 4),
+                         ("qwen2", 2, "mhc_block", {}, 2)]
 SEQ, MICRO_BATCH, TOLERANCE = 32, 2, 0.05
 CASES = [c for c in CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
 ZERO1_CASES = [c for c in ZERO1_CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
 ACTIVATION_CASES = [c for c in ACTIVATION_CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
+MEASURED = {"states": len(CASES), "zero1": len(CASES) + len(ZERO1_CASES),
+            "traffic": len(CASES) + len(ZERO1_CASES) + len(ACTIVATION_CASES) + len(BF16_ACTIVATION_CASES)}
+"""Where each part of a rank's measurements begins (model states first)."""
 
 
 def _recorded(family: str):
@@ -66,11 +80,12 @@ def _recorded(family: str):
         return transformers.AutoModelForCausalLM.from_config(_config(family), dtype="float32")
 
 
-def _layout(tp, pp, vp, ep):
+def _layout(tp=1, pp=1, vp=1, ep=1, sp=False, cp=1):
     from lightning_mhc.distributed.layout import ParallelLayout
 
     return ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                          virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep, world_size=4)
+                          virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep, sequence_parallel=sp,
+                          context_parallel_size=cp, world_size=4)
 
 
 def _measure(rank, world):
@@ -93,22 +108,53 @@ def _measure(rank, world):
                     sum(p.grad.numel() * p.grad.element_size() for p in trained), optimizer_state_bytes(optim)))
         destroy_parallel()
     out += [_measure_zero1(*case) for case in ZERO1_CASES]
-    return out + [_measure_activations(*case) for case in ACTIVATION_CASES] \
-        + [_measure_activations(*case, precision="bf16-true") for case in BF16_ACTIVATION_CASES]
+    out += [_measure_activations(rank, *case) for case in ACTIVATION_CASES]
+    out += [_measure_activations(rank, *case, precision="bf16-true") for case in BF16_ACTIVATION_CASES]
+    return out + [_measure_traffic(rank, *case) for case in TRAFFIC_CASES]
 
 
-def _measure_activations(family, streams, policy, pp, vp, m, precision="32-true"):
+def _batch(m, rank):
+    """The step's batch of this rank (its own tokens: under EP the routing, so the measured activations and
+    the all-to-all, follow them)."""
+    torch.manual_seed(1 + rank)
+    tokens = torch.randint(0, _COMMON["vocab_size"], (MICRO_BATCH * m, SEQ + 1))
+    return dict(input_ids=tokens[:, :-1].clone(), labels=tokens[:, 1:].clone())
+
+
+def _measure_activations(rank, family, streams, policy, sizes, m, precision="32-true"):
     """The runtime's ``activation_bytes`` (max over ranks) of one training step through its schedule."""
     from lightning_mhc.distributed.layout import destroy_parallel
     from planner_runtime import hf_on_runtime, train_schedule
 
-    runtime, module = hf_on_runtime(_layout(1, pp, vp, 1), m, _recorded(family), policy, streams, precision,
+    runtime, module = hf_on_runtime(_layout(**sizes), m, _recorded(family), policy, streams, precision,
                                     measure_activation_memory=True)
-    tokens = torch.randint(0, _COMMON["vocab_size"], (MICRO_BATCH * m, SEQ + 1))
-    batch = dict(input_ids=tokens[:, :-1].clone(), labels=tokens[:, 1:].clone())
-    train_schedule(runtime, module, batch, precision)
+    train_schedule(runtime, module, _batch(m, rank), precision)
     destroy_parallel()
     return runtime.activation_bytes
+
+
+def _measure_traffic(rank, family, streams, policy, sizes, m):
+    """This rank's stage, its expert group's ranks, and the payload bytes it sent by (dimension, op)
+    over one training step (schedule, gradient reduction, optimizer step)."""
+    import torch.distributed as dist
+
+    from lightning_mhc.distributed.layout import destroy_parallel
+    from lightning_mhc.distributed.collectives import CollectiveCounter, dimension_of
+    from planner_runtime import hf_on_runtime
+
+    runtime, module = hf_on_runtime(_layout(**sizes), m, _recorded(family), policy, streams)
+    optimizer = torch.optim.AdamW(module.parameters())
+    runtime.take_over_optimizers(module, [optimizer])
+    batch = _batch(m, rank)
+    with CollectiveCounter(dimension_of(runtime.layout)) as counted:
+        runtime.run_schedule(module, batch, forward_only=False, accumulate=1, where="traffic grid")
+        runtime.reduce_gradients(module)
+        optimizer.step()
+        runtime.finish_step()
+    row = (runtime.layout.pipeline_model_parallel_rank, tuple(dist.get_process_group_ranks(runtime.layout.ep_group)),
+           dict(counted.bytes))
+    destroy_parallel()
+    return row
 
 
 def _measure_zero1(family, streams, tp, pp, vp, ep, bucket_bytes):
@@ -152,43 +198,107 @@ def test_hf_zero1_optimizer_bytes_per_rank_exact(measured):
     for i, (family, streams, tp, pp, vp, ep, bucket_bytes) in enumerate(ZERO1_CASES):
         planned = plan_hf(_recorded(family), _layout(tp, pp, vp, ep), hyper_connections=streams,
                           distributed_optimizer=True, bucket_bytes=bucket_bytes)
-        check_zero1_rows(planned, [r[len(CASES) + i] for r in measured], ZERO1_CASES[i])
+        check_zero1_rows(planned, [r[MEASURED["states"] + i] for r in measured], ZERO1_CASES[i])
 
 
 def test_hf_activation_bytes_within_5_percent(measured):
-    """Every activation case: the planner's most loaded stage (traced on the meta device) is within
-    5 % of the runtime's measured bytes, max over ranks."""
+    """Every activation case: the planner's most loaded stage (traced on the meta device; under TP,
+    SP, CP or EP as one rank over a fake process group) is within 5 % of the runtime's measured
+    bytes, max over ranks."""
     from lightning_mhc.planning import plan_hf_activations
 
     misses = []
     cases = [(case, None) for case in ACTIVATION_CASES] + [(case, torch.bfloat16) for case in BF16_ACTIVATION_CASES]
-    for i, ((family, streams, policy, pp, vp, m), dtype) in enumerate(cases):
-        got = measured[0][len(CASES) + len(ZERO1_CASES) + i]
-        want = max(b for b, _ in plan_hf_activations(lambda: _recorded(family), _layout(1, pp, vp, 1), seq_length=SEQ,
+    for i, ((family, streams, policy, sizes, m), dtype) in enumerate(cases):
+        got = measured[0][MEASURED["zero1"] + i]
+        want = max(b for b, _ in plan_hf_activations(lambda: _recorded(family), _layout(**sizes), seq_length=SEQ,
                                                      micro_batch_size=MICRO_BATCH, num_microbatches=m,
                                                      hyper_connections=streams, recompute=policy, dtype=dtype))
-        print(f"{cases[i]}: measured {got}, planned {want} ({(want - got) / got:+.2%})")
+        print("activations", cases[i], "measured", got, "planned", want, f"{(want - got) / got:+.2%}")
         if abs(want - got) > TOLERANCE * got:
             misses.append((cases[i], got, want, f"{(want - got) / got:+.1%}"))
     assert not misses, misses
 
 
-def test_hf_activation_plan_refuses_what_it_does_not_trace(monkeypatch):
-    """TP, CP and EP run collectives in the forward the trace has no group for, and an op the meta
-    device cannot run (here transformers' packed-sequence search, without the trace's stand-ins)
-    stops the trace: one line each, not a wrong figure."""
+def test_hf_traffic_per_rank_exact(measured):
+    """Every traffic case: the bytes each rank sent per (dimension, collective) in a real step are the
+    planner's for its stage (traced: the forward's and backward's collectives over a fake process
+    group, the sends between stages, the step's end); EP's all-to-all, which follows the routing,
+    is the planner's (a balanced router's) on average over each expert group."""
+    from lightning_mhc.planning import plan_hf_traffic
+    from lightning_mhc.testing.collectives import traffic_misses
+
+    misses = []
+    for i, (family, streams, policy, sizes, m) in enumerate(TRAFFIC_CASES):
+        stages = plan_hf_traffic(lambda: _recorded(family), _layout(**sizes), seq_length=SEQ,
+                                 micro_batch_size=MICRO_BATCH, num_microbatches=m, hyper_connections=streams,
+                                 recompute=policy)
+        print("traffic", TRAFFIC_CASES[i], "per stage", [s.per_dimension() for s in stages])
+        misses += traffic_misses(TRAFFIC_CASES[i], stages, [rows[MEASURED["traffic"] + i] for rows in measured])
+    assert not misses, misses
+
+
+def test_hf_trace_refuses_what_it_does_not_count(monkeypatch):
+    """The traffic under ZeRO-1 or bf16 weights (the distributed optimizer's buckets) is refused, and
+    an op the meta device cannot run (here transformers' packed-sequence search, without the trace's
+    stand-ins) stops the trace: one line each, not a wrong figure."""
     import contextlib
 
     from lightning_mhc.errors import ConfigError
-    from lightning_mhc.planning import hf_activations, plan_hf_activations
+    from lightning_mhc.planning import hf_activations, plan_hf_activations, plan_hf_traffic
 
-    with pytest.raises(ConfigError, match="does not cover tensor parallelism, expert parallelism yet"):
-        plan_hf_activations(lambda: _recorded("mixtral"), _layout(2, 1, 1, 2), seq_length=SEQ,
-                            micro_batch_size=MICRO_BATCH, num_microbatches=1)
+    for args in (dict(distributed_optimizer=True), dict(param_bytes=2)):
+        with pytest.raises(ConfigError, match="traffic count of a Hugging Face model does not cover ZeRO-1 or bf16"):
+            plan_hf_traffic(lambda: _recorded("llama"), _layout(), seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                            num_microbatches=1, **args)
     monkeypatch.setattr(hf_activations, "_meta_trace", contextlib.nullcontext)
     with pytest.raises(ConfigError, match="could not trace LlamaForCausalLM on the meta device .*meta tensors"):
-        plan_hf_activations(lambda: _recorded("llama"), _layout(1, 1, 1, 1), seq_length=SEQ,
+        plan_hf_activations(lambda: _recorded("llama"), _layout(), seq_length=SEQ,
                             micro_batch_size=MICRO_BATCH, num_microbatches=1)
+
+
+def test_a_traced_plan_leaves_the_process_as_it_was():
+    """The trace under TP x CP (two stages, each a fake process group with megatron's groups, CP's
+    attention registered in transformers) leaves no group, no megatron state, no registry entry, the
+    same generator state; a process's own default group (a worker's one-rank group) is set aside and
+    given back; one holding a layout's groups is refused in one line."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from transformers import AttentionInterface
+
+    from lightning_mhc.distributed.layout import ParallelLayout, destroy_parallel
+    from lightning_mhc.errors import ConfigError
+    from lightning_mhc.planning import plan_hf_traffic
+    from lightning_mhc.recompute.rng import get_parallel_randomizer
+
+    def plan():
+        return plan_hf_traffic(lambda: _recorded("llama"), _layout(tp=2, cp=2), seq_length=SEQ,
+                               micro_batch_size=MICRO_BATCH, num_microbatches=1)
+
+    def state():
+        return (dist.is_initialized() and dist.group.WORLD, parallel_state.model_parallel_is_initialized(),
+                sorted(AttentionInterface._global_mapping), get_parallel_randomizer(), torch.get_rng_state())
+
+    own = not dist.is_initialized()
+    if own:  # a worker's one-rank group, as the suite's fixture makes it
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        before = state()
+        assert plan()[0].bytes[("context", "all_gather")] > 0
+        after = state()
+        assert after[:4] == before[:4] and torch.equal(after[4], before[4])
+        ParallelLayout().build()
+        with pytest.raises(ConfigError, match="holds a layout's groups already"):
+            plan()
+        destroy_parallel()
+    finally:
+        if own:
+            dist.destroy_process_group()
+    if not dist.is_initialized():  # and a process with no group at all (the pre-launch check's)
+        before = state()
+        plan()
+        after = state()
+        assert after[:4] == before[:4] and not after[0]
 
 
 # ------------------------------------------------------------------ the console door and before launch
@@ -205,41 +315,53 @@ def _hf_args(directory, *extra):
 
 
 def test_plan_cli_plans_a_hugging_face_model(llama_dir, tmp_path, monkeypatch, capsys):
-    """``lightning-mhc-plan model=hf model.config=DIR``: every stage's model states are the planner's
-    (checked against the runtime above); on PP its retained activations are the traced count (checked
-    above too), on TP the line says they are not counted yet; the traffic is not counted yet."""
+    """``lightning-mhc-plan model=hf model.config=DIR``: every stage's model states, retained
+    activations and traffic are the planner's (checked against the runtime above), on TP x PP (traced
+    over a fake process group) and on PP x DP (no group at all)."""
     from lightning_mhc.cli.plan import plan
-    from lightning_mhc.planning import plan_hf, plan_hf_activations
+    from lightning_mhc.planning import plan_hf, plan_hf_activations, plan_hf_traffic
 
     monkeypatch.chdir(tmp_path)
-    rows = plan(_hf_args(llama_dir, "parallel=tp2pp2", "trainer.devices=4"))
-    asked = rows[0]
-    want = plan_hf(_recorded("llama"), _layout(2, 2, 1, 1), hyper_connections=4)
+    sizes = ("trainer.devices=4", "data.global_batch_size=8", "data.micro_batch_size=2", "data.seq_length=32")
+    asked = plan(_hf_args(llama_dir, "parallel=tp2pp2", *sizes))[0]  # DP 1: 4 micro-batches
+    layout = _layout(2, 2, 1, 1)
+    want = plan_hf(_recorded("llama"), layout, hyper_connections=4)
     assert [(s["parameter_bytes"], s["gradient_bytes"], s["optimizer_bytes"]) for s in asked["stages"]] == \
         [(w.parameter_bytes, w.gradient_bytes, w.optimizer_bytes) for w in want]
-    assert asked["activation_bytes"] is None and "does not cover tensor parallelism" in asked["activations_not_counted"]
-    assert asked["total_bytes"] == max(w.total for w in want)
-    assert asked["traffic_bytes"] is None and "not counted" in asked["traffic_not_counted"]
+    traced = plan_hf_activations(lambda: _recorded("llama"), layout, seq_length=32, micro_batch_size=2,
+                                 num_microbatches=4, hyper_connections=4)
+    sent = plan_hf_traffic(lambda: _recorded("llama"), layout, seq_length=32, micro_batch_size=2,
+                           num_microbatches=4, hyper_connections=4)
+    assert asked["activations_not_counted"] is None and asked["traffic_not_counted"] is None
+    assert [s["activation_bytes"] for s in asked["stages"]] == [a for a, _ in traced]
+    assert [s["traffic_bytes"] for s in asked["stages"]] == [t.per_dimension() for t in sent]
+    assert asked["traffic_bytes"]["tensor"] > 0 and asked["traffic_bytes"]["pipeline"] > 0
+    assert asked["total_bytes"] == max(w.total + a for w, (a, _) in zip(want, traced))
     out = capsys.readouterr().out
-    assert "model states only" in out and "most loaded rank" in out
-    # PP 2 x DP 2: counted; 8 samples of 2 per micro-batch over DP 2 = 2 micro-batches. The trace
-    # stands in for four library functions while it runs: the process keeps its own afterwards
+    assert "model states and retained activations" in out and "sent per rank and step: tensor" in out
+    # PP 2 x DP 2: 8 samples of 2 per micro-batch over DP 2 = 2 micro-batches. The trace stands in for
+    # four library functions while it runs: the process keeps its own afterwards
     import transformers.integrations.moe
     import transformers.masking_utils
 
-    libraries = (torch.autocast, torch.nn.functional.scaled_dot_product_attention,
-                 transformers.masking_utils.find_packed_sequence_indices, transformers.integrations.moe._can_use_grouped_mm)
-    asked = plan(_hf_args(llama_dir, "parallel=pp2", "trainer.devices=4",
-                          "data.global_batch_size=8", "data.micro_batch_size=2", "data.seq_length=32"))[0]
-    assert (torch.autocast, torch.nn.functional.scaled_dot_product_attention,
-            transformers.masking_utils.find_packed_sequence_indices,
-            transformers.integrations.moe._can_use_grouped_mm) == libraries
+    def libraries():
+        return (torch.autocast, torch.nn.functional.scaled_dot_product_attention,
+                transformers.masking_utils.find_packed_sequence_indices,
+                transformers.integrations.moe._can_use_grouped_mm)
+
+    before = libraries()
+    asked = plan(_hf_args(llama_dir, "parallel=pp2", *sizes))[0]
+    assert libraries() == before
     layout = _layout(1, 2, 1, 1)
     states = plan_hf(_recorded("llama"), layout, hyper_connections=4)
     traced = plan_hf_activations(lambda: _recorded("llama"), layout, seq_length=32, micro_batch_size=2,
                                  num_microbatches=2, hyper_connections=4)
+    sent = plan_hf_traffic(lambda: _recorded("llama"), layout, seq_length=32, micro_batch_size=2,
+                           num_microbatches=2, hyper_connections=4)
     assert asked["activations_not_counted"] is None
     assert [s["activation_bytes"] for s in asked["stages"]] == [a for a, _ in traced]
+    assert [s["traffic_bytes"] for s in asked["stages"]] == [t.per_dimension() for t in sent]
+    assert asked["traffic_bytes"]["data"] > 0 and asked["traffic_bytes"]["pipeline"] > 0
     assert asked["total_bytes"] == max(s.total + a for s, (a, _) in zip(states, traced))
     assert "model states and retained activations" in capsys.readouterr().out
     # bf16-true: bf16 weights and the trace in bf16 (checked against bf16 runs above), not the fp32 one

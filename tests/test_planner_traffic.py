@@ -1,5 +1,5 @@
 """The planner's traffic per step against a counter of the bytes each collective moved in a real run
-(``lightning_mhc.testing.collectives``: torch.distributed's collectives and p2p ops wrapped in the
+(``lightning_mhc.distributed.collectives``: torch.distributed's collectives and p2p ops wrapped in the
 ranks, the payload read off each call's tensors): one spawned group of 4 ranks runs every layout of
 the grid through the runtime's schedule, gradient reduction and optimizer step; every rank's bytes
 per (dimension, collective) equal the planner's for its stage, exactly (EP's all-to-all: the mean
@@ -59,26 +59,13 @@ def _model(name):
     return dict(MODEL, **(MOE if GRID[name][8] else {}), **OVERRIDES.get(name, {}))
 
 
-def _dimension_of(layout):
-    """Which parallel dimension a call is, by its process group (the expert-data ranks' reduction is
-    DP's; the tied embedding's, PP's; a send or receive is PP's)."""
-    named = {}
-    for dimension, group in (("tensor", layout.tp_group), ("context", layout.cp_group), ("expert", layout.ep_group),
-                             ("pipeline", layout.pp_group), ("pipeline", layout.embedding_group),
-                             ("data", layout.dp_cp_group), ("data", layout.dp_group),
-                             ("data", layout.expert_dp_group)):
-        if group is not None:
-            named.setdefault(id(group), dimension)
-    return lambda group, op: "pipeline" if op in ("send", "recv") else named.get(id(group))
-
-
 def _measure(rank, world):
     """Per case: this rank's stage, its expert group's ranks, and the payload bytes it sent by
     (dimension, op) over one training step (schedule, gradient reduction, optimizer step)."""
     import torch.distributed as dist
 
     from lightning_mhc.distributed.layout import destroy_parallel
-    from lightning_mhc.testing.collectives import CollectiveCounter
+    from lightning_mhc.distributed.collectives import CollectiveCounter, dimension_of
     from planner_runtime import gpt_on_runtime, train_schedule
 
     out = []
@@ -90,7 +77,7 @@ def _measure(rank, world):
         torch.manual_seed(1 + rank)
         tokens = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH * m, SEQ + 1))
         batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(MICRO_BATCH * m, SEQ))
-        with CollectiveCounter(_dimension_of(runtime.layout)) as counted:
+        with CollectiveCounter(dimension_of(runtime.layout)) as counted:
             train_schedule(runtime, module, batch, _precision(name), where="traffic grid")
             runtime.reduce_gradients(module)
             optimizer.step()
@@ -121,22 +108,9 @@ def planned(name):
 def test_traffic_per_rank_exact(measured):
     """Every rank of every case: the bytes it sent per (dimension, collective) are the planner's for its
     stage; EP's all-to-all, which follows the routing, is the planner's on average over each expert group."""
+    from lightning_mhc.testing.collectives import traffic_misses
+
     misses = []
     for i, name in enumerate(GRID):
-        stages = planned(name)
-        groups: dict[tuple, list[int]] = {}
-        for rank, rows in enumerate(measured):
-            stage, experts, got = rows[i]
-            got = {key: sent for key, sent in got.items() if sent}  # receives, a broadcast's other ranks
-            want = dict(stages[stage].bytes)
-            routed = want.pop(("expert", "all_to_all"), None)
-            groups.setdefault(experts, []).append(got.pop(("expert", "all_to_all"), 0))
-            if got != want:
-                misses.append((name, rank, sorted(got.items()), sorted(want.items())))
-            if routed is not None:
-                want[("expert", "all_to_all")] = routed
-        routed = stages[0].bytes.get(("expert", "all_to_all"), 0)
-        for experts, sent in groups.items():
-            if sum(sent) != routed * len(sent):
-                misses.append((name, experts, sent, routed))
+        misses += traffic_misses(name, planned(name), [rows[i] for rows in measured])
     assert not misses, misses

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_mhc.distributed.expert_parallel import ExpertLayer, experts_on_their_ranks
+from lightning_mhc.distributed.expert_parallel import (ExpertLayer, all_to_all, exchange_tokens_per_expert,
+                                                      experts_on_their_ranks, group_size)
 from lightning_mhc.distributed.layout import ParallelLayout
 from lightning_mhc.distributed.placement import place
 from lightning_mhc.errors import ConfigError, key, term
@@ -156,6 +157,8 @@ class ExpertParallelExperts(ExpertLayer):
         return local
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if hidden_states.is_meta:
+            return self._evenly_routed(hidden_states, top_k_index, top_k_weights)
         pair_token, pair_expert = token_expert_pairs(top_k_index)
         tokens_per_expert = torch.bincount(pair_expert, minlength=self.num_experts)
         expert_output, order, _ = experts_on_their_ranks(hidden_states, pair_token, pair_expert, tokens_per_expert,
@@ -163,6 +166,25 @@ class ExpertParallelExperts(ExpertLayer):
         pair_token, pair_weight = pair_token[order], top_k_weights.reshape(-1)[order]
         # as the model's experts: weighted in the activations' dtype, summed over each token's k experts
         return combine_pairs(expert_output, pair_token, pair_weight, hidden_states.shape[0], hidden_states.dtype)
+
+    def _evenly_routed(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """The forward on meta tensors (the planner's trace), which hold no routing (the counts and
+        splits are read off the router's choices): every rank's pairs spread evenly over the experts,
+        through the same steps (pairs sorted by expert, the counts exchanged, the rows dispatched, this
+        rank's experts' products, the rows combined back), so the same tensors are kept and the same
+        collectives run with a balanced router's shapes."""
+        pair_token, pair_expert = token_expert_pairs(top_k_index)
+        order = torch.argsort(pair_expert, stable=True)
+        routed = hidden_states.index_select(0, pair_token[order])
+        exchange_tokens_per_expert(torch.empty(self.num_experts, dtype=torch.int64, device="meta"), self.ep_group)
+        splits = _even(routed.shape[0], group_size(self.ep_group))  # as many rows come as go
+        received = all_to_all(routed, splits, splits, self.ep_group)
+        by_expert = torch.empty(received.shape[0], dtype=torch.int64, device="meta")  # the sort to the experts
+        counts = torch.tensor(_even(received.shape[0], self.num_local_experts))  # read by the per-expert loop
+        output = self._local_experts(received.index_select(0, by_expert), counts)
+        back = all_to_all(output.index_select(0, by_expert), splits, splits, self.ep_group)
+        return combine_pairs(back, pair_token[order], top_k_weights.reshape(-1)[order], hidden_states.shape[0],
+                             hidden_states.dtype)
 
     def _local_experts(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """This rank's experts on their tokens (rows sorted by local expert): the fused tensors are
@@ -176,6 +198,11 @@ class ExpertParallelExperts(ExpertLayer):
     def extra_repr(self) -> str:
         return (f"experts {self.local_expert_start}..{self.local_expert_start + self.num_local_experts - 1} of "
                 f"{self.num_experts}")
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """``total`` rows over ``parts`` as evenly as whole rows go."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 # ------------------------------------------------------------------ the experts in save_pretrained files

@@ -7,11 +7,14 @@ layout, before launch, with the overrides and config groups of ``lightning-mhc-t
 
 The counts are the planner's (``lightning_mhc.planning``): parameters, gradients and AdamW state per
 rank of each pipeline stage, counted from the config (the mHC GPT's by arithmetic; a Hugging Face model's
-(``model=hf``) from its config.json on the meta device, no weights read; no process group started), and
-the retained activations at the schedule's peak for the run's recompute policy (where the count covers
-the model: not yet the GPT's CP or MoE layers, nor a Hugging Face model's TP, CP or EP, which plan the
-model states alone and say so), and the bytes each rank sends per step by dimension (``planning.traffic``;
-docs/planning.md; not yet a Hugging Face model's). The pipeline bubble is the schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
+(``model=hf``) from its config.json on the meta device, no weights read), the retained activations at
+the schedule's peak for the run's recompute policy, and the bytes each rank sends per step by dimension
+(``planning.traffic``; docs/planning.md). The GPT's are arithmetic (its activations not yet under CP or
+with MoE layers: the model states alone, said in one line); a Hugging Face model's activations and
+traffic come from one trace of its stages on the meta device (``planning.hf_activations``; its traffic
+not yet under ZeRO-1 or bf16 weights), under TP, CP or EP as one rank over a fake process group torn
+down after it (``planning.fake_group``). No real process group is started. The pipeline bubble is the
+schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
 ``lightning-mhc-plan: invalid configuration: ...``, exit status 2.
 """
 from __future__ import annotations
@@ -47,9 +50,6 @@ def _positive_int(key: str, value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise ConfigError(f"plan.{key}={value!r}: must be a positive whole number.")
     return int(value)
-
-
-HF_TRAFFIC_NOT_COUNTED = "a Hugging Face model's traffic is not counted yet"
 
 
 def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
@@ -111,11 +111,12 @@ def _gpt_terms(cfg, layout, num_microbatches: int, param_bytes: int):
 
 def _hf_terms(cfg, layout, num_microbatches: int, param_bytes: int):
     """A Hugging Face model's stages (model states, from its config.json on the meta device: no weights
-    read) and retained activations (its stages' forward traced on the meta device, where the trace
-    covers the layout); its traffic is not counted yet."""
+    read), retained activations and traffic (one trace of its stages on the meta device, over a fake
+    process group under TP, CP or EP: ``planning.hf_activations``), with why either is not counted."""
     from lightning_mhc.errors import ConfigError
     from lightning_mhc.any_model.record import recorded_hf_model
-    from lightning_mhc.planning import plan_hf, plan_hf_activations
+    from lightning_mhc.planning import plan_hf
+    from lightning_mhc.planning.hf_activations import check_hf_traffic_plan, trace_hf_stages
 
     m = cfg.model
     parallelize_args = dict(plan=m.plan, hyper_connections=m.hyper_connection_settings, recompute=cfg.recompute_policy)
@@ -124,17 +125,23 @@ def _hf_terms(cfg, layout, num_microbatches: int, param_bytes: int):
                          distributed_optimizer=cfg.optim.use_distributed_optimizer, **parallelize_args)
     except ConfigError as error:
         raise error.within(m.hf_key) from None
+    try:
+        check_hf_traffic_plan(param_bytes, cfg.optim.use_distributed_optimizer)
+        traffic_not_counted = None
+    except ConfigError as error:
+        traffic_not_counted = str(error)
     try:  # traced in the run's dtype (bf16-true: the model cast whole, as Lightning's plugin casts it)
         import torch
 
-        activations = [a for a, _ in plan_hf_activations(
-            lambda: recorded_hf_model(m.hf_dir), layout, seq_length=cfg.data.seq_length,
-            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches,
-            dtype=torch.bfloat16 if param_bytes == 2 else None, **parallelize_args)]
-        not_counted = None
+        traced = trace_hf_stages(lambda: recorded_hf_model(m.hf_dir), layout, seq_length=cfg.data.seq_length,
+                                 micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches,
+                                 backward=traffic_not_counted is None,
+                                 dtype=torch.bfloat16 if param_bytes == 2 else None, **parallelize_args)
     except ConfigError as error:  # what the trace does not cover: the model states alone
-        activations, not_counted = [0] * len(stages), str(error)
-    return stages, activations, not_counted, [None] * len(stages), HF_TRAFFIC_NOT_COUNTED
+        return stages, [0] * len(stages), str(error), [None] * len(stages), str(error)
+    activations = [t.activation_bytes for t in traced]
+    traffic = [t.traffic.per_dimension() if t.traffic is not None else None for t in traced]
+    return stages, activations, None, traffic, traffic_not_counted
 
 
 def _most_sent(traffic: list[dict[str, int] | None]) -> dict[str, int] | None:

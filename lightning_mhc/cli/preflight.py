@@ -91,7 +91,8 @@ def check_fits(cfg: TrainConfig) -> str | None:
     """The planner's verdict on this run's layout before launch. On a GPU a layout whose most loaded
     rank is predicted over the device's free memory is refused (ConfigError: the largest term and a
     layout of the same devices that fits); on the CPU the prediction is returned as a line to print.
-    A Hugging Face model's model states are planned (its activations not yet: the line says so)."""
+    A Hugging Face model's activations are traced (where the trace stops, the line says "in model
+    states alone")."""
     from lightning_mhc.cli.plan import describe, fitting_layouts, largest_term, layout_row
 
     try:
@@ -103,7 +104,7 @@ def check_fits(cfg: TrainConfig) -> str | None:
     free = free_device_memory(cfg)
     said = (f"the planner predicts {total / 1e9:.3f} GB on the most loaded rank (stage {row['most_loaded_stage']}; "
             f"largest term {term} {size / 1e9:.3f} GB)")
-    if row["activations_not_counted"]:  # (the GPT's CP or MoE layers, a Hugging Face model's TP, CP or EP)
+    if row["activations_not_counted"]:  # (the GPT's CP or MoE layers, an op a trace cannot run)
         said += " in model states alone"
     if free is None:
         return f"lightning-mhc-train: plan: {said}; on the CPU this is not enforced."

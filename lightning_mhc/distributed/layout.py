@@ -343,7 +343,7 @@ class ParallelLayout:
     def embedding_group(self):
         return self._groups().embedding
 
-    def build(self, timeout: datetime.timedelta | None = None) -> ParallelLayout:
+    def build(self, timeout: datetime.timedelta | None = None, gloo_groups: bool = True) -> ParallelLayout:
         """This layout with this rank's place and megatron-core's TP, CP, PP, DP, EP (and embedding) groups,
         made over the initialised default process group (whose size is checked first).
 
@@ -351,7 +351,9 @@ class ParallelLayout:
         needs (the same TP, CP, PP and EP sizes in the same world; the virtual pipeline and sequence
         parallelism need no groups of their own): a model built on them (megatron's layers keep
         them) goes on working, as after ``Trainer.fit`` for ``trainer.save_checkpoint``,
-        ``validate``, ``test`` or a second ``fit``. Other sizes replace them (destroyed)."""
+        ``validate``, ``test`` or a second ``fit``. Other sizes replace them (destroyed).
+        ``gloo_groups=False``: without megatron's gloo twins of its groups (the planner's fake
+        default group, ``planning.fake_group``, has no store for gloo to meet over)."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
@@ -369,6 +371,7 @@ class ParallelLayout:
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             context_parallel_size=self.context_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
+            create_gloo_process_groups=gloo_groups,
             **kwargs,
         )
         return world._adopt_megatron_groups()

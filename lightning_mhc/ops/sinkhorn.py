@@ -170,7 +170,9 @@ def sinkhorn_backward(logits: Tensor, grad: Tensor, iterations: int, eps: float,
         for dim in (-2, -1):
             raw, _ = _normalise_(p, dim, eps)
             steps.append((dim, p.clone(), raw))
-    any_clamped = bool(torch.cat([raw.flatten() for *_, raw in steps]).amin() < eps) if steps else False
+    # (meta tensors, the planner's trace, hold no values: either branch makes the same shapes)
+    any_clamped = bool(torch.cat([raw.flatten() for *_, raw in steps]).amin() < eps) \
+        if steps and not logits.is_meta else False
     g = grad.float() * p
     for dim, q, raw in reversed(steps):
         total = g.sum(dim=dim, keepdim=True)

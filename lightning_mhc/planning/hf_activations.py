@@ -1,29 +1,44 @@
-"""Retained activation bytes of a Hugging Face model per pipeline stage, counted by TRACING on the
-meta device rather than by a formula per family.
+"""Retained activation bytes and traffic per step of a Hugging Face model per pipeline stage,
+counted by TRACING one micro-batch on the meta device rather than by a formula per family.
 
 Each stage's chunks are built as ``parallelize`` builds them (its checks, ``plan_parallelize``; the
-pipeline pass, ``split_stages``, for a view of the layout that names the stage; the family's own
-pass; the pipeline contract, ``ParallelModel.connect_stages``; the recompute pass,
-``apply_recompute``), but left on the meta device: nothing is drawn or allocated. One micro-batch
-of meta tensors of the run's shape then goes through each chunk's ``forward_step`` (and the loss on
-the last), under the runtime's own meter (``recompute.memory.ActivationMemoryMeter``: what
-autograd saves, as unique live non-empty storages, parameters excluded; a storage freed by
-recompute has size 0), together with what the schedule holds for the
-micro-batch (its received input, its sent output shrunk to one element, the last stage's loss).
-The micro-batches in flight come from the schedule's order (``activations.in_flight_peak``, as the
-GPT's count); the step's token ids and labels (one storage each, of which micro-batches are views)
-are counted once per stage.
+context-parallel pass, ``split_over_context``; the pipeline pass, ``split_stages``; the
+tensor-parallel pass with the experts cut to an EP rank's, ``apply_tensor_parallel``; the family's
+own pass; the pipeline contract, ``ParallelModel.connect_stages``; the recompute pass,
+``apply_recompute``), but left on the meta device: nothing is drawn or allocated. Under TP, CP or
+EP the stage is built and run as one of its ranks over a fake process group (``fake_group``: the
+layout's groups, collectives that return at once), so their collectives run; without them, on a
+view of the layout naming the stage, no group made at all. One micro-batch of meta tensors of the
+run's shape then goes through each chunk's ``forward_step`` (and the loss on the last), under the
+runtime's own meter (``recompute.memory.ActivationMemoryMeter``: what autograd saves, as unique
+live non-empty storages, parameters excluded; a storage freed by recompute has size 0), together
+with what the schedule holds for the micro-batch (its received input, its sent output shrunk to one
+element, the last stage's loss). The micro-batches in flight come from the schedule's order
+(``activations.in_flight_peak``, as the GPT's count); the step's token ids and labels (one storage
+each, of which micro-batches are views) are counted once per stage.
 
-Counted so: PP (1F1B and interleaved), DP (nothing divides the activations), every recompute policy
-the family takes, added hyper-connections and a family's own streams (DeepSeek-V4's runtime keeps
-about 4 % more than one micro-batch's trace sees once a second one has run: docs/planning.md). Not
-yet: TP, CP, EP, whose forwards run collectives a
-trace without process groups cannot (refused in one line by :func:`check_hf_activation_plan`).
+The traffic (``traffic``'s convention: each rank's payload per dimension and collective): the
+backward runs after the forward, and what the forward and backward hand to torch.distributed (TP's
+all-reduces, gathers and scatters, the vocabulary-parallel loss's, CP's K/V gathers, EP's
+all-to-alls, recompute's replays) is read by the collective counter (``distributed.collectives``), once
+per micro-batch and chunk; beside it, from the stage's traced tensors: the sends between stages
+(each chunk's output and its input's gradient, per micro-batch) and the step's end, as the GPT's
+(``traffic.add_step_end``: the gradients' DP x CP and expert-DP all-reduce, the TP sum of the
+sequence-parallel ones, the tied embedding's between stages, the loss). An EP rank's experts on meta
+tensors hold no routing: they spread the pairs evenly over the experts (the GPT's count assumes a
+balanced router too), through the same exchange (``ExpertParallelExperts``).
+
+Counted so: PP (1F1B and interleaved), DP, TP with and without SP, CP (the families CP takes), EP,
+every recompute policy the family takes, added hyper-connections and a family's own streams
+(DeepSeek-V4's runtime keeps about 4 % more than one micro-batch's trace sees once a second one has
+run: docs/planning.md). The traffic not yet under ZeRO-1 or bf16 weights (the distributed
+optimizer's buckets), refused in one line by :func:`check_hf_traffic_plan`.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -31,22 +46,26 @@ from torch import nn
 
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.planning.activations import in_flight_peak
+from lightning_mhc.planning.traffic import FP32, StageTraffic, add_step_end
 from lightning_mhc.recompute.memory import ActivationMemoryMeter, storage_key
 
 
-def check_hf_activation_plan(layout: Any) -> None:
-    """What the traced count does not cover yet, refused in one line."""
-    missing = [what for what, size in (("tensor parallelism", layout.tensor_model_parallel_size),
-                                       ("context parallelism", layout.context_parallel_size),
-                                       ("expert parallelism", layout.expert_model_parallel_size)) if size > 1]
-    if missing:
-        raise ConfigError(f"the planner's activation count of a Hugging Face model does not cover {', '.join(missing)} "
-                          "yet (its forward runs collectives the meta-device trace has no group for); its model "
-                          "states are exact.")
+def check_hf_traffic_plan(param_bytes: int, distributed_optimizer: bool) -> None:
+    """What the traced traffic does not cover yet, refused in one line."""
+    if distributed_optimizer or param_bytes != FP32:
+        raise ConfigError("the planner's traffic count of a Hugging Face model does not cover ZeRO-1 or bf16 weights "
+                          "(the distributed optimizer's buckets) yet.")
+
+
+def needs_groups(layout: Any) -> bool:
+    """Whether a stage's forward runs collectives (TP, CP, EP): then it is traced over a fake group."""
+    return max(layout.tensor_model_parallel_size, layout.context_parallel_size,
+               layout.expert_model_parallel_size) > 1
 
 
 class _StageView:
-    """The layout as the pipeline pass reads it for one stage: its chunks are that stage's."""
+    """The layout as the pipeline pass reads it for one stage, without groups (no TP, CP or EP):
+    its chunks are that stage's."""
 
     def __init__(self, layout: Any, stage: int) -> None:
         self._layout, self._stage = layout, stage
@@ -80,7 +99,8 @@ def _meta_trace():
     experts' grouped product has a meta kernel for bf16 only (transformers' own fallback, which
     keeps the same inputs for the backward, is traced instead); the fused attention on meta tensors
     would take the unfused math (keeping the score matrix): it is given the fused kernel the runtime
-    runs, which keeps its inputs, output and log-sum-exp (the CPU's; the GPU's flash kernel keeps the same)."""
+    runs, which keeps its inputs, output and log-sum-exp (the CPU's; the GPU's flash kernel keeps the
+    same)."""
     from transformers import masking_utils
     from transformers.integrations import moe
 
@@ -109,30 +129,149 @@ def _meta_trace():
         torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
-def _stage_model(recorded: Callable[[], nn.Module], layout: Any, stage: int, settings: Any):
-    """``(ParallelModel, streams x hidden)`` of stage ``stage``, built on the meta device by
-    ``parallelize``'s passes (a fresh recorded model: the passes cut it in place)."""
+def _stage_model(recorded: Callable[[], nn.Module], layout: Any, settings: Any):
+    """Stage ``layout.pipeline_model_parallel_rank``'s ``ParallelModel``, built on the meta device by
+    ``parallelize``'s passes (a fresh recorded model: the passes cut it in place). ``layout``: built
+    over a fake group (TP, CP, EP) or a :class:`_StageView` (no group: nothing to cut)."""
+    from lightning_mhc.any_model.context_parallel import split_over_context
     from lightning_mhc.any_model.families import finish_family_chunks, native_stream_count
     from lightning_mhc.any_model.model import plan_parallelize
     from lightning_mhc.any_model.parallel_model import ParallelModel, stage_forward_kwargs
     from lightning_mhc.any_model.pipeline import split_stages
     from lightning_mhc.any_model.recompute import apply_recompute
+    from lightning_mhc.any_model.tensor_parallel import apply_tensor_parallel
     from lightning_mhc.planning.hf import _MetaMaterializer
 
-    view = _StageView(layout, stage)
-    planned = plan_parallelize(recorded(), dataclasses.replace(settings, layout=view))
+    planned = plan_parallelize(recorded(), dataclasses.replace(settings, layout=layout))
     model, parts = planned.model, planned.stages.parts
+    sequence_split = split_over_context(model, layout) if layout.context_parallel_size > 1 else None
     streams = planned.streams * native_stream_count(model)
-    split = split_stages(model, planned.stages, view, settings.hidden_size, streams)
+    split = split_stages(model, planned.stages, layout, settings.hidden_size, streams)
+    materializer = _MetaMaterializer()
     modules = [chunk.module for chunk in split.chunks]
+    if needs_groups(layout):  # each module cut to this rank's (TP's styles, EP's experts), left on meta
+        apply_tensor_parallel(split.chunks, materializer, planned.plan, layout, model)
+    for param in nn.ModuleList(modules).parameters():  # a tensor not cut stands for itself (a tie is marked on it)
+        if materializer.meta_id(param) in (None, id(param)):
+            materializer.replace(id(param), param)
     block_path = parts.block_path if parts else None
-    finish_family_chunks(model, modules, block_path, view, block_recompute=settings.recompute.block)
+    finish_family_chunks(model, modules, block_path, layout, block_recompute=settings.recompute.block)
+    tp = layout.tensor_model_parallel_size
     parallel = ParallelModel(modules, layout.num_virtual_stages, split.hidden_size, planned.vocab_parallel_logits, {},
-                             None, stage_forward_kwargs(model), settings.recompute)
-    parallel.connect_stages(split, _MetaMaterializer(), view)
-    parallel.attach_router_loss(model, view)
+                             None, stage_forward_kwargs(model), settings.recompute,
+                             tp if layout.sequence_parallel else 1, sequence_split)
+    parallel.connect_stages(split, materializer, layout)
+    parallel.attach_router_loss(model, layout)
     apply_recompute(split.chunks, settings.recompute, planned.plan, streams, block_path)
-    return parallel.train(), split.hidden_size
+    return parallel.train()
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTrace:
+    """One pipeline stage's traced figures, per rank of it."""
+
+    activation_bytes: int
+    """Retained at the schedule's peak, in the recorded model's dtype."""
+    chunks_held: int
+    """Micro-batch chunks in flight at that peak."""
+    traffic: StageTraffic | None
+    """The payload bytes a rank sends per step (None: the backward was not traced)."""
+
+
+def trace_hf_stages(recorded: Callable[[], nn.Module], layout: Any, *, seq_length: int, micro_batch_size: int,
+                    num_microbatches: int, plan: Any = "auto", hyper_connections: Any = None,
+                    recompute: Any = "none", pipeline_split: list[int] | list[str] | None = None,
+                    backward: bool = True, dtype: torch.dtype | None = None) -> list[StageTrace]:
+    """Each pipeline stage's :class:`StageTrace` (``backward=False``: the activations alone, no
+    traffic). ``recorded``: makes the model on the meta device (e.g. ``lambda:
+    recorded_hf_model(directory)``), called once per stage. ``dtype``: the run's weights'
+    (``torch.bfloat16`` under ``bf16-true``): each stage is cast whole to it, as Lightning's
+    precision plugin casts the model (``module.to(dtype)``), and traced with it as torch's default
+    dtype, as the plugin runs a training step (what the model computes in fp32 regardless, its
+    norms' statistics, the loss, stays fp32 in the trace too); None: the recorded model's (fp32)."""
+    from lightning_mhc.any_model.model import ParallelizeSettings
+    from lightning_mhc.planning.fake_group import pretend_rank, stage_rank
+
+    settings = ParallelizeSettings(layout, plan, pipeline_split=pipeline_split, recompute=recompute,
+                                   hyper_connections=hyper_connections)
+    sizes = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                 backward=backward, dtype=dtype)
+    out = []
+    for stage in range(layout.pipeline_model_parallel_size):
+        if needs_groups(layout):
+            with pretend_rank(layout, stage_rank(layout, stage)) as built:
+                out.append(_trace_stage(recorded, built, settings, **sizes))
+        else:
+            out.append(_trace_stage(recorded, _StageView(layout, stage), settings, **sizes))
+    return out
+
+
+def _trace_stage(recorded: Callable[[], nn.Module], layout: Any, settings: Any, *, seq_length: int,
+                 micro_batch_size: int, num_microbatches: int, backward: bool, dtype: torch.dtype | None) -> StageTrace:
+    """One stage's trace (``layout`` names it: see :func:`_stage_model`)."""
+    from lightning_mhc.distributed.grads import is_partial_over_tp
+    from lightning_mhc.distributed.placement import placement_of
+    from lightning_mhc.distributed.collectives import CollectiveCounter, dimension_of
+
+    p, m, stage = layout.pipeline_model_parallel_size, num_microbatches, layout.pipeline_model_parallel_rank
+    v = layout.num_virtual_stages // p
+    model = _stage_model(recorded, layout, settings)
+    if dtype is not None:
+        model.to(dtype)
+    weights = next(model.parameters()).dtype
+    # the step's batch, of which each micro-batch is a view (the runtime's split_microbatches)
+    input_ids = torch.zeros(m * micro_batch_size, seq_length, dtype=torch.long, device="meta")
+    labels = torch.zeros(m * micro_batch_size, seq_length, dtype=torch.long, device="meta")
+    inputs = {"input_ids": input_ids[:micro_batch_size]}
+    batch = {storage_key(input_ids), storage_key(labels)}
+    counted = CollectiveCounter(dimension_of(layout)) if backward and needs_groups(layout) else None
+    units, batch_bytes, received, sent = [], 0, 0, Counter()
+    for chunk in range(v):
+        virtual = chunk * p + stage
+        first, last = virtual == 0, virtual == layout.num_virtual_stages - 1
+        input_tensor = None
+        if not first:
+            input_tensor = torch.empty(model.pipeline_tensor_shape(inputs), dtype=weights, device="meta",
+                                       requires_grad=True)
+            received = input_tensor.untyped_storage().nbytes()
+        try:
+            with counted if counted is not None else contextlib.nullcontext(), _meta_trace(), _default_dtype(dtype):
+                with ActivationMemoryMeter(model) as meter:
+                    model.set_input_tensor(input_tensor, chunk)
+                    output = model.forward_step(inputs, chunk)
+                    if last:  # the schedule keeps the loss over the micro-batches
+                        output = model.loss(output, labels[:micro_batch_size]) / m
+                held = ([output] if last else []) + ([input_tensor] if input_tensor is not None else [])
+                sent_output = 0 if last else output.element_size()  # the sent output, shrunk to one element
+                units.append(sent_output + meter.live_bytes(held, where=lambda t: storage_key(t) not in batch))
+                batch_bytes = max(batch_bytes, meter.live_bytes(where=lambda t: storage_key(t) in batch))
+                if backward:  # as the schedule's: the loss's, or the gradient the next stage sends back
+                    torch.autograd.backward(output, None if last else torch.empty_like(output))
+        except Exception as error:  # an op the meta device cannot run (or a family's code that reads values):
+            # one line, which the pre-launch check prints beside the model states, not a failed launch
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(f"the planner's activation count could not trace {type(model.chunks[0]).__name__} "
+                              f"on the meta device ({first_line}); its model states are exact.") from error
+        if not last:  # every micro-batch sends its output forward and (below) its input's gradient back
+            sent["pipeline", "send"] += m * output.numel() * output.element_size()
+        if input_tensor is not None:
+            sent["pipeline", "send"] += m * received
+    peak, chunks_held = in_flight_peak(units, p, stage, m)
+    # the step's ids and labels once; interleaved: the next chunk's input, received before its forward
+    activation_bytes = peak + batch_bytes + (received if v > 1 else 0)
+    if not backward:
+        return StageTrace(activation_bytes, chunks_held, None)
+    if counted is not None:  # each micro-batch passes each chunk once each way
+        sent.update({key: m * payload for key, payload in counted.bytes.items() if payload})
+    trained = [param for param in model.parameters() if param.requires_grad]
+    grad_bytes = trained[0].element_size() if trained else FP32
+    add_step_end(sent, layout, stage, grad_bytes=grad_bytes, reduced_by_optimizer=False,
+                 dense=sum(t.numel() for t in trained if not placement_of(t).expert),
+                 expert=sum(t.numel() for t in trained if placement_of(t).expert),
+                 partial_over_tp=sum(t.numel() for t in trained if layout.tensor_model_parallel_size > 1
+                                     and is_partial_over_tp(t, layout)),
+                 tied=sum(t.numel() for t in trained if placement_of(t).shared_embedding))
+    return StageTrace(activation_bytes, chunks_held, StageTraffic(stage, {k: b for k, b in sent.items() if b}))
 
 
 @contextlib.contextmanager
@@ -154,54 +293,20 @@ def plan_hf_activations(recorded: Callable[[], nn.Module], layout: Any, *, seq_l
                         recompute: Any = "none", pipeline_split: list[int] | list[str] | None = None,
                         dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
     """Each pipeline stage's ``(retained activation bytes, micro-batch chunks in flight)`` at the
-    schedule's peak, per rank of that stage (as ``activations.plan_activations`` for the GPT).
-    ``recorded``: makes the model on the meta device (e.g. ``lambda: recorded_hf_model(directory)``),
-    called once per stage. ``dtype``: the run's weights' (``torch.bfloat16`` under ``bf16-true``):
-    each stage is cast whole to it, as Lightning's precision plugin casts the model
-    (``module.to(dtype)``), and traced with it as torch's default dtype, as the plugin runs a
-    training step (what the model computes in fp32 regardless, its norms' statistics, the loss,
-    stays fp32 in the trace too); None: the recorded model's (fp32)."""
-    from lightning_mhc.any_model.model import ParallelizeSettings
+    schedule's peak, per rank of that stage (as ``activations.plan_activations`` for the GPT), in
+    ``dtype`` (:func:`trace_hf_stages`, forward only)."""
+    return [(t.activation_bytes, t.chunks_held) for t in trace_hf_stages(
+        recorded, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+        plan=plan, hyper_connections=hyper_connections, recompute=recompute, pipeline_split=pipeline_split,
+        backward=False, dtype=dtype)]
 
-    check_hf_activation_plan(layout)
-    settings = ParallelizeSettings(layout, plan, pipeline_split=pipeline_split, recompute=recompute,
-                                   hyper_connections=hyper_connections)
-    p, m = layout.pipeline_model_parallel_size, num_microbatches
-    v = layout.num_virtual_stages // p
-    out = []
-    for stage in range(p):
-        model, width = _stage_model(recorded, layout, stage, settings)
-        if dtype is not None:
-            model.to(dtype)
-        weights = next(model.parameters()).dtype
-        # the step's batch, of which each micro-batch is a view (the runtime's split_microbatches)
-        input_ids = torch.zeros(m * micro_batch_size, seq_length, dtype=torch.long, device="meta")
-        labels = torch.zeros(m * micro_batch_size, seq_length, dtype=torch.long, device="meta")
-        batch = {storage_key(input_ids), storage_key(labels)}
-        units, batch_bytes, received = [], 0, 0
-        for chunk in range(v):
-            virtual = chunk * p + stage
-            first, last = virtual == 0, virtual == layout.num_virtual_stages - 1
-            input_tensor = None
-            if not first:
-                input_tensor = torch.empty(micro_batch_size, seq_length, width, dtype=weights, device="meta",
-                                           requires_grad=True)
-                received = input_tensor.untyped_storage().nbytes()
-            try:
-                with ActivationMemoryMeter(model) as meter, _meta_trace(), _default_dtype(dtype):
-                    model.set_input_tensor(input_tensor, chunk)
-                    output = model.forward_step({"input_ids": input_ids[:micro_batch_size]}, chunk)
-                    if last:  # the schedule keeps the loss over the micro-batches
-                        output = model.loss(output, labels[:micro_batch_size]) / m
-            except (RuntimeError, NotImplementedError) as error:  # an op the meta device cannot run
-                first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                raise ConfigError(f"the planner's activation count could not trace {type(model.chunks[0]).__name__} "
-                                  f"on the meta device ({first_line}); its model states are exact.") from error
-            held = ([output] if last else []) + ([input_tensor] if input_tensor is not None else [])
-            sent = 0 if last else output.element_size()  # the sent output, shrunk to one element
-            units.append(sent + meter.live_bytes(held, where=lambda t: storage_key(t) not in batch))
-            batch_bytes = max(batch_bytes, meter.live_bytes(where=lambda t: storage_key(t) in batch))
-        peak, chunks_held = in_flight_peak(units, p, stage, m)
-        # the step's ids and labels once; interleaved: the next chunk's input, received before its forward
-        out.append((peak + batch_bytes + (received if v > 1 else 0), chunks_held))
-    return out
+
+def plan_hf_traffic(recorded: Callable[[], nn.Module], layout: Any, *, seq_length: int, micro_batch_size: int,
+                    num_microbatches: int, param_bytes: int = FP32, distributed_optimizer: bool = False,
+                    **parallelize_args: Any) -> list[StageTraffic]:
+    """Each pipeline stage's :class:`StageTraffic` for one rank of it (:func:`trace_hf_stages`;
+    ``parallelize_args``: its ``plan``, ``hyper_connections``, ``recompute``, ``pipeline_split``)."""
+    check_hf_traffic_plan(param_bytes, distributed_optimizer)
+    return [t.traffic for t in trace_hf_stages(recorded, layout, seq_length=seq_length,
+                                               micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                                               **parallelize_args)]

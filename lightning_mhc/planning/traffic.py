@@ -2,7 +2,7 @@
 from the config by arithmetic (as ``shapes`` counts the parameters): what the runtime's modules,
 schedule and gradient reduction hand to torch.distributed for the layout.
 
-The convention (one for every collective, the one ``lightning_mhc.testing.collectives`` counts in a
+The convention (one for every collective, the one ``lightning_mhc.distributed.collectives`` counts in a
 real run): a rank's *payload*, the bytes of the tensor(s) it hands in as its contribution, whatever
 algorithm the backend runs:
 
@@ -107,8 +107,6 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
         layout.context_parallel_size
     ep, p = layout.expert_model_parallel_size, layout.pipeline_model_parallel_size
     v, m, e = layout.num_virtual_stages // p, num_microbatches, element_bytes
-    dp_cp = layout.data_parallel_size * cp
-    expert_dp = dp_cp // ep
     h = config.hidden_size
     n = config.num_residual_streams if config.enable_hyper_connections else 1
     t = micro_batch_size * seq_length // cp
@@ -197,17 +195,34 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
                     sent["data", "all_reduce"] += bucket * FP32
             # which tensors got a gradient: one all-reduce per group, an int32 per tensor
             sent["data", "all_reduce"] += sum(flags.values()) * INT32
-        else:
-            if dp_cp > 1:
-                sent["data", "all_reduce"] += count.dense * grad_bytes
-            if expert_dp > 1 and count.expert:
-                sent["data", "all_reduce"] += count.expert * grad_bytes
-        if partial_over_tp:
-            sent["tensor", "all_reduce"] += partial_over_tp * grad_bytes
-        if stage == p - 1:  # the step's loss: averaged over DP x CP, then sent to every stage
-            if dp_cp > 1:
-                sent["data", "all_reduce"] += FP32
-            if p > 1:
-                sent["pipeline", "broadcast"] += FP32
+        add_step_end(sent, layout, stage, dense=count.dense, expert=count.expert, partial_over_tp=partial_over_tp,
+                     tied=0, grad_bytes=grad_bytes, reduced_by_optimizer=takes_over)
         out.append(StageTraffic(stage, {k: b for k, b in sent.items() if b}))
     return out
+
+
+def add_step_end(sent: Counter, layout: Any, stage: int, *, dense: int, expert: int, partial_over_tp: int, tied: int,
+                 grad_bytes: int, reduced_by_optimizer: bool) -> None:
+    """What one rank of ``stage`` sends once a step, after its backward passes (``finalize_model_grads``,
+    the schedule's loss), added to ``sent``: its gradients all-reduced, ``dense`` elements over DP x
+    CP and ``expert`` over the expert-data ranks (unless ``reduced_by_optimizer``: the distributed
+    optimizer's buckets, counted apart); ``partial_over_tp`` elements (sequence-parallel ones,
+    per-head norms) summed over TP; ``tied`` elements of an embedding tied across stages summed
+    between the first and the last (0 where a count has them already); the step's loss averaged
+    over DP x CP on the last stage, then sent to every stage."""
+    p = layout.pipeline_model_parallel_size
+    dp_cp = layout.data_parallel_size * layout.context_parallel_size
+    if not reduced_by_optimizer:
+        if dp_cp > 1 and dense:
+            sent["data", "all_reduce"] += dense * grad_bytes
+        if dp_cp // layout.expert_model_parallel_size > 1 and expert:
+            sent["data", "all_reduce"] += expert * grad_bytes
+    if partial_over_tp and layout.tensor_model_parallel_size > 1:
+        sent["tensor", "all_reduce"] += partial_over_tp * grad_bytes
+    if tied and p > 1:
+        sent["pipeline", "all_reduce"] += tied * grad_bytes
+    if stage == p - 1:
+        if dp_cp > 1:
+            sent["data", "all_reduce"] += FP32
+        if p > 1:
+            sent["pipeline", "broadcast"] += FP32
