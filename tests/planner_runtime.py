@@ -7,12 +7,25 @@ from typing import Any
 import torch
 
 
+def lightning_precision(precision: str):
+    """The precision plugin Lightning's Trainer makes for ``precision`` (``32-true`` or ``bf16-true``),
+    for the planner grids that build the runtime's modules without a Trainer: the strategy converts
+    the module with its ``convert_module`` at setup, and Lightning runs each training step in its
+    ``train_step_context`` (``bf16-true``: torch's default dtype bf16)."""
+    from lightning.pytorch.plugins.precision import HalfPrecision, Precision
+
+    if precision == "32-true":
+        return Precision()
+    if precision == "bf16-true":
+        return HalfPrecision("bf16-true")
+    raise ValueError(f"precision {precision!r}: the planner grids run 32-true or bf16-true")
+
+
 def gpt_on_runtime(layout: Any, num_microbatches: int, model: dict[str, Any], policy: str = "none",
                    precision: str = "32-true", **settings: Any) -> tuple[Any, Any]:
     """``(runtime, module)``: ``layout`` built over the group, the module's stage made on it (seeded),
     its recompute policy attached, converted to ``precision`` as the Trainer's plugin converts it;
     ``settings``: more :class:`ParallelSettings` fields."""
-    from lightning_mhc.testing.precision import lightning_precision
     from lightning_mhc.lightning.modules.gpt import MHCGPTModule
     from lightning_mhc.recompute.policy import attach_recompute
     from lightning_mhc.strategies.runtime import ParallelRuntime
@@ -34,7 +47,6 @@ def train_schedule(runtime: Any, module: Any, batch: dict[str, torch.Tensor], pr
     """One training step's forwards and backwards through the runtime's schedule as Lightning runs
     them under ``precision``: the batch converted by the plugin (``bf16-true``: the loss mask bf16),
     the schedule in its ``train_step_context``."""
-    from lightning_mhc.testing.precision import lightning_precision
 
     plugin = lightning_precision(precision)
     with plugin.train_step_context():
@@ -46,7 +58,6 @@ def hf_on_runtime(layout: Any, num_microbatches: int, recorded: Any, policy: str
     """``(runtime, module)`` for a Hugging Face model recorded on the meta device: ``layout`` built
     over the group, the model split by ``parallelize`` with ``policy`` (seeded) in a ``ParallelLMModule``,
     converted to ``precision`` as the Trainer's plugin converts it."""
-    from lightning_mhc.testing.precision import lightning_precision
     from lightning_mhc.lightning.modules.parallel_lm import ParallelLMModule
     from lightning_mhc.strategies.runtime import ParallelRuntime
     from lightning_mhc.strategies.settings import ParallelSettings

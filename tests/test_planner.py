@@ -77,7 +77,7 @@ def _measure_zero1(model, tp, pp, vp, ep, bucket_bytes, world, precision="32-tru
 
     from lightning_mhc.model.config import MHCTransformerConfig, with_parallel_layout
     from lightning_mhc.model.stages import build_gpt_chunks
-    from lightning_mhc.testing.precision import lightning_precision
+    from planner_runtime import lightning_precision
     from lightning_mhc.testing.zero1 import zero1_state_row
 
     layout = _layout(world, tp, pp, vp, ep).build()

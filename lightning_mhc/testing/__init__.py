@@ -1,4 +1,3 @@
 """Helpers for tests and benchmarks: N ranks in one process group (``launch.spawn_ranks``), the
 full tensor of a tensor-parallel shard (``tensor_parallel.gather_tensor_parallel``) and torch's
-fp32 matmul precision set for a block (``precision.float32_matmul_precision``), a Trainer's precision
-plugin for modules built without one (``precision.lightning_precision``)."""
+fp32 matmul precision set for a block (``precision.float32_matmul_precision``)."""

@@ -18,17 +18,3 @@ def float32_matmul_precision(setting: str) -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(before)
-
-
-def lightning_precision(precision: str):
-    """The precision plugin Lightning's Trainer makes for ``precision`` (``32-true`` or ``bf16-true``),
-    for the planner grids that build the runtime's modules without a Trainer: the strategy converts
-    the module with its ``convert_module`` at setup, and Lightning runs each training step in its
-    ``train_step_context`` (``bf16-true``: torch's default dtype bf16)."""
-    from lightning.pytorch.plugins.precision import HalfPrecision, Precision
-
-    if precision == "32-true":
-        return Precision()
-    if precision == "bf16-true":
-        return HalfPrecision("bf16-true")
-    raise ValueError(f"precision {precision!r}: the planner grids run 32-true or bf16-true")
