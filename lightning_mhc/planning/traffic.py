@@ -131,6 +131,7 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
                 sent["tensor", "all_reduce"] += (forwards + 1) * activation
 
         partial_over_tp = 0  # elements of the decoder's TP-replicated parameters (SP: summed over TP)
+        tied_numel = 0  # elements of an embedding tied across stages held here (summed with the other end)
         for c in range(v):
             virtual = c * p + stage
             first, last = virtual == 0, virtual == p * v - 1
@@ -177,8 +178,8 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
                 numel = tensor.numel // tp if tensor.tensor_parallel else tensor.numel
                 if sp and tensor.name.startswith("decoder.") and not tensor.tensor_parallel:
                     partial_over_tp += numel
-                if p > 1 and tied and tensor.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    sent["pipeline", "all_reduce"] += numel * grad_bytes  # the tied embedding's two copies
+                if tied and tensor.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    tied_numel += numel  # the tied embedding's copy on this stage
         count = counts[stage]
         if takes_over:  # per bucket of the runtime's (memory.held_buckets: each chunk's own, one dtype)
             flags = Counter()
@@ -196,7 +197,7 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
             # which tensors got a gradient: one all-reduce per group, an int32 per tensor
             sent["data", "all_reduce"] += sum(flags.values()) * INT32
         add_step_end(sent, layout, stage, dense=count.dense, expert=count.expert, partial_over_tp=partial_over_tp,
-                     tied=0, grad_bytes=grad_bytes, reduced_by_optimizer=takes_over)
+                     tied=tied_numel, grad_bytes=grad_bytes, reduced_by_optimizer=takes_over)
         out.append(StageTraffic(stage, {k: b for k, b in sent.items() if b}))
     return out
 
