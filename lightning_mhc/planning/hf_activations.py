@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections import Counter
 from typing import Any, Callable
 
@@ -115,6 +116,12 @@ def _meta_trace():
     def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if query.device.type != "meta" or dropout_p:
             return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        bias = sys.modules.get("torch.nn.attention.bias")  # imported by whoever made one (seconds: not here)
+        if bias is not None and isinstance(attn_mask, bias.CausalBias):
+            # CP's chunk against its causal prefix: off the CPU a lower-right bias the fused kernels
+            # apply without a mask tensor (on the CPU a one-row strided mask of a few hundred bytes);
+            # handed to this kernel it would be materialised, a mask per chunk kept the run has not
+            attn_mask = None
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
