@@ -29,7 +29,7 @@ from lightning_mhc.model.config import (
 )
 from lightning_mhc.cli.preflight import CONF_DIR, PREFIX, to_train_config, warn_oversubscription
 from subprocess_env import child_env
-from train_cli import check_before_launch, run_train
+from train_cli import check_before_launch, run_train, run_train_on_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICK = ["trainer=debug", "data=synthetic", "logger=none"]
@@ -137,12 +137,14 @@ def test_a_refused_moe_config_says_only_its_own_line(tmp_path, monkeypatch, caps
 
 
 def test_relative_data_path_and_final_step_checkpoint(tmp_path):
-    """``data.path`` relative to where the command started (Hydra runs in the run directory);
-    5 steps with a checkpoint every 3: step 3 (periodic) and step 5 (the final step) are saved."""
+    """``data.path`` relative to where the command started (Hydra runs in the run directory, here
+    a relative one too); 5 steps with a checkpoint every 3: step 3 (periodic) and step 5 (the final
+    step) are saved. What the run reads and writes, on a rank forked from the preloaded server
+    started in ``tmp_path`` (``run_train_on_ranks``), not a fresh interpreter: the launch and its
+    default run directory are test_runs_started_together_get_their_own_directories'."""
     (tmp_path / "corpus.txt").write_text((ROOT / "README.md").read_text())
-    proc = run_train(tmp_path, "trainer=debug", "logger=none", "data=text", "data.path=corpus.txt",
-                     "trainer.max_steps=5", "trainer.checkpoint_every_n_steps=3")
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_train_on_ranks(tmp_path, "trainer=debug", "logger=none", "data=text", "data.path=corpus.txt",
+                       "trainer.max_steps=5", "trainer.checkpoint_every_n_steps=3", "hydra.run.dir=outputs/day/time")
     (run,) = list((tmp_path / "outputs").glob("*/*"))
     saved = sorted(p.name for p in (run / "checkpoints").glob("*.ckpt") if (p / "metadata.json").is_file())
     assert saved == ["step-000003.ckpt", "step-000005.ckpt"], saved
