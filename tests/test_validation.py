@@ -173,7 +173,8 @@ def test_sweep_lists_every_invalid_job_and_runs_none(tmp_path):
 def test_sweep_tables_a_failed_job_and_gives_each_job_its_wandb_run(tmp_path):
     """optim.lr=1e30 passes validation and makes the loss NaN at step 1 (trainer.raise_on_nonfinite_loss
     is on by default): that job fails, the next one still runs; the summary, rewritten at every job's
-    end, has both rows; each job logged to its own (offline) wandb run."""
+    end, has both rows; each job logged to its own (offline) wandb run (the CLI's check that
+    ``logger=wandb`` stays offline: a single run builds its logger by the same ``build_logger``)."""
     proc = run_train(tmp_path, "-m", "trainer=debug", "data=synthetic", "logger=wandb", "optim.lr=1e30,3e-3",
                      "hydra.sweep.dir=sweep", env={"WANDB_MODE": "offline"}, timeout=400)
     assert proc.returncode == 1, proc.stderr[-5000:]  # a runtime failure, not an invalid configuration
