@@ -181,8 +181,8 @@ def test_invalid_combinations_fail_with_their_message(overrides, error, match):
 def test_invalid_config_exits_before_anything_starts(tmp_path, monkeypatch, capsys):
     """The check ``lightning-mhc-train`` runs before Hydra makes a directory or starts a process, in
     this process (``check_before_launch``); the refusal through a real ``python -m
-    lightning_mhc.cli.train`` is test_validation.py's (test_bad_input_is_refused_before_launch's
-    three cases, test_sweep_lists_every_invalid_job_and_runs_none)."""
+    lightning_mhc.cli.train`` is test_validation.py's (test_bad_input_is_refused_before_launch's data
+    error, test_sweep_lists_every_invalid_job_and_runs_none)."""
     from train_cli import check_before_launch
 
     status, err = check_before_launch(["recompute=mhc_block", "recompute.recompute_mlp=true"], tmp_path, monkeypatch,
