@@ -21,7 +21,7 @@ from lightning_mhc.checkpoint import commit as sc
 from lightning_mhc.checkpoint import format as cf
 from script_runs import left_behind
 from subprocess_env import child_env
-from train_cli import run_train
+from train_cli import check_before_launch
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "checkpoint_faults.py"
 FILES = {"metadata.json", ".metadata", "__0_0.distcp", "rng_rank0.pt", "trainer_state.pt"}
@@ -185,13 +185,18 @@ def test_fault_hook(monkeypatch):
     assert kills == [(os.getpid(), signal.SIGKILL)]
 
 
-def test_train_refuses_a_checkpoint_with_missing_files_before_launch(tmp_path):
+def test_train_refuses_a_checkpoint_with_missing_files_before_launch(tmp_path, monkeypatch, capsys):
+    """``lightning-mhc-train``'s check before launch, in this process (``check_before_launch``: an
+    exception it let through, which would print a traceback, fails the test); a refused checkpoint
+    through the real ``python -m lightning_mhc.cli.train`` is
+    test_entry_point.py::test_bad_checkpoint_paths_are_refused_before_launch's first case."""
     broken = tmp_path / "step-000004.ckpt"
     _save(broken, 4)
     (broken / "__0_0.distcp").unlink()
-    proc = run_train(tmp_path, "trainer=debug", "data=synthetic", f"ckpt_path={broken}", timeout=120)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "missing: __0_0.distcp" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    status, err = check_before_launch(["trainer=debug", "data=synthetic", f"ckpt_path={broken}"], tmp_path,
+                                      monkeypatch, capsys)
+    assert status == 2, err[-3000:]
+    assert "missing: __0_0.distcp" in err and "Traceback" not in err, err[-3000:]
     assert not (tmp_path / "outputs").exists()
 
 

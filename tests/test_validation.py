@@ -4,7 +4,6 @@ and no run directory; runs never share a directory; the final step is checkpoint
 checks every job first and tables the jobs that fail at runtime."""
 from __future__ import annotations
 
-import concurrent.futures
 import csv
 import datetime
 import json
@@ -29,7 +28,7 @@ from lightning_mhc.model.config import (
 )
 from lightning_mhc.cli.preflight import CONF_DIR, PREFIX, to_train_config, warn_oversubscription
 from subprocess_env import child_env
-from train_cli import check_before_launch, run_train
+from train_cli import check_before_launch, run_train, run_train_on_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICK = ["trainer=debug", "data=synthetic", "logger=none"]
@@ -60,10 +59,12 @@ def _assert_refused(proc, message: str, cwd: pathlib.Path, what) -> None:
 def test_bad_input_is_refused_before_launch(tmp_path, monkeypatch, capsys):
     """Each bad input: exit 2, one line naming key, value and fix, no traceback, no process group,
     no run directory. Relative data paths are taken from the directory the command was started in
-    (the message names the absolute path). Three cases run as ``python -m lightning_mhc.cli.train``
-    (a data error, an unknown key, Hydra's type error); the others through the same check in this
-    process (``check_before_launch``: what the entry point runs before Hydra), seconds each
-    instead of a fresh interpreter's."""
+    (the message names the absolute path). The first case (a data error) runs as ``python -m
+    lightning_mhc.cli.train``; every case, that one too, through the same check in this process
+    (``check_before_launch``: what the entry point runs before Hydra, and all it runs for a
+    refused command line), seconds each instead of a fresh interpreter's 10 s. Hydra's own errors
+    (an unknown option) and range errors through the door are
+    test_sweep_lists_every_invalid_job_and_runs_none's."""
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "short.txt").write_text("far too short for one batch of 64-byte windows\n" * 4)
@@ -101,11 +102,8 @@ def test_bad_input_is_refused_before_launch(tmp_path, monkeypatch, capsys):
          "the distributed optimizer cuts parameters into pieces, which only an element-wise update allows; Adafactor "
          "is not one of SGD"),
     ]
-    through_the_door = [cases[0], cases[11], cases[14]]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # each a fresh interpreter
-        procs = list(pool.map(lambda case: run_train(tmp_path, *QUICK[:1], *case[0], timeout=120), through_the_door))
-    for (overrides, message), proc in zip(through_the_door, procs):
-        _assert_refused(proc, message, tmp_path, overrides)
+    overrides, message = cases[0]
+    _assert_refused(run_train(tmp_path, *QUICK[:1], *overrides, timeout=120), message, tmp_path, overrides)
     for overrides, message in cases:
         status, err = check_before_launch([*QUICK[:1], *overrides], tmp_path, monkeypatch, capsys)
         (line,) = err.strip().splitlines()
@@ -137,12 +135,14 @@ def test_a_refused_moe_config_says_only_its_own_line(tmp_path, monkeypatch, caps
 
 
 def test_relative_data_path_and_final_step_checkpoint(tmp_path):
-    """``data.path`` relative to where the command started (Hydra runs in the run directory);
-    5 steps with a checkpoint every 3: step 3 (periodic) and step 5 (the final step) are saved."""
+    """``data.path`` relative to where the command started (Hydra runs in the run directory, here
+    a relative one too); 5 steps with a checkpoint every 3: step 3 (periodic) and step 5 (the final
+    step) are saved. What the run reads and writes, on a rank forked from the preloaded server
+    started in ``tmp_path`` (``run_train_on_ranks``), not a fresh interpreter: the launch and its
+    default run directory are test_runs_started_together_get_their_own_directories'."""
     (tmp_path / "corpus.txt").write_text((ROOT / "README.md").read_text())
-    proc = run_train(tmp_path, "trainer=debug", "logger=none", "data=text", "data.path=corpus.txt",
-                     "trainer.max_steps=5", "trainer.checkpoint_every_n_steps=3")
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_train_on_ranks(tmp_path, "trainer=debug", "logger=none", "data=text", "data.path=corpus.txt",
+                       "trainer.max_steps=5", "trainer.checkpoint_every_n_steps=3", "hydra.run.dir=outputs/day/time")
     (run,) = list((tmp_path / "outputs").glob("*/*"))
     saved = sorted(p.name for p in (run / "checkpoints").glob("*.ckpt") if (p / "metadata.json").is_file())
     assert saved == ["step-000003.ckpt", "step-000005.ckpt"], saved
@@ -171,7 +171,8 @@ def test_sweep_lists_every_invalid_job_and_runs_none(tmp_path):
 def test_sweep_tables_a_failed_job_and_gives_each_job_its_wandb_run(tmp_path):
     """optim.lr=1e30 passes validation and makes the loss NaN at step 1 (trainer.raise_on_nonfinite_loss
     is on by default): that job fails, the next one still runs; the summary, rewritten at every job's
-    end, has both rows; each job logged to its own (offline) wandb run."""
+    end, has both rows; each job logged to its own (offline) wandb run (the CLI's check that
+    ``logger=wandb`` stays offline: a single run builds its logger by the same ``build_logger``)."""
     proc = run_train(tmp_path, "-m", "trainer=debug", "data=synthetic", "logger=wandb", "optim.lr=1e30,3e-3",
                      "hydra.sweep.dir=sweep", env={"WANDB_MODE": "offline"}, timeout=400)
     assert proc.returncode == 1, proc.stderr[-5000:]  # a runtime failure, not an invalid configuration
