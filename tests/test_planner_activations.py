@@ -19,6 +19,7 @@ LAYOUTS = {  # (TP, sequence parallel, PP, chunks per stage, micro-batches, CP, 
     "cp2pp2": (1, False, 2, 1, 4, 2, 1), "ep2": (1, False, 1, 1, 1, 1, 2), "cp2ep2": (1, False, 1, 1, 1, 2, 2),
 }
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96)
+NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
 MODELS = {  # what a case changes of MODEL
     "gelu": {},
     # a gated MLP (SwiGLU) where the MLP's tensors are kept: its wider fc1 output and the product
@@ -30,6 +31,11 @@ MODELS = {  # what a case changes of MODEL
     "moe_varied": dict(MOE, activation="swiglu", moe_shared_expert_intermediate_size=48, moe_layer_freq=2,
                        moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
     "moe_sigmoid": dict(MOE, moe_router_score_function="sigmoid"),
+    # dropout 0 (most pretraining, the at-scale configs): SDPA's fused (flash) kernel, which keeps no
+    # scores (Q, K, V, its output and log-sum-exp), the hyper-connection's fused bias-dropout-add, no noise
+    "nodrop": NO_DROPOUT,
+    "gqa_nodrop": dict(NO_DROPOUT, num_query_groups=2),  # K and V repeated, then kept by the flash kernel
+    "moe_nodrop": dict(MOE, **NO_DROPOUT),
 }
 # (streams, policy, layout): every policy with and without streams, each layout more than once
 GRID = [(1, "none", "pp4"), (1, "none", "tp2"), (1, "selective", "pp2v2"), (1, "selective", "tp2sp"),
@@ -46,12 +52,19 @@ GRID = [(1, "none", "pp4"), (1, "none", "tp2"), (1, "selective", "pp2v2"), (1, "
         (1, "none", "ep2", "moe"), (4, "selective", "ep2", "moe"), (4, "mhc_block", "ep2", "moe"),
         (4, "full", "ep2", "moe"), (4, "none", "single", "moe_varied"), (4, "mhc_block", "single", "moe_varied"),
         (1, "none", "single", "moe_sigmoid"), (4, "none", "cp2ep2", "moe"),
-        (4, "none", "tp2", "moe")]  # every TP rank runs all of its tokens through the experts
+        (4, "none", "tp2", "moe"),  # every TP rank runs all of its tokens through the experts
+        # dropout 0: every policy, with and without streams, TP/SP, 1F1B and interleaved PP, CP, EP
+        (1, "none", "pp4", "nodrop"), (4, "none", "tp2sp", "nodrop"), (1, "selective", "tp2", "nodrop"),
+        (4, "selective", "pp2v2", "nodrop"), (4, "mhc_block", "pp2v2", "nodrop"), (1, "full", "single", "nodrop"),
+        (4, "full", "tp2sp", "nodrop"), (1, "none", "cp2", "gqa_nodrop"), (4, "mhc_block", "cp2tp2sp", "nodrop"),
+        (4, "none", "ep2", "moe_nodrop"), (1, "none", "tp2", "gqa_nodrop")]
 # the same under bf16-true (the model cast whole by Lightning's plugin, each step in its bf16 default dtype):
 # what the model computes in fp32 whatever the weights (norms, hyper-connection mappings, the loss) stays 4 bytes;
 # CP's fp32 copies of each chunk's K and V prefixes, and an MoE layer's experts in bf16 beside its fp32 router
 BF16_GRID = [(4, "none", "tp2sp"), (4, "mhc_block", "pp2v2"), (1, "selective", "pp2"), (4, "full", "tp2"),
-             (4, "none", "cp2"), (1, "none", "ep2", "moe")]
+             (4, "none", "cp2"), (1, "none", "ep2", "moe"),
+             # dropout 0: the flash kernel keeps Q, K and V in bf16 (the math path's fp32 copies gone)
+             (4, "none", "tp2sp", "nodrop"), (1, "selective", "cp2", "nodrop")]
 TOLERANCE = 0.05
 
 
