@@ -144,3 +144,46 @@ def test_activation_plan_refuses_what_it_does_not_count():
                                   layout)
     with pytest.raises(ConfigError, match="does not cover an expert capacity"):
         plan_activations(config, layout, "none", seq_length=SEQ, micro_batch_size=MICRO_BATCH, num_microbatches=1)
+
+
+@pytest.mark.parametrize("name", ["tp2sp", "pp2v2", "cp2"])
+def test_a_plan_for_cuda_counts_the_fused_attention_checked_on_the_cpu(name):
+    """On CUDA SDPA runs its fused kernels with or without attention dropout: a plan for it counts,
+    under dropout, the fused formula the grid checks on the CPU without attention dropout (the
+    hidden dropout's terms as they are), less than the CPU's math path there."""
+    from lightning_mhc.model.config import with_parallel_layout
+    from lightning_mhc.model.config_dict import model_config_from_dict
+    from lightning_mhc.planning import plan_activations
+
+    layout = _asked(4, name)
+
+    def plan(device, **dropout):
+        config = with_parallel_layout(model_config_from_dict(dict(_model(4), **dropout)), layout)
+        return plan_activations(config, layout, "none", seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                                num_microbatches=LAYOUTS[name][4], device=device)
+
+    on_cuda = plan("cuda")
+    assert on_cuda == plan("cpu", attention_dropout=0.0)
+    assert all(gpu < cpu for (gpu, _), (cpu, _) in zip(on_cuda, plan("cpu")))
+
+
+def test_the_plan_command_counts_the_device_it_trains_on():
+    """``lightning-mhc-plan`` (and the pre-launch check) plans for ``trainer.accelerator``: a GPU's row
+    is the planner's count for CUDA, below the CPU's for a model with attention dropout."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mhc.cli import preflight
+    from lightning_mhc.cli.plan import layout_row
+    from lightning_mhc.planning import plan_activations
+
+    rows = {}
+    for accelerator in ("cpu", "gpu"):
+        argv = ["model=small", "trainer.devices=4", "data.global_batch_size=16", f"trainer.accelerator={accelerator}"]
+        with initialize_config_dir(config_dir=preflight.CONF_DIR, version_base="1.3", job_name="test"):
+            cfg = preflight.to_train_config(compose(config_name="config", overrides=argv))
+        rows[accelerator] = layout_row(cfg, cfg.layout, cfg.num_microbatches)["activation_bytes"]
+        assert cfg.gpt_sizes().attention_dropout > 0
+    want = plan_activations(cfg.gpt_sizes(), cfg.layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
+                            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=cfg.num_microbatches,
+                            device="cuda")
+    assert rows["gpu"] == max(a for a, _ in want) < rows["cpu"]

@@ -9,30 +9,37 @@ also splits the tokens of everything else (norms, residual streams, hyper-connec
 rank ``1 / cp`` of every token-wise tensor. Per layer, with ``T = s b / cp`` tokens of a micro-batch
 on a rank, ``e`` bytes an element, ``n`` streams of width ``h``:
 
-- attention (every policy but ``full``, :func:`attention_bytes`): the rotary tables (4 of
-  ``s d / cp``), the fused QKV output (``T d (a + 2g) / tp``), the context (``T a d / tp``) and
-  what SDPA's math path keeps: without CP the scaled Q and K (``2 T a d / tp``) and three score
-  tensors (``3 b (a / tp) s^2``); under CP the scaled Q, then per query chunk its causal prefix of
-  the gathered K/V (K scaled, three score tensors) and the whole gathered K/V once;
-- ``none``: two norms' statistics (``2 T``), eight ``T h`` tensors (norm inputs and outputs, the
-  residual adds), the MLP's two ``T F / tp`` (a gated unit's four: ``linear_fc1``'s ``2F`` wide
-  output, whose halves the activation and the product keep as views, the activation's output and
-  the product), or an MoE layer's (:func:`moe_bytes`); with streams, per sub-layer the stream twice
-  (``2 T n h``) and the mappings (``T (1 + 2n + n^2 + (n^2 + 2n))``);
-- ``selective`` (norms and MLP recomputed, an MoE one too): four ``T h``, the attention, the
-  streams' terms;
+- attention (every policy but ``full``, :func:`attention_bytes`), on the path SDPA takes
+  (:func:`fused_attention`): without attention dropout on the CPU, and on CUDA, its fused (flash)
+  kernel, keeping Q, K, V as given, its output (the context) and an fp32 log-sum-exp (``b (a / tp) s``);
+  under attention dropout on the CPU its math path, keeping the rotary tables (4 of ``s d / cp``),
+  the fused QKV output (``T d (a + 2g) / tp``), the context (``T a d / tp``), the scaled Q and K
+  (``2 T a d / tp``) and three score tensors (``3 b (a / tp) s^2``); under CP per query chunk
+  against its causal prefix of the gathered K/V, which is kept whole once;
+- ``none``: two norms' statistics (``2 T``), four ``T h`` (the norms' inputs and outputs), per
+  sub-layer its output (streams: ``H_post`` spreads it) or, without streams, the hidden dropout's
+  noise (:func:`hidden_dropout_active`); the MLP's two ``T F / tp`` (a gated unit's four:
+  ``linear_fc1``'s ``2F`` wide output, whose halves the activation and the product keep as views,
+  the activation's output and the product), or an MoE layer's (:func:`moe_bytes`); with streams,
+  per sub-layer the stream (``T n h``; under hidden dropout its noise too) and the mappings
+  (``T (1 + 2n + n^2 + (n^2 + 2n))``);
+- ``selective`` (norms and MLP recomputed, an MoE one too): two ``T h`` and the sub-layers'
+  outputs or noise, the attention, the streams' terms;
 - ``mhc_block``: two ``T h``, the attention, the MLP (dense or MoE); the hyper-connections
-  recomputed, so only each recompute block's stream (``2 T n h`` per block);
+  recomputed, so only each recompute block's stream (``T n h`` per block, and under hidden dropout
+  its last bias-dropout-add's noise);
 - ``full``: each layer's input stream ``T n h``.
 
 Each in ``e`` bytes, the weights' dtype, but what the model computes in fp32 whatever the weights
 (:data:`FP32`), and under bf16 the fp32 copies a forward keeps (the fused hyper-connection's
 parameters, the norms' weights, the CPU math attention's Q, K and V).
 Checked against the runtime's measurement (``measure_activation_memory``, the CLI's
-``activation_bytes``) in tests/test_planner_activations.py, in fp32 and under ``bf16-true``. Not
-covered: an expert capacity (which tokens it drops is the routing's; refused by
-:func:`check_activation_plan`); the experts' rows are counted as if routing were balanced over the
-EP ranks.
+``activation_bytes``) in tests/test_planner_activations.py on the CPU, in fp32 and under
+``bf16-true``, with the models' default dropout and without. On CUDA (``device="cuda"``: the CLI's
+``trainer.accelerator``) the fused attention is counted whatever the dropout, unchecked (no GPU
+here); the hidden dropout's masks are counted as the CPU's there (an upper bound). Not covered: an
+expert capacity (which tokens it drops is the routing's; refused by :func:`check_activation_plan`);
+the experts' rows are counted as if routing were balanced over the EP ranks.
 """
 from __future__ import annotations
 
