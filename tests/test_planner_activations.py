@@ -19,6 +19,7 @@ LAYOUTS = {  # (TP, sequence parallel, PP, chunks per stage, micro-batches, CP, 
     "cp2pp2": (1, False, 2, 1, 4, 2, 1), "ep2": (1, False, 1, 1, 1, 1, 2), "cp2ep2": (1, False, 1, 1, 1, 2, 2),
 }
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96)
+NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
 MODELS = {  # what a case changes of MODEL
     "gelu": {},
     # a gated MLP (SwiGLU) where the MLP's tensors are kept: its wider fc1 output and the product
@@ -30,6 +31,11 @@ MODELS = {  # what a case changes of MODEL
     "moe_varied": dict(MOE, activation="swiglu", moe_shared_expert_intermediate_size=48, moe_layer_freq=2,
                        moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
     "moe_sigmoid": dict(MOE, moe_router_score_function="sigmoid"),
+    # dropout 0 (most pretraining, the at-scale configs): SDPA's fused (flash) kernel, which keeps no
+    # scores (Q, K, V, its output and log-sum-exp), the hyper-connection's fused bias-dropout-add, no noise
+    "nodrop": NO_DROPOUT,
+    "gqa_nodrop": dict(NO_DROPOUT, num_query_groups=2),  # K and V repeated, then kept by the flash kernel
+    "moe_nodrop": dict(MOE, **NO_DROPOUT),
 }
 # (streams, policy, layout): every policy with and without streams, each layout more than once
 GRID = [(1, "none", "pp4"), (1, "none", "tp2"), (1, "selective", "pp2v2"), (1, "selective", "tp2sp"),
@@ -46,12 +52,19 @@ GRID = [(1, "none", "pp4"), (1, "none", "tp2"), (1, "selective", "pp2v2"), (1, "
         (1, "none", "ep2", "moe"), (4, "selective", "ep2", "moe"), (4, "mhc_block", "ep2", "moe"),
         (4, "full", "ep2", "moe"), (4, "none", "single", "moe_varied"), (4, "mhc_block", "single", "moe_varied"),
         (1, "none", "single", "moe_sigmoid"), (4, "none", "cp2ep2", "moe"),
-        (4, "none", "tp2", "moe")]  # every TP rank runs all of its tokens through the experts
+        (4, "none", "tp2", "moe"),  # every TP rank runs all of its tokens through the experts
+        # dropout 0: every policy, with and without streams, TP/SP, 1F1B and interleaved PP, CP, EP
+        (1, "none", "pp4", "nodrop"), (4, "none", "tp2sp", "nodrop"), (1, "selective", "tp2", "nodrop"),
+        (4, "selective", "pp2v2", "nodrop"), (4, "mhc_block", "pp2v2", "nodrop"), (1, "full", "single", "nodrop"),
+        (4, "full", "tp2sp", "nodrop"), (1, "none", "cp2", "gqa_nodrop"), (4, "mhc_block", "cp2tp2sp", "nodrop"),
+        (4, "none", "ep2", "moe_nodrop"), (1, "none", "tp2", "gqa_nodrop")]
 # the same under bf16-true (the model cast whole by Lightning's plugin, each step in its bf16 default dtype):
 # what the model computes in fp32 whatever the weights (norms, hyper-connection mappings, the loss) stays 4 bytes;
 # CP's fp32 copies of each chunk's K and V prefixes, and an MoE layer's experts in bf16 beside its fp32 router
 BF16_GRID = [(4, "none", "tp2sp"), (4, "mhc_block", "pp2v2"), (1, "selective", "pp2"), (4, "full", "tp2"),
-             (4, "none", "cp2"), (1, "none", "ep2", "moe")]
+             (4, "none", "cp2"), (1, "none", "ep2", "moe"),
+             # dropout 0: the flash kernel keeps Q, K and V in bf16 (the math path's fp32 copies gone)
+             (4, "none", "tp2sp", "nodrop"), (1, "selective", "cp2", "nodrop")]
 TOLERANCE = 0.05
 
 
@@ -131,3 +144,46 @@ def test_activation_plan_refuses_what_it_does_not_count():
                                   layout)
     with pytest.raises(ConfigError, match="does not cover an expert capacity"):
         plan_activations(config, layout, "none", seq_length=SEQ, micro_batch_size=MICRO_BATCH, num_microbatches=1)
+
+
+@pytest.mark.parametrize("name", ["tp2sp", "pp2v2", "cp2"])
+def test_a_plan_for_cuda_counts_the_fused_attention_checked_on_the_cpu(name):
+    """On CUDA SDPA runs its fused kernels with or without attention dropout: a plan for it counts,
+    under dropout, the fused formula the grid checks on the CPU without attention dropout (the
+    hidden dropout's terms as they are), less than the CPU's math path there."""
+    from lightning_mhc.model.config import with_parallel_layout
+    from lightning_mhc.model.config_dict import model_config_from_dict
+    from lightning_mhc.planning import plan_activations
+
+    layout = _asked(4, name)
+
+    def plan(device, **dropout):
+        config = with_parallel_layout(model_config_from_dict(dict(_model(4), **dropout)), layout)
+        return plan_activations(config, layout, "none", seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                                num_microbatches=LAYOUTS[name][4], device=device)
+
+    on_cuda = plan("cuda")
+    assert on_cuda == plan("cpu", attention_dropout=0.0)
+    assert all(gpu < cpu for (gpu, _), (cpu, _) in zip(on_cuda, plan("cpu")))
+
+
+def test_the_plan_command_counts_the_device_it_trains_on():
+    """``lightning-mhc-plan`` (and the pre-launch check) plans for ``trainer.accelerator``: a GPU's row
+    is the planner's count for CUDA, below the CPU's for a model with attention dropout."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mhc.cli import preflight
+    from lightning_mhc.cli.plan import layout_row
+    from lightning_mhc.planning import plan_activations
+
+    rows = {}
+    for accelerator in ("cpu", "gpu"):
+        argv = ["model=small", "trainer.devices=4", "data.global_batch_size=16", f"trainer.accelerator={accelerator}"]
+        with initialize_config_dir(config_dir=preflight.CONF_DIR, version_base="1.3", job_name="test"):
+            cfg = preflight.to_train_config(compose(config_name="config", overrides=argv))
+        rows[accelerator] = layout_row(cfg, cfg.layout, cfg.num_microbatches)["activation_bytes"]
+        assert cfg.gpt_sizes().attention_dropout > 0
+    want = plan_activations(cfg.gpt_sizes(), cfg.layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
+                            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=cfg.num_microbatches,
+                            device="cuda")
+    assert rows["gpu"] == max(a for a, _ in want) < rows["cpu"]

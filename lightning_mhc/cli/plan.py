@@ -85,16 +85,19 @@ def layout_row(cfg, layout, num_microbatches: int) -> dict[str, Any]:
 
 def _gpt_terms(cfg, layout, num_microbatches: int, param_bytes: int):
     """The mHC GPT's stages (model states), activations and traffic per stage, with why either is not counted."""
+    from lightning_mhc.cli.preflight import device_type
     from lightning_mhc.errors import ConfigError
     from lightning_mhc.planning import plan_activations, plan_gpt, plan_traffic
 
     config = cfg.gpt_sizes()
     stages = plan_gpt(config, layout, param_bytes=param_bytes,
                       distributed_optimizer=cfg.optim.use_distributed_optimizer)
-    try:  # activations in the parameters' dtype, what stays fp32 in fp32 (checked in fp32 and bf16-true)
+    try:  # activations in the parameters' dtype, what stays fp32 in fp32 (checked in fp32 and bf16-true), on the
+        # device the run trains on (CUDA: SDPA's fused kernels whatever the attention dropout)
         activations = [a for a, _ in plan_activations(
             config, layout, cfg.recompute_policy, seq_length=cfg.data.seq_length,
-            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes)]
+            micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches, element_bytes=param_bytes,
+            device=device_type(cfg.trainer.accelerator))]
         not_counted = None
     except ConfigError as error:  # what the activation count does not cover: the model states alone
         activations, not_counted = [0] * len(stages), str(error)

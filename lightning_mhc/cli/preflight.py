@@ -60,9 +60,9 @@ def check_machine(cfg: TrainConfig) -> None:
         check_data(source=d.source, path=d.path, seq_length=d.seq_length, val_fraction=d.val_fraction,
                    max_bytes=d.max_bytes, synthetic_samples=d.synthetic_samples,
                    global_batch_size=d.global_batch_size, validate=t.limit_val_batches > 0)
-    if t.precision == "16-mixed" and _device_type(t.accelerator) == "cuda":  # Lightning scales only on CUDA
+    if t.precision == "16-mixed" and device_type(t.accelerator) == "cuda":  # Lightning scales only on CUDA
         raise ConfigError(f"trainer.precision=16-mixed with trainer.accelerator={t.accelerator}: {NO_GRADIENT_SCALER}")
-    if cfg.model.mhc_implementation == "triton" and not triton_runs_on(_device_type(t.accelerator)):
+    if cfg.model.mhc_implementation == "triton" and not triton_runs_on(device_type(t.accelerator)):
         raise ConfigError(f"model.mhc_implementation=triton with trainer.accelerator={t.accelerator}: {TRITON_NOT_HERE}")
     if t.accelerator in ("gpu", "cuda"):
         import torch
@@ -80,7 +80,7 @@ def free_device_memory(cfg: TrainConfig) -> int | None:
     """The free bytes of the emptiest-to-be GPU this run uses (the least free over the visible
     devices it takes), or None when it runs on the CPU (where the planner's figure is printed, not
     enforced)."""
-    if _device_type(cfg.trainer.accelerator) != "cuda":
+    if device_type(cfg.trainer.accelerator) != "cuda":
         return None
     import torch
 
@@ -118,7 +118,7 @@ def check_fits(cfg: TrainConfig) -> str | None:
                       "(lightning-mhc-plan lists them).")
 
 
-def _device_type(accelerator: str) -> str:
+def device_type(accelerator: str) -> str:
     """The torch device type a ``trainer.accelerator`` runs on (``auto``: CUDA when there is one)."""
     if accelerator == "auto":
         import torch

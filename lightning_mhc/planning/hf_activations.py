@@ -232,7 +232,7 @@ def _trace_stage(recorded: Callable[[], nn.Module], layout: Any, settings: Any, 
     inputs = {"input_ids": input_ids[:micro_batch_size]}
     batch = {storage_key(input_ids), storage_key(labels)}
     counted = CollectiveCounter(dimension_of(layout)) if backward and needs_groups(layout) else None
-    units, batch_bytes, received, sent = [], 0, 0, Counter()
+    units, batch_bytes, received, input_saved, sent = [], 0, 0, False, Counter()
     for chunk in range(v):
         virtual = chunk * p + stage
         first, last = virtual == 0, virtual == layout.num_virtual_stages - 1
@@ -248,6 +248,7 @@ def _trace_stage(recorded: Callable[[], nn.Module], layout: Any, settings: Any, 
                     output = model.forward_step(inputs, chunk)
                     if last:  # the schedule keeps the loss over the micro-batches
                         output = model.loss(output, labels[:micro_batch_size]) / m
+                input_saved = input_saved or (input_tensor is not None and meter.saved_itself(input_tensor))
                 held = ([output] if last else []) + ([input_tensor] if input_tensor is not None else [])
                 sent_output = 0 if last else output.element_size()  # the sent output, shrunk to one element
                 units.append(sent_output + meter.live_bytes(held, where=lambda t: storage_key(t) not in batch))
@@ -263,9 +264,10 @@ def _trace_stage(recorded: Callable[[], nn.Module], layout: Any, settings: Any, 
             sent["pipeline", "send"] += m * output.numel() * output.element_size()
         if input_tensor is not None:
             sent["pipeline", "send"] += m * received
-    peak, chunks_held = in_flight_peak(units, p, stage, m)
-    # the step's ids and labels once; interleaved: the next chunk's input, received before its forward
-    activation_bytes = peak + batch_bytes + (received if v > 1 else 0)
+    # interleaved: the chunks' inputs received before their forward, and each chunk's last one (its
+    # model references it) where the forward saved that tensor itself
+    peak, chunks_held = in_flight_peak(units, p, stage, m, received=received, kept=received if input_saved else 0)
+    activation_bytes = peak + batch_bytes  # the step's ids and labels once
     if not backward:
         return StageTrace(activation_bytes, chunks_held, None)
     if counted is not None:  # each micro-batch passes each chunk once each way

@@ -77,6 +77,11 @@ class ActivationMemoryMeter:
             storages[storage_key(tensor)] = storage.nbytes()
         return sum(storages.values())
 
+    def saved_itself(self, tensor: torch.Tensor) -> bool:
+        """Whether the graph saved this tensor object itself (not a detached alias of its storage,
+        as a checkpoint saves its inputs): then it is counted as long as something keeps it alive."""
+        return any(ref() is tensor for ref in self._saved)
+
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
         peak = None

@@ -45,6 +45,28 @@ def schedule_table(num_microbatches: int, num_chunks: int, group: int) -> list[t
     return table
 
 
+def step_chunk(table: list[tuple[int, int]], k: int, forward: bool, num_chunks: int) -> int:
+    """The local chunk step ``k`` of the schedule runs (``table``: :func:`schedule_table`'s order,
+    wrapping; backward runs the chunks reversed)."""
+    chunk = table[k % len(table)][1]
+    return chunk if forward else num_chunks - chunk - 1
+
+
+def receives_after(table: list[tuple[int, int]], k: int, forward: bool, leading: bool, pp: int,
+                   num_chunks: int) -> tuple[bool, int]:
+    """Whether the exchange after step ``k`` receives (from the previous stage forward, the next
+    one backward), and into which chunk (megatron's ``recv_from_previous_stage``); ``leading``: this
+    rank is the first stage (forward) or the last (backward). The planner replays it
+    (``planning.activations.in_flight_peak``: the input received ahead of its forward)."""
+    if not leading:
+        return True, step_chunk(table, k + 1, forward, num_chunks)
+    recv = k >= pp - 1
+    next_chunk = step_chunk(table, k - (pp - 1) if recv else k + 1, forward, num_chunks)
+    if next_chunk == (num_chunks - 1 if forward else 0):
+        recv = False
+    return recv, next_chunk + (1 if forward else -1)
+
+
 def forward_backward_pipelining_with_interleaving(chunks: Sequence[torch.nn.Module], microbatches: Sequence[Any],
                                                  forward_step: ForwardStep, loss_func: LossFunc,
                                                  config: ScheduleConfig) -> ScheduleResult:
@@ -102,20 +124,12 @@ class _Interleaved:
         return chunk == self.v - 1 and self.layout.is_last_stage
 
     def chunk_id(self, k: int, forward: bool) -> int:
-        chunk = self.table[k % self.total][1]
-        return chunk if forward else self.v - chunk - 1
+        return step_chunk(self.table, k, forward, self.v)
 
     def recv_from_previous_stage(self, k: int, forward: bool) -> tuple[bool, int]:
-        """Whether the exchange after step ``k`` receives (from the previous stage forward,
-        the next one backward), and into which chunk (megatron's helper of the same name)."""
+        """Whether the exchange after step ``k`` receives, and into which chunk (:func:`receives_after`)."""
         leading = self.layout.is_first_stage if forward else self.layout.is_last_stage
-        if not leading:
-            return True, self.chunk_id(k + 1, forward)
-        recv = k >= self.pp - 1
-        next_chunk = self.chunk_id(k - (self.pp - 1) if recv else k + 1, forward)
-        if next_chunk == (self.v - 1 if forward else 0):
-            recv = False
-        return recv, next_chunk + (1 if forward else -1)
+        return receives_after(self.table, k, forward, leading, self.pp, self.v)
 
     # ------------------------------------------------------- one microbatch
     def forward(self, k: int) -> Tensor | None:
