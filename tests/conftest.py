@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton_interpreter  # noqa: E402,F401  (the interpreter patches the language once a launch, not once a call)
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -52,6 +53,8 @@ from lightning_mhc.testing.launch import free_port  # noqa: E402
 # (tests/script_runs.py's run_on_ranks), and each would import it again (about 3 s of CPU); and the
 # CLI's entry point with Hydra, for the command-line runs on forked ranks (train_cli.run_train_on_ranks)
 launch.PRELOAD += ("lightning.pytorch", "lightning_mhc.lightning", "lightning_mhc.cli.train")
+# and the suite's patch of Triton's interpreter, for the kernels its ranks interpret (tests/triton_interpreter.py)
+launch.PRELOAD += ("triton_interpreter",)
 
 
 # `make test`'s two workers take a whole file at a time (``--dist loadfile``), and xdist hands the

@@ -214,6 +214,45 @@ def test_res_post_bias_dropout_add_with_the_kernels_dropout(n, c, tokens, prob):
     assert torch.equal(fused_res_post(x, h_res, h_post, out, bias, prob, TritonKernels), y)
 
 
+def _interpreter_patched(rank: int, world_size: int) -> bool:
+    from triton.runtime import interpreter
+
+    return getattr(interpreter._patch_lang, "once_per_launch", False)
+
+
+@interpreted
+def test_the_interpreter_patches_the_language_once_a_launch_here_and_on_forked_ranks(monkeypatch):
+    """tests/triton_interpreter.py: a launch patches ``triton.language`` once, not once more for
+    every call of a ``@triton.jit`` helper (``res_post``'s kernel calls three per program, a program
+    per token), gives the kernel's output bit for bit as Triton's own patching does, and leaves the
+    language as it found it; so in this process and on the fork server's ranks."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from lightning_mhc.ops.triton_kernels import res_post
+    from lightning_mhc.testing.launch import spawn_ranks
+
+    patched = []
+    patch_core = interpreter._patch_lang_core
+    monkeypatch.setattr(interpreter, "_patch_lang_core",
+                        lambda lang, scope: (patched.append(lang), patch_core(lang, scope)))
+    language = (tl.reduce, tl.core.reduce, tl.load, tl.arange, tl.core.arange)
+
+    def launch(tokens: int) -> tuple[torch.Tensor, int]:
+        patched.clear()
+        x, h_res, h_post, out, bias = (t.detach() for t in _res_post_leaves(4, 24, tokens))
+        return res_post(x, h_res, h_post, out, bias, 0.0, None), len(patched)
+
+    launch(1)  # its helpers' first calls (Triton rewrites a function once, then its module sees ``tl`` too)
+    (six, once_for_six), (_, once_for_twelve) = launch(6), launch(12)
+    assert 0 < once_for_six == once_for_twelve <= 3  # tl, and tl.core for tl.sum's helpers: not more with more programs
+    assert (tl.reduce, tl.core.reduce, tl.load, tl.arange, tl.core.arange) == language
+    monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang.original)  # Triton's own: once a call
+    (again, each_call) = launch(6)
+    assert each_call >= 6 * 4 and torch.equal(again, six)  # 4 helper calls a program
+    assert spawn_ranks(_interpreter_patched, 1, init_group=False) == [True]
+
+
 @interpreted
 def test_the_kernels_dropout_drops_at_the_rate_asked_and_varies_by_draw():
     from lightning_mhc.ops.hyper_connection import fused_res_post, reference_apply_h_res, reference_res_post
