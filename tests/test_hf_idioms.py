@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -19,7 +18,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "scripts"))
-from subprocess_env import child_env  # noqa: E402
+from script_runs import run_source_on_a_rank  # noqa: E402
 from lm_models import SEQ, VOCAB, WIDTH, PlainTransformer, gemma2, gpt_neox, llama, opt  # noqa: E402
 
 import lightning_mhc  # noqa: E402
@@ -219,22 +218,23 @@ def test_a_copy_gives_the_same_logits_and_trains_on_its_own(family, how, tmp_pat
                                rtol=0, atol=1e-6)
 
 
-LOAD_IN_A_FRESH_PROCESS = """
-import sys, torch
-model = torch.load(sys.argv[1], weights_only=False).eval()
+LOAD_IN_ANOTHER_PROCESS = """
+import torch
+model = torch.load("model.pt", weights_only=False).eval()
 with torch.no_grad():
-    torch.save(model(input_ids=torch.load(sys.argv[2])).logits, sys.argv[3])
+    torch.save(model(input_ids=torch.load("tokens.pt")).logits, "logits.pt")
 """
 
 
 def test_a_pickled_model_loads_in_a_fresh_process(tmp_path):
     """``torch.load`` in a process that never made the hyper-connected classes (the pickle names
-    each by its base class): the same logits."""
+    each by its base class): the same logits. The process is a rank forked from the preloaded
+    server (``run_source_on_a_rank``), which imported the package but never built a model: what it
+    lacks is the classes, as a fresh interpreter lacks them, without its 7 s of imports."""
     model = _hyper_connected("gemma2").eval()
     torch.save(model, tmp_path / "model.pt")
     torch.save(TOKENS, tmp_path / "tokens.pt")
-    subprocess.run([sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(tmp_path / "model.pt"),
-                    str(tmp_path / "tokens.pt"), str(tmp_path / "logits.pt")], check=True, env=child_env(), timeout=300)
+    run_source_on_a_rank(LOAD_IN_ANOTHER_PROCESS, tmp_path)
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), _logits(model), rtol=0, atol=0)
 
 

@@ -380,12 +380,27 @@ def test_train_plans_and_refuses_a_hugging_face_layout(llama_dir, tmp_path, monk
     """``lightning-mhc-train model=hf``: on the CPU the planner's figure is one line, not enforced; on a
     GPU (free memory faked) a layout predicted over it is refused in one line naming a layout of the
     same devices that fits; with room enough it passes."""
+    import copy
+
     from hydra import compose, initialize_config_dir
 
+    from lightning_mhc.cli import plan as plan_cli
     from lightning_mhc.cli import preflight
     from lightning_mhc.cli.plan import describe, fitting_layouts, layout_row
     from train_cli import check_before_launch
 
+    # One command line throughout: the CLI's three checks and this test ask for the same layouts' rows
+    # (24 asks of 5 layouts that divide the model and 5 that it refuses: the asked layout 6 times, every
+    # other candidate twice), each row a trace with a backward. Each row is traced once here and handed
+    # to every later ask (a copy: a caller may change what it gets); a refusal is asked again
+    rows: dict = {}
+
+    def layout_row_once(cfg, layout, num_microbatches):
+        if (layout, num_microbatches) not in rows:
+            rows[layout, num_microbatches] = layout_row(cfg, layout, num_microbatches)
+        return copy.deepcopy(rows[layout, num_microbatches])
+
+    monkeypatch.setattr(plan_cli, "layout_row", layout_row_once)
     argv = _hf_args(llama_dir, "trainer.devices=4", "data.global_batch_size=8")  # DP 4: the whole model per rank
     status, err = check_before_launch(argv, tmp_path, monkeypatch, capsys)
     lines = [line for line in err.splitlines() if line.startswith("lightning-mhc-train: plan:")]
@@ -393,7 +408,7 @@ def test_train_plans_and_refuses_a_hugging_face_layout(llama_dir, tmp_path, monk
     monkeypatch.chdir(tmp_path)
     with initialize_config_dir(config_dir=preflight.CONF_DIR, version_base="1.3", job_name="test"):
         cfg = preflight.to_train_config(compose(config_name="config", overrides=argv))
-    asked = layout_row(cfg, cfg.layout, cfg.num_microbatches)
+    asked = layout_row_once(cfg, cfg.layout, cfg.num_microbatches)
     best = fitting_layouts(cfg, 4, asked["total_bytes"])[0]
     assert best["total_bytes"] < asked["total_bytes"]
     monkeypatch.setattr(preflight, "free_device_memory", lambda cfg: (best["total_bytes"] + asked["total_bytes"]) // 2)
