@@ -68,9 +68,11 @@ launch.PRELOAD += ("lightning.pytorch", "lightning_mhc.lightning", "lightning_mh
 # The files it does not name follow, most tests first (each under 25 s of CPU). By their few
 # tests, test_context_parallel_fit.py (47 s of CPU in 2 tests), test_entry_point.py (73 s in 7),
 # test_moe_runtime.py (39 s in 7), test_pipeline.py (104 s in 12) and test_fabric.py (126 s in 8)
-# had come late in the order.
+# had come late in the order; so would the planner's grids (2026-11-29: test_planner_hf.py 154 to 197 s
+# of CPU in 8 tests, test_planner_activations.py 150 s of wall alone in 2).
 LONGEST_FILES = ("test_triton_kernels.py", "test_benchmarks.py", "test_parallelize.py", "test_preemption.py",
-                 "test_fabric.py", "test_hydra.py", "test_docs.py", "test_distributed_optimizer.py",
+                 "test_fabric.py", "test_hydra.py", "test_docs.py", "test_planner_hf.py", "test_planner_activations.py",
+                 "test_distributed_optimizer.py",
                  "test_pipeline.py", "test_validation.py", "test_lightning.py", "test_deepseek_v4_parallel.py",
                  "test_wheel.py", "test_multinode.py", "test_entry_point.py", "test_checkpoint_faults.py",
                  "test_checkpoint_reshard.py", "test_context_parallel_fit.py", "test_hf_idioms.py",
