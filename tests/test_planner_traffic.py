@@ -83,7 +83,8 @@ def _measure(rank, world):
             optimizer.step()
             runtime.finish_step()
         out.append((runtime.layout.pipeline_model_parallel_rank,
-                    tuple(dist.get_process_group_ranks(runtime.layout.ep_group)), dict(counted.bytes)))
+                    tuple(dist.get_process_group_ranks(runtime.layout.ep_group)),
+                    dist.get_rank(runtime.layout.dp_cp_group), dict(counted.bytes)))
         destroy_parallel()
     return out
 

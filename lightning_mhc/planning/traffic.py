@@ -51,8 +51,8 @@ from typing import Any
 from lightning_mhc.distributed.grads import DEFAULT_BUCKET_BYTES as BUCKET_BYTES
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.model.sizes import is_moe_layer, partition_layers
-from lightning_mhc.planning.memory import bucket_parts, held_buckets, stage_counts
-from lightning_mhc.planning.shapes import chunk_tensors
+from lightning_mhc.distributed.optimizer import owned_pieces
+from lightning_mhc.planning.memory import StageCount, bucket_parts, bucket_tensors, stage_counts
 from lightning_mhc.recompute.policy import DEFAULT_MODULES, RecomputePolicy
 
 DIMENSIONS = ("tensor", "context", "expert", "pipeline", "data")
@@ -71,6 +71,15 @@ class StageTraffic:
 
     stage: int
     bytes: dict[tuple[str, str], int]
+    """Every rank's of the stage, or where they differ (``by_data_rank``) its most sending rank's."""
+    by_data_rank: tuple[dict[tuple[str, str], int], ...] = ()
+    """Where the stage's ranks differ: each one's bytes by its index in the DP x CP group (under
+    ZeRO-1 a rank sums over TP and between the stages the gradients of its own pieces, whose sizes
+    differ where a bucket's padding or a cut falls); empty where every rank sends ``bytes``."""
+
+    def of_data_rank(self, index: int) -> dict[tuple[str, str], int]:
+        """The bytes the stage's rank of DP x CP index ``index`` sends."""
+        return self.by_data_rank[index] if self.by_data_rank else self.bytes
 
     def per_dimension(self) -> dict[str, int]:
         return {d: sum(b for (dim, _), b in self.bytes.items() if dim == d) for d in DIMENSIONS}
@@ -83,9 +92,6 @@ def check_traffic_plan(config: Any, layout: Any, policy: Any, distributed_optimi
     missing = [what for what, yes in (
         ("MoE layers under TP", moe and tp > 1),
         ("the selective policy's replay of MoE layers", moe and policy.name == "selective"),
-        ("ZeRO-1 with sequence parallelism", distributed_optimizer and sp and tp > 1),
-        ("ZeRO-1 with a tied embedding across stages", distributed_optimizer
-         and layout.pipeline_model_parallel_size > 1 and config.share_embeddings_and_output_weights),
         ("learned position embeddings across stages", layout.pipeline_model_parallel_size > 1
          and config.position_embedding_type == "learned_absolute"),
         ("recompute_modules other than the policy's default", policy.modules is not None
@@ -113,8 +119,6 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
     activation = t * h * e                     # one sub-layer's output, all tokens of the rank
     shard = activation // tp if sp else activation
     full = policy.name == REPLAYS_LAYER
-    takes_over = distributed_optimizer or param_bytes != FP32  # the runtime's DistributedOptimizer
-    grad_bytes = FP32 if takes_over else param_bytes
     ranges = partition_layers(config.num_layers, p * v, first_stage_layers, last_stage_layers)
     counts = stage_counts(config, layout, first_stage_layers, last_stage_layers)
     out = []
@@ -130,8 +134,6 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
             else:
                 sent["tensor", "all_reduce"] += (forwards + 1) * activation
 
-        partial_over_tp = 0  # elements of the decoder's TP-replicated parameters (SP: summed over TP)
-        tied_numel = 0  # elements of an embedding tied across stages held here (summed with the other end)
         for c in range(v):
             virtual = c * p + stage
             first, last = virtual == 0, virtual == p * v - 1
@@ -171,35 +173,60 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
                         sent["pipeline", "send"] += stream
                     if not first:
                         sent["pipeline", "send"] += stream
-            tied = config.share_embeddings_and_output_weights
-            for tensor in chunk_tensors(config, ranges[virtual], first, last):
-                if tensor.expert:
-                    continue
-                numel = tensor.numel // tp if tensor.tensor_parallel else tensor.numel
-                if sp and tensor.name.startswith("decoder.") and not tensor.tensor_parallel:
-                    partial_over_tp += numel
-                if tied and tensor.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    tied_numel += numel  # the tied embedding's copy on this stage
-        count = counts[stage]
-        if takes_over:  # per bucket of the runtime's (memory.held_buckets: each chunk's own, one dtype)
-            flags = Counter()
-            for expert, numels in held_buckets(count, BUCKET_BYTES, param_bytes):
-                group, bucket = bucket_parts(expert, layout), sum(numels)
-                if group == 1:
-                    continue
-                flags[expert] += len(numels)
-                if distributed_optimizer:
-                    padded = -(-bucket // group)
-                    sent["data", "reduce_scatter"] += padded * group * FP32
-                    sent["data", "all_gather"] += padded * param_bytes
-                else:
-                    sent["data", "all_reduce"] += bucket * FP32
-            # which tensors got a gradient: one all-reduce per group, an int32 per tensor
-            sent["data", "all_reduce"] += sum(flags.values()) * INT32
-        add_step_end(sent, layout, stage, dense=count.dense, expert=count.expert, partial_over_tp=partial_over_tp,
-                     tied=tied_numel, grad_bytes=grad_bytes, reduced_by_optimizer=takes_over)
-        out.append(StageTraffic(stage, {k: b for k, b in sent.items() if b}))
+        out.append(finish_stage(sent, counts[stage], layout, stage, param_bytes=param_bytes,
+                                distributed_optimizer=distributed_optimizer))
     return out
+
+
+def finish_stage(sent: Counter, count: StageCount, layout: Any, stage: int, *, param_bytes: int,
+                 distributed_optimizer: bool, bucket_bytes: int = BUCKET_BYTES) -> StageTraffic:
+    """The stage's :class:`StageTraffic`: ``sent`` (its micro-batches' collectives and sends) with
+    what a rank sends once a step after them, from ``count``'s tensors (the GPT's from its config, a
+    Hugging Face stage's traced), by the runtime's rules: with the distributed optimizer (ZeRO-1, or
+    bf16 weights: ``takes_over``) per bucket of the runtime's (``memory.bucket_tensors``) a
+    reduce-scatter of the fp32 gradients padded to a multiple of the bucket's ranks and an
+    all-gather of this rank's range in the weights' dtype (ZeRO-1), or an fp32 all-reduce (bf16
+    weights alone), and one int32 flag per tensor all-reduced per group (which got a gradient);
+    then :func:`add_step_end`, whose TP sum of the partial gradients and tied embedding's sum
+    between stages run under ZeRO-1 on each rank's pieces of them (``optimizer.owned_pieces``:
+    ``DistributedOptimizer.reduce_gradients``), so the stage's DP x CP ranks may differ."""
+    takes_over = distributed_optimizer or param_bytes != FP32  # the runtime's DistributedOptimizer
+    dp_cp = layout.data_parallel_size * layout.context_parallel_size
+    ep = layout.expert_model_parallel_size
+    held = [t for chunk in count.chunks for t in chunk]
+    # the elements each DP x CP rank sums over TP and between the stages: whole tensors, or its pieces
+    partial = [sum(t.numel for t in held if t.partial_over_tp)] * dp_cp
+    tied = [sum(t.numel for t in held if t.alone)] * dp_cp
+    if takes_over:
+        flags = Counter()
+        if distributed_optimizer:
+            partial, tied = [0] * dp_cp, [0] * dp_cp
+        for expert, tensors in bucket_tensors(count, bucket_bytes, param_bytes):
+            group, numels = bucket_parts(expert, layout), [t.numel for t in tensors]
+            if distributed_optimizer:  # each rank's pieces (an expert bucket's index: the DP x CP one over EP)
+                for rank in range(dp_cp):
+                    for i, flat, _ in owned_pieces(numels, group, rank // ep if expert else rank):
+                        partial[rank] += (flat.stop - flat.start) * tensors[i].partial_over_tp
+                        tied[rank] += (flat.stop - flat.start) * tensors[i].alone
+            if group == 1:
+                continue
+            flags[expert] += len(numels)
+            if distributed_optimizer:
+                padded = -(-sum(numels) // group)
+                sent["data", "reduce_scatter"] += padded * group * FP32
+                sent["data", "all_gather"] += padded * param_bytes
+            else:
+                sent["data", "all_reduce"] += sum(numels) * FP32
+        # which tensors got a gradient: one all-reduce per group, an int32 per tensor
+        sent["data", "all_reduce"] += sum(flags.values()) * INT32
+    by_rank = []
+    for rank in range(dp_cp):
+        mine = Counter(sent)
+        add_step_end(mine, layout, stage, dense=count.dense, expert=count.expert, partial_over_tp=partial[rank],
+                     tied=tied[rank], grad_bytes=FP32 if takes_over else param_bytes, reduced_by_optimizer=takes_over)
+        by_rank.append({k: b for k, b in mine.items() if b})
+    most = max(by_rank, key=lambda b: sum(b.values()))
+    return StageTraffic(stage, most, tuple(by_rank) if any(b != most for b in by_rank) else ())
 
 
 def add_step_end(sent: Counter, layout: Any, stage: int, *, dense: int, expert: int, partial_over_tp: int, tied: int,
