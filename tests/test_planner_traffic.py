@@ -25,6 +25,7 @@ GRID = {
     "cp2": (1, False, 1, 1, 2, 1, 1, False, False, "full"),
     "ep2": (1, False, 1, 1, 1, 2, 1, False, True, "none"),
     "zero1": (1, False, 1, 1, 1, 1, 1, True, False, "none"),
+    "zero1_tp2sp": (2, True, 1, 1, 1, 1, 2, True, False, "none"),
     "bf16_tp2pp2sp": (2, True, 2, 1, 1, 1, 4, False, False, "none"),
     "bf16_dp4": (1, False, 1, 1, 1, 1, 1, False, False, "none"),
     "bf16_zero1": (1, False, 1, 1, 1, 1, 1, True, False, "none"),
@@ -35,11 +36,12 @@ BF16 = {name for name in GRID if name.startswith("bf16_")}
 the distributed optimizer (gradients reduced in fp32 buckets, all-reduced without ZeRO-1), ZeRO-1's
 all-gather in bf16."""
 
-OVERRIDES = {"zero1": dict(num_layers=3), "bf16_zero1": dict(num_layers=3),
-             "bf16_pp2_zero1": dict(share_embeddings_and_output_weights=False)}
+OVERRIDES = {"zero1": dict(num_layers=3), "bf16_zero1": dict(num_layers=3), "zero1_tp2sp": dict(num_layers=3)}
 """ZeRO-1 on 3 layers: its dense bucket (beside the embedding's) does not divide by the 4 ranks, so
-the padding of each reduce-scatter and all-gather is checked too. ZeRO-1 across stages: untied (a tied
-embedding across stages is not counted yet)."""
+the padding of each reduce-scatter and all-gather is checked too; under TP 2 with SP (x DP 2) the cut
+falls so that the two DP ranks' pieces of the SP parameters, which each sums over TP, differ in size.
+ZeRO-1 across stages (``bf16_pp2_zero1``): the embedding tied, each rank summing its piece of it
+between the stages."""
 
 
 def _precision(name):
