@@ -24,6 +24,7 @@ GRID = {
     "tp2sp_selective": (2, True, 1, 1, 1, 1, 2, False, False, "selective"),
     "cp2": (1, False, 1, 1, 2, 1, 1, False, False, "full"),
     "ep2": (1, False, 1, 1, 1, 2, 1, False, True, "none"),
+    "moe_tp2ep2_selective": (2, False, 1, 1, 1, 2, 1, False, True, "selective"),
     "zero1": (1, False, 1, 1, 1, 1, 1, True, False, "none"),
     "zero1_tp2sp": (2, True, 1, 1, 1, 1, 2, True, False, "none"),
     "bf16_tp2pp2sp": (2, True, 2, 1, 1, 1, 4, False, False, "none"),

@@ -105,7 +105,7 @@ def stage_counts(config: GPTSizes | Any, layout: ParallelLayout, first_stage_lay
                 # the GPT marks the tied embedding, and the output layer's copy of it on a last stage
                 alone = tied and tensor.name in ("embedding.word_embeddings.weight", "output_layer.weight")
                 # under SP the decoder's TP-replicated tensors saw this rank's part of the sequence
-                partial = sp and not tensor.expert and tensor.name.startswith("decoder.") and not tensor.tensor_parallel
+                partial = sp and tensor.name.startswith("decoder.") and not tensor.tensor_parallel
                 held[-1].append(HeldTensor(n, tensor.expert, alone, partial))
         counts.append(StageCount(stage, tuple(ranges[c] for c in chunks), dense, expert, tensors,
                                  tuple(tuple(h) for h in held)))

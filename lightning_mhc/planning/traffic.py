@@ -88,10 +88,7 @@ class StageTraffic:
 def check_traffic_plan(config: Any, layout: Any, policy: Any, distributed_optimizer: bool) -> None:
     """What the traffic count does not cover yet, refused in one line."""
     tp, sp = layout.tensor_model_parallel_size, layout.sequence_parallel
-    moe = bool(getattr(config, "num_moe_experts", None))
     missing = [what for what, yes in (
-        ("MoE layers under TP", moe and tp > 1),
-        ("the selective policy's replay of MoE layers", moe and policy.name == "selective"),
         ("learned position embeddings across stages", layout.pipeline_model_parallel_size > 1
          and config.position_embedding_type == "learned_absolute"),
         ("recompute_modules other than the policy's default", policy.modules is not None
@@ -119,6 +116,7 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
     activation = t * h * e                     # one sub-layer's output, all tokens of the rank
     shard = activation // tp if sp else activation
     full = policy.name == REPLAYS_LAYER
+    replays_moe = full or policy.name == "selective"  # the selective MLP checkpoint replays an MoE MLP whole
     ranges = partition_layers(config.num_layers, p * v, first_stage_layers, last_stage_layers)
     counts = stage_counts(config, layout, first_stage_layers, last_stage_layers)
     out = []
@@ -146,7 +144,8 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
                             sent["tensor", "all_gather"] += shard
                     for number in layers:
                         tensor_sublayer(1 + full)
-                        tensor_sublayer(1 + full, regathered=policy.name == "selective")
+                        if not is_moe_layer(config, number):  # an MoE MLP: its experts whole on each TP rank
+                            tensor_sublayer(1 + full, regathered=policy.name == "selective")
                     if last:  # the output layer (column-parallel; its forward gathers only under SP)
                         if sp:
                             sent["tensor", "all_gather"] += 2 * shard
@@ -161,12 +160,12 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
                     sent["context", "reduce_scatter"] += len(layers) * cp * kv
                     if last:
                         sent["context", "all_reduce"] += FP32  # the loss mask's token count
-                if ep > 1:
+                if ep > 1:  # (MoE layers take no SP: each TP rank routes all its tokens)
                     routed = t * config.moe_router_topk * h * e
                     for number in layers:
                         if is_moe_layer(config, number):
-                            sent["expert", "all_to_all"] += (1 + full) * (config.num_moe_experts * INT64 + 2 * routed) \
-                                + 2 * routed
+                            sent["expert", "all_to_all"] += (1 + replays_moe) * (
+                                config.num_moe_experts * INT64 + 2 * routed) + 2 * routed
                 if p > 1:
                     stream = t * n * h * e // (tp if sp else 1)
                     if not last:
