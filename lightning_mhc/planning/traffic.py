@@ -89,8 +89,6 @@ def check_traffic_plan(config: Any, layout: Any, policy: Any, distributed_optimi
     """What the traffic count does not cover yet, refused in one line."""
     tp, sp = layout.tensor_model_parallel_size, layout.sequence_parallel
     missing = [what for what, yes in (
-        ("learned position embeddings across stages", layout.pipeline_model_parallel_size > 1
-         and config.position_embedding_type == "learned_absolute"),
         ("recompute_modules other than the policy's default", policy.modules is not None
          and tuple(policy.modules) != DEFAULT_MODULES.get(policy.name)),
     ) if yes]
