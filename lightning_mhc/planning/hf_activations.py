@@ -23,16 +23,16 @@ all-reduces, gathers and scatters, the vocabulary-parallel loss's, CP's K/V gath
 all-to-alls, recompute's replays) is read by the collective counter (``distributed.collectives``), once
 per micro-batch and chunk; beside it, from the stage's traced tensors: the sends between stages
 (each chunk's output and its input's gradient, per micro-batch) and the step's end, as the GPT's
-(``traffic.add_step_end``: the gradients' DP x CP and expert-DP all-reduce, the TP sum of the
-sequence-parallel ones, the tied embedding's between stages, the loss). An EP rank's experts on meta
+(``traffic.finish_stage``: the gradients' DP x CP and expert-DP all-reduce, the TP sum of the
+sequence-parallel ones, the tied embedding's between stages, the loss; under ZeRO-1 or bf16 weights
+the distributed optimizer's buckets of the traced stage's parameters). An EP rank's experts on meta
 tensors hold no routing: they spread the pairs evenly over the experts (the GPT's count assumes a
 balanced router too), through the same exchange (``ExpertParallelExperts``).
 
 Counted so: PP (1F1B and interleaved), DP, TP with and without SP, CP (the families CP takes), EP,
 every recompute policy the family takes, added hyper-connections and a family's own streams
 (DeepSeek-V4's runtime keeps about 4 % more than one micro-batch's trace sees once a second one has
-run: docs/planning.md). The traffic not yet under ZeRO-1 or bf16 weights (the distributed
-optimizer's buckets), refused in one line by :func:`check_hf_traffic_plan`.
+run: docs/planning.md), fp32 or bf16 weights, with or without ZeRO-1.
 """
 from __future__ import annotations
 

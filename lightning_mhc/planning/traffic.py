@@ -23,8 +23,10 @@ Per micro-batch, with ``T`` tokens on a rank (``micro_batch_size x seq_length / 
   ``T h e`` forward (and the embedding's scatter gathered back in backward), two all-gathers (the gradient, the input again for the weight's gradient) and a
   reduce-scatter backward; the output layer likewise (backward only without SP); the vocabulary-
   parallel loss's three all-reduces of ``T`` fp32 values; ``full`` recompute replays each layer's
-  forward collectives, ``selective`` under SP the MLP input's all-gather (``REPLAYS_LAYER``). After
-  the step, with SP, the TP sum of the gradients of the decoder's TP-replicated parameters.
+  forward collectives, ``selective`` under SP the MLP input's all-gather (``REPLAYS_LAYER``). An MoE
+  layer's MLP sends nothing over TP (its experts run whole on every TP rank; MoE takes no SP). After
+  the step, with SP, the TP sum of the gradients of the decoder's TP-replicated parameters (under
+  ZeRO-1 of this rank's pieces of them).
 - PP (> 1): each chunk sends its output stream ``T n h e (/ tp with SP)`` forward unless it is the
   model's last, and its input's gradient backward unless it is the first; the tied embedding's
   gradient summed between the first and the last stage; the loss broadcast from the last stage.
@@ -33,14 +35,20 @@ Per micro-batch, with ``T`` tokens on a rank (``micro_batch_size x seq_length / 
   parameters, the tied embedding alone, padded to a multiple of the ranks: ``memory.held_buckets``)
   a reduce-scatter of the fp32 gradients and an all-gather of this rank's range of the updated
   weights (in their dtype: bf16 under ``bf16-true``), plus one int32 flag
-  per parameter tensor all-reduced (which got a gradient).
+  per parameter tensor all-reduced (which got a gradient); under ZeRO-1 the TP sum and the tied
+  embedding's sum between stages run on each rank's own pieces, so a stage's DP x CP ranks may
+  send different bytes (:class:`StageTraffic` ``by_data_rank``). Learned position embeddings
+  (first stage only) are reduced with the rest, nothing between stages.
 - CP (> 1): per layer the stacked K and V all-gathered forward (``2 T g d e / tp``) and their
   gradient reduce-scattered backward (``cp`` times that); the loss's token count all-reduced.
 - EP (> 1): per MoE layer the token counts (``E`` int64) and, forward and backward, the dispatch
   (``T k h e``) and the combine (the tokens this rank's experts received: ``T k h e`` when the
-  router balances them, which the mean over an EP group's ranks is exactly).
+  router balances them, which the mean over an EP group's ranks is exactly); ``full`` and
+  ``selective`` (whose MLP checkpoint replays the MoE MLP whole) replay the counts, dispatch and
+  combine once more.
 
-What is not counted yet is refused in one line (:func:`check_traffic_plan`).
+What is not counted yet (``recompute_modules`` other than a policy's default) is refused in one line
+(:func:`check_traffic_plan`).
 """
 from __future__ import annotations
 
@@ -85,15 +93,12 @@ class StageTraffic:
         return {d: sum(b for (dim, _), b in self.bytes.items() if dim == d) for d in DIMENSIONS}
 
 
-def check_traffic_plan(config: Any, layout: Any, policy: Any, distributed_optimizer: bool) -> None:
-    """What the traffic count does not cover yet, refused in one line."""
-    tp, sp = layout.tensor_model_parallel_size, layout.sequence_parallel
-    missing = [what for what, yes in (
-        ("recompute_modules other than the policy's default", policy.modules is not None
-         and tuple(policy.modules) != DEFAULT_MODULES.get(policy.name)),
-    ) if yes]
-    if missing:
-        raise ConfigError(f"the planner's traffic count does not cover {', '.join(missing)} yet.")
+def check_traffic_plan(policy: Any) -> None:
+    """What the traffic count does not cover yet, refused in one line: ``recompute_modules`` other
+    than the policy's default (which collectives a checkpoint replays depends on what it holds)."""
+    if policy.modules is not None and tuple(policy.modules) != DEFAULT_MODULES.get(policy.name):
+        raise ConfigError("the planner's traffic count does not cover recompute_modules other than the policy's "
+                          "default yet.")
 
 
 def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micro_batch_size: int,
@@ -103,7 +108,7 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
     """Each pipeline stage's :class:`StageTraffic` for one rank of it. ``config``: the model's sizes
     (``GPTSizes``, or its config)."""
     policy = RecomputePolicy.of(policy)
-    check_traffic_plan(config, layout, policy, distributed_optimizer)
+    check_traffic_plan(policy)
     tp, sp, cp = layout.tensor_model_parallel_size, layout.sequence_parallel and layout.tensor_model_parallel_size > 1, \
         layout.context_parallel_size
     ep, p = layout.expert_model_parallel_size, layout.pipeline_model_parallel_size
