@@ -393,16 +393,22 @@ def test_plan_cli_plans_a_hugging_face_model(llama_dir, tmp_path, monkeypatch, c
     assert asked["traffic_bytes"]["data"] > 0 and asked["traffic_bytes"]["pipeline"] > 0
     assert asked["total_bytes"] == max(s.total + a for s, (a, _) in zip(states, traced))
     assert "model states and retained activations" in capsys.readouterr().out
-    # bf16-true: bf16 weights and the trace in bf16 (checked against bf16 runs above), not the fp32 one
-    # halved; torch's default dtype, which the trace sets to bf16, is the process's again afterwards
+    # bf16-true with ZeRO-1: bf16 weights and the trace in bf16 (checked against bf16 runs above), not the
+    # fp32 one halved, and the traffic through the distributed optimizer's buckets; torch's default dtype,
+    # which the trace sets to bf16, is the process's again afterwards
     asked = plan(_hf_args(llama_dir, "parallel=pp2", "trainer.devices=4", "trainer.precision=bf16-true",
-                          "data.global_batch_size=8", "data.micro_batch_size=2", "data.seq_length=32"))[0]
+                          "optim.use_distributed_optimizer=true", "data.global_batch_size=8",
+                          "data.micro_batch_size=2", "data.seq_length=32"))[0]
     assert torch.get_default_dtype() == torch.float32
-    states = plan_hf(_recorded("llama"), layout, hyper_connections=4, param_bytes=2)
+    states = plan_hf(_recorded("llama"), layout, hyper_connections=4, param_bytes=2, distributed_optimizer=True)
     traced = plan_hf_activations(lambda: _recorded("llama"), layout, seq_length=32, micro_batch_size=2,
                                  num_microbatches=2, hyper_connections=4, dtype=torch.bfloat16)
-    assert [(s["parameter_bytes"], s["activation_bytes"]) for s in asked["stages"]] == \
-        [(w.parameter_bytes, a) for w, (a, _) in zip(states, traced)]
+    sent = plan_hf_traffic(lambda: _recorded("llama"), layout, seq_length=32, micro_batch_size=2,
+                           num_microbatches=2, hyper_connections=4, param_bytes=2, distributed_optimizer=True)
+    assert [(s["parameter_bytes"], s["optimizer_bytes"], s["activation_bytes"]) for s in asked["stages"]] == \
+        [(w.parameter_bytes, w.optimizer_bytes, a) for w, (a, _) in zip(states, traced)]
+    assert asked["traffic_not_counted"] is None
+    assert [s["traffic_bytes"] for s in asked["stages"]] == [t.per_dimension() for t in sent]
 
 
 def test_train_plans_and_refuses_a_hugging_face_layout(llama_dir, tmp_path, monkeypatch, capsys):
