@@ -120,6 +120,9 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
     shard = activation // tp if sp else activation
     full = policy.name == REPLAYS_LAYER
     replays_moe = full or policy.name == "selective"  # the selective MLP checkpoint replays an MoE MLP whole
+    dp_cp = layout.data_parallel_size * cp
+    aux_losses = bool(getattr(config, "num_moe_experts", None)) and (bool(config.moe_z_loss_coeff) or (
+        config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type != "none"))  # moe_mlp.moe_config
     ranges = partition_layers(config.num_layers, p * v, first_stage_layers, last_stage_layers)
     counts = stage_counts(config, layout, first_stage_layers, last_stage_layers)
     out = []
@@ -139,6 +142,10 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
             virtual = c * p + stage
             first, last = virtual == 0, virtual == p * v - 1
             layers = range(ranges[virtual][0] + 1, ranges[virtual][1] + 1)
+            if dp_cp > 1 and getattr(config, "moe_router_enable_expert_bias", False):  # once a step per MoE
+                # layer: the expert bias's token counts summed over DP x CP (E fp32, TopKRouter.update_expert_bias)
+                sent["data", "all_reduce"] += sum(config.num_moe_experts * FP32 for number in layers
+                                                  if is_moe_layer(config, number))
             for _ in range(m):  # every micro-batch passes every chunk of the stage once each way
                 if tp > 1:
                     if first:  # the embedding's sum (then under SP its scatter, gathered back in backward)
@@ -163,6 +170,10 @@ def plan_traffic(config: Any, layout: Any, policy: Any, *, seq_length: int, micr
                     sent["context", "reduce_scatter"] += len(layers) * cp * kv
                     if last:
                         sent["context", "all_reduce"] += FP32  # the loss mask's token count
+                if dp_cp > 1 and aux_losses:  # per MoE forward (replays too) the token counts and
+                    # token total summed over DP x CP for the auxiliary losses (E + 1 fp32, MoELayer._aux_loss)
+                    sent["data", "all_reduce"] += sum((1 + replays_moe) * (config.num_moe_experts + 1) * FP32
+                                                      for number in layers if is_moe_layer(config, number))
                 if ep > 1:  # (MoE layers take no SP: each TP rank routes all its tokens)
                     routed = t * config.moe_router_topk * h * e
                     for number in layers:
