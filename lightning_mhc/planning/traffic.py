@@ -38,7 +38,9 @@ Per micro-batch, with ``T`` tokens on a rank (``micro_batch_size x seq_length / 
   per parameter tensor all-reduced (which got a gradient); under ZeRO-1 the TP sum and the tied
   embedding's sum between stages run on each rank's own pieces, so a stage's DP x CP ranks may
   send different bytes (:class:`StageTraffic` ``by_data_rank``). Learned position embeddings
-  (first stage only) are reduced with the rest, nothing between stages.
+  (first stage only) are reduced with the rest, nothing between stages. An MoE layer with
+  auxiliary losses sums its token counts and total (``E + 1`` fp32) over DP x CP per forward
+  (replays included); with the expert bias, its counts (``E`` fp32) once a step.
 - CP (> 1): per layer the stacked K and V all-gathered forward (``2 T g d e / tp``) and their
   gradient reduce-scattered backward (``cp`` times that); the loss's token count all-reduced.
 - EP (> 1): per MoE layer the token counts (``E`` int64) and, forward and backward, the dispatch
