@@ -270,7 +270,7 @@ def test_plan_cli_enumerates_layouts_that_fit(tmp_path):
     assert all(r["total_bytes"] <= parse_bytes(memory) for r in rest)
     assert [r["total_bytes"] for r in rest] == sorted(r["total_bytes"] for r in rest)
     assert all(r["sizes"]["world_size"] == 8 for r in rest)
-    # traffic per dimension, or the one line saying why not (MoE under TP is not counted yet)
+    # traffic per dimension, or the one line saying why not
     assert all((r["traffic_bytes"] is None) == (r["traffic_not_counted"] is not None) for r in layouts)
     assert any(r["traffic_bytes"] and r["traffic_bytes"]["expert"] > 0 for r in rest)
     assert "fit" in run.stdout and "why:" in run.stdout

@@ -61,6 +61,15 @@ ACTIVATION_CASES = [("llama", None, "none", {}, 2), ("llama", None, "selective",
 TRAFFIC_CASES = [("llama", 4, "none", dict(pp=2), 4), ("llama", 4, "selective", dict(tp=2, sp=True), 2),
                  ("llama", 4, "full", dict(tp=2, pp=2), 4), ("mixtral", None, "none", dict(ep=2), 1),
                  ("llama", None, "none", dict(cp=2), 1)]
+# the same through the distributed optimizer's buckets (family, added streams, recompute policy, layout sizes,
+# micro-batches, precision, ZeRO-1): ZeRO-1 on PP 2 x DP 2 (the head tied across the stages, its bucket alone);
+# bf16 weights with ZeRO-1 under TP 2 with SP (each rank's pieces of the SP parameters summed over TP: the ranks
+# differ); bf16 weights unsharded (fp32 buckets all-reduced) on PP 2 x DP 2; ZeRO-1 on EP 2 (the experts'
+# buckets cut over the expert-data ranks)
+BUCKET_TRAFFIC_CASES = [("llama", 4, "none", dict(pp=2), 2, "32-true", True),
+                        ("llama", 4, "selective", dict(tp=2, sp=True), 2, "bf16-true", True),
+                        ("llama", None, "none", dict(pp=2), 2, "bf16-true", False),
+                        ("mixtral", None, "none", dict(ep=2), 1, "32-true", True)]
 # the same under bf16-true: the model cast whole by Lightning's plugin, traced in bf16 (not the fp32 trace halved)
 BF16_ACTIVATION_CASES = [("llama", 4, "none", dict(pp=2), 4), ("llama", None, "selective", dict(pp=2), 4),
                          ("qwen2", 2, "mhc_block", {}, 2)]
@@ -70,6 +79,7 @@ ZERO1_CASES = [c for c in ZERO1_CASES if c[0] != "deepseek_v4" or hasattr(transf
 ACTIVATION_CASES = [c for c in ACTIVATION_CASES if c[0] != "deepseek_v4" or hasattr(transformers, "DeepseekV4Config")]
 MEASURED = {"states": len(CASES), "zero1": len(CASES) + len(ZERO1_CASES),
             "traffic": len(CASES) + len(ZERO1_CASES) + len(ACTIVATION_CASES) + len(BF16_ACTIVATION_CASES)}
+MEASURED["bucket_traffic"] = MEASURED["traffic"] + len(TRAFFIC_CASES)
 """Where each part of a rank's measurements begins (model states first)."""
 
 
@@ -110,7 +120,8 @@ def _measure(rank, world):
     out += [_measure_zero1(*case) for case in ZERO1_CASES]
     out += [_measure_activations(rank, *case) for case in ACTIVATION_CASES]
     out += [_measure_activations(rank, *case, precision="bf16-true") for case in BF16_ACTIVATION_CASES]
-    return out + [_measure_traffic(rank, *case) for case in TRAFFIC_CASES]
+    out += [_measure_traffic(rank, *case) for case in TRAFFIC_CASES]
+    return out + [_measure_traffic(rank, *case) for case in BUCKET_TRAFFIC_CASES]
 
 
 def _batch(m, rank):
@@ -133,26 +144,28 @@ def _measure_activations(rank, family, streams, policy, sizes, m, precision="32-
     return runtime.activation_bytes
 
 
-def _measure_traffic(rank, family, streams, policy, sizes, m):
-    """This rank's stage, its expert group's ranks, and the payload bytes it sent by (dimension, op)
-    over one training step (schedule, gradient reduction, optimizer step)."""
+def _measure_traffic(rank, family, streams, policy, sizes, m, precision="32-true", zero1=False):
+    """This rank's stage, its expert group's ranks, its DP x CP index and the payload bytes it sent by
+    (dimension, op) over one training step (schedule, gradient reduction, optimizer step) in
+    ``precision`` (``zero1``: the distributed optimizer sharding)."""
     import torch.distributed as dist
 
     from lightning_mhc.distributed.layout import destroy_parallel
     from lightning_mhc.distributed.collectives import CollectiveCounter, dimension_of
-    from planner_runtime import hf_on_runtime
+    from planner_runtime import hf_on_runtime, train_schedule
 
-    runtime, module = hf_on_runtime(_layout(**sizes), m, _recorded(family), policy, streams)
+    runtime, module = hf_on_runtime(_layout(**sizes), m, _recorded(family), policy, streams, precision,
+                                    use_distributed_optimizer=zero1)
     optimizer = torch.optim.AdamW(module.parameters())
     runtime.take_over_optimizers(module, [optimizer])
     batch = _batch(m, rank)
     with CollectiveCounter(dimension_of(runtime.layout)) as counted:
-        runtime.run_schedule(module, batch, forward_only=False, accumulate=1, where="traffic grid")
+        train_schedule(runtime, module, batch, precision, where="traffic grid")
         runtime.reduce_gradients(module)
         optimizer.step()
         runtime.finish_step()
     row = (runtime.layout.pipeline_model_parallel_rank, tuple(dist.get_process_group_ranks(runtime.layout.ep_group)),
-           dict(counted.bytes))
+           dist.get_rank(runtime.layout.dp_cp_group), dict(counted.bytes))
     destroy_parallel()
     return row
 
@@ -238,19 +251,35 @@ def test_hf_traffic_per_rank_exact(measured):
     assert not misses, misses
 
 
+def test_hf_traffic_through_the_distributed_optimizer_per_rank_exact(measured):
+    """Every bucket case (ZeRO-1, bf16 weights): each rank's bytes per (dimension, collective) are the
+    planner's for its stage and DP x CP index: the buckets of the traced stage's parameters
+    reduce-scattered (padded) and all-gathered in the weights' dtype, or all-reduced in fp32 unsharded,
+    their flags, and under ZeRO-1 the TP sum and the tied embedding's sum on the rank's own pieces."""
+    from lightning_mhc.planning import plan_hf_traffic
+    from lightning_mhc.testing.collectives import traffic_misses
+
+    misses = []
+    for i, (family, streams, policy, sizes, m, precision, zero1) in enumerate(BUCKET_TRAFFIC_CASES):
+        stages = plan_hf_traffic(lambda: _recorded(family), _layout(**sizes), seq_length=SEQ,
+                                 micro_batch_size=MICRO_BATCH, num_microbatches=m, hyper_connections=streams,
+                                 recompute=policy, param_bytes=2 if precision == "bf16-true" else 4,
+                                 distributed_optimizer=zero1)
+        print("traffic", BUCKET_TRAFFIC_CASES[i], "per stage", [s.per_dimension() for s in stages],
+              "ranks differ:", any(s.by_data_rank for s in stages))
+        misses += traffic_misses(BUCKET_TRAFFIC_CASES[i], stages,
+                                 [rows[MEASURED["bucket_traffic"] + i] for rows in measured])
+    assert not misses, misses
+
+
 def test_hf_trace_refuses_what_it_does_not_count(monkeypatch):
-    """The traffic under ZeRO-1 or bf16 weights (the distributed optimizer's buckets) is refused, and
-    an op the meta device cannot run (here transformers' packed-sequence search, without the trace's
-    stand-ins) stops the trace: one line each, not a wrong figure."""
+    """An op the meta device cannot run (here transformers' packed-sequence search, without the trace's
+    stand-ins) stops the trace: one line, not a wrong figure."""
     import contextlib
 
     from lightning_mhc.errors import ConfigError
-    from lightning_mhc.planning import hf_activations, plan_hf_activations, plan_hf_traffic
+    from lightning_mhc.planning import hf_activations, plan_hf_activations
 
-    for args in (dict(distributed_optimizer=True), dict(param_bytes=2)):
-        with pytest.raises(ConfigError, match="traffic count of a Hugging Face model does not cover ZeRO-1 or bf16"):
-            plan_hf_traffic(lambda: _recorded("llama"), _layout(), seq_length=SEQ, micro_batch_size=MICRO_BATCH,
-                            num_microbatches=1, **args)
     monkeypatch.setattr(hf_activations, "_meta_trace", contextlib.nullcontext)
     with pytest.raises(ConfigError, match="could not trace LlamaForCausalLM on the meta device .*meta tensors"):
         plan_hf_activations(lambda: _recorded("llama"), _layout(), seq_length=SEQ,
@@ -364,16 +393,22 @@ def test_plan_cli_plans_a_hugging_face_model(llama_dir, tmp_path, monkeypatch, c
     assert asked["traffic_bytes"]["data"] > 0 and asked["traffic_bytes"]["pipeline"] > 0
     assert asked["total_bytes"] == max(s.total + a for s, (a, _) in zip(states, traced))
     assert "model states and retained activations" in capsys.readouterr().out
-    # bf16-true: bf16 weights and the trace in bf16 (checked against bf16 runs above), not the fp32 one
-    # halved; torch's default dtype, which the trace sets to bf16, is the process's again afterwards
+    # bf16-true with ZeRO-1: bf16 weights and the trace in bf16 (checked against bf16 runs above), not the
+    # fp32 one halved, and the traffic through the distributed optimizer's buckets; torch's default dtype,
+    # which the trace sets to bf16, is the process's again afterwards
     asked = plan(_hf_args(llama_dir, "parallel=pp2", "trainer.devices=4", "trainer.precision=bf16-true",
-                          "data.global_batch_size=8", "data.micro_batch_size=2", "data.seq_length=32"))[0]
+                          "optim.use_distributed_optimizer=true", "data.global_batch_size=8",
+                          "data.micro_batch_size=2", "data.seq_length=32"))[0]
     assert torch.get_default_dtype() == torch.float32
-    states = plan_hf(_recorded("llama"), layout, hyper_connections=4, param_bytes=2)
+    states = plan_hf(_recorded("llama"), layout, hyper_connections=4, param_bytes=2, distributed_optimizer=True)
     traced = plan_hf_activations(lambda: _recorded("llama"), layout, seq_length=32, micro_batch_size=2,
                                  num_microbatches=2, hyper_connections=4, dtype=torch.bfloat16)
-    assert [(s["parameter_bytes"], s["activation_bytes"]) for s in asked["stages"]] == \
-        [(w.parameter_bytes, a) for w, (a, _) in zip(states, traced)]
+    sent = plan_hf_traffic(lambda: _recorded("llama"), layout, seq_length=32, micro_batch_size=2,
+                           num_microbatches=2, hyper_connections=4, param_bytes=2, distributed_optimizer=True)
+    assert [(s["parameter_bytes"], s["optimizer_bytes"], s["activation_bytes"]) for s in asked["stages"]] == \
+        [(w.parameter_bytes, w.optimizer_bytes, a) for w, (a, _) in zip(states, traced)]
+    assert asked["traffic_not_counted"] is None
+    assert [s["traffic_bytes"] for s in asked["stages"]] == [t.per_dimension() for t in sent]
 
 
 def test_train_plans_and_refuses_a_hugging_face_layout(llama_dir, tmp_path, monkeypatch, capsys):

@@ -24,7 +24,9 @@ GRID = {
     "tp2sp_selective": (2, True, 1, 1, 1, 1, 2, False, False, "selective"),
     "cp2": (1, False, 1, 1, 2, 1, 1, False, False, "full"),
     "ep2": (1, False, 1, 1, 1, 2, 1, False, True, "none"),
+    "moe_tp2ep2_selective": (2, False, 1, 1, 1, 2, 1, False, True, "selective"),
     "zero1": (1, False, 1, 1, 1, 1, 1, True, False, "none"),
+    "zero1_tp2sp": (2, True, 1, 1, 1, 1, 2, True, False, "none"),
     "bf16_tp2pp2sp": (2, True, 2, 1, 1, 1, 4, False, False, "none"),
     "bf16_dp4": (1, False, 1, 1, 1, 1, 1, False, False, "none"),
     "bf16_zero1": (1, False, 1, 1, 1, 1, 1, True, False, "none"),
@@ -35,11 +37,19 @@ BF16 = {name for name in GRID if name.startswith("bf16_")}
 the distributed optimizer (gradients reduced in fp32 buckets, all-reduced without ZeRO-1), ZeRO-1's
 all-gather in bf16."""
 
-OVERRIDES = {"zero1": dict(num_layers=3), "bf16_zero1": dict(num_layers=3),
-             "bf16_pp2_zero1": dict(share_embeddings_and_output_weights=False)}
+ROUTER_SUMS = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_router_score_function="sigmoid",
+                   moe_router_enable_expert_bias=True)
+OVERRIDES = {"zero1": dict(num_layers=3), "bf16_zero1": dict(num_layers=3), "zero1_tp2sp": dict(num_layers=3),
+             "pp2": dict(position_embedding_type="learned_absolute"),
+             "ep2": ROUTER_SUMS, "moe_tp2ep2_selective": ROUTER_SUMS}
 """ZeRO-1 on 3 layers: its dense bucket (beside the embedding's) does not divide by the 4 ranks, so
-the padding of each reduce-scatter and all-gather is checked too. ZeRO-1 across stages: untied (a tied
-embedding across stages is not counted yet)."""
+the padding of each reduce-scatter and all-gather is checked too; under TP 2 with SP (x DP 2) the cut
+falls so that the two DP ranks' pieces of the SP parameters, which each sums over TP, differ in size.
+ZeRO-1 across stages (``bf16_pp2_zero1``): the embedding tied, each rank summing its piece of it
+between the stages. PP 2 with learned position embeddings: on the first stage only, reduced over DP with
+its parameters, nothing between the stages. The MoE cases with the auxiliary losses and the expert bias
+(``ROUTER_SUMS``): their token counts summed over DP x CP per MoE forward (replayed under ``selective``)
+and once a step."""
 
 
 def _precision(name):
@@ -83,7 +93,8 @@ def _measure(rank, world):
             optimizer.step()
             runtime.finish_step()
         out.append((runtime.layout.pipeline_model_parallel_rank,
-                    tuple(dist.get_process_group_ranks(runtime.layout.ep_group)), dict(counted.bytes)))
+                    tuple(dist.get_process_group_ranks(runtime.layout.ep_group)),
+                    dist.get_rank(runtime.layout.dp_cp_group), dict(counted.bytes)))
         destroy_parallel()
     return out
 

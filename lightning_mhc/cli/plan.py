@@ -11,8 +11,7 @@ rank of each pipeline stage, counted from the config (the mHC GPT's by arithmeti
 the schedule's peak for the run's recompute policy, and the bytes each rank sends per step by dimension
 (``planning.traffic``; docs/planning.md). The GPT's are arithmetic (its activations not yet under CP or
 with MoE layers: the model states alone, said in one line); a Hugging Face model's activations and
-traffic come from one trace of its stages on the meta device (``planning.hf_activations``; its traffic
-not yet under ZeRO-1 or bf16 weights), under TP, CP or EP as one rank over a fake process group torn
+traffic come from one trace of its stages on the meta device (``planning.hf_activations``), under TP, CP or EP as one rank over a fake process group torn
 down after it (``planning.fake_group``). No real process group is started. The pipeline bubble is the
 schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
 ``lightning-mhc-plan: invalid configuration: ...``, exit status 2.
@@ -119,7 +118,7 @@ def _hf_terms(cfg, layout, num_microbatches: int, param_bytes: int):
     from lightning_mhc.errors import ConfigError
     from lightning_mhc.any_model.record import recorded_hf_model
     from lightning_mhc.planning import plan_hf
-    from lightning_mhc.planning.hf_activations import check_hf_traffic_plan, trace_hf_stages
+    from lightning_mhc.planning.hf_activations import trace_hf_stages
 
     m = cfg.model
     parallelize_args = dict(plan=m.plan, hyper_connections=m.hyper_connection_settings, recompute=cfg.recompute_policy)
@@ -128,23 +127,17 @@ def _hf_terms(cfg, layout, num_microbatches: int, param_bytes: int):
                          distributed_optimizer=cfg.optim.use_distributed_optimizer, **parallelize_args)
     except ConfigError as error:
         raise error.within(m.hf_key) from None
-    try:
-        check_hf_traffic_plan(param_bytes, cfg.optim.use_distributed_optimizer)
-        traffic_not_counted = None
-    except ConfigError as error:
-        traffic_not_counted = str(error)
     try:  # traced in the run's dtype (bf16-true: the model cast whole, as Lightning's plugin casts it)
         import torch
 
         traced = trace_hf_stages(lambda: recorded_hf_model(m.hf_dir), layout, seq_length=cfg.data.seq_length,
                                  micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches,
-                                 backward=traffic_not_counted is None,
-                                 dtype=torch.bfloat16 if param_bytes == 2 else None, **parallelize_args)
+                                 dtype=torch.bfloat16 if param_bytes == 2 else None,
+                                 distributed_optimizer=cfg.optim.use_distributed_optimizer, **parallelize_args)
     except ConfigError as error:  # what the trace does not cover: the model states alone
         return stages, [0] * len(stages), str(error), [None] * len(stages), str(error)
     activations = [t.activation_bytes for t in traced]
-    traffic = [t.traffic.per_dimension() if t.traffic is not None else None for t in traced]
-    return stages, activations, None, traffic, traffic_not_counted
+    return stages, activations, None, [t.traffic.per_dimension() for t in traced], None
 
 
 def _most_sent(traffic: list[dict[str, int] | None]) -> dict[str, int] | None:

@@ -50,6 +50,8 @@ class GPTSizes:
     moe_aux_loss_coeff: float
     moe_z_loss_coeff: float | None
     moe_expert_capacity_factor: float | None
+    moe_router_enable_expert_bias: bool
+    """(the planner's traffic count: the bias's token counts summed over DP x CP once a step)"""
     # which paths the runtime takes (what it keeps): SDPA's fused kernel or its math, the
     # hyper-connection's fused bias-dropout-add or the reference's ops, the dropouts' noise
     hidden_dropout: float
@@ -98,7 +100,7 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None, moe_layer_freq=1,
     moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_load_balancing_type="aux_loss",
     moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, moe_expert_capacity_factor=None,
-    hidden_dropout=0.1, attention_dropout=0.1,
+    moe_router_enable_expert_bias=False, hidden_dropout=0.1, attention_dropout=0.1,
 )
 """``MHCTransformerConfig``'s defaults of the sizes (megatron-core's for its fields), written here so
 the sizes are read without importing it; ``tests/test_planner.py`` checks them against the class."""

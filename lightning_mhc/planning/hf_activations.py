@@ -23,16 +23,16 @@ all-reduces, gathers and scatters, the vocabulary-parallel loss's, CP's K/V gath
 all-to-alls, recompute's replays) is read by the collective counter (``distributed.collectives``), once
 per micro-batch and chunk; beside it, from the stage's traced tensors: the sends between stages
 (each chunk's output and its input's gradient, per micro-batch) and the step's end, as the GPT's
-(``traffic.add_step_end``: the gradients' DP x CP and expert-DP all-reduce, the TP sum of the
-sequence-parallel ones, the tied embedding's between stages, the loss). An EP rank's experts on meta
+(``traffic.finish_stage``: the gradients' DP x CP and expert-DP all-reduce, the TP sum of the
+sequence-parallel ones, the tied embedding's between stages, the loss; under ZeRO-1 or bf16 weights
+the distributed optimizer's buckets of the traced stage's parameters). An EP rank's experts on meta
 tensors hold no routing: they spread the pairs evenly over the experts (the GPT's count assumes a
 balanced router too), through the same exchange (``ExpertParallelExperts``).
 
 Counted so: PP (1F1B and interleaved), DP, TP with and without SP, CP (the families CP takes), EP,
 every recompute policy the family takes, added hyper-connections and a family's own streams
 (DeepSeek-V4's runtime keeps about 4 % more than one micro-batch's trace sees once a second one has
-run: docs/planning.md). The traffic not yet under ZeRO-1 or bf16 weights (the distributed
-optimizer's buckets), refused in one line by :func:`check_hf_traffic_plan`.
+run: docs/planning.md), fp32 or bf16 weights, with or without ZeRO-1.
 """
 from __future__ import annotations
 
@@ -47,15 +47,9 @@ from torch import nn
 
 from lightning_mhc.errors import ConfigError
 from lightning_mhc.planning.activations import in_flight_peak
-from lightning_mhc.planning.traffic import FP32, StageTraffic, add_step_end
+from lightning_mhc.planning.memory import FP32, HeldTensor, StageCount
+from lightning_mhc.planning.traffic import StageTraffic, finish_stage
 from lightning_mhc.recompute.memory import ActivationMemoryMeter, storage_key
-
-
-def check_hf_traffic_plan(param_bytes: int, distributed_optimizer: bool) -> None:
-    """What the traced traffic does not cover yet, refused in one line."""
-    if distributed_optimizer or param_bytes != FP32:
-        raise ConfigError("the planner's traffic count of a Hugging Face model does not cover ZeRO-1 or bf16 weights "
-                          "(the distributed optimizer's buckets) yet.")
 
 
 def needs_groups(layout: Any) -> bool:
@@ -188,21 +182,24 @@ class StageTrace:
 def trace_hf_stages(recorded: Callable[[], nn.Module], layout: Any, *, seq_length: int, micro_batch_size: int,
                     num_microbatches: int, plan: Any = "auto", hyper_connections: Any = None,
                     recompute: Any = "none", pipeline_split: list[int] | list[str] | None = None,
-                    backward: bool = True, dtype: torch.dtype | None = None) -> list[StageTrace]:
+                    backward: bool = True, dtype: torch.dtype | None = None,
+                    distributed_optimizer: bool = False) -> list[StageTrace]:
     """Each pipeline stage's :class:`StageTrace` (``backward=False``: the activations alone, no
     traffic). ``recorded``: makes the model on the meta device (e.g. ``lambda:
     recorded_hf_model(directory)``), called once per stage. ``dtype``: the run's weights'
     (``torch.bfloat16`` under ``bf16-true``): each stage is cast whole to it, as Lightning's
     precision plugin casts the model (``module.to(dtype)``), and traced with it as torch's default
     dtype, as the plugin runs a training step (what the model computes in fp32 regardless, its
-    norms' statistics, the loss, stays fp32 in the trace too); None: the recorded model's (fp32)."""
+    norms' statistics, the loss, stays fp32 in the trace too); None: the recorded model's (fp32).
+    ``distributed_optimizer``: ZeRO-1's buckets in the traffic (``traffic.finish_stage``; bf16
+    weights bring the distributed optimizer too, unsharded)."""
     from lightning_mhc.any_model.model import ParallelizeSettings
     from lightning_mhc.planning.fake_group import pretend_rank, stage_rank
 
     settings = ParallelizeSettings(layout, plan, pipeline_split=pipeline_split, recompute=recompute,
                                    hyper_connections=hyper_connections)
     sizes = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-                 backward=backward, dtype=dtype)
+                 backward=backward, dtype=dtype, distributed_optimizer=distributed_optimizer)
     out = []
     for stage in range(layout.pipeline_model_parallel_size):
         if needs_groups(layout):
@@ -214,7 +211,8 @@ def trace_hf_stages(recorded: Callable[[], nn.Module], layout: Any, *, seq_lengt
 
 
 def _trace_stage(recorded: Callable[[], nn.Module], layout: Any, settings: Any, *, seq_length: int,
-                 micro_batch_size: int, num_microbatches: int, backward: bool, dtype: torch.dtype | None) -> StageTrace:
+                 micro_batch_size: int, num_microbatches: int, backward: bool, dtype: torch.dtype | None,
+                 distributed_optimizer: bool) -> StageTrace:
     """One stage's trace (``layout`` names it: see :func:`_stage_model`)."""
     from lightning_mhc.distributed.grads import is_partial_over_tp
     from lightning_mhc.distributed.placement import placement_of
@@ -272,15 +270,17 @@ def _trace_stage(recorded: Callable[[], nn.Module], layout: Any, settings: Any, 
         return StageTrace(activation_bytes, chunks_held, None)
     if counted is not None:  # each micro-batch passes each chunk once each way
         sent.update({key: m * payload for key, payload in counted.bytes.items() if payload})
-    trained = [param for param in model.parameters() if param.requires_grad]
-    grad_bytes = trained[0].element_size() if trained else FP32
-    add_step_end(sent, layout, stage, grad_bytes=grad_bytes, reduced_by_optimizer=False,
-                 dense=sum(t.numel() for t in trained if not placement_of(t).expert),
-                 expert=sum(t.numel() for t in trained if placement_of(t).expert),
-                 partial_over_tp=sum(t.numel() for t in trained if layout.tensor_model_parallel_size > 1
-                                     and is_partial_over_tp(t, layout)),
-                 tied=sum(t.numel() for t in trained if placement_of(t).shared_embedding))
-    return StageTrace(activation_bytes, chunks_held, StageTraffic(stage, {k: b for k, b in sent.items() if b}))
+    # the stage's trainable tensors as the runtime buckets them: each chunk's, in its parameter order
+    tp = layout.tensor_model_parallel_size
+    chunks = tuple(tuple(HeldTensor(param.numel(), placement_of(param).expert, placement_of(param).shared_embedding,
+                                    tp > 1 and is_partial_over_tp(param, layout))
+                         for param in chunk.parameters() if param.requires_grad) for chunk in model.chunks)
+    held = [t for chunk in chunks for t in chunk]
+    count = StageCount(stage, (), sum(t.numel for t in held if not t.expert), sum(t.numel for t in held if t.expert),
+                       len(held), chunks)
+    traffic = finish_stage(sent, count, layout, stage, param_bytes=weights.itemsize,
+                           distributed_optimizer=distributed_optimizer)
+    return StageTrace(activation_bytes, chunks_held, traffic)
 
 
 @contextlib.contextmanager
@@ -313,9 +313,10 @@ def plan_hf_activations(recorded: Callable[[], nn.Module], layout: Any, *, seq_l
 def plan_hf_traffic(recorded: Callable[[], nn.Module], layout: Any, *, seq_length: int, micro_batch_size: int,
                     num_microbatches: int, param_bytes: int = FP32, distributed_optimizer: bool = False,
                     **parallelize_args: Any) -> list[StageTraffic]:
-    """Each pipeline stage's :class:`StageTraffic` for one rank of it (:func:`trace_hf_stages`;
-    ``parallelize_args``: its ``plan``, ``hyper_connections``, ``recompute``, ``pipeline_split``)."""
-    check_hf_traffic_plan(param_bytes, distributed_optimizer)
+    """Each pipeline stage's :class:`StageTraffic` for one rank of it (:func:`trace_hf_stages`, in
+    bf16 for ``param_bytes`` 2, the ``bf16-true`` run's; ``parallelize_args``: its ``plan``,
+    ``hyper_connections``, ``recompute``, ``pipeline_split``)."""
     return [t.traffic for t in trace_hf_stages(recorded, layout, seq_length=seq_length,
                                                micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-                                               **parallelize_args)]
+                                               dtype=None if param_bytes == FP32 else torch.bfloat16,
+                                               distributed_optimizer=distributed_optimizer, **parallelize_args)]

@@ -47,6 +47,9 @@ class HeldTensor:
     """An expert's: bucketed apart, reduced and sharded over the expert-data ranks."""
     alone: bool = False
     """The tied embedding (or its copy on the last stage): the runtime gives it a bucket of its own."""
+    partial_over_tp: bool = False
+    """Its gradient is a partial sum over TP (``grads.is_partial_over_tp``: a sequence-parallel norm,
+    hyper-connection or row bias under SP), summed over TP after the step (the traffic counts it)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ def stage_counts(config: GPTSizes | Any, layout: ParallelLayout, first_stage_lay
     ranges = partition_layers(sizes.num_layers, p * v, first_stage_layers, last_stage_layers)
     counts = []
     tied = sizes.share_embeddings_and_output_weights
+    sp = layout.sequence_parallel and tp > 1
     for stage in range(p):
         dense = expert = tensors = 0
         chunks = [c * p + stage for c in range(v)]  # megatron's interleaved assignment
@@ -100,7 +104,9 @@ def stage_counts(config: GPTSizes | Any, layout: ParallelLayout, first_stage_lay
                 tensors += 1
                 # the GPT marks the tied embedding, and the output layer's copy of it on a last stage
                 alone = tied and tensor.name in ("embedding.word_embeddings.weight", "output_layer.weight")
-                held[-1].append(HeldTensor(n, tensor.expert, alone))
+                # under SP the decoder's TP-replicated tensors saw this rank's part of the sequence
+                partial = sp and tensor.name.startswith("decoder.") and not tensor.tensor_parallel
+                held[-1].append(HeldTensor(n, tensor.expert, alone, partial))
         counts.append(StageCount(stage, tuple(ranges[c] for c in chunks), dense, expert, tensors,
                                  tuple(tuple(h) for h in held)))
     return counts
@@ -126,6 +132,13 @@ class RankBytes:
 def held_buckets(count: StageCount, bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_bytes: int = FP32
                  ) -> list[tuple[bool, list[int]]]:
     """``(expert, the elements of each of its tensors)`` of each of the runtime's gradient buckets
+    on a rank of the stage (:func:`bucket_tensors`)."""
+    return [(expert, [t.numel for t in held]) for expert, held in bucket_tensors(count, bucket_bytes, param_bytes)]
+
+
+def bucket_tensors(count: StageCount, bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_bytes: int = FP32
+                   ) -> list[tuple[bool, list[HeldTensor]]]:
+    """``(expert, its tensors)`` of each of the runtime's gradient buckets
     on a rank of the stage (the distributed optimizer's, also what ZeRO-1's traffic moves): its
     own ``buckets`` rule run on meta tensors of the held sizes, in its order (each chunk's
     parameters reversed, the dense ones then the experts', the tied embedding alone). One dtype
@@ -142,7 +155,7 @@ def held_buckets(count: StageCount, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pa
             metas = [torch.empty(t.numel, dtype=dtype, device="meta") for t in held]
             alone = {id(m) for m, t in zip(metas, held) if t.alone}
             of = {id(m): t for m, t in zip(metas, held)}
-            out += [(expert, [of[id(m)].numel for m in bucket])
+            out += [(expert, [of[id(m)] for m in bucket])
                     for bucket in buckets(metas, bucket_bytes, alone=lambda m: id(m) in alone)]
     return out
 
