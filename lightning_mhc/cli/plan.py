@@ -9,9 +9,10 @@ The counts are the planner's (``lightning_mhc.planning``): parameters, gradients
 rank of each pipeline stage, counted from the config (the mHC GPT's by arithmetic; a Hugging Face model's
 (``model=hf``) from its config.json on the meta device, no weights read), the retained activations at
 the schedule's peak for the run's recompute policy, and the bytes each rank sends per step by dimension
-(``planning.traffic``; docs/planning.md). The GPT's are arithmetic (its activations not yet under CP or
-with MoE layers: the model states alone, said in one line); a Hugging Face model's activations and
-traffic come from one trace of its stages on the meta device (``planning.hf_activations``), under TP, CP or EP as one rank over a fake process group torn
+(``planning.traffic``; docs/planning.md). The GPT's are arithmetic (for the device it trains on,
+``trainer.accelerator``: on CUDA the fused attention's; what the count does not cover, an expert
+capacity or ``recompute_modules`` other than a policy's default, prints the model states alone and
+says why in one line); a Hugging Face model's activations and traffic come from one trace of its stages on the meta device (``planning.hf_activations``), under TP, CP or EP as one rank over a fake process group torn
 down after it (``planning.fake_group``). No real process group is started. The pipeline bubble is the
 schedule's idle fraction, (p - 1) / (v m + p - 1). Bad input is one line,
 ``lightning-mhc-plan: invalid configuration: ...``, exit status 2.
