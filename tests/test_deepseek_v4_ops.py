@@ -219,10 +219,14 @@ def test_hy_v4s_hyper_head_on_our_ops_equals_transformers(implementation, sharp)
     summed with those weights), its norm's factor applied after the projection instead of before
     (the same function, rounded otherwise): ``use_our_ops`` runs it on our kernels
     (:func:`role_of` finds it a hyper head). Forward and every gradient against transformers'
-    module in fp64, held to the V4 ops' bound; at init scale within 1e-6 of its fp32 result."""
+    module in fp64, held to the V4 ops' bound; at init scale within 1e-6 of its fp32 result. Each
+    result's error is taken against its largest fp64 magnitude over the seeds: one seed's
+    ``d hc_scale`` (a sum over every token of saturated gates' slopes) cancels to 7.6e-4 against
+    0.11 to 0.76 for the others, and an error relative to that cancelled sum measures the
+    cancellation, not the op (the reference ops 6.3e-7 off it, transformers' 1.5e-7, on an AMD EPYC)."""
     from v4_utils import float_is_identity
 
-    worst = {}
+    absolute, magnitude = {}, {}
     for seed in range(4 if sharp else 1):
         head = _hy_v4_head(sharp, seed)
         g = torch.Generator().manual_seed(seed + 10)
@@ -232,9 +236,12 @@ def test_hy_v4s_hyper_head_on_our_ops_equals_transformers(implementation, sharp)
         theirs = _head_results(head, x, upstream)
         ours = _head_results(use_our_ops(copy.deepcopy(head), implementation), x, upstream)
         for name, o, t, e in zip(("out", "dx", "d hc_fn", "d hc_base", "d hc_scale"), ours, theirs, exact):
-            previous = worst.get(name, (0.0, 0.0, 0.0))
-            worst[name] = (max(previous[0], error(o, e)), max(previous[1], error(t, e)), max(previous[2], error(o, t)))
-    for name, (ours_error, theirs_error, apart) in worst.items():
+            o, t, e = o.double(), t.double(), e.double()
+            previous = absolute.get(name, (0.0, 0.0, 0.0))
+            absolute[name] = tuple(max(p, (a - b).abs().max().item()) for p, (a, b) in zip(previous, ((o, e), (t, e), (o, t))))
+            magnitude[name] = max(magnitude.get(name, 0.0), e.abs().max().item())
+    for name, errors_ in absolute.items():
+        ours_error, theirs_error, apart = (err / magnitude[name] for err in errors_)
         assert ours_error <= ERROR_FACTOR * theirs_error + ERROR_FLOOR, (name, ours_error, theirs_error)
         assert sharp or apart <= 1e-6, (name, apart)
 
@@ -344,9 +351,14 @@ def test_use_our_ops_on_hy_v4_runs_its_connections_and_head():
     (logits, grads), (our_logits, our_grads) = results
     assert rel_err(our_logits, logits) < 1e-6
     assert grads.keys() == our_grads.keys()
+    # each gradient within 1e-5 of its own largest value, or of 1e-2 of the largest gradient's where it
+    # is smaller: fp32 resolves no finer than that (an AMD EPYC's kernels put hc_head.hc_base, whose
+    # largest is 2.5e-4, 2.9e-9 apart, a sixth of fp32's step at the largest gradient, 0.157; a
+    # floor of 1e-3 of it failed there). fp64 cannot be the reference here: the experts' grouped
+    # product takes no fp64.
     largest = max(g.abs().max().item() for g in grads.values())
     for name in grads:
-        assert rel_err(our_grads[name], grads[name], max(grads[name].abs().max().item(), 1e-3 * largest)) < 1e-5, name
+        assert rel_err(our_grads[name], grads[name], max(grads[name].abs().max().item(), 1e-2 * largest)) < 1e-5, name
 
 
 def _recompute_is_bit_identical(hcs, width: int, x0, mix) -> None:
