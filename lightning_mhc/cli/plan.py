@@ -119,7 +119,7 @@ def _hf_terms(cfg, layout, num_microbatches: int, param_bytes: int):
     from lightning_mhc.errors import ConfigError
     from lightning_mhc.any_model.record import recorded_hf_model
     from lightning_mhc.planning import plan_hf
-    from lightning_mhc.planning.hf_activations import trace_hf_stages
+    from lightning_mhc.planning.hf_activations import trace_dtype, trace_hf_stages
 
     m = cfg.model
     parallelize_args = dict(plan=m.plan, hyper_connections=m.hyper_connection_settings, recompute=cfg.recompute_policy)
@@ -129,11 +129,9 @@ def _hf_terms(cfg, layout, num_microbatches: int, param_bytes: int):
     except ConfigError as error:
         raise error.within(m.hf_key) from None
     try:  # traced in the run's dtype (bf16-true: the model cast whole, as Lightning's plugin casts it)
-        import torch
-
         traced = trace_hf_stages(lambda: recorded_hf_model(m.hf_dir), layout, seq_length=cfg.data.seq_length,
                                  micro_batch_size=cfg.data.micro_batch_size, num_microbatches=num_microbatches,
-                                 dtype=torch.bfloat16 if param_bytes == 2 else None,
+                                 dtype=trace_dtype(param_bytes),
                                  distributed_optimizer=cfg.optim.use_distributed_optimizer, **parallelize_args)
     except ConfigError as error:  # what the trace does not cover: the model states alone
         return stages, [0] * len(stages), str(error), [None] * len(stages), str(error)

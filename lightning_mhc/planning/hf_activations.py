@@ -52,6 +52,12 @@ from lightning_mhc.planning.traffic import StageTraffic, finish_stage
 from lightning_mhc.recompute.memory import ActivationMemoryMeter, storage_key
 
 
+def trace_dtype(param_bytes: int) -> torch.dtype | None:
+    """The dtype a stage is traced in for a run whose weights take ``param_bytes`` each: the recorded
+    model's fp32 (None) or, for 2, ``bf16-true``'s bf16 (:func:`trace_hf_stages`)."""
+    return None if param_bytes == FP32 else torch.bfloat16
+
+
 def needs_groups(layout: Any) -> bool:
     """Whether a stage's forward runs collectives (TP, CP, EP): then it is traced over a fake group."""
     return max(layout.tensor_model_parallel_size, layout.context_parallel_size,
@@ -318,5 +324,5 @@ def plan_hf_traffic(recorded: Callable[[], nn.Module], layout: Any, *, seq_lengt
     ``hyper_connections``, ``recompute``, ``pipeline_split``)."""
     return [t.traffic for t in trace_hf_stages(recorded, layout, seq_length=seq_length,
                                                micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-                                               dtype=None if param_bytes == FP32 else torch.bfloat16,
+                                               dtype=trace_dtype(param_bytes),
                                                distributed_optimizer=distributed_optimizer, **parallelize_args)]
