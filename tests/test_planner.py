@@ -339,3 +339,21 @@ def test_train_refuses_a_layout_over_the_free_gpu_memory(tmp_path, monkeypatch, 
     assert "does not fit" in lines[0] and f"largest term {term}" in lines[0] and describe(best) in lines[0], err
     monkeypatch.setattr(preflight, "free_device_memory", lambda cfg: asked["total_bytes"])
     assert check_before_launch(argv, tmp_path, monkeypatch, capsys) == (0, "")
+
+
+def test_a_command_line_run_keeps_what_its_plan_said(tmp_path):
+    """Through the public doors: ``lightning-mhc-train`` (Trainer.fit on its DataLoader, 2 forked ranks,
+    TP 2 with SP, 4 streams, ``mhc_block``) reports its measured ``activation_bytes`` in summary.json;
+    ``lightning-mhc-plan`` with the same overrides planned them, within 5 %."""
+    import json
+
+    from lightning_mhc.cli.plan import plan
+    from train_cli import run_train_on_ranks
+
+    overrides = ["model=tiny", "parallel=tp2sp", "trainer=debug", "trainer.max_steps=1", "trainer.limit_val_batches=0",
+                 "data=synthetic", "trainer.devices=2", "recompute=mhc_block"]
+    run_train_on_ranks(tmp_path, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    measured = json.loads((tmp_path / "run" / "summary.json").read_text())["activation_bytes"]
+    planned = plan(overrides)[0]["activation_bytes"]
+    print("activation bytes: planned", planned, "measured", measured)
+    assert measured and abs(planned - measured) <= 0.05 * measured, (planned, measured)
